@@ -1,0 +1,203 @@
+//! LSB-first bit packing (stage 5c): value i occupies stream bits `[i*b, (i+1)*b)`, bit 0 of
+//! the stream being the least significant bit of byte 0.
+
+use crate::error::{corrupt, param, Result};
+
+/// Bytes needed for `count` values of `bits` bits.
+pub fn packed_len(count: usize, bits: u32) -> usize {
+    (count * bits as usize).div_ceil(8)
+}
+
+fn check_width(bits: u32) -> Result<()> {
+    if (1..=8).contains(&bits) {
+        Ok(())
+    } else {
+        param(format!("bit width must be in 1..=8, got {bits}"))
+    }
+}
+
+/// Packs `values` (each `< 2^bits`) LSB-first.
+pub fn pack_bits(values: &[u8], bits: u32) -> Result<Vec<u8>> {
+    check_width(bits)?;
+    if bits < 8 {
+        if let Some((i, &v)) = values
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| (v as u32) >> bits != 0)
+        {
+            return param(format!(
+                "value {v} at index {i} does not fit in {bits} bits"
+            ));
+        }
+    }
+    let mut out = vec![0u8; packed_len(values.len(), bits)];
+    pack_into(values, bits, &mut out);
+    Ok(out)
+}
+
+/// Packs into a zeroed buffer of at least `packed_len` bytes; values must already fit.
+pub(crate) fn pack_into(values: &[u8], bits: u32, out: &mut [u8]) {
+    let mut acc: u32 = 0;
+    let mut nacc: u32 = 0;
+    let mut o = 0;
+    for &v in values {
+        acc |= (v as u32) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            out[o] = acc as u8;
+            o += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        out[o] = acc as u8;
+    }
+}
+
+/// Unpacks `count` values of `bits` bits; `buf` must hold at least `packed_len(count, bits)` bytes.
+pub fn unpack_bits(buf: &[u8], bits: u32, count: usize) -> Result<Vec<u8>> {
+    check_width(bits)?;
+    let need = packed_len(count, bits);
+    if buf.len() < need {
+        return corrupt(format!(
+            "{count} values of {bits} bits need {need} bytes, got {}",
+            buf.len()
+        ));
+    }
+    let mut out = vec![0u8; count];
+    unpack_into(buf, bits, &mut out);
+    Ok(out)
+}
+
+pub(crate) fn unpack_into(buf: &[u8], bits: u32, out: &mut [u8]) {
+    let mask = (1u32 << bits) - 1;
+    let mut acc: u32 = 0;
+    let mut nacc: u32 = 0;
+    let mut i = 0;
+    for v in out.iter_mut() {
+        while nacc < bits {
+            acc |= (buf[i] as u32) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        *v = (acc & mask) as u8;
+        acc >>= bits;
+        nacc -= bits;
+    }
+}
+
+/// Packs u32 values of `bits` bits (1..=32) LSB-first; used for outlier positions and segment ids.
+pub(crate) fn pack_wide(values: &[u32], bits: u32) -> Vec<u8> {
+    let mut out = vec![0u8; packed_len(values.len(), bits)];
+    if bits == 0 {
+        return out;
+    }
+    let mut acc: u64 = 0;
+    let mut nacc: u32 = 0;
+    let mut o = 0;
+    for &v in values {
+        acc |= (v as u64) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            out[o] = acc as u8;
+            o += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        out[o] = acc as u8;
+    }
+    out
+}
+
+pub(crate) fn unpack_wide(buf: &[u8], bits: u32, count: usize) -> Vec<u32> {
+    if bits == 0 {
+        return vec![0; count];
+    }
+    let mask = if bits == 32 {
+        u32::MAX as u64
+    } else {
+        (1u64 << bits) - 1
+    };
+    let mut acc: u64 = 0;
+    let mut nacc: u32 = 0;
+    let mut i = 0;
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        while nacc < bits {
+            acc |= (buf[i] as u64) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        out.push((acc & mask) as u32);
+        acc >>= bits;
+        nacc -= bits;
+    }
+    out
+}
+
+/// Bits needed to tell `n` values apart: ceil(log2 n), 0 for n <= 1.
+pub fn index_bits(n: usize) -> u32 {
+    if n <= 1 {
+        0
+    } else {
+        usize::BITS - (n - 1).leading_zeros()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn golden_lsb_first_bytes() {
+        // 3-bit values 1..=6: stream 001 010 011 100 101 110 read LSB-first.
+        assert_eq!(
+            pack_bits(&[1, 2, 3, 4, 5, 6], 3).unwrap(),
+            vec![0xD1, 0x58, 0x03]
+        );
+        assert_eq!(
+            pack_bits(&[1, 0, 1, 1, 0, 0, 0, 1, 1], 1).unwrap(),
+            vec![0x8D, 0x01]
+        );
+        assert_eq!(pack_bits(&[0xA, 0x5], 4).unwrap(), vec![0x5A]);
+        assert_eq!(pack_bits(&[0xFF, 0x01], 8).unwrap(), vec![0xFF, 0x01]);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert!(pack_bits(&[4], 2).is_err());
+        assert!(pack_bits(&[0], 0).is_err());
+        assert!(pack_bits(&[0], 9).is_err());
+        assert!(unpack_bits(&[0], 3, 3).is_err());
+    }
+
+    #[test]
+    fn index_bits_values() {
+        assert_eq!(index_bits(0), 0);
+        assert_eq!(index_bits(1), 0);
+        assert_eq!(index_bits(2), 1);
+        assert_eq!(index_bits(16), 4);
+        assert_eq!(index_bits(17), 5);
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(bits in 1u32..=8, raw in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let vals: Vec<u8> = raw.iter().map(|&v| if bits == 8 { v } else { v & ((1u8 << bits) - 1) }).collect();
+            let p = pack_bits(&vals, bits).unwrap();
+            prop_assert_eq!(p.len(), packed_len(vals.len(), bits));
+            prop_assert_eq!(unpack_bits(&p, bits, vals.len()).unwrap(), vals);
+        }
+
+        #[test]
+        fn wide_round_trip(bits in 1u32..=32, raw in proptest::collection::vec(any::<u32>(), 0..200)) {
+            let vals: Vec<u32> = raw.iter().map(|&v| if bits == 32 { v } else { v & ((1u32 << bits) - 1) }).collect();
+            let p = pack_wide(&vals, bits);
+            prop_assert_eq!(unpack_wide(&p, bits, vals.len()), vals);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Lloyd-Max scalar quantisation (stage 5b).
+
+use crate::error::{param, Result};
+
+/// Positive halves of the Lloyd-Max quantisers for N(0, 1), b = 1..4, converged to 1e-10 by
+/// Lloyd iteration on the exact density (`tests/test_quant.py` re-derives them with erf).
+const GAUSS_HALF: [&[f64]; 4] = [
+    &[0.797_884_560_8],
+    &[0.452_780_034_6, 1.510_417_608_5],
+    &[
+        0.245_094_178_9,
+        0.756_005_281_2,
+        1.343_909_278_5,
+        2.151_945_704_5,
+    ],
+    &[
+        0.128_395_029_9,
+        0.388_048_299_5,
+        0.656_759_118_5,
+        0.942_340_456_5,
+        1.256_231_197_3,
+        1.618_046_386_0,
+        2.069_017_226_5,
+        2.732_589_571_0,
+    ],
+];
+
+/// The exact N(0, 1) Lloyd-Max table with `2^bits` ascending centroids.
+pub fn gaussian_centroids(bits: u8) -> Result<Vec<f32>> {
+    if !(1..=4).contains(&bits) {
+        return param(format!("bit_width must be in 1..=4, got {bits}"));
+    }
+    let half = GAUSS_HALF[bits as usize - 1];
+    let mut c: Vec<f32> = half.iter().rev().map(|&v| -(v as f32)).collect();
+    c.extend(half.iter().map(|&v| v as f32));
+    Ok(c)
+}
+
+/// A scalar quantiser: ascending centroids and the midpoints between neighbours.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantizer {
+    centroids: Vec<f32>,
+    thresholds: Vec<f32>,
+}
+
+impl Quantizer {
+    /// Checks that `centroids` has `2^bits` finite, strictly ascending entries.
+    pub fn new(centroids: Vec<f32>, bits: u8) -> Result<Self> {
+        if !(1..=4).contains(&bits) {
+            return param(format!("bit_width must be in 1..=4, got {bits}"));
+        }
+        let want = 1usize << bits;
+        if centroids.len() != want {
+            return param(format!(
+                "centroid table for bit_width {bits} must have {want} entries, got {}",
+                centroids.len()
+            ));
+        }
+        if centroids.iter().any(|c| !c.is_finite()) {
+            return param("centroid table holds a non-finite value");
+        }
+        if centroids.windows(2).any(|w| w[0] >= w[1]) {
+            return param("centroid table must be strictly ascending");
+        }
+        // Midpoints in f32 exactly as written here: 0.5 * (a + b). Part of the format.
+        let thresholds = centroids.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        Ok(Self {
+            centroids,
+            thresholds,
+        })
+    }
+
+    pub fn gaussian(bits: u8) -> Result<Self> {
+        Self::new(gaussian_centroids(bits)?, bits)
+    }
+
+    pub fn centroids(&self) -> &[f32] {
+        &self.centroids
+    }
+
+    /// Index of the nearest centroid; a value exactly on a threshold goes to the lower index.
+    #[inline]
+    pub fn quantize(&self, z: f32) -> u8 {
+        // Branch-free count of thresholds strictly below z.
+        self.thresholds.iter().map(|&t| (z > t) as u8).sum()
+    }
+
+    #[inline]
+    pub fn dequantize(&self, idx: u8) -> f32 {
+        self.centroids[idx as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn gaussian_tables_are_symmetric_and_match_the_anchors() {
+        let c = gaussian_centroids(2).unwrap();
+        assert_eq!(c, vec![-1.5104176, -0.45278004, 0.45278004, 1.5104176]);
+        for b in 1..=4 {
+            let c = gaussian_centroids(b).unwrap();
+            assert_eq!(c.len(), 1 << b);
+            for i in 0..c.len() {
+                assert_eq!(c[i], -c[c.len() - 1 - i]);
+            }
+        }
+        assert!(gaussian_centroids(0).is_err());
+        assert!(gaussian_centroids(5).is_err());
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_index() {
+        let q = Quantizer::gaussian(1).unwrap();
+        assert_eq!(q.quantize(0.0), 0);
+        assert_eq!(q.quantize(1e-30), 1);
+        let q = Quantizer::new(vec![0.0, 1.0, 2.0, 3.0], 2).unwrap();
+        assert_eq!(q.quantize(0.5), 0);
+        assert_eq!(q.quantize(1.5), 1);
+        assert_eq!(q.quantize(2.5000002), 3);
+        assert_eq!(q.quantize(f32::INFINITY), 3);
+        assert_eq!(q.quantize(f32::NEG_INFINITY), 0);
+    }
+
+    #[test]
+    fn bad_tables_are_rejected() {
+        assert!(Quantizer::new(vec![0.0, 1.0, 2.0], 2).is_err());
+        assert!(Quantizer::new(vec![0.0, 1.0, 1.0, 2.0], 2).is_err());
+        assert!(Quantizer::new(vec![0.0, f32::NAN, 1.0, 2.0], 2).is_err());
+        assert!(Quantizer::new(vec![1.0, 0.0], 1).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn quantize_picks_a_nearest_centroid(z in -10.0f32..10.0, bits in 1u8..=4) {
+            let q = Quantizer::gaussian(bits).unwrap();
+            let i = q.quantize(z);
+            let d = (q.dequantize(i) - z).abs();
+            for &c in q.centroids() {
+                prop_assert!(d <= (c - z).abs() + 1e-6);
+            }
+        }
+    }
+}

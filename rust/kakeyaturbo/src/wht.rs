@@ -1,0 +1,131 @@
+//! Fast Walsh-Hadamard butterfly and the seeded rotation of stage 4.
+//!
+//! The residual of a block has `d_eff` coordinates. Instead of zero-padding it to the next
+//! power of two (which would code up to twice as many numbers as there are), the coordinates
+//! are split into *bands* whose widths are the binary digits of `d_eff`, largest first
+//! (96 = 64 + 32, 100 = 64 + 32 + 4), and each band is rotated by its own Sylvester Hadamard
+//! matrix. When `d_eff` is a power of two this is the single W-point transform.
+
+/// In-place unnormalised Sylvester-Hadamard transform, iterative radix-2 butterfly:
+/// for h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) on pairs (j, j + h).
+/// The order of additions is part of the format (GPU kernels mirror it).
+pub fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two() || n == 0);
+    let mut h = 1;
+    while h < n {
+        for chunk in x.chunks_exact_mut(2 * h) {
+            let (lo, hi) = chunk.split_at_mut(h);
+            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                let (u, v) = (*a, *b);
+                *a = u + v;
+                *b = u - v;
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// `y = H (s * x)` in place; `signs.len() == x.len()`, a power of two.
+pub fn rotate(x: &mut [f32], signs: &[f32]) {
+    for (v, s) in x.iter_mut().zip(signs) {
+        *v *= s;
+    }
+    fwht(x);
+}
+
+/// `x = s * (H y) / W` in place: the exact inverse of [`rotate`] up to rounding.
+pub fn inverse_rotate(y: &mut [f32], signs: &[f32]) {
+    fwht(y);
+    let inv = 1.0 / y.len() as f32;
+    for (v, s) in y.iter_mut().zip(signs) {
+        *v = *v * s * inv;
+    }
+}
+
+/// Band widths for `d` coordinates: the powers of two in the binary expansion of `d`,
+/// largest first. `bands(0)` is empty.
+pub fn bands(d: usize) -> Vec<usize> {
+    (0..usize::BITS)
+        .rev()
+        .map(|b| 1usize << b)
+        .filter(|w| d & w != 0)
+        .collect()
+}
+
+/// The next power of two >= d (the predecessor's padded length W), reported for reference.
+pub fn padded_len(d: usize) -> usize {
+    d.max(1).next_power_of_two()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::sign_pattern;
+    use proptest::prelude::*;
+
+    fn naive_hadamard(x: &[f32]) -> Vec<f32> {
+        let n = x.len();
+        (0..n)
+            .map(|i| {
+                (0..n)
+                    .map(|j| {
+                        let sign = if (i & j).count_ones() % 2 == 0 {
+                            1.0
+                        } else {
+                            -1.0
+                        };
+                        sign * x[j]
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fwht_matches_the_matrix_definition() {
+        for log in 0..8 {
+            let n = 1 << log;
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7 + 3) % 11) as f32 - 5.0).collect();
+            let mut y = x.clone();
+            fwht(&mut y);
+            assert_eq!(y, naive_hadamard(&x), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn band_decomposition() {
+        assert_eq!(bands(96), vec![64, 32]);
+        assert_eq!(bands(100), vec![64, 32, 4]);
+        assert_eq!(bands(128), vec![128]);
+        assert_eq!(bands(1), vec![1]);
+        assert!(bands(0).is_empty());
+        assert_eq!(padded_len(65), 128);
+    }
+
+    proptest! {
+        #[test]
+        fn rotation_round_trips(log in 0u32..10, seed in any::<u64>(), vals in proptest::collection::vec(-100.0f32..100.0, 512)) {
+            let n = 1usize << log;
+            let x = &vals[..n.min(vals.len())];
+            let s = sign_pattern(seed, x.len());
+            let mut y = x.to_vec();
+            rotate(&mut y, &s);
+            // Parseval for the unnormalised transform: |Hv|^2 = n |v|^2.
+            let e_x: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
+            let e_y: f64 = y.iter().map(|&v| (v as f64).powi(2)).sum();
+            prop_assert!((e_y - x.len() as f64 * e_x).abs() <= 1e-4 * (1.0 + e_y));
+            inverse_rotate(&mut y, &s);
+            for (a, b) in x.iter().zip(&y) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()));
+            }
+        }
+
+        #[test]
+        fn bands_sum_to_d(d in 0usize..5000) {
+            let b = bands(d);
+            prop_assert_eq!(b.iter().sum::<usize>(), d);
+            prop_assert!(b.windows(2).all(|w| w[0] > w[1]));
+        }
+    }
+}
