@@ -2,7 +2,7 @@
 //! belong to the same centre, since stage 3 stores a signed `t`).
 
 use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, MatRef, Par};
+use faer::{Accum, MatRef, Par};
 
 /// Directions whose |cos| to an existing centre is at least this are treated as already
 /// covered by the farthest-first init, which then stops early instead of duplicating a centre.
@@ -88,7 +88,7 @@ pub fn fit(c: &[f32], d: usize, w: &[f64], k: usize, max_iter: u32) -> Vec<f32> 
     // Lloyd iterations.
     let mut assign = vec![usize::MAX; m];
     let mut gm = vec![0f32; m * k];
-    let mut sums = Mat::<f64>::zeros(k, d);
+    let mut sums = vec![0f64; k * d];
     for _ in 0..max_iter {
         dots(&dirs, &centres, d, &mut gm);
         let mut changed = false;
@@ -107,15 +107,18 @@ pub fn fit(c: &[f32], d: usize, w: &[f64], k: usize, max_iter: u32) -> Vec<f32> 
             let a = assign[i];
             let s = if gm[i * k + a] < 0.0 { -1.0 } else { 1.0 };
             let wi = w[usable[i]] * s;
-            for j in 0..d {
-                sums[(a, j)] += wi * dirs[i * d + j] as f64;
+            for (acc, &v) in sums[a * d..(a + 1) * d]
+                .iter_mut()
+                .zip(&dirs[i * d..(i + 1) * d])
+            {
+                *acc += wi * v as f64;
             }
         }
-        for a in 0..k {
-            let norm = sums.row(a).norm_l2();
+        for (centre, sum) in centres.chunks_exact_mut(d).zip(sums.chunks_exact(d)) {
+            let norm = sum.iter().map(|v| v * v).sum::<f64>().sqrt();
             if norm > 0.0 {
-                for j in 0..d {
-                    centres[a * d + j] = (sums[(a, j)] / norm) as f32;
+                for (c, &v) in centre.iter_mut().zip(sum) {
+                    *c = (v / norm) as f32;
                 }
             }
         }
