@@ -1,1 +1,30 @@
+//! Python binding of the kakeyaturbo codec. One file per exposed part of the core; this file
+//! only lists the exports.
 
+mod block;
+mod errors;
+mod layer;
+mod params;
+mod primitives;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", kakeyaturbo::container::VERSION)?;
+    m.add_function(wrap_pyfunction!(layer::roundtrip_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(layer::encode_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(layer::decode_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(layer::inspect_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(block::encode_block_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(block::decode_block_from_parts, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::wht_sign_pattern, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::wht_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::rotate_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::inverse_rotate_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::pack_bits, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::unpack_bits, m)?)?;
+    m.add_function(wrap_pyfunction!(primitives::centroids_gaussian, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,42 @@
+"""The exception hierarchy. Every error the codec raises is a :class:`KakeyaError`; the
+value-like ones are also :class:`ValueError`, so ``except ValueError`` keeps working."""
+
+from __future__ import annotations
+
+__all__ = [
+    "KakeyaError",
+    "InvalidInputError",
+    "InvalidParameterError",
+    "CorruptDataError",
+    "UnsupportedVersionError",
+    "NumericalError",
+    "InternalError",
+]
+
+
+class KakeyaError(Exception):
+    """Base class of every kakeyaturbo error."""
+
+
+class InvalidInputError(KakeyaError, ValueError):
+    """The data is unusable: empty, NaN/inf, wrong length or shape, negative weights."""
+
+
+class InvalidParameterError(KakeyaError, ValueError):
+    """A parameter is outside its documented range."""
+
+
+class CorruptDataError(KakeyaError, ValueError):
+    """A container is truncated, corrupted or inconsistent."""
+
+
+class UnsupportedVersionError(CorruptDataError):
+    """A container was written by a newer format version than this build reads."""
+
+
+class NumericalError(KakeyaError, ArithmeticError):
+    """A numerical routine (eigen solver, SVD) failed."""
+
+
+class InternalError(KakeyaError, RuntimeError):
+    """A bug in the codec (a Rust panic, caught before it could abort the interpreter)."""

@@ -1,0 +1,189 @@
+//! `roundtrip_layer`, `encode_layer`, `decode_layer`, `inspect_layer`.
+
+use crate::errors::{invalid_input, run};
+use crate::params;
+use kakeyaturbo::block::StageTimes;
+use kakeyaturbo::{container, layer, ByteBreakdown, EncodedLayer};
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::time::Instant;
+
+/// Borrows a C-contiguous float32 matrix (the Python wrapper has already made it one).
+pub fn matrix<'a>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArray2<'_, f32>,
+) -> PyResult<(&'a [f32], usize, usize)> {
+    let shape = a.shape();
+    let s = a
+        .as_slice()
+        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
+    Ok((s, shape[0], shape[1]))
+}
+
+fn weights_of<'a>(
+    py: Python<'_>,
+    w: &'a Option<PyReadonlyArray1<'_, f32>>,
+) -> PyResult<Option<&'a [f32]>> {
+    w.as_ref()
+        .map(|w| {
+            w.as_slice()
+                .map_err(|_| invalid_input(py, "weights must be contiguous"))
+        })
+        .transpose()
+}
+
+pub fn to_array2<'py>(
+    py: Python<'py>,
+    v: Vec<f32>,
+    n: usize,
+    d: usize,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    PyArray1::from_vec(py, v).reshape([n, d])
+}
+
+/// The parts of a report that depend only on the encoded layer.
+fn describe<'py>(
+    py: Python<'py>,
+    e: &EncodedLayer,
+    parts: &ByteBreakdown,
+) -> PyResult<Bound<'py, PyDict>> {
+    let r = PyDict::new(py);
+    let elems = (e.n * e.d) as f64;
+    let total = parts.total();
+    r.set_item("params", params::to_dict(py, &e.params)?)?;
+    r.set_item("num_blocks", e.blocks.len())?;
+    r.set_item("num_vecs", e.n)?;
+    r.set_item("dim", e.d)?;
+    r.set_item("header_bytes", parts.header)?;
+    r.set_item("skeleton_bytes", parts.skeleton)?;
+    r.set_item("code_bytes", parts.codes)?;
+    r.set_item("outlier_bytes", parts.outliers)?;
+    r.set_item("compressed_bytes", total)?;
+    r.set_item("bits_per_element", 8.0 * total as f64 / elems)?;
+    r.set_item("ratio_vs_bf16", 2.0 * elems / total as f64)?;
+    r.set_item(
+        "num_outliers",
+        e.blocks
+            .iter()
+            .map(|b| b.1.outlier_pos.len())
+            .sum::<usize>(),
+    )?;
+    r.set_item(
+        "d_eff",
+        e.blocks.iter().map(|b| b.0.d_eff).collect::<Vec<_>>(),
+    )?;
+    r.set_item(
+        "k_eff",
+        e.blocks.iter().map(|b| b.0.k_eff).collect::<Vec<_>>(),
+    )?;
+    Ok(r)
+}
+
+fn encode(
+    py: Python<'_>,
+    x: &[f32],
+    n: usize,
+    d: usize,
+    w: Option<&[f32]>,
+    p: &kakeyaturbo::CodecParams,
+    threads: Option<usize>,
+) -> PyResult<(EncodedLayer, StageTimes, f64)> {
+    run(py, || {
+        let t0 = Instant::now();
+        let (e, t) = layer::encode_layer(x, n, d, w, p, threads)?;
+        Ok((e, t, t0.elapsed().as_secs_f64()))
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (array, params, weights=None, threads=None))]
+pub fn roundtrip_layer<'py>(
+    py: Python<'py>,
+    array: PyReadonlyArray2<'py, f32>,
+    params: &Bound<'py, PyDict>,
+    weights: Option<PyReadonlyArray1<'py, f32>>,
+    threads: Option<usize>,
+) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyDict>)> {
+    let p = params::parse(py, params)?;
+    let (x, n, d) = matrix(py, &array)?;
+    let w = weights_of(py, &weights)?;
+    let (e, times, enc_s) = encode(py, x, n, d, w, &p, threads)?;
+    let (y, dec_s, parts, stats) = run(py, || {
+        // The bytes are produced (and counted) but not re-parsed: decode the same structure.
+        let (_bytes, parts) = container::to_bytes(&e);
+        let t0 = Instant::now();
+        let y = layer::decode_layer(&e, threads)?;
+        let dec = t0.elapsed().as_secs_f64();
+        let mut se = 0f64;
+        let mut sx = 0f64;
+        let mut mx = 0f64;
+        for (a, b) in x.iter().zip(&y) {
+            let diff = (*a as f64) - (*b as f64);
+            se += diff * diff;
+            sx += (*a as f64) * (*a as f64);
+            mx = mx.max(diff.abs());
+        }
+        Ok((y, dec, parts, (se, sx, mx)))
+    })?;
+    let r = describe(py, &e, &parts)?;
+    r.set_item("encode_seconds", enc_s)?;
+    r.set_item("decode_seconds", dec_s)?;
+    r.set_item("fit_seconds", times.fit)?;
+    r.set_item("code_seconds", times.code)?;
+    let (se, sx, mx) = stats;
+    r.set_item("mse", se / (n * d) as f64)?;
+    r.set_item(
+        "relative_error",
+        if sx > 0.0 {
+            (se / sx).sqrt()
+        } else {
+            se.sqrt()
+        },
+    )?;
+    r.set_item("max_abs_error", mx)?;
+    Ok((to_array2(py, y, n, d)?, r))
+}
+
+#[pyfunction]
+#[pyo3(signature = (array, params, weights=None, threads=None))]
+pub fn encode_layer<'py>(
+    py: Python<'py>,
+    array: PyReadonlyArray2<'py, f32>,
+    params: &Bound<'py, PyDict>,
+    weights: Option<PyReadonlyArray1<'py, f32>>,
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let p = params::parse(py, params)?;
+    let (x, n, d) = matrix(py, &array)?;
+    let w = weights_of(py, &weights)?;
+    let (e, _, _) = encode(py, x, n, d, w, &p, threads)?;
+    let bytes = run(py, || Ok(container::to_bytes(&e).0))?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+#[pyfunction]
+#[pyo3(signature = (data, threads=None))]
+pub fn decode_layer<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    threads: Option<usize>,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let (y, n, d) = run(py, || {
+        let e = container::from_bytes(data)?;
+        Ok((layer::decode_layer(&e, threads)?, e.n, e.d))
+    })?;
+    to_array2(py, y, n, d)
+}
+
+#[pyfunction]
+pub fn inspect_layer<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let (e, parts) = run(py, || {
+        let e = container::from_bytes(data)?;
+        let parts = container::to_bytes(&e).1;
+        Ok((e, parts))
+    })?;
+    describe(py, &e, &parts)
+}
