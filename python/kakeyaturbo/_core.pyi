@@ -4,6 +4,24 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "__version__",
+    "FORMAT_VERSION",
+    "centroids_gaussian",
+    "decode_block_from_parts",
+    "decode_layer",
+    "encode_block_codes",
+    "encode_layer",
+    "inspect_layer",
+    "inverse_rotate_rows",
+    "pack_bits",
+    "rotate_rows",
+    "roundtrip_layer",
+    "unpack_bits",
+    "wht_rows",
+    "wht_sign_pattern",
+]
+
 __version__: str
 FORMAT_VERSION: int
 

@@ -69,8 +69,11 @@ pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Re
     Ok(())
 }
 
+/// Thread pools by size, built once each: building a pool costs more than coding a block.
+type Pools = Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>;
+
 fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>> = OnceLock::new();
+    static POOLS: OnceLock<Pools> = OnceLock::new();
     let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
     let mut g = pools.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, p)) = g.iter().find(|(t, _)| *t == threads) {
