@@ -86,12 +86,14 @@ impl Rotation {
     }
 
     /// Rotates `r` (length d_eff) in place into `y`.
+    #[inline(always)]
     pub fn forward(&self, r: &mut [f32]) {
         for &(o, w, _) in &self.bands {
             wht::rotate(&mut r[o..o + w], &self.signs[o..o + w]);
         }
     }
 
+    #[inline(always)]
     pub fn inverse(&self, y: &mut [f32]) {
         for &(o, w, _) in &self.bands {
             wht::inverse_rotate(&mut y[o..o + w], &self.signs[o..o + w]);
@@ -102,6 +104,30 @@ impl Rotation {
 /// `out = a * b^T` for row-major `a` (`n x d`), `b` (`m x d`), `out` (`n x m`).
 fn mul_abt(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
     kmeans::dots(a, b, d, out)
+}
+
+/// Dot product in f32 with 8 interleaved partial sums (lane `j mod 8`), added pairwise at the
+/// end: a fixed order that vectorises.
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] += x * y;
+    }
+    let s4 = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
 /// Rounds a float to the skeleton precision.
@@ -266,6 +292,72 @@ pub fn encode_with_skeleton(
     code_coefficients(&c, skel, p, q, &Rotation::new(p.rotation_seed, skel.d_eff))
 }
 
+/// `r_i = c_i - t^_i centre_seg` in place; returns `|r_i|`. Multiversioned like [`code_rows`].
+#[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+avx512f+avx512bw+avx512vl"))]
+fn residuals(r: &mut [f32], de: usize, t_hat: &[f32], seg: &[u32], centers: &[f32]) -> Vec<f32> {
+    r.chunks_exact_mut(de)
+        .enumerate()
+        .map(|(i, row)| {
+            let sg = seg[i] as usize;
+            for (v, &cv) in row.iter_mut().zip(&centers[sg * de..(sg + 1) * de]) {
+                *v -= t_hat[i] * cv;
+            }
+            dot(row, row).sqrt()
+        })
+        .collect()
+}
+
+/// Stages 4-5 for every row of the residuals `r` (`n x d_eff`, rotated in place): scale,
+/// quantise, outliers, and the stored scale per metric. Compiled for several instruction sets
+/// and picked at run time; every sum has a fixed order, so the result is the same on each.
+#[allow(clippy::too_many_arguments)]
+#[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+avx512f+avx512bw+avx512vl"))]
+fn code_rows(
+    r: &mut [f32],
+    de: usize,
+    s_hat: &[f32],
+    rot: &Rotation,
+    q: &Quantizer,
+    threshold: Option<f32>,
+    ip: bool,
+    idx: &mut [u8],
+    outliers: &mut (Vec<u32>, Vec<u16>),
+    gains: &mut Vec<f32>,
+) {
+    let mut qv = vec![0f32; de];
+    for (i, (z, codes)) in r
+        .chunks_exact_mut(de)
+        .zip(idx.chunks_exact_mut(de))
+        .enumerate()
+    {
+        rot.forward(z);
+        for &(o, w, f) in &rot.bands {
+            let inv = if s_hat[i] > 0.0 { f / s_hat[i] } else { 0.0 };
+            z[o..o + w].iter_mut().for_each(|v| *v *= inv);
+        }
+        q.quantize_slice(z, codes);
+        q.dequantize_slice(codes, &mut qv);
+        if let Some(th) = threshold {
+            if z.iter().any(|v| v.abs() > th) {
+                for (j, &zj) in z.iter().enumerate() {
+                    if zj.abs() > th {
+                        let h = f16::from_f32(zj.clamp(-65504.0, 65504.0));
+                        outliers.0.push((i * de + j) as u32);
+                        outliers.1.push(h.to_bits());
+                        qv[j] = h.to_f32();
+                    }
+                }
+            }
+        }
+        let qq = dot(&qv, &qv);
+        if ip && qq > 0.0 {
+            gains.push(s_hat[i] * (dot(z, &qv) / qq));
+        } else {
+            gains.push(s_hat[i]);
+        }
+    }
+}
+
 /// Stages 3-5 on projected coefficients `c` (`n x d_eff`).
 pub fn code_coefficients(
     c: &[f32],
@@ -291,52 +383,27 @@ pub fn code_coefficients(
     let t = ScaledF16::encode(&t_raw);
     let t_hat = t.decode();
     let mut r = c.to_vec();
-    let mut norms = Vec::with_capacity(n);
-    for i in 0..n {
-        let centre = &skel.centers[seg[i] as usize * de..(seg[i] as usize + 1) * de];
-        let row = &mut r[i * de..(i + 1) * de];
-        for (v, &cv) in row.iter_mut().zip(centre) {
-            *v -= t_hat[i] * cv;
-        }
-        norms.push(row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt() as f32);
-    }
+    let norms = residuals(&mut r, de, &t_hat, &seg, &skel.centers);
     // Stage 4: z = y * f_b / s_hat, with the stored (rounded) norm.
     let norm_store = ScaledF16::encode(&norms);
     let s_hat = norm_store.decode();
     let mut idx = vec![0u8; n * de];
-    let mut outlier_pos = Vec::new();
-    let mut outlier_val = Vec::new();
+    let mut outliers = (Vec::new(), Vec::new());
     let mut gains = Vec::with_capacity(n);
-    let mut qv = vec![0f32; de];
-    for i in 0..n {
-        let y = &mut r[i * de..(i + 1) * de];
-        rot.forward(y);
-        let (mut zq, mut qq) = (0f64, 0f64);
-        for &(o, w, f) in &rot.bands {
-            let inv = if s_hat[i] > 0.0 { f / s_hat[i] } else { 0.0 };
-            for j in o..o + w {
-                let z = y[j] * inv;
-                let code = q.quantize(z);
-                idx[i * de + j] = code;
-                qv[j] = q.dequantize(code);
-                if let Some(th) = p.outlier_threshold {
-                    if z.abs() > th {
-                        let h = f16::from_f32(z.clamp(-65504.0, 65504.0));
-                        outlier_pos.push((i * de + j) as u32);
-                        outlier_val.push(h.to_bits());
-                        qv[j] = h.to_f32();
-                    }
-                }
-                zq += z as f64 * qv[j] as f64;
-                qq += qv[j] as f64 * qv[j] as f64;
-            }
-        }
-        if p.metric == Metric::InnerProduct && qq > 0.0 {
-            gains.push((s_hat[i] as f64 * zq / qq) as f32);
-        } else {
-            gains.push(s_hat[i]);
-        }
-    }
+    let ip = p.metric == Metric::InnerProduct;
+    code_rows(
+        &mut r,
+        de,
+        &s_hat,
+        rot,
+        q,
+        p.outlier_threshold,
+        ip,
+        &mut idx,
+        &mut outliers,
+        &mut gains,
+    );
+    let (outlier_pos, outlier_val) = outliers;
     let scale = match p.metric {
         Metric::InnerProduct => ScaledF16::encode(&gains),
         Metric::Mse | Metric::Linf => norm_store,
@@ -355,6 +422,33 @@ pub fn code_coefficients(
     }
 }
 
+/// Decode of the residuals in place: rescale, inverse rotation, `+ t centre`. Multiversioned
+/// like [`code_rows`].
+#[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+avx512f+avx512bw+avx512vl"))]
+fn unrotate_rows(
+    c: &mut [f32],
+    de: usize,
+    s: &[f32],
+    t: &[f32],
+    seg: &[u32],
+    centers: &[f32],
+    rot: &Rotation,
+) {
+    for (i, row) in c.chunks_exact_mut(de).enumerate() {
+        for &(o, w, f) in &rot.bands {
+            let mul = s[i] / f;
+            for v in &mut row[o..o + w] {
+                *v *= mul;
+            }
+        }
+        rot.inverse(row);
+        let sg = seg[i] as usize;
+        for (v, &cv) in row.iter_mut().zip(&centers[sg * de..(sg + 1) * de]) {
+            *v += t[i] * cv;
+        }
+    }
+}
+
 /// Decodes a block into `out` (`n x d`, row-major).
 pub fn decode_block(
     skel: &Skeleton,
@@ -367,26 +461,14 @@ pub fn decode_block(
     let (n, de, d) = (codes.n, skel.d_eff, skel.d);
     let mut idx = vec![0u8; n * de];
     unpack_into(&codes.residual, bit_width as u32, &mut idx);
-    let mut c: Vec<f32> = idx.iter().map(|&i| q.dequantize(i)).collect();
+    let mut c = vec![0f32; n * de];
+    q.dequantize_slice(&idx, &mut c);
     for (&pos, &v) in codes.outlier_pos.iter().zip(&codes.outlier_val) {
         c[pos as usize] = f16::from_bits(v).to_f32();
     }
     let t = codes.t.decode();
     let s = codes.scale.decode();
-    for i in 0..n {
-        let row = &mut c[i * de..(i + 1) * de];
-        for &(o, w, f) in &rot.bands {
-            let mul = s[i] / f;
-            for v in &mut row[o..o + w] {
-                *v *= mul;
-            }
-        }
-        rot.inverse(row);
-        let sg = codes.seg[i] as usize;
-        for (v, &cv) in row.iter_mut().zip(&skel.centers[sg * de..(sg + 1) * de]) {
-            *v += t[i] * cv;
-        }
-    }
+    unrotate_rows(&mut c, de, &s, &t, &codes.seg, &skel.centers, rot);
     // x = mu + U^T c
     let cm = MatRef::from_row_major_slice(&c, n, de);
     let u = MatRef::from_row_major_slice(&skel.basis, de, d);

@@ -63,9 +63,14 @@ impl ScaledF16 {
     pub fn encode(values: &[f32]) -> Self {
         let max_abs = values.iter().fold(0f32, |m, v| m.max(v.abs()));
         let exp = shared_exponent(max_abs);
+        // 2^-exp as f64 is exact for every exponent; scaling by it adds no rounding.
+        let scale = 2f64.powi(-(exp as i32));
         Self {
             exp,
-            bits: values.iter().map(|&v| to_bits_scaled(v, exp)).collect(),
+            bits: values
+                .iter()
+                .map(|&v| f16::from_f64(v as f64 * scale).to_bits())
+                .collect(),
         }
     }
 

@@ -37,6 +37,22 @@ pub fn pack_bits(values: &[u8], bits: u32) -> Result<Vec<u8>> {
 
 /// Packs into a zeroed buffer of at least `packed_len` bytes; values must already fit.
 pub(crate) fn pack_into(values: &[u8], bits: u32, out: &mut [u8]) {
+    // Eight values fill exactly `bits` bytes: pack them through a u64, LSB-first.
+    let b = bits as usize;
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for (group, dst) in chunks.zip(out.chunks_exact_mut(b)) {
+        let mut acc = 0u64;
+        for (k, &v) in group.iter().enumerate() {
+            acc |= (v as u64) << (k * b);
+        }
+        dst.copy_from_slice(&acc.to_le_bytes()[..b]);
+    }
+    let done = (values.len() / 8) * b;
+    pack_tail(rest, bits, &mut out[done..]);
+}
+
+fn pack_tail(values: &[u8], bits: u32, out: &mut [u8]) {
     let mut acc: u32 = 0;
     let mut nacc: u32 = 0;
     let mut o = 0;
@@ -71,6 +87,21 @@ pub fn unpack_bits(buf: &[u8], bits: u32, count: usize) -> Result<Vec<u8>> {
 }
 
 pub(crate) fn unpack_into(buf: &[u8], bits: u32, out: &mut [u8]) {
+    let b = bits as usize;
+    let mask8 = ((1u32 << bits) - 1) as u64;
+    let full = out.len() / 8;
+    for (dst, src) in out.chunks_exact_mut(8).zip(buf.chunks_exact(b)) {
+        let mut word = [0u8; 8];
+        word[..b].copy_from_slice(src);
+        let acc = u64::from_le_bytes(word);
+        for (k, v) in dst.iter_mut().enumerate() {
+            *v = ((acc >> (k * b)) & mask8) as u8;
+        }
+    }
+    unpack_tail(&buf[full * b..], bits, &mut out[full * 8..]);
+}
+
+fn unpack_tail(buf: &[u8], bits: u32, out: &mut [u8]) {
     let mask = (1u32 << bits) - 1;
     let mut acc: u32 = 0;
     let mut nacc: u32 = 0;

@@ -85,9 +85,29 @@ impl Quantizer {
         self.thresholds.iter().map(|&t| (z > t) as u8).sum()
     }
 
+    /// [`Self::quantize`] over a slice: the same rule, threshold-major so that it vectorises.
+    #[inline(always)]
+    pub fn quantize_slice(&self, z: &[f32], out: &mut [u8]) {
+        out.fill(0);
+        for &t in &self.thresholds {
+            for (o, &v) in out.iter_mut().zip(z) {
+                *o += (v > t) as u8;
+            }
+        }
+    }
+
     #[inline]
     pub fn dequantize(&self, idx: u8) -> f32 {
         self.centroids[idx as usize]
+    }
+
+    /// Centroid lookup over a slice; indices must be < 2^bits.
+    #[inline(always)]
+    pub fn dequantize_slice(&self, idx: &[u8], out: &mut [f32]) {
+        let mask = self.centroids.len() - 1;
+        for (o, &i) in out.iter_mut().zip(idx) {
+            *o = self.centroids[i as usize & mask];
+        }
     }
 }
 
@@ -141,6 +161,9 @@ mod tests {
             for &c in q.centroids() {
                 prop_assert!(d <= (c - z).abs() + 1e-6);
             }
+            let mut out = [0u8; 1];
+            q.quantize_slice(&[z], &mut out);
+            prop_assert_eq!(out[0], i);
         }
     }
 }

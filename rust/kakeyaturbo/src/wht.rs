@@ -9,6 +9,7 @@
 /// In-place unnormalised Sylvester-Hadamard transform, iterative radix-2 butterfly:
 /// for h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) on pairs (j, j + h).
 /// The order of additions is part of the format (GPU kernels mirror it).
+#[inline(always)]
 pub fn fwht(x: &mut [f32]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two() || n == 0);
@@ -27,6 +28,7 @@ pub fn fwht(x: &mut [f32]) {
 }
 
 /// `y = H (s * x)` in place; `signs.len() == x.len()`, a power of two.
+#[inline(always)]
 pub fn rotate(x: &mut [f32], signs: &[f32]) {
     for (v, s) in x.iter_mut().zip(signs) {
         *v *= s;
@@ -35,6 +37,7 @@ pub fn rotate(x: &mut [f32], signs: &[f32]) {
 }
 
 /// `x = s * (H y) / W` in place: the exact inverse of [`rotate`] up to rounding.
+#[inline(always)]
 pub fn inverse_rotate(y: &mut [f32], signs: &[f32]) {
     fwht(y);
     let inv = 1.0 / y.len() as f32;
