@@ -37,19 +37,32 @@ pub fn pack_bits(values: &[u8], bits: u32) -> Result<Vec<u8>> {
 
 /// Packs into a zeroed buffer of at least `packed_len` bytes; values must already fit.
 pub(crate) fn pack_into(values: &[u8], bits: u32, out: &mut [u8]) {
-    // Eight values fill exactly `bits` bytes: pack them through a u64, LSB-first.
-    let b = bits as usize;
+    match bits {
+        1 => pack_groups::<1>(values, out),
+        2 => pack_groups::<2>(values, out),
+        3 => pack_groups::<3>(values, out),
+        4 => pack_groups::<4>(values, out),
+        5 => pack_groups::<5>(values, out),
+        6 => pack_groups::<6>(values, out),
+        7 => pack_groups::<7>(values, out),
+        _ => pack_groups::<8>(values, out),
+    }
+}
+
+/// Eight values fill exactly `B` bytes: pack them through a u64, LSB-first. `B` is a constant
+/// so that the shifts are too.
+fn pack_groups<const B: usize>(values: &[u8], out: &mut [u8]) {
     let chunks = values.chunks_exact(8);
     let rest = chunks.remainder();
-    for (group, dst) in chunks.zip(out.chunks_exact_mut(b)) {
+    for (group, dst) in chunks.zip(out.chunks_exact_mut(B)) {
         let mut acc = 0u64;
         for (k, &v) in group.iter().enumerate() {
-            acc |= (v as u64) << (k * b);
+            acc |= (v as u64) << (k * B);
         }
-        dst.copy_from_slice(&acc.to_le_bytes()[..b]);
+        dst.copy_from_slice(&acc.to_le_bytes()[..B]);
     }
-    let done = (values.len() / 8) * b;
-    pack_tail(rest, bits, &mut out[done..]);
+    let done = (values.len() / 8) * B;
+    pack_tail(rest, B as u32, &mut out[done..]);
 }
 
 fn pack_tail(values: &[u8], bits: u32, out: &mut [u8]) {
@@ -87,18 +100,30 @@ pub fn unpack_bits(buf: &[u8], bits: u32, count: usize) -> Result<Vec<u8>> {
 }
 
 pub(crate) fn unpack_into(buf: &[u8], bits: u32, out: &mut [u8]) {
-    let b = bits as usize;
-    let mask8 = ((1u32 << bits) - 1) as u64;
+    match bits {
+        1 => unpack_groups::<1>(buf, out),
+        2 => unpack_groups::<2>(buf, out),
+        3 => unpack_groups::<3>(buf, out),
+        4 => unpack_groups::<4>(buf, out),
+        5 => unpack_groups::<5>(buf, out),
+        6 => unpack_groups::<6>(buf, out),
+        7 => unpack_groups::<7>(buf, out),
+        _ => unpack_groups::<8>(buf, out),
+    }
+}
+
+fn unpack_groups<const B: usize>(buf: &[u8], out: &mut [u8]) {
+    let mask = (1u64 << B) - 1;
     let full = out.len() / 8;
-    for (dst, src) in out.chunks_exact_mut(8).zip(buf.chunks_exact(b)) {
+    for (dst, src) in out.chunks_exact_mut(8).zip(buf.chunks_exact(B)) {
         let mut word = [0u8; 8];
-        word[..b].copy_from_slice(src);
+        word[..B].copy_from_slice(src);
         let acc = u64::from_le_bytes(word);
         for (k, v) in dst.iter_mut().enumerate() {
-            *v = ((acc >> (k * b)) & mask8) as u8;
+            *v = ((acc >> (k * B)) & mask) as u8;
         }
     }
-    unpack_tail(&buf[full * b..], bits, &mut out[full * 8..]);
+    unpack_tail(&buf[full * B..], B as u32, &mut out[full * 8..]);
 }
 
 fn unpack_tail(buf: &[u8], bits: u32, out: &mut [u8]) {
