@@ -145,3 +145,10 @@ def test_bad_parts() -> None:
 def test_errors_are_value_errors_too() -> None:
     assert issubclass(kt.InvalidInputError, ValueError)
     assert issubclass(kt.CorruptDataError, kt.KakeyaError)
+
+
+def test_limits_that_prevent_hangs() -> None:
+    with pytest.raises(kt.InvalidInputError, match="maximum 4096"):
+        kt.roundtrip_layer(np.zeros((2, 4097), np.float32))
+    with pytest.raises(kt.InvalidParameterError):
+        kt.roundtrip_layer(X, kmeans_max_iter=10**9)

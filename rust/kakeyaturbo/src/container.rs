@@ -386,6 +386,9 @@ pub fn from_bytes(buf: &[u8]) -> Result<EncodedLayer> {
     if n == 0 || d == 0 {
         return corrupt("empty layer");
     }
+    if d > crate::layer::MAX_DIM {
+        return corrupt(format!("D = {d} exceeds the supported maximum"));
+    }
     let n = usize::try_from(n).map_err(|_| overflow("n"))?;
     let dt = skeleton_dtype;
     let read_basis = |r: &mut Reader<'_>| -> Result<Basis> {

@@ -29,6 +29,10 @@ impl EncodedLayer {
     }
 }
 
+/// Largest row length accepted: an attention head is at most a few hundred wide, and exact
+/// PCA costs O(D^3) time and O(D^2) memory.
+pub const MAX_DIM: usize = 4096;
+
 /// Checks a row-major `[n, d]` float32 tensor and optional weights.
 pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Result<()> {
     if n == 0 {
@@ -44,8 +48,13 @@ pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Re
             x.len()
         ));
     }
-    if d > u32::MAX as usize || n > u32::MAX as usize {
-        return input("N and D must each fit in 32 bits");
+    if d > MAX_DIM {
+        return input(format!(
+            "D = {d} exceeds the supported maximum {MAX_DIM} (PCA needs a D x D covariance)"
+        ));
+    }
+    if n > u32::MAX as usize {
+        return input("N must fit in 32 bits");
     }
     if let Some(i) = x.iter().position(|v| !v.is_finite()) {
         return input(format!(

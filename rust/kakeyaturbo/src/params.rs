@@ -102,6 +102,9 @@ impl Default for CodecParams {
 
 /// Largest accepted `power_iters`: more never helps and only burns time.
 pub const MAX_POWER_ITERS: usize = 64;
+/// Largest accepted `kmeans_max_iter`: Lloyd iterations stop at convergence long before, and
+/// the cap keeps a pathological oscillation from looking like a hang.
+pub const MAX_KMEANS_ITER: u32 = 10_000;
 
 impl CodecParams {
     /// Checks every parameter and returns the quantiser it implies.
@@ -126,6 +129,9 @@ impl CodecParams {
         }
         if self.k == 0 || self.k > u32::MAX as usize {
             return param("k must be >= 1");
+        }
+        if self.kmeans_max_iter > MAX_KMEANS_ITER {
+            return param(format!("kmeans_max_iter must be <= {MAX_KMEANS_ITER}"));
         }
         if self.rank_cap == Some(0) {
             return param("rank_cap must be >= 1");
