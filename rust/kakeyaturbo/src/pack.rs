@@ -66,11 +66,16 @@ fn pack_groups<const B: usize>(values: &[u8], out: &mut [u8]) {
 }
 
 fn pack_tail(values: &[u8], bits: u32, out: &mut [u8]) {
-    let mut acc: u32 = 0;
+    pack_serial(values.iter().map(|&v| v as u32), bits, out);
+}
+
+/// Bit-serial LSB-first packing of values of `bits` bits (1..=32) into a zeroed buffer.
+fn pack_serial(values: impl Iterator<Item = u32>, bits: u32, out: &mut [u8]) {
+    let mut acc: u64 = 0;
     let mut nacc: u32 = 0;
     let mut o = 0;
-    for &v in values {
-        acc |= (v as u32) << nacc;
+    for v in values {
+        acc |= (v as u64) << nacc;
         nacc += bits;
         while nacc >= 8 {
             out[o] = acc as u8;
@@ -81,6 +86,28 @@ fn pack_tail(values: &[u8], bits: u32, out: &mut [u8]) {
     }
     if nacc > 0 {
         out[o] = acc as u8;
+    }
+}
+
+/// Bit-serial LSB-first unpacking; `f` receives each value in order.
+fn unpack_serial(buf: &[u8], bits: u32, count: usize, mut f: impl FnMut(u32)) {
+    let mask = if bits == 32 {
+        u32::MAX as u64
+    } else {
+        (1u64 << bits) - 1
+    };
+    let mut acc: u64 = 0;
+    let mut nacc: u32 = 0;
+    let mut i = 0;
+    for _ in 0..count {
+        while nacc < bits {
+            acc |= (buf[i] as u64) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        f((acc & mask) as u32);
+        acc >>= bits;
+        nacc -= bits;
     }
 }
 
@@ -127,43 +154,19 @@ fn unpack_groups<const B: usize>(buf: &[u8], out: &mut [u8]) {
 }
 
 fn unpack_tail(buf: &[u8], bits: u32, out: &mut [u8]) {
-    let mask = (1u32 << bits) - 1;
-    let mut acc: u32 = 0;
-    let mut nacc: u32 = 0;
-    let mut i = 0;
-    for v in out.iter_mut() {
-        while nacc < bits {
-            acc |= (buf[i] as u32) << nacc;
-            i += 1;
-            nacc += 8;
+    let mut it = out.iter_mut();
+    unpack_serial(buf, bits, it.len(), |v| {
+        if let Some(o) = it.next() {
+            *o = v as u8;
         }
-        *v = (acc & mask) as u8;
-        acc >>= bits;
-        nacc -= bits;
-    }
+    });
 }
 
 /// Packs u32 values of `bits` bits (1..=32) LSB-first; used for outlier positions and segment ids.
 pub(crate) fn pack_wide(values: &[u32], bits: u32) -> Vec<u8> {
     let mut out = vec![0u8; packed_len(values.len(), bits)];
-    if bits == 0 {
-        return out;
-    }
-    let mut acc: u64 = 0;
-    let mut nacc: u32 = 0;
-    let mut o = 0;
-    for &v in values {
-        acc |= (v as u64) << nacc;
-        nacc += bits;
-        while nacc >= 8 {
-            out[o] = acc as u8;
-            o += 1;
-            acc >>= 8;
-            nacc -= 8;
-        }
-    }
-    if nacc > 0 {
-        out[o] = acc as u8;
+    if bits > 0 {
+        pack_serial(values.iter().copied(), bits, &mut out);
     }
     out
 }
@@ -172,25 +175,8 @@ pub(crate) fn unpack_wide(buf: &[u8], bits: u32, count: usize) -> Vec<u32> {
     if bits == 0 {
         return vec![0; count];
     }
-    let mask = if bits == 32 {
-        u32::MAX as u64
-    } else {
-        (1u64 << bits) - 1
-    };
-    let mut acc: u64 = 0;
-    let mut nacc: u32 = 0;
-    let mut i = 0;
     let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        while nacc < bits {
-            acc |= (buf[i] as u64) << nacc;
-            i += 1;
-            nacc += 8;
-        }
-        out.push((acc & mask) as u32);
-        acc >>= bits;
-        nacc -= bits;
-    }
+    unpack_serial(buf, bits, count, |v| out.push(v));
     out
 }
 
