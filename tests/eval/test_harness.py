@@ -1,0 +1,55 @@
+"""The cache path end to end on a tiny random-weight Llama (no download, a second to build)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kakeyaturbo import recipes  # noqa: E402
+from kakeyaturbo.eval import harness  # noqa: E402
+
+CTX, N_EVAL = 48, 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    g = np.random.default_rng(0)
+    windows = [list(g.integers(0, 97, CTX + N_EVAL + 1)) for _ in range(3)]
+    return model, windows
+
+
+def test_identity_is_exact_and_methods_are_counted(tiny) -> None:
+    model, windows = tiny
+    methods = harness.baseline_methods(["identity", "fp8_e4m3", "turboquant3"])
+    methods.append(harness.codec_method(recipes.load("predecessor"), 3))
+    res = harness.evaluate(model, windows, CTX, methods)
+    ident = res["identity"]
+    assert ident["dppl"] == 0.0 and ident["top1"] == 1.0 and ident["kl"] == 0.0
+    assert ident["verdict"] == "ACCEPT" and ident["tokens"] == 3 * N_EVAL
+    assert ident["bits_per_element"] == 16.0
+    assert res["fp8_e4m3"]["bits_per_element"] == pytest.approx(8 + 16 / 16)
+    assert res["turboquant3"]["bits_per_element"] == pytest.approx(3 + 16 / 16)
+    codec = res["kakeyaturbo:predecessor"]
+    # Boundary layers of the predecessor recipe on 3 layers: 0, 1 and the last two -> all.
+    assert codec["boundary_layers"] == [0, 1, 2] and codec["bits_per_element"] == 16.0
+    assert codec["dppl"] == 0.0
+    for r in res.values():
+        assert r["kl"] >= -1e-12 and 0.0 <= r["top1"] <= 1.0
+
+
+def test_codec_changes_the_cache_and_costs_fewer_bits(tiny) -> None:
+    model, windows = tiny
+    r = recipes.Recipe(name="t", k={"bit_width": 2}, v={"bit_width": 2})
+    res = harness.evaluate(model, windows[:2], CTX, [harness.codec_method(r, 3)])
+    out = res["kakeyaturbo:t"]
+    assert out["bits_per_element"] < 16.0
+    assert out["kl"] > 0.0
