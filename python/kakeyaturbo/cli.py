@@ -18,7 +18,10 @@ def _eval(args: argparse.Namespace) -> int:
     from . import recipes
     from .eval import data, harness, model, report
 
-    model_path = Path(args.model) if args.model else data.default_model()
+    if args.model == "hard-case":
+        model_path = data.hard_case_model()
+    else:
+        model_path = Path(args.model) if args.model else data.default_model()
     text_path = Path(args.text) if args.text else data.default_text()
     print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
     m, tok = model.load(model_path)
@@ -54,7 +57,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kakeyaturbo")
     sub = ap.add_subparsers(dest="command", required=True)
     e = sub.add_parser("eval", help="perplexity, top-1 and KL of the codec and baselines on a model")
-    e.add_argument("--model", help="a model directory or GGUF file (default: the embedded SmolLM2-135M)")
+    e.add_argument("--model", help="a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
+                   "(default: the embedded SmolLM2-135M)")
     e.add_argument("--text", help="a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)")
     e.add_argument("--windows", type=int, default=4)
     e.add_argument("--ctx", type=int, default=512)
