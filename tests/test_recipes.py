@@ -45,3 +45,14 @@ def test_bad_recipes(tmp_path) -> None:
     p.write_text('boundary_layers = [1.5]\n')
     with pytest.raises(kt.InvalidParameterError):
         recipes.load(p)
+
+
+def test_sink_and_stream_fields(tmp_path) -> None:
+    p = tmp_path / "r.toml"
+    p.write_text('name = "s"\nn_sink = 4\nstreams = ["v"]\n')
+    r = recipes.load(p)
+    assert r.n_sink == 4 and r.streams == ("v",)
+    for bad in ("n_sink = -1\n", 'streams = ["q"]\n', "n_sink = true\n"):
+        p.write_text(bad)
+        with pytest.raises(kt.InvalidParameterError):
+            recipes.load(p)

@@ -53,3 +53,32 @@ def test_codec_changes_the_cache_and_costs_fewer_bits(tiny) -> None:
     out = res["kakeyaturbo:t"]
     assert out["bits_per_element"] < 16.0
     assert out["kl"] > 0.0
+
+
+def test_sink_tokens_and_streams_are_exact_and_counted(tiny) -> None:
+    model, windows = tiny
+    calls = []
+
+    def spy(stream, x):
+        calls.append((stream, x.shape))
+        return np.zeros_like(x), 0
+
+    m = harness.Method("spy", spy, n_sink=5, streams=("k",))
+    cache_model = model
+    import torch as t
+
+    with t.no_grad():
+        ids = t.tensor([windows[0][:CTX]])
+        _, cache = harness._forward(cache_model, ids)
+    keys0 = [layer.keys.clone() for layer in cache.layers]
+    values0 = [layer.values.clone() for layer in cache.layers]
+    bits, elems = harness.compress_prefix(cache, keys0, values0, m)
+    assert all(s == "k" and shape == (CTX - 5, 16) for s, shape in calls)
+    assert len(calls) == 3 * 2  # layers x kv-heads, K only
+    for layer, k0, v0 in zip(cache.layers, keys0, values0):
+        assert t.equal(layer.keys[:, :, :5], k0[:, :, :5])  # the sink is bit-exact
+        assert t.count_nonzero(layer.keys[:, :, 5:]) == 0
+        assert t.equal(layer.values, v0)
+    # V at 16 bits, the sink rows of K at 16 bits, the coded K rows at the spy's 0 bits.
+    assert bits == 3 * 2 * 16 * (CTX * 16 + 5 * 16)
+    assert elems == 3 * 2 * 2 * CTX * 16

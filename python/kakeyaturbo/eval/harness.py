@@ -25,6 +25,9 @@ class Method:
     quantise: Quantiser
     boundary: Sequence[int] = ()
     kind: str = "baseline"
+    #: Leading tokens kept uncompressed (the attention sink), counted at 16 bits.
+    n_sink: int = 0
+    streams: Sequence[str] = ("k", "v")
 
 
 def codec_method(recipe: Recipe, num_layers: int) -> Method:
@@ -32,7 +35,8 @@ def codec_method(recipe: Recipe, num_layers: int) -> Method:
         y, r = _api.roundtrip_layer(x, **(recipe.k if stream == "k" else recipe.v))
         return y, 8 * r["compressed_bytes"]
 
-    return Method(f"kakeyaturbo:{recipe.name}", quantise, recipe.boundary(num_layers), "codec")
+    return Method(f"kakeyaturbo:{recipe.name}", quantise, recipe.boundary(num_layers), "codec",
+                  recipe.n_sink, recipe.streams)
 
 
 def baseline_methods(names: Sequence[str]) -> List[Method]:
@@ -68,12 +72,20 @@ def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Me
         else:
             out = []
             for stream, t in (("k", k0), ("v", v0)):
+                if stream not in method.streams:
+                    out.append(t.clone())
+                    bits += 16 * t.numel()
+                    continue
                 heads = []
+                s = min(method.n_sink, t.shape[2])
                 for h in range(t.shape[1]):
                     x = np.ascontiguousarray(t[0, h].numpy(), dtype=np.float32)
-                    y, b = method.quantise(stream, x)
-                    heads.append(torch.from_numpy(np.ascontiguousarray(y)))
-                    bits += b
+                    y = x.copy()
+                    bits += 16 * s * x.shape[1]
+                    if s < x.shape[0]:
+                        y[s:], b = method.quantise(stream, np.ascontiguousarray(x[s:]))
+                        bits += b
+                    heads.append(torch.from_numpy(y))
                 out.append(torch.stack(heads)[None].to(t.dtype))
             layer.keys, layer.values = out
         elems += k0.numel() + v0.numel()

@@ -1,8 +1,9 @@
 """Recipes: per-stream (K, V) codec parameters and boundary layers, as TOML data files.
 
 A recipe file has ``name``, ``description``, ``boundary_layers`` (indices; negative ones count
-from the end) and tables ``[k]`` and ``[v]`` of codec keyword arguments (the names of
-:data:`kakeyaturbo.DEFAULTS`). Ship new recipes by adding a ``*.toml`` file here.
+from the end), ``n_sink`` (tokens at the start of the sequence kept uncompressed, default 0),
+``streams`` (which of ``"k"``, ``"v"`` are compressed, default both) and tables ``[k]`` and
+``[v]`` of codec keyword arguments (the names of :data:`kakeyaturbo.DEFAULTS`). Ship new recipes by adding a ``*.toml`` file here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Recipe:
     boundary_layers: Tuple[int, ...] = ()
     k: Dict[str, Any] = field(default_factory=dict)
     v: Dict[str, Any] = field(default_factory=dict)
+    n_sink: int = 0
+    streams: Tuple[str, ...] = ("k", "v")
 
     def boundary(self, num_layers: int) -> List[int]:
         """The boundary layer indices for a model of `num_layers` layers, sorted, in range."""
@@ -69,7 +72,7 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise InvalidParameterError(f"cannot read recipe {str(path)!r}: {e}") from e
-    known = {"name", "description", "boundary_layers", "k", "v"}
+    known = {"name", "description", "boundary_layers", "k", "v", "n_sink", "streams"}
     extra = sorted(set(data) - known)
     if extra:
         raise InvalidParameterError(f"recipe {str(path)!r}: unknown field(s) {extra}")
@@ -77,8 +80,16 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     layers = data.get("boundary_layers", [])
     if not (isinstance(layers, list) and all(isinstance(i, int) for i in layers)):
         raise InvalidParameterError(f"recipe {name!r}: boundary_layers must be a list of ints")
+    n_sink = data.get("n_sink", 0)
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise InvalidParameterError(f"recipe {name!r}: n_sink must be an int >= 0")
+    streams = data.get("streams", ["k", "v"])
+    if not (isinstance(streams, list) and set(streams) <= {"k", "v"}):
+        raise InvalidParameterError(f"recipe {name!r}: streams must be a list drawn from 'k', 'v'")
     return Recipe(
         name=name,
+        n_sink=n_sink,
+        streams=tuple(streams),
         description=str(data.get("description", "")),
         boundary_layers=tuple(layers),
         k=_check_stream(name, "k", data.get("k", {})),
