@@ -102,7 +102,9 @@ def _cdf(x: float) -> float:
     return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
 
-@pytest.mark.parametrize("bits, mse", [(1, 0.3634), (2, 0.1175), (3, 0.03455), (4, 0.00950)])
+@pytest.mark.parametrize("bits, mse", [(1, 0.36338023), (2, 0.11748185), (3, 0.034547761),
+                                       (4, 0.0095010080), (5, 0.0025046684), (6, 0.00064423967),
+                                       (7, 0.00016347823), (8, 0.000041185083)])
 def test_gaussian_tables_are_lloyd_max(bits: int, mse: float) -> None:
     c = kt.centroids_gaussian(bits).astype(np.float64)
     assert len(c) == 2**bits and np.all(np.diff(c) > 0)
@@ -113,9 +115,9 @@ def test_gaussian_tables_are_lloyd_max(bits: int, mse: float) -> None:
         p = _cdf(b) - _cdf(a)
         m1 = (_phi(a) if a > -math.inf else 0) - (_phi(b) if b < math.inf else 0)
         # Centroid condition: each centroid is the conditional mean of its cell.
-        assert abs(m1 / p - ci) < 2e-7
+        assert abs(m1 / p - ci) < 2e-7 * max(1.0, abs(ci))  # f32 storage
         m2 = p + (a * _phi(a) if a > -math.inf else 0) - (b * _phi(b) if b < math.inf else 0)
         total += m2 - 2 * ci * m1 + ci * ci * p
-    assert abs(total - mse) < 1e-4
+    assert abs(total - mse) < 1e-4 * mse
     with pytest.raises(kt.InvalidParameterError):
-        kt.centroids_gaussian(5)
+        kt.centroids_gaussian(9)

@@ -17,7 +17,8 @@ from ._api import (
     wht_rows,
     wht_sign_pattern,
 )
-from ._core import FORMAT_VERSION, __version__
+from ._calibrated import CalibratedCodec
+from ._core import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__
 from ._errors import (
     CorruptDataError,
     InternalError,
@@ -29,6 +30,8 @@ from ._errors import (
 )
 
 __all__ = [
+    "CALIBRATED_FORMAT_VERSION",
+    "CalibratedCodec",
     "DEFAULTS",
     "FORMAT_VERSION",
     "__version__",

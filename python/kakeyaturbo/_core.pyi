@@ -1,11 +1,13 @@
 # Type stubs of the compiled extension; checked by `python -m mypy.stubtest kakeyaturbo._core`.
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, final
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
     "__version__",
+    "CALIBRATED_FORMAT_VERSION",
+    "CalibratedCodec",
     "FORMAT_VERSION",
     "centroids_gaussian",
     "decode_block_from_parts",
@@ -24,6 +26,46 @@ __all__ = [
 
 __version__: str
 FORMAT_VERSION: int
+CALIBRATED_FORMAT_VERSION: int
+
+@final
+class CalibratedCodec:
+    def __new__(
+        cls,
+        mean: npt.NDArray[np.float32],
+        analysis: npt.NDArray[np.float32],
+        synthesis: npt.NDArray[np.float32],
+        spread: npt.NDArray[np.float32],
+        bits: npt.NDArray[np.uint8],
+        rotation_seed: int,
+        metric: str,
+        norm: bool,
+        outlier_threshold: Optional[float] = None,
+        centroids: Optional[List[Tuple[int, List[float]]]] = None,
+    ) -> CalibratedCodec: ...
+    @property
+    def d(self) -> int: ...
+    @property
+    def m(self) -> int: ...
+    @property
+    def fingerprint(self) -> int: ...
+    @property
+    def model_bytes(self) -> int: ...
+    @property
+    def row_bits(self) -> int: ...
+    @property
+    def row_bytes(self) -> int: ...
+    @property
+    def bands(self) -> List[Tuple[int, int, int]]: ...
+    def canonical_bytes(self) -> bytes: ...
+    def encode(self, array: npt.NDArray[np.float32], threads: Optional[int] = None) -> bytes: ...
+    def decode(self, data: bytes, threads: Optional[int] = None) -> npt.NDArray[np.float32]: ...
+    def roundtrip(
+        self, array: npt.NDArray[np.float32], threads: Optional[int] = None
+    ) -> Tuple[npt.NDArray[np.float32], Dict[str, Any]]: ...
+    def encode_parts(self, array: npt.NDArray[np.float32]) -> Dict[str, Any]: ...
+    def decode_parts(self, parts: Dict[str, Any]) -> npt.NDArray[np.float32]: ...
+    def inspect(self, data: bytes) -> Dict[str, Any]: ...
 
 def roundtrip_layer(
     array: npt.NDArray[np.float32],

@@ -15,7 +15,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-fn vec1<'py, T: numpy::Element>(py: Python<'py>, v: Vec<T>) -> Bound<'py, PyArray1<T>> {
+pub(crate) fn vec1<'py, T: numpy::Element>(py: Python<'py>, v: Vec<T>) -> Bound<'py, PyArray1<T>> {
     PyArray1::from_vec(py, v)
 }
 
@@ -108,7 +108,7 @@ fn parts_dict<'py>(
     Ok(r)
 }
 
-fn to_array2_u8<'py>(
+pub(crate) fn to_array2_u8<'py>(
     py: Python<'py>,
     v: Vec<u8>,
     n: usize,
@@ -117,13 +117,13 @@ fn to_array2_u8<'py>(
     PyArray1::from_vec(py, v).reshape([n, d])
 }
 
-fn item<'py>(parts: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn item<'py>(parts: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
     parts
         .get_item(key)?
         .ok_or_else(|| type_error(format!("parts is missing {key:?}")))
 }
 
-fn arr<T: numpy::Element + Copy>(
+pub(crate) fn arr<T: numpy::Element + Copy>(
     parts: &Bound<'_, PyDict>,
     key: &str,
     len: usize,

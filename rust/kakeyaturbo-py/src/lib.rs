@@ -2,6 +2,7 @@
 //! only lists the exports.
 
 mod block;
+mod calibrated;
 mod errors;
 mod layer;
 mod params;
@@ -18,6 +19,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(layer::decode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::inspect_layer, m)?)?;
     m.add_function(wrap_pyfunction!(block::encode_block_codes, m)?)?;
+    m.add_class::<calibrated::PyCalibratedCodec>()?;
+    m.add(
+        "CALIBRATED_FORMAT_VERSION",
+        kakeyaturbo::calibrated::VERSION,
+    )?;
     m.add_function(wrap_pyfunction!(block::decode_block_from_parts, m)?)?;
     m.add_function(wrap_pyfunction!(primitives::wht_sign_pattern, m)?)?;
     m.add_function(wrap_pyfunction!(primitives::wht_rows, m)?)?;

@@ -53,21 +53,26 @@ fn string(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<String>> {
     }
 }
 
+/// A metric by name (`ip` is an alias of `inner_product`).
+pub fn metric(py: Python<'_>, m: &str) -> PyResult<Metric> {
+    Ok(match m {
+        "mse" => Metric::Mse,
+        "inner_product" | "ip" => Metric::InnerProduct,
+        "linf" => Metric::Linf,
+        _ => {
+            return Err(invalid_parameter(
+                py,
+                format!("metric must be 'mse', 'inner_product' ('ip') or 'linf', got {m:?}"),
+            ))
+        }
+    })
+}
+
 /// Builds [`CodecParams`] from a dict of the keyword arguments (missing keys: defaults).
 pub fn parse(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<CodecParams> {
     let mut p = CodecParams::default();
     if let Some(m) = string(d, "metric")? {
-        p.metric = match m.as_str() {
-            "mse" => Metric::Mse,
-            "inner_product" | "ip" => Metric::InnerProduct,
-            "linf" => Metric::Linf,
-            _ => {
-                return Err(invalid_parameter(
-                    py,
-                    format!("metric must be 'mse', 'inner_product' ('ip') or 'linf', got {m:?}"),
-                ))
-            }
-        };
+        p.metric = metric(py, &m)?;
     }
     if let Some(v) = int(d, "block_size")? {
         p.block_size = ranged(py, "block_size", v)?;

@@ -6,6 +6,7 @@
 //! project's own generator and [`f16`] the fp16 storage rules. `FORMAT.md` specifies the bytes.
 
 pub mod block;
+pub mod calibrated;
 pub mod container;
 pub mod error;
 pub mod f16;
@@ -15,6 +16,7 @@ pub mod pack;
 pub mod params;
 pub mod pca;
 pub mod quant;
+mod quant_tables;
 pub mod rng;
 pub mod wht;
 

@@ -1,6 +1,7 @@
 //! Lloyd-Max scalar quantisation (stage 5b).
 
 use crate::error::{param, Result};
+use crate::quant_tables::{HALF5, HALF6, HALF7, HALF8};
 
 /// Positive halves of the Lloyd-Max quantisers for N(0, 1), b = 1..4, converged to 1e-10 by
 /// Lloyd iteration on the exact density (`tests/test_quant.py` re-derives them with erf).
@@ -25,12 +26,20 @@ const GAUSS_HALF: [&[f64]; 4] = [
     ],
 ];
 
-/// The exact N(0, 1) Lloyd-Max table with `2^bits` ascending centroids.
+/// Widest quantiser: indices are stored in a byte. The per-block mode uses 1..=4 bits, the
+/// calibrated mode up to this.
+pub const MAX_BITS: u8 = 8;
+
+/// The exact N(0, 1) Lloyd-Max table with `2^bits` ascending centroids, `bits` in 1..=8.
 pub fn gaussian_centroids(bits: u8) -> Result<Vec<f32>> {
-    if !(1..=4).contains(&bits) {
-        return param(format!("bit_width must be in 1..=4, got {bits}"));
-    }
-    let half = GAUSS_HALF[bits as usize - 1];
+    let half: &[f64] = match bits {
+        1..=4 => GAUSS_HALF[bits as usize - 1],
+        5 => &HALF5,
+        6 => &HALF6,
+        7 => &HALF7,
+        8 => &HALF8,
+        _ => return param(format!("bit width must be in 1..={MAX_BITS}, got {bits}")),
+    };
     let mut c: Vec<f32> = half.iter().rev().map(|&v| -(v as f32)).collect();
     c.extend(half.iter().map(|&v| v as f32));
     Ok(c)
@@ -46,8 +55,8 @@ pub struct Quantizer {
 impl Quantizer {
     /// Checks that `centroids` has `2^bits` finite, strictly ascending entries.
     pub fn new(centroids: Vec<f32>, bits: u8) -> Result<Self> {
-        if !(1..=4).contains(&bits) {
-            return param(format!("bit_width must be in 1..=4, got {bits}"));
+        if !(1..=MAX_BITS).contains(&bits) {
+            return param(format!("bit width must be in 1..={MAX_BITS}, got {bits}"));
         }
         let want = 1usize << bits;
         if centroids.len() != want {
@@ -81,13 +90,24 @@ impl Quantizer {
     /// Index of the nearest centroid; a value exactly on a threshold goes to the lower index.
     #[inline]
     pub fn quantize(&self, z: f32) -> u8 {
-        // Branch-free count of thresholds strictly below z.
-        self.thresholds.iter().map(|&t| (z > t) as u8).sum()
+        // Count of thresholds strictly below z: branch-free for small tables, a binary search
+        // (the same count) for wide ones.
+        if self.thresholds.len() <= 15 {
+            self.thresholds.iter().map(|&t| (z > t) as u8).sum()
+        } else {
+            self.thresholds.partition_point(|&t| z > t) as u8
+        }
     }
 
     /// [`Self::quantize`] over a slice: the same rule, threshold-major so that it vectorises.
     #[inline(always)]
     pub fn quantize_slice(&self, z: &[f32], out: &mut [u8]) {
+        if self.thresholds.len() > 15 {
+            for (o, &v) in out.iter_mut().zip(z) {
+                *o = self.quantize(v);
+            }
+            return;
+        }
         out.fill(0);
         for &t in &self.thresholds {
             for (o, &v) in out.iter_mut().zip(z) {
@@ -120,15 +140,16 @@ mod tests {
     fn gaussian_tables_are_symmetric_and_match_the_anchors() {
         let c = gaussian_centroids(2).unwrap();
         assert_eq!(c, vec![-1.5104176, -0.45278004, 0.45278004, 1.5104176]);
-        for b in 1..=4 {
+        for b in 1..=MAX_BITS {
             let c = gaussian_centroids(b).unwrap();
+            assert!(c.windows(2).all(|w| w[0] < w[1]));
             assert_eq!(c.len(), 1 << b);
             for i in 0..c.len() {
                 assert_eq!(c[i], -c[c.len() - 1 - i]);
             }
         }
         assert!(gaussian_centroids(0).is_err());
-        assert!(gaussian_centroids(5).is_err());
+        assert!(gaussian_centroids(9).is_err());
     }
 
     #[test]
@@ -154,7 +175,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn quantize_picks_a_nearest_centroid(z in -10.0f32..10.0, bits in 1u8..=4) {
+        fn quantize_picks_a_nearest_centroid(z in -10.0f32..10.0, bits in 1u8..=MAX_BITS) {
             let q = Quantizer::gaussian(bits).unwrap();
             let i = q.quantize(z);
             let d = (q.dequantize(i) - z).abs();

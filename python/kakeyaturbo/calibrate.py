@@ -1,0 +1,379 @@
+"""Calibration: what a model's attention looks like on calibration text, and the calibrated
+codecs fitted from it.
+
+`collect` runs a causal LM (Llama- or Qwen2-style attention) over calibration windows and
+accumulates, per (layer, kv-head), pre-RoPE statistics from forward hooks on ``q_proj``,
+``k_proj`` and ``v_proj``: the query second moment pooled over the query heads of each GQA
+group, the mean and covariance of the keys and of the values (the first ``n_sink`` positions
+of every window left out: they stay uncompressed), and a sample of rows for fitting Lloyd-Max
+tables on the codec's own path. `AttentionStats.save` writes them as safetensors with a JSON
+sidecar. `fit_stream` turns statistics into a calibration: an optional whitening
+(``query``: ``L = chol(S_q)`` so that the squared error of whitened keys is the squared error
+of ``q . k``; ``output``: the Gram matrix of the head's slice of ``o_proj``), a PCA basis in
+the whitened space, spreads, and integer bits per component by reverse water-filling.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._calibrated import CalibratedCodec
+from ._errors import InvalidParameterError
+
+#: N(0, 1) Lloyd-Max distortion at 0..8 bits (0 bits: the variance itself).
+LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.00064424,
+                 0.00016348, 0.000041185)
+
+#: Ridge added to the query covariance, relative to its mean diagonal (SPEC section 7).
+RIDGE = 1e-3
+
+
+def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
+                  distortion: Sequence[float] = LLOYD_MAX_MSE) -> np.ndarray:
+    """Integer reverse water-filling: ``budget`` bits over components of the given variances,
+    at most ``max_bits`` each, minimising ``sum_j var_j * distortion[b_j]``.
+
+    ``distortion`` must be convex and decreasing in the bits (the Lloyd-Max errors are), so
+    handing out one bit at a time to the component whose error falls most is optimal. Ties go
+    to the lower index. Returns int64 bits, non-increasing when the variances are.
+    """
+    lam = np.asarray(variances, dtype=np.float64)
+    if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
+        raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
+    if budget < 0 or max_bits < 0 or max_bits >= len(distortion):
+        raise InvalidParameterError(f"need budget >= 0 and 0 <= max_bits < {len(distortion)}")
+    bits = np.zeros(len(lam), dtype=np.int64)
+    heap = [(-(v * (distortion[0] - distortion[1])), j) for j, v in enumerate(lam) if max_bits > 0]
+    heapq.heapify(heap)
+    for _ in range(min(budget, max_bits * len(lam))):
+        gain, j = heapq.heappop(heap)
+        if gain >= 0:  # nothing left to gain: zero-variance components get no bits
+            break
+        bits[j] += 1
+        b = bits[j]
+        if b < max_bits:
+            heapq.heappush(heap, (-(lam[j] * (distortion[b] - distortion[b + 1])), j))
+    return bits
+
+
+def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarray, float]:
+    """The closed form of reverse water-filling for Gaussian components: rates
+    ``R_j = max(0, log2(var_j / theta) / 2)`` summing to ``rate``; returns (rates, theta)."""
+    lam = np.asarray(variances, dtype=np.float64)
+    pos = lam[lam > 0]
+    if rate <= 0 or len(pos) == 0:
+        return np.zeros(len(lam)), float(lam.max(initial=0.0))
+    lo, hi = np.log2(pos.min()) - 2 * rate - 1, np.log2(pos.max())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        r = np.maximum(0.0, 0.5 * (np.log2(np.maximum(lam, 1e-300)) - mid)).sum()
+        lo, hi = (mid, hi) if r > rate else (lo, mid)
+    theta = 2.0 ** ((lo + hi) / 2)
+    return np.maximum(0.0, 0.5 * np.log2(np.maximum(lam, 1e-300) / theta)), float(theta)
+
+
+def lloyd_max(samples: np.ndarray, bits: int, iters: int = 100) -> np.ndarray:
+    """A ``2**bits``-level Lloyd-Max table fitted to 1-D samples (1-D Lloyd iteration from the
+    N(0, 1) table scaled to the samples' rms); strictly ascending float64."""
+    from ._api import centroids_gaussian
+
+    z = np.sort(np.asarray(samples, dtype=np.float64).ravel())
+    if z.size < 2 ** bits:
+        raise InvalidParameterError(f"{z.size} samples cannot fit a {bits}-bit table")
+    c = centroids_gaussian(bits).astype(np.float64) * max(np.sqrt(np.mean(z * z)), 1e-12)
+    csum = np.concatenate([[0.0], np.cumsum(z)])
+    for _ in range(iters):
+        cut = np.searchsorted(z, (c[1:] + c[:-1]) / 2, side="right")
+        lo = np.concatenate([[0], cut])
+        hi = np.concatenate([cut, [z.size]])
+        cnt = hi - lo
+        new = np.where(cnt > 0, (csum[hi] - csum[lo]) / np.maximum(cnt, 1), c)
+        if np.allclose(new, c, rtol=0, atol=1e-9):
+            c = new
+            break
+        c = new
+    # Keep the table strictly ascending even if a cell emptied.
+    for i in range(1, len(c)):
+        if c[i] <= c[i - 1]:
+            c[i] = np.nextafter(np.float32(c[i - 1]), np.float32(np.inf))
+    return c
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionStats:
+    """Per (layer, kv-head) statistics of a model's attention, pre-RoPE. Arrays are float64
+    ``[L, H_kv, ...]``; ``*_samples`` float32 ``[L, H_kv, S, D]``."""
+
+    meta: Dict[str, Any]
+    q2: np.ndarray
+    k_mean: np.ndarray
+    k_cov: np.ndarray
+    v_mean: np.ndarray
+    v_cov: np.ndarray
+    o_gram: np.ndarray
+    k_samples: np.ndarray
+    v_samples: np.ndarray
+
+    ARRAYS = ("q2", "k_mean", "k_cov", "v_mean", "v_cov", "o_gram", "k_samples", "v_samples")
+
+    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
+        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
+        from safetensors.numpy import save_file
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
+        side = p.with_name(p.name + ".json")
+        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return p, side
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str") -> "AttentionStats":
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        try:
+            arrays = load_file(str(p))
+            meta = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"cannot read calibration {str(p)!r}: {e}") from e
+        missing = [k for k in cls.ARRAYS if k not in arrays]
+        if missing:
+            raise InvalidParameterError(f"calibration {str(p)!r} lacks {missing}")
+        return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.q2.shape[0])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.q2.shape[1])
+
+
+def attention_modules(model: Any) -> List[Any]:
+    """The self-attention modules of a Llama/Qwen2-style model, in layer order."""
+    try:
+        layers = model.model.layers
+    except AttributeError as e:
+        raise InvalidParameterError("calibration needs a decoder with model.model.layers") from e
+    out = []
+    for i, layer in enumerate(layers):
+        a = getattr(layer, "self_attn", None)
+        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            raise InvalidParameterError(f"layer {i} has no Llama/Qwen2-style self_attn")
+        if hasattr(a, "k_norm") or hasattr(a, "q_norm"):
+            raise InvalidParameterError(
+                f"layer {i} normalises q/k after the projection (Qwen3-style); not supported")
+        out.append(a)
+    return out
+
+
+@dataclass
+class _Acc:
+    n: float = 0.0
+    s1: Optional[np.ndarray] = None
+    s2: Optional[np.ndarray] = None
+    samples: List[np.ndarray] = field(default_factory=list)
+
+    def add(self, x: np.ndarray, w: Optional[np.ndarray] = None) -> None:
+        x = x.astype(np.float64)
+        if w is None:
+            self.n += x.shape[0]
+            s1, s2 = x.sum(axis=0), x.T @ x
+        else:
+            self.n += float(w.sum())
+            s1, s2 = w @ x, (x * w[:, None]).T @ x
+        self.s1 = s1 if self.s1 is None else self.s1 + s1
+        self.s2 = s2 if self.s2 is None else self.s2 + s2
+
+    def moments(self) -> Tuple[np.ndarray, np.ndarray]:
+        assert self.s1 is not None and self.s2 is not None and self.n > 0
+        mean = self.s1 / self.n
+        return mean, self.s2 / self.n - np.outer(mean, mean)
+
+
+def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
+            seed: int = 0, weighting: str = "attention",
+            progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+            meta: Optional[Dict[str, Any]] = None) -> AttentionStats:
+    """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats`.
+    ``samples`` rows per (layer, kv-head) are drawn uniformly (seeded) from the positions
+    ``>= n_sink`` of all windows.
+
+    ``weighting="attention"`` weighs what the errors cost: key and value ``j`` by
+    ``sum_i p_ij^2`` and query ``i`` by ``sum_{j >= n_sink} p_ij^2`` (``p`` the attention
+    probabilities of the GQA group), since an error ``e_j`` reaches the output of query ``i``
+    through ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens
+    that draw attention are often atypical; unweighted moments (``"uniform"``) let the bits go
+    to the bulk of tokens that hardly matter.
+    """
+    import torch
+
+    if weighting not in ("attention", "uniform"):
+        raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
+
+    cfg = model.config
+    attn = attention_modules(model)
+    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    group = hq // hkv
+    q2 = np.zeros((n_layers, hkv, d, d))
+    q_count = np.zeros((n_layers, hkv))
+    k_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
+    v_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
+    rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
+    total = rows_per_window * len(windows)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
+    captured: Dict[Tuple[str, int], np.ndarray] = {}
+
+    def hook(kind: str, i: int) -> Callable[..., None]:
+        def f(_m: Any, _inp: Any, out: Any) -> None:
+            captured[(kind, i)] = out[0].detach().double().numpy()
+        return f
+
+    handles = []
+    for i, a in enumerate(attn):
+        for kind, mod in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj)):
+            handles.append(mod.register_forward_hook(hook(kind, i)))
+    attn_impl = getattr(model.config, "_attn_implementation", None)
+    if weighting == "attention":
+        model.set_attn_implementation("eager")  # the only one that returns the probabilities
+    try:
+        with torch.no_grad():
+            for w_i, w in enumerate(progress(windows)):
+                captured.clear()
+                out = model(input_ids=torch.tensor([list(w)]), use_cache=False,
+                            output_attentions=weighting == "attention")
+                t = len(w)
+                sel = [p - w_i * rows_per_window for p in pick
+                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
+                for i in range(n_layers):
+                    q = captured[("q", i)].reshape(t, hkv, group, d)
+                    if weighting == "attention":
+                        p2 = out.attentions[i][0].double().numpy().reshape(hkv, group, t, t) ** 2
+                        wq = p2[..., n_sink:].sum(axis=-1)  # [hkv, group, t] per query
+                        wk = p2.sum(axis=(1, 2))[:, n_sink:]  # [hkv, t - n_sink] per key
+                    else:
+                        wq = np.ones((hkv, group, t))
+                        wk = None
+                    q2[i] += np.einsum("hgt,thga,thgb->hab", wq, q, q)
+                    q_count[i] += wq.sum(axis=(1, 2))
+                    for kind, acc in (("k", k_acc), ("v", v_acc)):
+                        x = captured[(kind, i)].reshape(t, hkv, d)[n_sink:]
+                        for h in range(hkv):
+                            acc[i][h].add(x[:, h], None if wk is None else wk[h])
+                            if sel:
+                                acc[i][h].samples.append(x[sel, h].astype(np.float32))
+    finally:
+        for h in handles:
+            h.remove()
+        if weighting == "attention" and attn_impl is not None:
+            model.set_attn_implementation(attn_impl)
+    o_gram = np.zeros((n_layers, hkv, d, d))
+    for i, a in enumerate(attn):
+        w_o = a.o_proj.weight.detach().double().numpy()  # [hidden, hq * d]
+        for h in range(hkv):
+            for g in range(group):
+                blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
+                o_gram[i, h] += blk.T @ blk
+    km, kc, vm, vc = (np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)),
+                      np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)))
+    for i in range(n_layers):
+        for h in range(hkv):
+            km[i, h], kc[i, h] = k_acc[i][h].moments()
+            vm[i, h], vc[i, h] = v_acc[i][h].moments()
+
+    def stack(acc: List[List[_Acc]]) -> np.ndarray:
+        return np.stack([np.stack([np.concatenate(a.samples) if a.samples else np.zeros((0, d), np.float32)
+                                   for a in row]) for row in acc]).astype(np.float32)
+
+    info = dict(meta or {})
+    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                tokens=sum(len(w) for w in windows), layers=n_layers, q_heads=hq, kv_heads=hkv,
+                head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
+                weighting=weighting, hooks="pre-RoPE q_proj/k_proj/v_proj outputs")
+    q2 /= np.maximum(q_count, 1e-300)[:, :, None, None]
+    return AttentionStats(meta=info, q2=q2, k_mean=km, k_cov=kc, v_mean=vm,
+                          v_cov=vc, o_gram=o_gram, k_samples=stack(k_acc), v_samples=stack(v_acc))
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+
+def whitening_factor(second_moment: np.ndarray, ridge: float = RIDGE) -> np.ndarray:
+    """Lower-triangular ``L`` with ``L L^T = S + ridge * mean(diag S) I``: a row ``x`` whitened
+    as ``x L`` has ``|e L|^2 = e^T S e`` for any error ``e`` (up to the ridge)."""
+    s = np.asarray(second_moment, dtype=np.float64)
+    s = (s + s.T) / 2
+    s = s + ridge * max(float(np.mean(np.diag(s))), 1e-30) * np.eye(len(s))
+    return np.linalg.cholesky(s)
+
+
+@dataclass
+class StreamFit:
+    """One stream's calibration, before it becomes a :class:`CalibratedCodec`."""
+
+    mean: np.ndarray
+    analysis: np.ndarray
+    synthesis: np.ndarray
+    spread: np.ndarray
+    bits: np.ndarray
+    variances: np.ndarray
+    whitening: Optional[np.ndarray] = None
+
+    def codec(self, **kw: Any) -> CalibratedCodec:
+        return CalibratedCodec(self.mean, self.analysis, self.synthesis, self.spread, self.bits, **kw)
+
+
+def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
+    """Index bits per row for a target of all-in bits per element: the target times D, less
+    the 16-bit scale, rounded down to whole bytes (rows are byte-aligned)."""
+    b = int(np.floor(bits_per_element * d + 1e-9)) - (16 if norm else 0)
+    return max(0, b // 8 * 8)
+
+
+def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
+               whitening: Optional[np.ndarray] = None, norm: bool = True,
+               max_bits: int = 8) -> StreamFit:
+    """PCA of ``cov`` in the whitened space (``x -> x L``), water-filled to the target.
+
+    Components are sorted by variance; those allocated 0 bits are dropped (they decode as the
+    mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
+    ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
+    """
+    d = len(mean)
+    c = np.asarray(cov, dtype=np.float64)
+    if whitening is not None:
+        w = np.asarray(whitening, dtype=np.float64)
+        c = w.T @ c @ w
+    lam, u = np.linalg.eigh((c + c.T) / 2)
+    order = np.argsort(lam)[::-1]
+    lam, u = np.maximum(lam[order], 0.0), u[:, order]
+    bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits)
+    keep = bits > 0
+    if not np.any(keep):
+        raise InvalidParameterError(
+            f"{bits_per_element} bits per element leave no bits for the components at D = {d}")
+    ut = u[:, keep].T
+    if whitening is not None:
+        analysis = ut @ w.T
+        synthesis = np.linalg.solve(w.T, ut.T).T  # rows of U^T L^-1
+    else:
+        analysis = synthesis = ut
+    floor = max(float(lam[0]), 1e-30) * 1e-12
+    return StreamFit(mean=np.asarray(mean, dtype=np.float64), analysis=analysis,
+                     synthesis=synthesis, spread=np.sqrt(np.maximum(lam[keep], floor)),
+                     bits=bits[keep], variances=lam, whitening=whitening)

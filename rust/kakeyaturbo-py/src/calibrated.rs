@@ -1,0 +1,331 @@
+//! `CalibratedCodec`: the calibrated mode as a Python object holding a checked calibration.
+
+use crate::block::{arr, item, to_array2_u8, vec1};
+use crate::errors::{invalid_input, run, to_py};
+use crate::layer::{matrix, to_array2};
+use crate::params;
+use kakeyaturbo::calibrated::{self, CalibratedCodec, CalibratedCodes, CalibratedParams};
+use kakeyaturbo::f16::ScaledF16;
+use kakeyaturbo::layer::with_threads;
+use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::time::Instant;
+
+fn slice<'a, T: numpy::Element>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArray1<'_, T>,
+    name: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| invalid_input(py, format!("{name} must be contiguous")))
+}
+
+/// One stream of one (layer, kv-head) coded against a model-level calibration.
+#[pyclass(name = "CalibratedCodec", module = "kakeyaturbo._core", frozen)]
+pub struct PyCalibratedCodec {
+    inner: CalibratedCodec,
+}
+
+#[pymethods]
+impl PyCalibratedCodec {
+    #[new]
+    #[pyo3(signature = (mean, analysis, synthesis, spread, bits, rotation_seed, metric, norm, outlier_threshold=None, centroids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        mean: PyReadonlyArray1<'_, f32>,
+        analysis: PyReadonlyArray2<'_, f32>,
+        synthesis: PyReadonlyArray2<'_, f32>,
+        spread: PyReadonlyArray1<'_, f32>,
+        bits: PyReadonlyArray1<'_, u8>,
+        rotation_seed: u64,
+        metric: &str,
+        norm: bool,
+        outlier_threshold: Option<f32>,
+        centroids: Option<Vec<(u8, Vec<f32>)>>,
+    ) -> PyResult<Self> {
+        let (a, m, d) = matrix(py, &analysis)?;
+        let (s, ms, ds) = matrix(py, &synthesis)?;
+        if (ms, ds) != (m, d) {
+            return Err(invalid_input(
+                py,
+                format!("synthesis must have the shape of analysis ({m}, {d}), got ({ms}, {ds})"),
+            ));
+        }
+        let p = CalibratedParams {
+            rotation_seed,
+            metric: params::metric(py, metric)?,
+            outlier_threshold,
+            norm,
+        };
+        let c = CalibratedCodec::new(
+            d,
+            slice(py, &mean, "mean")?.to_vec(),
+            a.to_vec(),
+            s.to_vec(),
+            slice(py, &spread, "spread")?.to_vec(),
+            slice(py, &bits, "bits")?.to_vec(),
+            centroids.unwrap_or_default(),
+            p,
+        )
+        .map_err(|e| to_py(py, e))?;
+        Ok(Self { inner: c })
+    }
+
+    #[getter]
+    fn d(&self) -> usize {
+        self.inner.d
+    }
+    #[getter]
+    fn m(&self) -> usize {
+        self.inner.m
+    }
+    /// 64-bit FNV-1a hash of the calibration's canonical bytes; containers carry it.
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint()
+    }
+    /// Bytes of the calibration itself, stored once per model.
+    #[getter]
+    fn model_bytes(&self) -> usize {
+        self.inner.model_bytes()
+    }
+    #[getter]
+    fn row_bits(&self) -> usize {
+        self.inner.row_bits()
+    }
+    #[getter]
+    fn row_bytes(&self) -> usize {
+        self.inner.row_bytes()
+    }
+    /// `(offset, width, bits)` of every sub-band, in order.
+    #[getter]
+    fn bands(&self) -> Vec<(usize, usize, u8)> {
+        self.inner
+            .bands()
+            .iter()
+            .map(|b| (b.offset, b.width, b.bits))
+            .collect()
+    }
+    fn canonical_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.canonical_bytes())
+    }
+
+    #[pyo3(signature = (array, threads=None))]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        array: PyReadonlyArray2<'py, f32>,
+        threads: Option<usize>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (x, n, d) = self.rows(py, &array)?;
+        let c = &self.inner;
+        let b = run(py, || {
+            with_threads(threads, || Ok(c.to_bytes(&c.encode(x, n)?).0))?
+        })?;
+        debug_assert_eq!(d, c.d);
+        Ok(PyBytes::new(py, &b))
+    }
+
+    #[pyo3(signature = (data, threads=None))]
+    fn decode<'py>(
+        &self,
+        py: Python<'py>,
+        data: &[u8],
+        threads: Option<usize>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let c = &self.inner;
+        let (y, n) = run(py, || {
+            with_threads(threads, || {
+                let codes = c.from_bytes(data)?;
+                Ok((c.decode(&codes)?, codes.n))
+            })?
+        })?;
+        to_array2(py, y, n, c.d)
+    }
+
+    /// Encode + decode with a report (bytes per part, errors, timings).
+    #[pyo3(signature = (array, threads=None))]
+    fn roundtrip<'py>(
+        &self,
+        py: Python<'py>,
+        array: PyReadonlyArray2<'py, f32>,
+        threads: Option<usize>,
+    ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyDict>)> {
+        let (x, n, d) = self.rows(py, &array)?;
+        let c = &self.inner;
+        let (y, parts, nout, enc, dec) = run(py, || {
+            with_threads(threads, || {
+                let t0 = Instant::now();
+                let codes = c.encode(x, n)?;
+                let (_bytes, parts) = c.to_bytes(&codes);
+                let t1 = Instant::now();
+                let y = c.decode(&codes)?;
+                let dec = t1.elapsed().as_secs_f64();
+                Ok((
+                    y,
+                    parts,
+                    codes.outlier_pos.len(),
+                    (t1 - t0).as_secs_f64(),
+                    dec,
+                ))
+            })?
+        })?;
+        let (mut se, mut sx, mut mx) = (0f64, 0f64, 0f64);
+        for (a, b) in x.iter().zip(&y) {
+            let e = (*a as f64) - (*b as f64);
+            se += e * e;
+            sx += (*a as f64) * (*a as f64);
+            mx = mx.max(e.abs());
+        }
+        let r = PyDict::new(py);
+        let elems = (n * d) as f64;
+        let total = parts.total();
+        r.set_item("num_vecs", n)?;
+        r.set_item("dim", d)?;
+        r.set_item("components", c.m)?;
+        r.set_item("header_bytes", parts.header)?;
+        r.set_item("scale_bytes", parts.scales)?;
+        r.set_item("code_bytes", parts.codes)?;
+        r.set_item("outlier_bytes", parts.outliers)?;
+        r.set_item("num_outliers", nout)?;
+        r.set_item("compressed_bytes", total)?;
+        r.set_item("bits_per_element", 8.0 * total as f64 / elems)?;
+        r.set_item("ratio_vs_bf16", 2.0 * elems / total as f64)?;
+        r.set_item("model_bytes", c.model_bytes())?;
+        r.set_item("encode_seconds", enc)?;
+        r.set_item("decode_seconds", dec)?;
+        r.set_item("mse", se / elems)?;
+        r.set_item(
+            "relative_error",
+            if sx > 0.0 {
+                (se / sx).sqrt()
+            } else {
+                se.sqrt()
+            },
+        )?;
+        r.set_item("max_abs_error", mx)?;
+        Ok((to_array2(py, y, n, d)?, r))
+    }
+
+    /// Every intermediate of an encode, by name: the oracle for GPU kernels, and the codec's
+    /// own `z` for fitting Lloyd-Max tables.
+    fn encode_parts<'py>(
+        &self,
+        py: Python<'py>,
+        array: PyReadonlyArray2<'py, f32>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (x, n, _) = self.rows(py, &array)?;
+        let c = &self.inner;
+        let p = run(py, || c.encode_parts(x, n))?;
+        let r = PyDict::new(py);
+        let m = c.m;
+        r.set_item("n", n)?;
+        r.set_item("d", c.d)?;
+        r.set_item("m", m)?;
+        r.set_item("row_bytes", c.row_bytes())?;
+        r.set_item("z", to_array2(py, p.z, n, m)?)?;
+        r.set_item("g", vec1(py, p.g))?;
+        r.set_item("indices", to_array2_u8(py, p.indices, n, m)?)?;
+        r.set_item("codes", PyBytes::new(py, &p.codes.codes))?;
+        if let Some(s) = &p.codes.scale {
+            r.set_item("scale", vec1(py, s.decode()))?;
+            r.set_item("scale_exp", s.exp)?;
+            r.set_item("scale_bits", vec1(py, s.bits.clone()))?;
+        }
+        r.set_item(
+            "outlier_pos",
+            vec1(py, p.codes.outlier_pos.iter().map(|&v| v as i64).collect()),
+        )?;
+        r.set_item("outlier_bits", vec1(py, p.codes.outlier_val.clone()))?;
+        r.set_item(
+            "outlier_val",
+            vec1(
+                py,
+                p.codes
+                    .outlier_val
+                    .iter()
+                    .map(|&b| half::f16::from_bits(b).to_f32())
+                    .collect(),
+            ),
+        )?;
+        Ok(r)
+    }
+
+    /// Decodes the `codes`, `scale_exp`/`scale_bits` and `outlier_pos`/`outlier_bits` of a
+    /// parts dict (as [`Self::encode_parts`] returns it).
+    fn decode_parts<'py>(
+        &self,
+        py: Python<'py>,
+        parts: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let c = &self.inner;
+        let n: usize = item(parts, "n")?.extract()?;
+        let scale = if c.params.norm {
+            Some(ScaledF16 {
+                exp: item(parts, "scale_exp")?.extract()?,
+                bits: arr(parts, "scale_bits", n)?,
+            })
+        } else {
+            None
+        };
+        let pos: Vec<i64> = {
+            let a = item(parts, "outlier_pos")?;
+            let len = a.len()?;
+            arr(parts, "outlier_pos", len)?
+        };
+        if pos.iter().any(|&p| p < 0 || p > u32::MAX as i64) {
+            return Err(invalid_input(py, "outlier_pos out of range"));
+        }
+        let codes = CalibratedCodes {
+            n,
+            scale,
+            codes: item(parts, "codes")?.extract()?,
+            outlier_pos: pos.iter().map(|&p| p as u32).collect(),
+            outlier_val: arr(parts, "outlier_bits", pos.len())?,
+        };
+        let y = run(py, || c.decode(&codes))?;
+        to_array2(py, y, n, c.d)
+    }
+
+    /// Header fields and byte counts of a container, read without decoding it.
+    fn inspect<'py>(&self, py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let (h, parts) = run(py, || {
+            let codes = c.from_bytes(data)?;
+            let h = calibrated::read_header(data)?;
+            Ok((h, c.to_bytes(&codes).1))
+        })?;
+        let r = PyDict::new(py);
+        r.set_item("num_vecs", h.n)?;
+        r.set_item("dim", h.d)?;
+        r.set_item("components", h.m)?;
+        r.set_item("row_bytes", h.row_bytes)?;
+        r.set_item("fingerprint", h.fingerprint)?;
+        r.set_item("num_outliers", h.num_outliers)?;
+        r.set_item("header_bytes", parts.header)?;
+        r.set_item("scale_bytes", parts.scales)?;
+        r.set_item("code_bytes", parts.codes)?;
+        r.set_item("outlier_bytes", parts.outliers)?;
+        r.set_item("compressed_bytes", parts.total())?;
+        Ok(r)
+    }
+}
+
+impl PyCalibratedCodec {
+    fn rows<'a>(
+        &self,
+        py: Python<'_>,
+        a: &'a PyReadonlyArray2<'_, f32>,
+    ) -> PyResult<(&'a [f32], usize, usize)> {
+        let (x, n, d) = matrix(py, a)?;
+        if d != self.inner.d {
+            return Err(invalid_input(
+                py,
+                format!("rows have {d} columns, the calibration {}", self.inner.d),
+            ));
+        }
+        Ok((x, n, d))
+    }
+}
