@@ -356,3 +356,26 @@ def test_bad_settings_raise(llama) -> None:
         max_window_layers=1))
     with pytest.raises(ValueError, match="full-attention"):
         KakeyaCache(IdentityCodec(), model=sliding)
+
+
+def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:
+    """The calibrated mode plugs into the cache: pre-RoPE keys, blocks held as KKYC bytes whose
+    size is the per-token bits of the recipe plus one small header per block."""
+    from kakeyaturbo import calibrate
+
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
+    stats = calibrate.collect(llama, wins, n_sink=1, samples=8)
+    rec = recipes.load("calibrated-4bit")
+    codec = calibrate.ModelCodec(stats, rec)
+    assert codec.pre_rope_keys
+    cache = KakeyaCache(codec, model=llama, block_size=16, n_sink=1)
+    seq, logits = generate(llama, prompt(t=40), cache, n=8)
+    ref_seq, _ = generate(llama, prompt(t=40), transformers.DynamicCache(config=llama.config), n=8)
+    assert seq.shape == ref_seq.shape and torch.isfinite(logits).all()
+    layer = cache.layers[0]
+    assert layer.num_sealed() == 2  # 47 cached tokens: 1 sink + 2 x 16 sealed + 14 staged
+    mem = cache.memory()
+    sealed = LAYERS * KV_HEADS * 2 * 2 * 16 * 16  # layers, heads, streams, blocks, rows, D
+    assert 8 * mem["blobs"] / sealed <= 4.0 + 8 * 48 / (16 * 16)  # + one header per blob
+    assert cache.nbytes() < cache.nbytes_uncompressed()

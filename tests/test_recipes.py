@@ -10,13 +10,49 @@ import kakeyaturbo as kt
 from kakeyaturbo import recipes
 
 
-@pytest.mark.parametrize("name", recipes.available())
-def test_shipped_recipes_run(name: str) -> None:
+@pytest.mark.parametrize("name", [n for n in recipes.available() if recipes.load(n).mode == "block"])
+def test_shipped_block_recipes_run(name: str) -> None:
     r = recipes.load(name)
     x = kv_like(700, 64)
     for stream in (r.k, r.v):
         y, rep = kt.roundtrip_layer(x, **stream)
         assert y.shape == x.shape and rep["bits_per_element"] < 16
+
+
+@pytest.mark.parametrize("name", [n for n in recipes.available() if recipes.load(n).mode == "calibrated"])
+def test_shipped_calibrated_recipes_fit(name: str) -> None:
+    from kakeyaturbo import calibrate
+
+    r = recipes.load(name)
+    x = kv_like(700, 64).astype(np.float64)
+    q = kv_like(500, 64, seed=1).astype(np.float64)
+    stats = calibrate.AttentionStats(
+        meta={}, q2=(q.T @ q / len(q))[None, None], k_mean=x.mean(0)[None, None],
+        k_cov=np.cov(x.T)[None, None], v_mean=x.mean(0)[None, None], v_cov=np.cov(x.T)[None, None],
+        o_gram=np.eye(64)[None, None], k_samples=np.zeros((1, 1, 0, 64), np.float32),
+        v_samples=np.zeros((1, 1, 0, 64), np.float32))
+    codec = calibrate.ModelCodec(stats, r)
+    for s in ("k", "v"):
+        blob = codec.encode(s, 0, 0, x.astype(np.float32))
+        y = codec.decode(s, 0, 0, blob)
+        assert y.shape == x.shape
+        assert 8 * len(blob) / x.size <= r.stream(s)["bits"] + 0.05
+
+
+def test_calibrated_recipe_fields(tmp_path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('mode = "calibrated"\n[k]\nbits = 3\nwhiten = "query"\n[calibration]\npath = "s.safetensors"\n')
+    r = recipes.load(p)
+    assert r.stream("k")["bits"] == 3 and r.stream("v")["bits"] == recipes.CALIBRATED_DEFAULTS["bits"]
+    assert r.calibration["path"] == str(tmp_path / "s.safetensors")
+    for bad in ('mode = "calibrated"\n[k]\nbit_width = 3\n',
+                'mode = "calibrated"\n[v]\nwhiten = "query"\n',
+                'mode = "calibrated"\n[k]\nbits = 0\n',
+                'mode = "other"\n',
+                '[calibration]\nwindows = 4\n'):
+        p.write_text(bad)
+        with pytest.raises(kt.InvalidParameterError):
+            recipes.load(p)
 
 
 def test_shipped_names() -> None:

@@ -377,3 +377,117 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
     return StreamFit(mean=np.asarray(mean, dtype=np.float64), analysis=analysis,
                      synthesis=synthesis, spread=np.sqrt(np.maximum(lam[keep], floor)),
                      bits=bits[keep], variances=lam, whitening=whitening)
+
+
+def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
+              settings: Dict[str, Any]) -> CalibratedCodec:
+    """The calibrated codec of one (stream, layer, kv-head) for the recipe settings of that
+    stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names)."""
+    if stream == "k":
+        mean, cov = stats.k_mean[layer, head], stats.k_cov[layer, head]
+    else:
+        mean, cov = stats.v_mean[layer, head], stats.v_cov[layer, head]
+    if not settings["center"]:
+        cov = cov + np.outer(mean, mean)  # the second moment about zero
+        mean = np.zeros_like(mean)
+    w = None
+    if settings["whiten"] == "query":
+        w = whitening_factor(stats.q2[layer, head])
+    elif settings["whiten"] == "output":
+        w = whitening_factor(stats.o_gram[layer, head])
+    fit = fit_stream(mean, cov, float(settings["bits"]), whitening=w, norm=settings["norm"],
+                     max_bits=int(settings["max_bits"]))
+    return fit.codec(rotation_seed=int(settings["rotation_seed"]), metric=str(settings["metric"]),
+                     norm=bool(settings["norm"]), outlier_threshold=settings["outlier_threshold"])
+
+
+class ModelCodec:
+    """The calibrated codecs of a whole model for one recipe: a
+    :class:`kakeyaturbo.cache.StreamCodec` (keys are coded without RoPE, as calibrated).
+
+    ``model_bytes``: the calibrations' bytes, stored once per model and counted apart from
+    the per-token bits.
+    """
+
+    pre_rope_keys = True
+
+    def __init__(self, stats: AttentionStats, recipe: Any, *, threads: Optional[int] = None) -> None:
+        if getattr(recipe, "mode", None) != "calibrated":
+            raise InvalidParameterError(f"recipe {getattr(recipe, 'name', recipe)!r} is not calibrated")
+        self.recipe = recipe
+        self.threads = threads
+        self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
+        for s in recipe.streams:
+            settings = recipe.stream(s)
+            for layer in range(stats.num_layers):
+                for h in range(stats.kv_heads):
+                    self.codecs[(s, layer, h)] = fit_codec(stats, s, layer, h, settings)
+        self.model_bytes = sum(c.model_bytes for c in self.codecs.values())
+
+    def __repr__(self) -> str:
+        return f"ModelCodec({self.recipe.name!r}, {len(self.codecs)} calibrations)"
+
+    def _codec(self, stream: str, layer: int, head: int) -> CalibratedCodec:
+        try:
+            return self.codecs[(stream, layer, head)]
+        except KeyError:
+            raise InvalidParameterError(
+                f"no calibration for stream {stream!r}, layer {layer}, kv-head {head}") from None
+
+    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
+        return self._codec(stream, layer, head).encode(x, threads=self.threads)
+
+    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
+        return self._codec(stream, layer, head).decode(blob, threads=self.threads)
+
+
+# ---- calibration text and the statistics cache -----------------------------------------------
+
+
+def calibration_windows(tok: Any, text_path: "os.PathLike[str] | str", windows: int,
+                        window: int) -> List[List[int]]:
+    """``windows`` token windows of ``window`` tokens from the **calibration** split of the
+    text (articles split by title hash, disjoint from the evaluation split)."""
+    from .eval import data, model as model_mod
+
+    calib, _ = data.split(data.load_articles(Path(text_path)))
+    ids: List[int] = []
+    for t in calib:
+        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False))
+        if len(ids) >= windows * window:
+            break
+    wins = data.windows(ids, window, windows, model_mod.bos_id(tok))
+    if not wins:
+        raise InvalidParameterError("the calibration split holds no full window")
+    return wins
+
+
+def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
+               settings: Dict[str, Any]) -> Path:
+    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings)."""
+    from .eval.data import CACHE
+
+    mp, tp = Path(model_path), Path(text_path)
+    size = mp.stat().st_size if mp.is_file() else 0
+    key = (f"{mp.stem}-{size}-{tp.stem}-{settings['windows']}x{settings['window']}-"
+           f"{settings['weighting']}")
+    return CACHE / "calibration" / f"{key}.safetensors"
+
+
+def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                 text_path: "os.PathLike[str] | str", settings: Dict[str, Any], *,
+                 n_sink: int = 1, progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it
+                 ) -> AttentionStats:
+    """The statistics a recipe's ``[calibration]`` asks for: its ``path`` if given, else the
+    cached file for this model, text and settings, collected (and cached) when missing."""
+    if settings.get("path"):
+        return AttentionStats.load(settings["path"])
+    path = stats_path(model_path, text_path, settings)
+    if path.exists():
+        return AttentionStats.load(path)
+    wins = calibration_windows(tok, text_path, int(settings["windows"]), int(settings["window"]))
+    stats = collect(model, wins, n_sink=n_sink, weighting=settings["weighting"], progress=progress,
+                    meta={"model": Path(model_path).name, "text": Path(text_path).name,
+                          "split": "calibration"})
+    stats.save(path)
+    return stats

@@ -1,4 +1,5 @@
-"""`kakeyaturbo eval`: the EVAL.md protocol on a causal LM and a text, with baselines."""
+"""`kakeyaturbo eval` and `kakeyaturbo calibrate`: the EVAL.md protocol on a causal LM and a
+text, with baselines; the calibration statistics of the calibrated mode."""
 
 from __future__ import annotations
 
@@ -6,23 +7,34 @@ import argparse
 import datetime
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 DEFAULT_BASELINES = "identity,bf16,fp8_e4m3,int4,kivi2,turboquant3,turboquant4"
-DEFAULT_RECIPES = "balanced,max-compression,predecessor"
+DEFAULT_RECIPES = "calibrated-4bit,calibrated-3bit,balanced,max-compression,predecessor"
 
 
-def _eval(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from . import recipes
-    from .eval import data, harness, model, report
+def _model_and_text(args: argparse.Namespace) -> Tuple[Path, Path]:
+    from .eval import data
 
     if args.model == "hard-case":
         model_path = data.hard_case_model()
     else:
         model_path = Path(args.model) if args.model else data.default_model()
     text_path = Path(args.text) if args.text else data.default_text()
+    return model_path, text_path
+
+
+def _progress(desc: str) -> Any:
+    from tqdm import tqdm
+
+    return lambda it: tqdm(it, desc=desc, file=sys.stderr)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from . import calibrate, recipes
+    from .eval import data, harness, model, report
+
+    model_path, text_path = _model_and_text(args)
     print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
     m, tok = model.load(model_path)
     _, eval_texts = data.split(data.load_articles(text_path))
@@ -37,9 +49,19 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"text holds only {len(wins)} windows", file=sys.stderr)
     layers = m.config.num_hidden_layers
     methods = harness.baseline_methods([b for b in args.baselines.split(",") if b])
-    methods += [harness.codec_method(recipes.load(r), layers) for r in args.recipes.split(",") if r]
-    res_methods = harness.evaluate(m, wins, args.ctx, methods,
-                                   progress=lambda it: tqdm(it, desc="windows", file=sys.stderr))
+    stats: Dict[str, Any] = {}
+    for name in (r for r in args.recipes.split(",") if r):
+        rec = recipes.load(name)
+        st = None
+        if rec.mode == "calibrated":
+            key = str(sorted(rec.calibration.items())) + f"sink{rec.n_sink}"
+            if key not in stats:
+                stats[key] = calibrate.cached_stats(m, tok, model_path, text_path, rec.calibration,
+                                                    n_sink=max(rec.n_sink, 1),
+                                                    progress=_progress("calibration"))
+            st = stats[key]
+        methods.append(harness.codec_method(rec, layers, stats=st))
+    res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
     any_m = next(iter(res_methods.values()))
     res = {
         "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
@@ -53,21 +75,53 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from . import calibrate
+    from .eval import model
+
+    model_path, text_path = _model_and_text(args)
+    print(f"model {model_path}\ntext  {text_path} (calibration split)", file=sys.stderr)
+    m, tok = model.load(model_path)
+    wins = calibrate.calibration_windows(tok, text_path, args.windows, args.window)
+    stats = calibrate.collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
+                              samples=args.samples, progress=_progress("calibration"),
+                              meta={"model": model_path.name, "text": text_path.name,
+                                    "split": "calibration"})
+    out = Path(args.out) if args.out else calibrate.stats_path(
+        model_path, text_path, {"windows": args.windows, "window": args.window,
+                                "weighting": args.weighting})
+    for p in stats.save(out):
+        print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kakeyaturbo")
     sub = ap.add_subparsers(dest="command", required=True)
+    model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
+                  "(default: the embedded SmolLM2-135M)")
+    text_help = "a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)"
     e = sub.add_parser("eval", help="perplexity, top-1 and KL of the codec and baselines on a model")
-    e.add_argument("--model", help="a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
-                   "(default: the embedded SmolLM2-135M)")
-    e.add_argument("--text", help="a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)")
+    e.add_argument("--model", help=model_help)
+    e.add_argument("--text", help=text_help)
     e.add_argument("--windows", type=int, default=4)
     e.add_argument("--ctx", type=int, default=512)
     e.add_argument("--n-eval", type=int, default=64)
     e.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma-separated recipe names or files")
     e.add_argument("--baselines", default=DEFAULT_BASELINES)
     e.add_argument("--out", default="eval-out")
+    c = sub.add_parser("calibrate", help="attention statistics of a model on the calibration split "
+                       "(safetensors + JSON sidecar), for the calibrated mode")
+    c.add_argument("--model", help=model_help)
+    c.add_argument("--text", help=text_help)
+    c.add_argument("--windows", type=int, default=16)
+    c.add_argument("--window", type=int, default=1024)
+    c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")
+    c.add_argument("--weighting", choices=("attention", "uniform"), default="attention")
+    c.add_argument("--samples", type=int, default=512, help="rows kept per (layer, kv-head)")
+    c.add_argument("--out", help="output .safetensors (default: the cache eval looks in)")
     args = ap.parse_args(argv)
-    return _eval(args)
+    return _eval(args) if args.command == "eval" else _calibrate(args)
 
 
 if __name__ == "__main__":

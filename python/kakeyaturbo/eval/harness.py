@@ -11,7 +11,6 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .. import _api
 from ..recipes import Recipe
 from . import baselines, metrics
 
@@ -28,15 +27,34 @@ class Method:
     #: Leading tokens kept uncompressed (the attention sink), counted at 16 bits.
     n_sink: int = 0
     streams: Sequence[str] = ("k", "v")
+    #: A `kakeyaturbo.cache.StreamCodec`; when set, `compress_prefix` codes the cache through
+    #: `kakeyaturbo.cache.compress_cache` (blobs, all-in bits) and `quantise` is not called.
+    codec: Any = None
+    #: Bytes stored once per model (calibrations), reported apart from the per-token bits.
+    model_bytes: int = 0
 
 
-def codec_method(recipe: Recipe, num_layers: int) -> Method:
-    def quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
-        y, r = _api.roundtrip_layer(x, **(recipe.k if stream == "k" else recipe.v))
-        return y, 8 * r["compressed_bytes"]
+def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
+    raise AssertionError("codec methods are coded through compress_cache")
 
-    return Method(f"kakeyaturbo:{recipe.name}", quantise, recipe.boundary(num_layers), "codec",
-                  recipe.n_sink, recipe.streams)
+
+def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None) -> Method:
+    """The method of a recipe: its per-block codec, or (``mode = "calibrated"``) the
+    calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibrate.AttentionStats`)."""
+    from ..cache import BlockCodec
+
+    model_bytes = 0
+    if recipe.mode == "calibrated":
+        from ..calibrate import ModelCodec
+
+        if stats is None:
+            raise ValueError(f"recipe {recipe.name!r} is calibrated: pass its statistics")
+        codec: Any = ModelCodec(stats, recipe)
+        model_bytes = codec.model_bytes
+    else:
+        codec = BlockCodec(recipe)
+    return Method(f"kakeyaturbo:{recipe.name}", _no_quantise, recipe.boundary(num_layers), "codec",
+                  recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes)
 
 
 def baseline_methods(names: Sequence[str]) -> List[Method]:
@@ -58,10 +76,21 @@ def _forward(model: Any, ids: Any, cache: Any = None) -> Tuple[Any, Any]:
     return out.logits, new if new is not None else out.past_key_values
 
 
-def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Method) -> Tuple[int, int]:
+def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Method,
+                    rope: Any = None) -> Tuple[int, int]:
     """Sets every layer of `cache` to the method's reconstruction of the snapshot
-    (`keys0`/`values0`, each [1, kv_heads, T, D]); returns (bits, elements) over all layers."""
+    (`keys0`/`values0`, each [1, kv_heads, T, D]); returns (bits, elements) over all layers.
+    `rope` (`kakeyaturbo.rope.rope_for(model)`) is needed by codecs that code keys without RoPE."""
     import torch
+
+    if method.codec is not None:
+        from ..cache import compress_cache
+
+        for layer, k0, v0 in zip(cache.layers, keys0, values0):
+            layer.keys, layer.values = k0.clone(), v0.clone()
+        stats = compress_cache(cache, method.codec, n_sink=method.n_sink, boundary=method.boundary,
+                               streams=method.streams, rope=rope)
+        return stats["bits"], stats["elements"]
 
     bits = elems = 0
     for i, (k0, v0) in enumerate(zip(keys0, values0)):
@@ -111,6 +140,11 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
 
     ref = Scores()
     per = {m.name: Scores() for m in methods}
+    rope = None
+    if any(getattr(m.codec, "pre_rope_keys", False) for m in methods):
+        from ..rope import rope_for
+
+        rope = rope_for(model)
     with torch.no_grad():
         for w in progress(windows):
             ids = torch.tensor([list(w)])
@@ -125,7 +159,7 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
                 bits = elems = 0
                 t0 = time.perf_counter()
                 if method is not None:
-                    bits, elems = compress_prefix(cache, keys0, values0, method)
+                    bits, elems = compress_prefix(cache, keys0, values0, method, rope)
                 logits, _ = _forward(model, cont, cache)
                 s = per[method.name] if method is not None else ref
                 s.seconds += time.perf_counter() - t0
@@ -150,5 +184,5 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
         bpe = s.bits / s.elems
         results[m.name] = dict(c.to_dict(), kind=m.kind, bits_per_element=bpe,
                                ratio_vs_bf16=16.0 / bpe, boundary_layers=list(m.boundary),
-                               seconds=s.seconds)
+                               seconds=s.seconds, model_bytes=m.model_bytes)
     return results

@@ -1,9 +1,18 @@
 """Recipes: per-stream (K, V) codec parameters and boundary layers, as TOML data files.
 
-A recipe file has ``name``, ``description``, ``boundary_layers`` (indices; negative ones count
-from the end), ``n_sink`` (tokens at the start of the sequence kept uncompressed, default 0),
-``streams`` (which of ``"k"``, ``"v"`` are compressed, default both) and tables ``[k]`` and
-``[v]`` of codec keyword arguments (the names of :data:`kakeyaturbo.DEFAULTS`). Ship new recipes by adding a ``*.toml`` file here.
+A recipe file has ``name``, ``description``, ``mode`` (``"block"``, the default, or
+``"calibrated"``), ``boundary_layers`` (indices; negative ones count from the end),
+``n_sink`` (tokens at the start of the sequence kept uncompressed, default 0), ``streams``
+(which of ``"k"``, ``"v"`` are compressed, default both) and tables ``[k]`` and ``[v]``.
+
+- ``mode = "block"``: the tables hold codec keyword arguments (the names of
+  :data:`kakeyaturbo.DEFAULTS`).
+- ``mode = "calibrated"``: the tables hold the names of :data:`CALIBRATED_DEFAULTS` (target
+  bits per element, whitening, centring, ...), and an optional ``[calibration]`` table the
+  names of :data:`CALIBRATION_DEFAULTS` (how much calibration text, and a ``path`` to a
+  statistics file written by ``kakeyaturbo calibrate``; without it one is made and cached).
+
+Ship new recipes by adding a ``*.toml`` file here.
 """
 
 from __future__ import annotations
@@ -24,6 +33,26 @@ from .._errors import InvalidParameterError
 
 HERE = Path(__file__).parent
 
+#: Per-stream settings of the calibrated mode and their defaults.
+CALIBRATED_DEFAULTS: Dict[str, Any] = {
+    "bits": 4.0,  # all-in bits per element of the per-token codes (scale included)
+    "whiten": "none",  # "query" (keys: E[(q . e)^2]), "output" (values: o_proj), "none"
+    "center": True,  # subtract the calibration mean before projecting
+    "norm": True,  # one fp16 scale per row
+    "metric": "mse",
+    "outlier_threshold": None,
+    "rotation_seed": 0xCAFEBABE,
+    "max_bits": 8,
+}
+
+#: How the calibration statistics are gathered (``kakeyaturbo calibrate``).
+CALIBRATION_DEFAULTS: Dict[str, Any] = {
+    "windows": 16,
+    "window": 1024,
+    "weighting": "attention",
+    "path": None,
+}
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -34,6 +63,15 @@ class Recipe:
     v: Dict[str, Any] = field(default_factory=dict)
     n_sink: int = 0
     streams: Tuple[str, ...] = ("k", "v")
+    mode: str = "block"
+    calibration: Dict[str, Any] = field(default_factory=dict)
+
+    def stream(self, name: str) -> Dict[str, Any]:
+        """The settings of stream ``"k"`` or ``"v"``; in calibrated mode with defaults filled in."""
+        table = self.k if name == "k" else self.v
+        if self.mode == "calibrated":
+            return {**CALIBRATED_DEFAULTS, **table}
+        return dict(table)
 
     def boundary(self, num_layers: int) -> List[int]:
         """The boundary layer indices for a model of `num_layers` layers, sorted, in range."""
@@ -50,21 +88,41 @@ def available() -> List[str]:
     return sorted(p.stem for p in HERE.glob("*.toml"))
 
 
-def _check_stream(name: str, stream: str, table: Any) -> Dict[str, Any]:
+def _check_table(name: str, stream: str, table: Any, known: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(table, dict):
         raise InvalidParameterError(f"recipe {name!r}: [{stream}] must be a table")
-    unknown = sorted(set(table) - set(DEFAULTS))
+    unknown = sorted(set(table) - set(known))
     if unknown:
-        raise InvalidParameterError(f"recipe {name!r}: unknown codec parameter(s) {unknown} in [{stream}]")
+        raise InvalidParameterError(f"recipe {name!r}: unknown parameter(s) {unknown} in [{stream}]")
     return dict(table)
+
+
+def _check_calibrated(name: str, stream: str, t: Dict[str, Any]) -> None:
+    full = {**CALIBRATED_DEFAULTS, **t}
+    bits = full["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= 16:
+        raise InvalidParameterError(f"recipe {name!r}: [{stream}] bits must be in (0, 16]")
+    if full["whiten"] not in ("none", "query", "output"):
+        raise InvalidParameterError(f"recipe {name!r}: [{stream}] whiten must be none, query or output")
+    if full["whiten"] == "query" and stream != "k":
+        raise InvalidParameterError(f"recipe {name!r}: whiten = 'query' applies to keys only")
+    if full["whiten"] == "output" and stream != "v":
+        raise InvalidParameterError(f"recipe {name!r}: whiten = 'output' applies to values only")
+    for key in ("center", "norm"):
+        if not isinstance(full[key], bool):
+            raise InvalidParameterError(f"recipe {name!r}: [{stream}] {key} must be a bool")
+    if not isinstance(full["max_bits"], int) or not 1 <= full["max_bits"] <= 8:
+        raise InvalidParameterError(f"recipe {name!r}: [{stream}] max_bits must be in 1..8")
 
 
 def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     """A shipped recipe by name, or a recipe file by path."""
     path = Path(name_or_path)
-    if not path.suffix and not path.exists():
-        path = HERE / f"{name_or_path}.toml"
-        if not path.exists():
+    if not path.exists():
+        shipped = HERE / f"{name_or_path}.toml"
+        if shipped.exists():
+            path = shipped
+        elif path.suffix != ".toml":
             raise InvalidParameterError(
                 f"no recipe named {name_or_path!r}; shipped: {', '.join(available())}"
             )
@@ -72,7 +130,8 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise InvalidParameterError(f"cannot read recipe {str(path)!r}: {e}") from e
-    known = {"name", "description", "boundary_layers", "k", "v", "n_sink", "streams"}
+    known = {"name", "description", "boundary_layers", "k", "v", "n_sink", "streams", "mode",
+             "calibration"}
     extra = sorted(set(data) - known)
     if extra:
         raise InvalidParameterError(f"recipe {str(path)!r}: unknown field(s) {extra}")
@@ -86,12 +145,29 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     streams = data.get("streams", ["k", "v"])
     if not (isinstance(streams, list) and set(streams) <= {"k", "v"}):
         raise InvalidParameterError(f"recipe {name!r}: streams must be a list drawn from 'k', 'v'")
+    mode = data.get("mode", "block")
+    if mode not in ("block", "calibrated"):
+        raise InvalidParameterError(f"recipe {name!r}: mode must be 'block' or 'calibrated'")
+    known_stream = CALIBRATED_DEFAULTS if mode == "calibrated" else DEFAULTS
+    k = _check_table(name, "k", data.get("k", {}), known_stream)
+    v = _check_table(name, "v", data.get("v", {}), known_stream)
+    calibration = _check_table(name, "calibration", data.get("calibration", {}), CALIBRATION_DEFAULTS)
+    if mode == "calibrated":
+        _check_calibrated(name, "k", k)
+        _check_calibrated(name, "v", v)
+    elif calibration:
+        raise InvalidParameterError(f"recipe {name!r}: [calibration] needs mode = 'calibrated'")
+    if calibration.get("path") is not None:
+        cp = Path(calibration["path"]).expanduser()
+        calibration["path"] = str(cp if cp.is_absolute() else path.parent / cp)
     return Recipe(
         name=name,
         n_sink=n_sink,
         streams=tuple(streams),
         description=str(data.get("description", "")),
         boundary_layers=tuple(layers),
-        k=_check_stream(name, "k", data.get("k", {})),
-        v=_check_stream(name, "v", data.get("v", {})),
+        k=k,
+        v=v,
+        mode=mode,
+        calibration={**CALIBRATION_DEFAULTS, **calibration},
     )
