@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -380,9 +380,11 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
 
 
 def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
-              settings: Dict[str, Any]) -> CalibratedCodec:
+              settings: Dict[str, Any],
+              centroids: Optional[Mapping[int, np.ndarray]] = None) -> CalibratedCodec:
     """The calibrated codec of one (stream, layer, kv-head) for the recipe settings of that
-    stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names)."""
+    stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names), with optional custom
+    Lloyd-Max tables by bit width."""
     if stream == "k":
         mean, cov = stats.k_mean[layer, head], stats.k_cov[layer, head]
     else:
@@ -397,8 +399,32 @@ def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
         w = whitening_factor(stats.o_gram[layer, head])
     fit = fit_stream(mean, cov, float(settings["bits"]), whitening=w, norm=settings["norm"],
                      max_bits=int(settings["max_bits"]))
+    widths = set(int(b) for b in fit.bits)
+    tables = {b: t for b, t in (centroids or {}).items() if b in widths} or None
     return fit.codec(rotation_seed=int(settings["rotation_seed"]), metric=str(settings["metric"]),
-                     norm=bool(settings["norm"]), outlier_threshold=settings["outlier_threshold"])
+                     norm=bool(settings["norm"]), outlier_threshold=settings["outlier_threshold"],
+                     centroids=tables)
+
+
+def fit_tables(codecs: Mapping[Tuple[int, int], CalibratedCodec], samples: np.ndarray,
+               min_samples: int = 64) -> Dict[int, np.ndarray]:
+    """Lloyd-Max tables by bit width, fitted on the codec's own scaled coordinates ``z`` of the
+    calibration sample rows (``samples [L, H, S, D]``), pooled over every (layer, kv-head) of
+    the stream. Widths with fewer than ``min_samples * 2**b`` values keep the N(0, 1) table."""
+    pooled: Dict[int, List[np.ndarray]] = {}
+    for (layer, head), c in codecs.items():
+        rows = np.ascontiguousarray(samples[layer, head], dtype=np.float32)
+        if len(rows) == 0:
+            continue
+        z = c.encode_parts(rows)["z"]
+        for off, width, b in c.bands:
+            pooled.setdefault(int(b), []).append(z[:, off:off + width].ravel())
+    out = {}
+    for b, parts in pooled.items():
+        z = np.concatenate(parts)
+        if z.size >= min_samples * 2 ** b:
+            out[b] = lloyd_max(z, b)
+    return out
 
 
 class ModelCodec:
@@ -417,11 +443,17 @@ class ModelCodec:
         self.recipe = recipe
         self.threads = threads
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
+        #: Custom Lloyd-Max tables by stream and bit width (``tables = "calibrated"``).
+        self.tables: Dict[str, Dict[int, np.ndarray]] = {}
+        keys = [(layer, h) for layer in range(stats.num_layers) for h in range(stats.kv_heads)]
         for s in recipe.streams:
             settings = recipe.stream(s)
-            for layer in range(stats.num_layers):
-                for h in range(stats.kv_heads):
-                    self.codecs[(s, layer, h)] = fit_codec(stats, s, layer, h, settings)
+            first = {key: fit_codec(stats, s, *key, settings) for key in keys}
+            if settings["tables"] == "calibrated":
+                self.tables[s] = fit_tables(first, stats.k_samples if s == "k" else stats.v_samples)
+                first = {key: fit_codec(stats, s, *key, settings, self.tables[s]) for key in keys}
+            for key, c in first.items():
+                self.codecs[(s, *key)] = c
         self.model_bytes = sum(c.model_bytes for c in self.codecs.values())
 
     def __repr__(self) -> str:

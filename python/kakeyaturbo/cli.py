@@ -61,6 +61,8 @@ def _eval(args: argparse.Namespace) -> int:
                                                     progress=_progress("calibration"))
             st = stats[key]
         methods.append(harness.codec_method(rec, layers, stats=st))
+        if args.attribute:
+            methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
     any_m = next(iter(res_methods.values()))
     res = {
@@ -109,6 +111,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     e.add_argument("--n-eval", type=int, default=64)
     e.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma-separated recipe names or files")
     e.add_argument("--baselines", default=DEFAULT_BASELINES)
+    e.add_argument("--attribute", type=int, default=0, metavar="GROUPS",
+                   help="also run every recipe on K only, on V only, and on each of GROUPS "
+                        "groups of consecutive layers alone (where the loss comes from)")
     e.add_argument("--out", default="eval-out")
     c = sub.add_parser("calibrate", help="attention statistics of a model on the calibration split "
                        "(safetensors + JSON sidecar), for the calibrated mode")

@@ -82,3 +82,18 @@ def test_sink_tokens_and_streams_are_exact_and_counted(tiny) -> None:
     # V at 16 bits, the sink rows of K at 16 bits, the coded K rows at the spy's 0 bits.
     assert bits == 3 * 2 * 16 * (CTX * 16 + 5 * 16)
     assert elems == 3 * 2 * 2 * CTX * 16
+
+
+def test_attribution_methods_split_streams_and_layers() -> None:
+    r = recipes.Recipe(name="t", k={"bit_width": 3}, v={"bit_width": 3}, boundary_layers=(0,))
+    m = harness.codec_method(r, 10)
+    parts = harness.attribution_methods(m, 10, 3)
+    names = [p.name for p in parts]
+    assert names[:2] == ["kakeyaturbo:t[k only]", "kakeyaturbo:t[v only]"]
+    assert parts[0].streams == ("k",) and parts[1].streams == ("v",)
+    groups = parts[2:]
+    assert len(groups) == 3
+    compressed = [set(range(10)) - set(g.boundary) for g in groups]
+    assert set().union(*compressed) == set(range(1, 10))  # layer 0 stays a boundary layer
+    assert all(a.isdisjoint(b) for i, a in enumerate(compressed) for b in compressed[i + 1:])
+    assert all(g.codec is m.codec for g in groups)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -55,6 +55,20 @@ def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None) -> Metho
         codec = BlockCodec(recipe)
     return Method(f"kakeyaturbo:{recipe.name}", _no_quantise, recipe.boundary(num_layers), "codec",
                   recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes)
+
+
+def attribution_methods(method: Method, num_layers: int, groups: int) -> List[Method]:
+    """Variants of a codec method that compress only part of the cache, to attribute its loss:
+    K only, V only, and each of ``groups`` runs of consecutive layers alone (the other layers
+    uncompressed). Bits stay all-in over the whole model, so compare their dppl and KL."""
+    out = [replace(method, name=f"{method.name}[{s} only]", streams=(s,))
+           for s in ("k", "v") if s in method.streams]
+    if groups > 0:
+        bounds = np.linspace(0, num_layers, min(groups, num_layers) + 1).round().astype(int)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            others = sorted(set(range(num_layers)) - set(range(a, b)) | set(method.boundary))
+            out.append(replace(method, name=f"{method.name}[layers {a}-{b - 1}]", boundary=others))
+    return out
 
 
 def baseline_methods(names: Sequence[str]) -> List[Method]:

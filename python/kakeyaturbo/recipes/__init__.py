@@ -43,6 +43,7 @@ CALIBRATED_DEFAULTS: Dict[str, Any] = {
     "outlier_threshold": None,
     "rotation_seed": 0xCAFEBABE,
     "max_bits": 8,
+    "tables": "gaussian",  # or "calibrated": Lloyd-Max fitted on the codec's own z (per width)
 }
 
 #: How the calibration statistics are gathered (``kakeyaturbo calibrate``).
@@ -111,6 +112,8 @@ def _check_calibrated(name: str, stream: str, t: Dict[str, Any]) -> None:
     for key in ("center", "norm"):
         if not isinstance(full[key], bool):
             raise InvalidParameterError(f"recipe {name!r}: [{stream}] {key} must be a bool")
+    if full["tables"] not in ("gaussian", "calibrated"):
+        raise InvalidParameterError(f"recipe {name!r}: [{stream}] tables must be gaussian or calibrated")
     if not isinstance(full["max_bits"], int) or not 1 <= full["max_bits"] <= 8:
         raise InvalidParameterError(f"recipe {name!r}: [{stream}] max_bits must be in 1..8")
 
