@@ -214,3 +214,16 @@ def test_tables_fitted_on_the_codecs_own_z_lower_the_error() -> None:
     e_plain = np.mean((test - plain.decode(plain.encode(test))) ** 2)
     e_tuned = np.mean((test - tuned.decode(tuned.encode(test))) ** 2)
     assert e_tuned < 0.97 * e_plain, (e_tuned, e_plain)
+
+
+def test_global_allocation_moves_bits_to_where_variance_is() -> None:
+    loud = 4.0 * 0.85 ** np.arange(D)
+    quiet = 0.01 * 0.85 ** np.arange(D)
+    per_head = [calibrate.allocate_bits(sp, 64) for sp in (loud, quiet)]
+    glob = calibrate.global_allocation([loud, quiet], [64, 64])
+    assert all(b.sum() % 8 == 0 for b in glob)
+    assert sum(b.sum() for b in glob) <= 128
+    assert glob[0].sum() > per_head[0].sum() and glob[1].sum() < per_head[1].sum()
+    lm = np.array(calibrate.LLOYD_MAX_MSE)
+    cost = lambda alloc: sum(np.sum(sp * lm[b]) for sp, b in zip((loud, quiet), alloc))  # noqa: E731
+    assert cost(glob) < cost(per_head)

@@ -345,30 +345,40 @@ def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
     return max(0, b // 8 * 8)
 
 
-def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
-               whitening: Optional[np.ndarray] = None, norm: bool = True,
-               max_bits: int = 8) -> StreamFit:
-    """PCA of ``cov`` in the whitened space (``x -> x L``), water-filled to the target.
-
-    Components are sorted by variance; those allocated 0 bits are dropped (they decode as the
-    mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
-    ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
-    """
-    d = len(mean)
+def spectrum(cov: np.ndarray, whitening: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues (descending, >= 0) and eigenvectors (columns) of ``cov`` in the whitened
+    space ``x -> x L``: the variances water-filling allocates over."""
     c = np.asarray(cov, dtype=np.float64)
     if whitening is not None:
         w = np.asarray(whitening, dtype=np.float64)
         c = w.T @ c @ w
     lam, u = np.linalg.eigh((c + c.T) / 2)
     order = np.argsort(lam)[::-1]
-    lam, u = np.maximum(lam[order], 0.0), u[:, order]
-    bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits)
+    return np.maximum(lam[order], 0.0), u[:, order]
+
+
+def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
+               whitening: Optional[np.ndarray] = None, norm: bool = True,
+               max_bits: int = 8, bits: Optional[np.ndarray] = None) -> StreamFit:
+    """PCA of ``cov`` in the whitened space (``x -> x L``), water-filled to the target (or
+    given ``bits`` per component, in the order of :func:`spectrum`).
+
+    Components are sorted by variance; those allocated 0 bits are dropped (they decode as the
+    mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
+    ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
+    """
+    d = len(mean)
+    lam, u = spectrum(cov, whitening)
+    w = None if whitening is None else np.asarray(whitening, dtype=np.float64)
+    if bits is None:
+        bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits)
+    bits = np.asarray(bits, dtype=np.int64)
     keep = bits > 0
     if not np.any(keep):
         raise InvalidParameterError(
             f"{bits_per_element} bits per element leave no bits for the components at D = {d}")
     ut = u[:, keep].T
-    if whitening is not None:
+    if w is not None:
         analysis = ut @ w.T
         synthesis = np.linalg.solve(w.T, ut.T).T  # rows of U^T L^-1
     else:
@@ -379,12 +389,9 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
                      bits=bits[keep], variances=lam, whitening=whitening)
 
 
-def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
-              settings: Dict[str, Any],
-              centroids: Optional[Mapping[int, np.ndarray]] = None) -> CalibratedCodec:
-    """The calibrated codec of one (stream, layer, kv-head) for the recipe settings of that
-    stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names), with optional custom
-    Lloyd-Max tables by bit width."""
+def _stream_inputs(stats: AttentionStats, stream: str, layer: int, head: int,
+                   settings: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """(mean, covariance, whitening factor) of one (stream, layer, kv-head) for the settings."""
     if stream == "k":
         mean, cov = stats.k_mean[layer, head], stats.k_cov[layer, head]
     else:
@@ -397,8 +404,42 @@ def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
         w = whitening_factor(stats.q2[layer, head])
     elif settings["whiten"] == "output":
         w = whitening_factor(stats.o_gram[layer, head])
+    return mean, cov, w
+
+
+def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
+                      max_bits: int = 8) -> List[np.ndarray]:
+    """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
+    (whitened) variances are largest, whichever head they belong to; then each head's row is
+    trimmed to whole bytes by taking back its least useful bits (so the total never exceeds the
+    pooled budget)."""
+    lam = np.concatenate(spectra)
+    bits = allocate_bits(lam, int(sum(row_budgets)), max_bits)
+    out, at = [], 0
+    lm = np.asarray(LLOYD_MAX_MSE)
+    for sp in spectra:
+        b = bits[at:at + len(sp)].copy()
+        at += len(sp)
+        for _ in range(int(b.sum()) % 8):
+            j = [i for i in range(len(b)) if b[i] > 0]
+            loss = [sp[i] * (lm[b[i] - 1] - lm[b[i]]) for i in j]
+            b[j[int(np.argmin(loss))]] -= 1
+        if b.sum() == 0:  # every head keeps at least one byte of codes
+            b[0] = 8 if max_bits >= 8 else max_bits
+        out.append(b)
+    return out
+
+
+def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
+              settings: Dict[str, Any],
+              centroids: Optional[Mapping[int, np.ndarray]] = None,
+              bits: Optional[np.ndarray] = None) -> CalibratedCodec:
+    """The calibrated codec of one (stream, layer, kv-head) for the recipe settings of that
+    stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names), with optional custom
+    Lloyd-Max tables by bit width and an optional given allocation."""
+    mean, cov, w = _stream_inputs(stats, stream, layer, head, settings)
     fit = fit_stream(mean, cov, float(settings["bits"]), whitening=w, norm=settings["norm"],
-                     max_bits=int(settings["max_bits"]))
+                     max_bits=int(settings["max_bits"]), bits=bits)
     widths = set(int(b) for b in fit.bits)
     tables = {b: t for b, t in (centroids or {}).items() if b in widths} or None
     return fit.codec(rotation_seed=int(settings["rotation_seed"]), metric=str(settings["metric"]),
@@ -448,10 +489,18 @@ class ModelCodec:
         keys = [(layer, h) for layer in range(stats.num_layers) for h in range(stats.kv_heads)]
         for s in recipe.streams:
             settings = recipe.stream(s)
-            first = {key: fit_codec(stats, s, *key, settings) for key in keys}
+            alloc: Dict[Tuple[int, int], Optional[np.ndarray]] = {key: None for key in keys}
+            if settings["allocation"] == "global":
+                spectra = [spectrum(*_stream_inputs(stats, s, *key, settings)[1:])[0] for key in keys]
+                d = spectra[0].size
+                budget = row_budget(float(settings["bits"]), d, settings["norm"])
+                alloc = dict(zip(keys, global_allocation(spectra, [budget] * len(keys),
+                                                         int(settings["max_bits"]))))
+            first = {key: fit_codec(stats, s, *key, settings, bits=alloc[key]) for key in keys}
             if settings["tables"] == "calibrated":
                 self.tables[s] = fit_tables(first, stats.k_samples if s == "k" else stats.v_samples)
-                first = {key: fit_codec(stats, s, *key, settings, self.tables[s]) for key in keys}
+                first = {key: fit_codec(stats, s, *key, settings, self.tables[s], alloc[key])
+                         for key in keys}
             for key, c in first.items():
                 self.codecs[(s, *key)] = c
         self.model_bytes = sum(c.model_bytes for c in self.codecs.values())

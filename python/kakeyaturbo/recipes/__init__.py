@@ -44,6 +44,7 @@ CALIBRATED_DEFAULTS: Dict[str, Any] = {
     "rotation_seed": 0xCAFEBABE,
     "max_bits": 8,
     "tables": "gaussian",  # or "calibrated": Lloyd-Max fitted on the codec's own z (per width)
+    "allocation": "per-head",  # or "global": one water-filling over every layer and kv-head
 }
 
 #: How the calibration statistics are gathered (``kakeyaturbo calibrate``).
@@ -112,6 +113,8 @@ def _check_calibrated(name: str, stream: str, t: Dict[str, Any]) -> None:
     for key in ("center", "norm"):
         if not isinstance(full[key], bool):
             raise InvalidParameterError(f"recipe {name!r}: [{stream}] {key} must be a bool")
+    if full["allocation"] not in ("per-head", "global"):
+        raise InvalidParameterError(f"recipe {name!r}: [{stream}] allocation must be per-head or global")
     if full["tables"] not in ("gaussian", "calibrated"):
         raise InvalidParameterError(f"recipe {name!r}: [{stream}] tables must be gaussian or calibrated")
     if not isinstance(full["max_bits"], int) or not 1 <= full["max_bits"] <= 8:
