@@ -25,7 +25,7 @@ import torch
 
 import kakeyaturbo as kt
 from kakeyaturbo import reference as ref
-from tolerances import TOLERANCES as TOL
+from .tolerances import TOLERANCES as TOL
 
 METRICS = ("mse", "inner_product", "linf")
 DIMS = (64, 96, 128, 256)

@@ -10,8 +10,8 @@ from typing import Callable, Dict
 import numpy as np
 import pytest
 
-import parity
-from conftest import DEVICE, FULL_FUZZ, RESULTS
+from . import parity
+from .conftest import DEVICE, FULL_FUZZ, RESULTS
 
 GROUPS = parity.make_groups(FULL_FUZZ)
 _PREPARED: Dict[int, parity.Prepared] = {}
