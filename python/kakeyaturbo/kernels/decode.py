@@ -33,16 +33,15 @@ from .pack import packed_bytes
 from .skeleton import SkeletonBatch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PB", "N", "bits", "has_out"])
 def _decode_kernel(
     packed_ptr, PB, seg_ptr, tbits_ptr, texp_ptr, sbits_ptr, sexp_ptr,
     rstart_ptr, opos_ptr, obits_ptr,
     rows_ptr, d_eff_ptr, signs_ptr, centroids_ptr,
     centers_ptr, sc_b, basis_ptr, sb_b, mean_ptr, sm_b,
     out_ptr, so_b, so_n, so_d,
-    N, D,
+    N, D, bits, has_out,
     W: tl.constexpr, LOG_W: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    BITS: tl.constexpr, HAS_OUT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -56,15 +55,15 @@ def _decode_kernel(
     m2 = rmask[:, None] & valid[None, :]
     # Unpack: index i of the block sits at stream bits [i*b, (i+1)*b), LSB first; it spans at
     # most two bytes (b <= 4).
-    bit = (rows[:, None].to(tl.int64) * de + cols[None, :]) * BITS
+    bit = (rows[:, None].to(tl.int64) * de + cols[None, :]) * bits
     byte = bit >> 3
     sh = (bit & 7).to(tl.int32)
     base = packed_ptr + b * PB
     lo = tl.load(base + byte, mask=m2, other=0).to(tl.int32)
-    hi = tl.load(base + byte + 1, mask=m2 & (sh + BITS > 8), other=0).to(tl.int32)
-    code = ((lo | (hi << 8)) >> sh) & ((1 << BITS) - 1)
+    hi = tl.load(base + byte + 1, mask=m2 & (sh + bits > 8), other=0).to(tl.int32)
+    code = ((lo | (hi << 8)) >> sh) & ((1 << bits) - 1)
     q = tl.load(centroids_ptr + code)
-    if HAS_OUT:
+    if has_out != 0:
         start = tl.load(rstart_ptr + b * (N + 1) + rows, mask=rmask, other=0)
         count = tl.load(rstart_ptr + b * (N + 1) + rows + 1, mask=rmask, other=0) - start
         for j in range(0, tl.max(count, 0)):
@@ -137,8 +136,8 @@ def _launch(codes, skel: SkeletonBatch, rows, rstart, out, has_out: bool) -> Non
         skel.centers, skel.centers.stride(0), skel.basis, skel.basis.stride(0),
         skel.mean, skel.mean.stride(0),
         out, out.stride(0), out.stride(1), out.stride(2),
-        n, d,
-        W=w, LOG_W=ceil_log2(w), BN=s["BN"], BD=s["BD"], BITS=skel.bit_width, HAS_OUT=has_out,
+        n, d, skel.bit_width, int(has_out),
+        W=w, LOG_W=ceil_log2(w), BN=s["BN"], BD=s["BD"],
         num_warps=s["num_warps"], enable_fp_fusion=False,
     )
 

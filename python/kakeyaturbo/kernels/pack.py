@@ -1,11 +1,12 @@
 """Encode launch 4 of 4: stage 5c, bit packing, and the stored ``inner_product`` gain.
 
 Packing: index ``i`` of a block occupies stream bits ``[i*b, (i+1)*b)``, LSB first, row-major
-over ``n x d_eff``. A tile of ``BN`` rows (``BN`` a multiple of 8) starts on a byte boundary,
-so each program owns whole bytes and builds each byte by gathering the (at most 8) indices
-that touch it: no atomics. The gain of ``inner_product`` is rounded here with its block-wide
-exponent because it is the first launch after the gain's block-wide reduction; fusing it
-saves a launch (for ``mse``/``linf`` the stored scale is the norm of launch 3).
+over ``n x d_eff``. Each program owns ``QB`` whole bytes of one block's stream and builds each
+byte by gathering the (at most 8) indices that touch it from the index buffer: no atomics, and
+the tile depends on the bit width only (one compiled kernel per width, whatever ``d_eff``).
+The gain of ``inner_product`` is rounded here with its block-wide exponent because this is the
+first launch after the gain's block-wide reduction: the same programs also cover ``BN`` rows
+each, which saves a launch (for ``mse``/``linf`` the stored scale is the norm of launch 3).
 """
 
 from __future__ import annotations
@@ -22,35 +23,31 @@ from ._utils import block_absmax, empty, is_interpreter, next_pow2, shared_expon
 _PER_BYTE = {1: 8, 2: 4, 3: 4, 4: 2}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PB", "N", "W", "ip"])
 def _pack_kernel(
     codes_ptr, rows_ptr, d_eff_ptr, packed_ptr, PB,
     gain_ptr, sbits_ptr, sexp_ptr,
-    N,
-    W: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, QB: tl.constexpr, EP: tl.constexpr,
-    RB: tl.constexpr, IP: tl.constexpr,
+    N, W, ip,
+    BN: tl.constexpr, BITS: tl.constexpr, QB: tl.constexpr, EP: tl.constexpr, RB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_b = tl.load(rows_ptr + b)
     de = tl.load(d_eff_ptr + b).to(tl.int64)
-    r0 = tile * BN
-    if IP:
+    if ip != 0:
         e = shared_exponent(block_absmax(gain_ptr + b * N, n_b, RB))
         tl.store(sexp_ptr + b, e, mask=tile == 0)
-        rows = r0 + tl.arange(0, BN)
+        rows = tile * BN + tl.arange(0, BN)
         rmask = rows < n_b
         g = tl.load(gain_ptr + b * N + rows, mask=rmask, other=0.0)
         tl.store(sbits_ptr + b * N + rows, to_scaled_f16(g, e), mask=rmask)
-    r1 = tl.minimum(r0 + BN, n_b)
-    byte0 = (r0 * de * BITS) // 8
-    byte_end = (r1 * de * BITS + 7) // 8
-    q = byte0 + tl.arange(0, QB)
-    qmask = q < byte_end
-    el = (q * 8) // BITS
-    el = el[:, None] + tl.arange(0, EP)[None, :]
+    count = n_b * de
+    q = tile.to(tl.int64) * QB + tl.arange(0, QB)
+    qmask = q < (count * BITS + 7) // 8
+    # The indices touching byte q start at floor(8q / b); index el sits at bit el*b - 8q.
+    el = ((q * 8) // BITS)[:, None] + tl.arange(0, EP)[None, :]
     shift = el * BITS - q[:, None] * 8
-    emask = qmask[:, None] & (el < r1 * de) & (shift < 8)
+    emask = qmask[:, None] & (el < count) & (shift < 8)
     row = el // de
     v = tl.load(codes_ptr + (b * N + row) * W + (el - row * de), mask=emask, other=0).to(tl.int32)
     v = v & ((1 << BITS) - 1)
@@ -59,11 +56,11 @@ def _pack_kernel(
     tl.store(packed_ptr + b * PB + q, byte.to(tl.uint8), mask=qmask)
 
 
-def _settings(n: int, w: int, bits: int) -> Dict[str, int]:
+def _settings(n: int, bits: int) -> Dict[str, int]:
     if is_interpreter():
-        bn = max(16, min(256, next_pow2(n)))
-        return {"BN": bn, "RB": max(16, min(1024, next_pow2(n))), "num_warps": 4}
-    return {"BN": max(8, 1024 // w), "RB": 512, "num_warps": 4}
+        return {"QB": 8192, "BN": max(16, min(1024, next_pow2(n))), "RB": max(16, min(1024, next_pow2(n))),
+                "num_warps": 4}
+    return {"QB": 512, "BN": 128, "RB": 512, "num_warps": 4}
 
 
 def packed_bytes(rows: int, d_eff: int, bits: int) -> int:
@@ -73,14 +70,14 @@ def packed_bytes(rows: int, d_eff: int, bits: int) -> int:
 
 def _launch(codes, rows, skel_d_eff, packed, gain, sbits, sexp, bits: int, ip: bool) -> None:
     b, n, w = codes.shape
-    s = _settings(n, w, bits)
-    qb = next_pow2(s["BN"] * w * bits // 8)
-    _pack_kernel[(triton.cdiv(n, s["BN"]), b)](
+    s = _settings(n, bits)
+    tiles = max(triton.cdiv(packed.shape[1], s["QB"]), triton.cdiv(n, s["BN"]) if ip else 1)
+    _pack_kernel[(tiles, b)](
         codes, rows, skel_d_eff, packed, packed.shape[1],
         gain, sbits, sexp,
-        n,
-        W=w, BN=s["BN"], BITS=bits, QB=qb, EP=_PER_BYTE[bits], RB=s["RB"], IP=ip,
-        num_warps=s["num_warps"],
+        n, w, int(ip),
+        BN=s["BN"], BITS=bits, QB=s["QB"], EP=_PER_BYTE[bits], RB=s["RB"],
+        num_warps=s["num_warps"], enable_fp_fusion=False,
     )
 
 
@@ -117,7 +114,7 @@ def pack(
     packed = empty((b, packed_bytes(n, max_d_eff, bits)), torch.uint8, dev)
     sbits = empty((b, n), torch.int16, dev) if gain is not None else None
     sexp = empty((b,), torch.int32, dev) if gain is not None else None
-    # Without a gain the IP branch is compiled out and these pointers are never read.
+    # Without a gain the ip branch is skipped and these pointers are never read.
     _launch(codes, rows, d_eff, packed,
             codes if gain is None else gain, codes if sbits is None else sbits,
             codes if sexp is None else sexp, bits, gain is not None)

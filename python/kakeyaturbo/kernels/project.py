@@ -19,7 +19,7 @@ from ._utils import check_device, empty, is_interpreter, next_pow2
 from .skeleton import SkeletonBatch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _project_assign_kernel(
     x_ptr, sx_b, sx_n, sx_d,
     mean_ptr, sm_b,

@@ -33,14 +33,15 @@ from ._utils import (
 from .skeleton import SkeletonBatch
 
 
-@triton.jit
+# The codec parameters (threshold count, outlier flag, metric) and N are runtime values, not
+# specialisations: one compiled kernel per tile shape serves every setting.
+@triton.jit(do_not_specialize=["N", "nthr", "has_t", "ip"])
 def _quantize_kernel(
     r_ptr, norm_ptr, rows_ptr, d_eff_ptr,
     signs_ptr, centroids_ptr, thr_ptr,
     nbits_ptr, nexp_ptr, codes_ptr, oflag_ptr, oval_ptr, gain_ptr,
-    N, T,
+    N, T, nthr, has_t, ip,
     W: tl.constexpr, LOG_W: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
-    NTHR: tl.constexpr, HAS_T: tl.constexpr, IP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -68,14 +69,14 @@ def _quantize_kernel(
     z = y * inv
     # Stage 5b: index = number of thresholds strictly below z (a tie goes to the lower index).
     code = tl.zeros((BN, W), tl.int32)
-    for i in tl.static_range(NTHR):
+    for i in range(nthr):
         code += (z > tl.load(thr_ptr + i)).to(tl.int32)
     code = tl.where(valid[None, :], code, 0)
     m2 = rmask[:, None]
     cell = row_off[:, None] * W + cols[None, :]
     tl.store(codes_ptr + cell, code.to(tl.uint8), mask=m2)
     q = tl.load(centroids_ptr + code)
-    if HAS_T:
+    if has_t != 0:
         # Stage 5a: |z| > T is stored as fp16 of z (clamped to the finite range) and
         # replaces the centroid in the gain and at decode.
         flag = (tl.abs(z) > T) & valid[None, :]
@@ -83,7 +84,7 @@ def _quantize_kernel(
         tl.store(oflag_ptr + cell, flag.to(tl.uint8), mask=m2)
         tl.store(oval_ptr + cell, hz.to(tl.int16, bitcast=True), mask=m2 & flag)
         q = tl.where(flag, hz.to(tl.float32), q)
-    if IP:
+    if ip != 0:
         q = tl.where(valid[None, :], q, 0.0)
         qq = tl.sum(q * q, 1)
         zq = tl.sum(z * q, 1)
@@ -106,8 +107,8 @@ def _launch(r, norm, skel: SkeletonBatch, rows, nbits, nexp, codes, oflag, oval,
         skel.signs, skel.centroids, skel.thresholds,
         nbits, nexp, codes, oflag, oval, gain,
         n, 0.0 if t is None else float(t),
+        (1 << skel.bit_width) - 1, int(t is not None), int(skel.metric == "inner_product"),
         W=w, LOG_W=ceil_log2(w), BN=s["BN"], RB=s["RB"],
-        NTHR=(1 << skel.bit_width) - 1, HAS_T=t is not None, IP=skel.metric == "inner_product",
         num_warps=s["num_warps"], enable_fp_fusion=False,
     )
 
@@ -140,7 +141,7 @@ def quantize(
     oflag = empty((b, n, w), torch.uint8, dev) if has_t else None
     oval = empty((b, n, w), torch.int16, dev) if has_t else None
     gain = empty((b, n), torch.float32, dev) if skel.metric == "inner_product" else None
-    # Unused pointer arguments get a one-element placeholder (never dereferenced).
+    # Pointers of a disabled branch are never dereferenced: any buffer will do.
     dummy = codes
     _launch(r, norm, skel, rows, nbits, nexp, codes,
             dummy if oflag is None else oflag, dummy if oval is None else oval,

@@ -18,7 +18,7 @@ from ._utils import block_absmax, empty, from_scaled_f16, is_interpreter, next_p
 from .skeleton import SkeletonBatch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _residual_kernel(
     c_ptr, seg_ptr, traw_ptr,
     centers_ptr, sc_b, rows_ptr,
