@@ -179,6 +179,23 @@ def make_groups(full: bool) -> List[GroupCase]:
     return groups
 
 
+def kv_layer(heads: int, tokens: int, dim: int, seed: int = 7) -> np.ndarray:
+    """A KV-like layer, float32 ``[heads, tokens, dim]`` holding bf16 values: per head a
+    decaying spectrum in a random basis, noise, per-channel offsets and two offset outlier
+    channels (the workload of ``benches/bench_codec.py``)."""
+    g = np.random.default_rng(seed)
+    r = dim // 2
+    out = np.empty((heads, tokens, dim), np.float32)
+    for h in range(heads):
+        basis, _ = np.linalg.qr(g.standard_normal((dim, r)))
+        x = (g.standard_normal((tokens, r)) * np.exp(-3.0 * np.arange(r) / r)) @ basis.T
+        x += 0.05 * g.standard_normal((tokens, dim)) + 0.3 * g.standard_normal(dim)
+        for c, shift in ((1, 4.0), (dim // 3, -6.0)):
+            x[:, c] = 3.0 * x[:, c] + shift
+        out[h] = x
+    return torch.from_numpy(out).to(torch.bfloat16).float().numpy()
+
+
 # ---------------------------------------------------------------------------------------
 # The oracle side: Rust parts and float64 recomputation of the deciding values.
 
