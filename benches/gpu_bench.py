@@ -94,7 +94,7 @@ def fuzz_worker(gids: Sequence[int], full: bool, device: str, threads: int) -> L
 
     torch.set_num_threads(threads)
     groups = {g.gid: g for g in parity.make_groups(full)}
-    out = []
+    out: List[Dict[str, Any]] = []
     for gid in gids:
         group = groups[gid]
         try:
@@ -147,7 +147,8 @@ def run_fuzz(full: bool, device: str, workers: int, budget_s: float, limit: Opti
                 try:
                     results.extend(f.result())
                 except Exception:  # noqa: BLE001 - a crashed worker is a failure, not a crash
-                    results.append({"label": futs[f].label, "impl": "worker", "error": traceback.format_exc(limit=3)})
+                    err = traceback.format_exc(limit=3)
+                    results.append({"label": futs[f].label, "impl": "worker", "error": err})
             pool.shutdown(wait=False, cancel_futures=True)
     ok = [r for r in results if r["error"] is None]
     failures = [f"{r['label']} [{r['impl']}]: {r['error']}" for r in results if r["error"] is not None]
@@ -220,20 +221,22 @@ def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
     checks: Dict[str, Any] = {}
     for name, kw in settings(layer.dim).items():
         with cf.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # the extension releases the GIL
-            parts = list(pool.map(lambda i: kt.encode_block_codes(flat[i * bs:(i + 1) * bs], **kw), range(nb)))
+            parts = list(pool.map(lambda i: kt.encode_block_codes(flat[i * bs:(i + 1) * bs], **kw),
+                                  range(nb)))
         skel = K.stack_skeletons(parts, device)
         codes = K.encode_blocks(blocks, skel)
         out = torch.empty_like(blocks)
-        rows.append({"impl": "kernels encode", "setting": name, "ms": bench(lambda: K.encode_blocks(blocks, skel))})
+        rows.append({"impl": "kernels encode", "setting": name,
+                     "ms": bench(lambda: K.encode_blocks(blocks, skel))})
         rows.append({"impl": "kernels decode (bf16 out)", "setting": name,
                      "ms": bench(lambda: K.decode_blocks(codes, skel, out_dtype=torch.bfloat16, out=out))})
         # The timed encode, checked against Rust block by block.
         nears, undetermined = [], 0
         for i in range(nb):
-            r = parity.compare_block(flat[i * bs:(i + 1) * bs], parts[i], K.block_parts(codes, skel, [bs] * nb, i, parts[i]),
-                                     f"{name} block {i}")
-            nears += [str(n) for n in r.nears]
-            undetermined += r.undetermined_rows
+            ours = K.block_parts(codes, skel, [bs] * nb, i, parts[i])
+            res = parity.compare_block(flat[i * bs:(i + 1) * bs], parts[i], ours, f"{name} block {i}")
+            nears += [str(n) for n in res.nears]
+            undetermined += res.undetermined_rows
         checks[name] = {"blocks": nb, "near_threshold": nears, "undetermined_rows": undetermined,
                         "mean_d_eff": float(np.mean([p["d_eff"] for p in parts])),
                         "outliers": int(codes["outlier_pos"].numel())}
@@ -253,13 +256,15 @@ def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
         kt.roundtrip_layer(flat, block_size=bs, threads=1, **kw)  # warm-up
         _, rep1 = kt.roundtrip_layer(flat, block_size=bs, threads=1, **kw)
         _, rep = kt.roundtrip_layer(flat, block_size=bs, **kw)
-        rows.append({"impl": "Rust CPU stages 2-5 encode (1 core)", "setting": name, "ms": rep1["code_seconds"] * 1e3})
+        rows.append({"impl": "Rust CPU stages 2-5 encode (1 core)", "setting": name,
+                     "ms": rep1["code_seconds"] * 1e3})
         rows.append({"impl": f"Rust CPU decode ({os.cpu_count()} cores)", "setting": name,
                      "ms": rep["decode_seconds"] * 1e3})
     for r in rows:
         r["GB/s"] = layer.bf16_bytes / (r["ms"] * 1e-3) / 1e9
         r["x copy"] = copy_ms / r["ms"]
-    return {"layer": dataclasses.asdict(layer), "bf16_bytes": layer.bf16_bytes, "rows": rows, "checks": checks}
+    return {"layer": dataclasses.asdict(layer), "bf16_bytes": layer.bf16_bytes, "rows": rows,
+            "checks": checks}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +299,9 @@ def markdown(res: Dict[str, Any]) -> str:
         "",
         "## Parity with the Rust codec",
         "",
-        f"{'full fuzz' if fz['full'] else 'fuzz subset'}: {fz['groups_planned'] - len(fz['groups_not_run'])} of "
-        f"{fz['groups_planned']} groups in {fz['seconds']:.0f} s; block comparisons: "
+        f"{'full fuzz' if fz['full'] else 'fuzz subset'}: "
+        f"{fz['groups_planned'] - len(fz['groups_not_run'])} of {fz['groups_planned']} groups in "
+        f"{fz['seconds']:.0f} s; block comparisons: "
         f"reference {fz['block_comparisons']['reference']}, kernels {fz['block_comparisons']['kernels']}; "
         f"{sum(fz['compared_values'].values())} values compared; "
         f"{len(fz['near_threshold'])} near-threshold disagreements; {fz['undetermined_rows']} rows with "
@@ -307,7 +313,8 @@ def markdown(res: Dict[str, Any]) -> str:
     lines += [f"- near: {n}" for n in fz["near_threshold"][:20]]
     lines += [
         "",
-        f"## Timing: {lay['heads']} heads x {lay['tokens']} tokens x {lay['dim']}, bf16, blocks of {lay['block']}",
+        f"## Timing: {lay['heads']} heads x {lay['tokens']} tokens x {lay['dim']}, bf16, "
+        f"blocks of {lay['block']}",
         "",
         "GB/s = bytes of the bf16 layer / time; x copy = copy time / time.",
         "",
@@ -315,12 +322,15 @@ def markdown(res: Dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in tm["rows"]:
-        lines.append(f"| {r['impl']} | {r['setting']} | {r['ms']:.4g} | {r['GB/s']:.4g} | {r['x copy']:.3g} |")
+        lines.append(
+            f"| {r['impl']} | {r['setting']} | {r['ms']:.4g} | {r['GB/s']:.4g} | {r['x copy']:.3g} |"
+        )
     lines.append("")
     for name, c in tm["checks"].items():
         lines.append(
-            f"- {name}: timed encode vs Rust, {c['blocks']} blocks: {len(c['near_threshold'])} near-threshold "
-            f"disagreements, {c['undetermined_rows']} undetermined rows; mean d_eff {c['mean_d_eff']:.1f}, "
+            f"- {name}: timed encode vs Rust, {c['blocks']} blocks: "
+            f"{len(c['near_threshold'])} near-threshold disagreements, {c['undetermined_rows']} "
+            f"undetermined rows; mean d_eff {c['mean_d_eff']:.1f}, "
             f"{c['outliers']} outliers"
         )
     return "\n".join(lines) + "\n"
@@ -359,7 +369,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     md = markdown(res)
     (args.out / "gpu_bench.md").write_text(md)
     print(md)
-    print(f"total {res['seconds']:.0f} s; wrote {args.out / 'gpu_bench.json'} and {args.out / 'gpu_bench.md'}")
+    print(f"total {res['seconds']:.0f} s; wrote gpu_bench.json and gpu_bench.md under {args.out}")
     return 0 if fuzz["passed"] else 1
 
 

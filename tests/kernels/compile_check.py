@@ -58,7 +58,9 @@ class _Recorder:
         return launch
 
 
-def _signature(fn: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Dict[str, str], Dict[str, Any]]:
+def _signature(
+    fn: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Dict[str, str], Dict[str, Any]]:
     sig: Dict[str, str] = {}
     consts: Dict[str, Any] = {}
     for i, param in enumerate(fn.params):
@@ -94,7 +96,9 @@ def record_launches() -> List[Launch]:
         for d, n, ratio in [(128, 512, 0.5), (256, 512, 0.99), (64, 100, 0.9), (96, 300, 0.3)]:
             x = (g.standard_normal((n, d)) * 0.97 ** np.arange(d)).astype(np.float32)
             parts = [
-                kt.encode_block_codes(x, metric=metric, bit_width=bits, outlier_threshold=thr, variance_ratio=v, k=k)
+                kt.encode_block_codes(
+                    x, metric=metric, bit_width=bits, outlier_threshold=thr, variance_ratio=v, k=k
+                )
                 for v, k in ((ratio, 16), (0.5, 20))
             ]
             skel = K.stack_skeletons(parts)

@@ -301,7 +301,10 @@ class Near:
     epsilon: float
 
     def __str__(self) -> str:
-        return f"{self.where} {self.field}{list(self.index)}: {self.distance:.3g} from threshold (eps {self.epsilon:.3g})"
+        return (
+            f"{self.where} {self.field}{list(self.index)}: {self.distance:.3g} from threshold "
+            f"(eps {self.epsilon:.3g})"
+        )
 
 
 @dataclasses.dataclass
@@ -314,10 +317,14 @@ class BlockResult:
 
 
 def _fail(field: str, where: str, idx: Tuple[int, ...], detail: str, count: int, total: int) -> None:
-    raise ParityError(f"{where}: {field} differs at {count} of {total} values; first at {list(idx)}: {detail}")
+    raise ParityError(
+        f"{where}: {field} differs at {count} of {total} values; first at {list(idx)}: {detail}"
+    )
 
 
-def _stored_near(v: np.ndarray, a: np.ndarray, b: np.ndarray, scale: Any, eps: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _stored_near(
+    v: np.ndarray, a: np.ndarray, b: np.ndarray, scale: Any, eps: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
     """For stored values ``a``, ``b`` (fp16 times the power of two ``scale``) of an exact value
     ``v``: whether each is the rounding of some value within ``eps`` of ``v`` (so both
     implementations may legitimately have stored them), and by how much ``v`` lies outside the
@@ -401,8 +408,8 @@ def compare_block(x: np.ndarray, rust: Dict[str, Any], ours: Dict[str, Any], whe
         ok, excess = _stored_near(ex.norm, rust["norm"], ours["norm"], 2.0 ** int(rust["norm_exp"]), ex.eps_r)
         if (bad & ~ok).any():
             i = int(rows[bad & ~ok][0])
-            _fail("norm_bits", where, (i,), f"{ours['norm'][i]!r} vs {rust['norm'][i]!r}, exact {ex.norm[i]!r}",
-                  int(bad.sum()), n)
+            detail = f"{ours['norm'][i]!r} vs {rust['norm'][i]!r}, exact {ex.norm[i]!r}"
+            _fail("norm_bits", where, (i,), detail, int(bad.sum()), n)
         for i in rows[bad]:
             near("norm_bits", (i,), excess[i], ex.eps_r[i])
             live[i] = False
@@ -436,15 +443,16 @@ def compare_block(x: np.ndarray, rust: Dict[str, Any], ours: Dict[str, Any], whe
 
     # Outliers: dense flags and fp16 values.
     thr_out = rust["outlier_threshold"]
-    fa, fb = np.zeros(n * de, bool), np.zeros(n * de, bool)
-    va, vb = np.zeros(n * de, np.uint16), np.zeros(n * de, np.uint16)
-    for flags, vals, p in ((fa, va, rust), (fb, vb, ours)):
+    dense = []
+    for p in (rust, ours):
         pos = np.asarray(p["outlier_pos"], np.int64)
         if pos.size and (np.any(np.diff(pos) <= 0) or pos.min() < 0 or pos.max() >= n * de):
             _fail("outlier_pos", where, (), "positions not strictly ascending within range", 1, 1)
+        flags, vals = np.zeros(n * de, bool), np.zeros(n * de, np.uint16)
         flags[pos] = True
         vals[pos] = np.asarray(p["outlier_bits"]).view(np.uint16)
-    fa, fb, va, vb = (v.reshape(n, de) for v in (fa, fb, va, vb))
+        dense += [flags.reshape(n, de), vals.reshape(n, de)]
+    fa, va, fb, vb = dense
     row_out_diff = np.zeros(n, bool)
     if thr_out is not None:
         compared["outlier_flags"] = int(check.sum()) * de
@@ -492,16 +500,16 @@ def compare_block(x: np.ndarray, rust: Dict[str, Any], ours: Dict[str, Any], whe
         ok, excess = _stored_near(gain, rust["norm"], ours["norm"], 2.0 ** int(rust["norm_exp"]), eps_g)
         if (bad & ~ok).any():
             i = int(rows[bad & ~ok][0])
-            _fail("norm_bits", where, (i,), f"gain {ours['norm'][i]!r} vs {rust['norm'][i]!r}, exact {gain[i]!r}",
-                  int(bad.sum()), int(usable.sum()))
+            detail = f"gain {ours['norm'][i]!r} vs {rust['norm'][i]!r}, exact {gain[i]!r}"
+            _fail("norm_bits", where, (i,), detail, int(bad.sum()), int(usable.sum()))
         for i in rows[bad]:
             near("norm_bits (gain)", (i,), excess[i], eps_g[i])
 
     # The packed stream is exactly our indices packed by the extension's own packer.
-    want = kt.pack_bits(np.asarray(ours["residual_codes"]).reshape(-1), int(rust["bit_width"]))
-    if bytes(ours["residual_packed"]) != want:
+    stream = kt.pack_bits(np.asarray(ours["residual_codes"]).reshape(-1), int(rust["bit_width"]))
+    if bytes(ours["residual_packed"]) != stream:
         got = np.frombuffer(bytes(ours["residual_packed"]), np.uint8)
-        exp = np.frombuffer(want, np.uint8)
+        exp = np.frombuffer(stream, np.uint8)
         m = min(got.size, exp.size)
         i = int(np.argmax(got[:m] != exp[:m])) if (got[:m] != exp[:m]).any() else m
         _fail("residual_packed", where, (i,), f"{got.size} bytes vs {exp.size}", 1, exp.size)
@@ -518,7 +526,8 @@ def compare_block(x: np.ndarray, rust: Dict[str, Any], ours: Dict[str, Any], whe
         if (dist > limit).any():
             i = int(rows[und][np.argmax(dist > limit)])
             _fail("decoded row (undetermined codes)", where, (i,),
-                  f"|difference| {dist.max():.3g} > {limit.max():.3g}", int((dist > limit).sum()), int(und.sum()))
+                  f"|difference| {dist.max():.3g} > {limit.max():.3g}",
+                  int((dist > limit).sum()), int(und.sum()))
     return BlockResult(nears, compared, int(undetermined.sum()), int((~live).sum()), want)
 
 
@@ -551,7 +560,8 @@ def equal_code_rows(rust: Dict[str, Any], ours: Dict[str, Any]) -> np.ndarray:
         return np.zeros(n, bool)
     same = (rust["seg_id"] == ours["seg_id"]) & (rust["t_bits"] == ours["t_bits"])
     same &= rust["norm_bits"] == ours["norm_bits"]
-    same &= (np.asarray(rust["residual_codes"]).reshape(n, de) == np.asarray(ours["residual_codes"]).reshape(n, de)).all(1)
+    ca = np.asarray(rust["residual_codes"]).reshape(n, de)
+    same &= (ca == np.asarray(ours["residual_codes"]).reshape(n, de)).all(1)
     dense = []
     for p in (rust, ours):
         v = np.full(n * de, -1, np.int64)
@@ -635,9 +645,11 @@ def run_kernels(prep: Prepared, device: str, poison: bool = True) -> GroupResult
         ours = K.block_parts(codes, skel, ns, i, rust)
         want = _merge(res, compare_block(x, rust, ours, where))
         m = ns[i]
-        assert_decoded(dec_rust16[i, :m], want, TOL["decode_bfloat16"], f"{where}: bf16 decode of the oracle's codes")
+        assert_decoded(dec_rust16[i, :m], want, TOL["decode_bfloat16"],
+                       f"{where}: bf16 decode of the oracle's codes")
         errs = [
-            assert_decoded(dec_rust[i, :m], want, TOL["decode_float32"], f"{where}: decode of the oracle's codes"),
+            assert_decoded(dec_rust[i, :m], want, TOL["decode_float32"],
+                           f"{where}: decode of the oracle's codes"),
             assert_decoded(dec_ours[i, :m], kt.decode_block_from_parts(ours), TOL["decode_float32"],
                            f"{where}: decode of our codes vs the oracle's decoder"),
         ]
@@ -657,7 +669,9 @@ def _merge(res: GroupResult, b: BlockResult) -> np.ndarray:
     return b.decoded
 
 
-def run_all(groups: Sequence[GroupCase], device: str, impls: Sequence[str] = ("reference", "kernels")) -> List[GroupResult]:
+def run_all(
+    groups: Sequence[GroupCase], device: str, impls: Sequence[str] = ("reference", "kernels")
+) -> List[GroupResult]:
     """Runs every group through every implementation; raises ParityError on the first failure."""
     out = []
     for group in groups:

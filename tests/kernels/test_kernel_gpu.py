@@ -51,5 +51,6 @@ def test_realistic_layer_matches_rust(kw: dict) -> None:
         ours = K.block_parts(codes, skel, [bs] * nb, i, parts[i])
         res = parity.compare_block(flat[i * bs:(i + 1) * bs], parts[i], ours, f"block {i}")
         nears += len(res.nears)
-        parity.assert_decoded(dec[i], kt.decode_block_from_parts(ours), parity.TOL["decode_float32"], f"block {i}")
+        want = kt.decode_block_from_parts(ours)
+        parity.assert_decoded(dec[i], want, parity.TOL["decode_float32"], f"block {i}")
     assert nears <= max(1, parity.TOL["near_fraction_fp16"] * nb * bs), nears

@@ -130,7 +130,10 @@ def test_strided_input_and_shared_basis() -> None:
     d, n, h = 64, 80, 3
     g = np.random.default_rng(9)
     layer = (g.standard_normal((n, h, d)) * 0.9 ** np.arange(d)).astype(np.float32)
-    parts = [kt.encode_block_codes(np.ascontiguousarray(layer[:, j]), rank_cap=19, variance_ratio=1.0) for j in range(h)]
+    parts = [
+        kt.encode_block_codes(np.ascontiguousarray(layer[:, j]), rank_cap=19, variance_ratio=1.0)
+        for j in range(h)
+    ]
     # Give every block the first block's mean and basis (share_basis), centres stay per block.
     for p in parts[1:]:
         p["mean"], p["basis"] = parts[0]["mean"], parts[0]["basis"]
@@ -195,7 +198,9 @@ def test_decode_rejects_bad_input() -> None:
 def test_stack_skeletons_rejects_mixed_parameters() -> None:
     x = np.random.default_rng(0).standard_normal((50, 32)).astype(np.float32)
     a = kt.encode_block_codes(x, bit_width=3)
-    for other in (dict(bit_width=2), dict(metric="inner_product"), dict(rotation_seed=1), dict(outlier_threshold=2.0)):
+    for other in (
+        dict(bit_width=2), dict(metric="inner_product"), dict(rotation_seed=1), dict(outlier_threshold=2.0)
+    ):
         with pytest.raises(ValueError):
             K.stack_skeletons([a, kt.encode_block_codes(x, **other)])
     with pytest.raises(ValueError):
@@ -234,7 +239,8 @@ def test_poisoned_buffers() -> None:
 def block() -> tuple:
     g = np.random.default_rng(3)
     x = (g.standard_normal((300, 64)) * 0.95 ** np.arange(64)).astype(np.float32)
-    rust = kt.encode_block_codes(x, metric="inner_product", bit_width=3, outlier_threshold=2.0, variance_ratio=0.99)
+    kw = dict(metric="inner_product", bit_width=3, outlier_threshold=2.0, variance_ratio=0.99)
+    rust = kt.encode_block_codes(x, **kw)
     ours = ref.to_numpy_parts(ref.encode_block(torch.from_numpy(x), rust))
     return x, rust, ours
 
@@ -249,7 +255,9 @@ def test_checker_accepts_identical_codes(block: tuple) -> None:
     assert res.nears == [] and res.compared["residual_codes"] > 0
 
 
-@pytest.mark.parametrize("field", ["seg_id", "t_bits", "norm_bits", "residual_codes", "outlier_pos", "outlier_bits"])
+@pytest.mark.parametrize(
+    "field", ["seg_id", "t_bits", "norm_bits", "residual_codes", "outlier_pos", "outlier_bits"]
+)
 def test_checker_rejects_a_wrong_code(block: tuple, field: str) -> None:
     x, rust, ours = block
     bad = _copy(ours)

@@ -78,7 +78,8 @@ def _decode_kernel(
     wb = band_width(live, LOG_W)
     f = band_factor(de, wb)
     # y = q * (scale / f_b), then r = s * H(y) / W_b band by band (1/W_b is exact).
-    y = q * tl.math.div_rn(scale[:, None] + tl.zeros((BN, W), tl.float32), f[None, :] + tl.zeros((BN, W), tl.float32))
+    zero = tl.zeros((BN, W), tl.float32)
+    y = q * tl.math.div_rn(scale[:, None] + zero, f[None, :] + zero)
     y = tl.where(valid[None, :], y, 0.0)
     y = band_hadamard(y, live[None, :], BN, W, LOG_W)
     sg = tl.load(signs_ptr + cols)
@@ -183,7 +184,9 @@ def decode_blocks(
     packed = codes["residual_packed"]
     need = packed_bytes(n, skel.max_d_eff, skel.bit_width)
     if packed.ndim != 2 or packed.shape[0] != b or packed.shape[1] < need or packed.dtype != torch.uint8:
-        raise ValueError(f"residual_packed must be uint8 [{b}, >= {need}], got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"residual_packed must be uint8 [{b}, >= {need}], got {packed.dtype} {tuple(packed.shape)}"
+        )
     if not packed.is_contiguous():
         raise ValueError("residual_packed must be contiguous")
     opos, obits = codes["outlier_pos"], codes["outlier_bits"]

@@ -51,7 +51,8 @@ def _pack_kernel(
     row = el // de
     v = tl.load(codes_ptr + (b * N + row) * W + (el - row * de), mask=emask, other=0).to(tl.int32)
     v = v & ((1 << BITS) - 1)
-    part = tl.where(shift >= 0, v << tl.maximum(shift, 0).to(tl.int32), v >> tl.maximum(-shift, 0).to(tl.int32))
+    left = v << tl.maximum(shift, 0).to(tl.int32)
+    part = tl.where(shift >= 0, left, v >> tl.maximum(-shift, 0).to(tl.int32))
     byte = tl.sum(tl.where(emask, part & 0xFF, 0), 1)
     tl.store(packed_ptr + b * PB + q, byte.to(tl.uint8), mask=qmask)
 

@@ -126,7 +126,9 @@ def check_input(x: torch.Tensor, skel: SkeletonBatch) -> Tuple[int, int, int]:
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
     b, n, d = x.shape
     if b != skel.num_blocks or d != skel.dim or n < 1:
-        raise ValueError(f"x [{b}, {n}, {d}] does not fit a skeleton of {skel.num_blocks} blocks, D={skel.dim}")
+        raise ValueError(
+            f"x [{b}, {n}, {d}] does not fit a skeleton of {skel.num_blocks} blocks, D={skel.dim}"
+        )
     check_device("x", x, skel.device)
     skel.validate()
     return b, n, d

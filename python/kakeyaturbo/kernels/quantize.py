@@ -32,6 +32,8 @@ from ._utils import (
 )
 from .skeleton import SkeletonBatch
 
+Opt = Optional[torch.Tensor]
+
 
 # The codec parameters (threshold count, outlier flag, metric) and N are runtime values, not
 # specialisations: one compiled kernel per tile shape serves every setting.
@@ -115,7 +117,7 @@ def _launch(r, norm, skel: SkeletonBatch, rows, nbits, nexp, codes, oflag, oval,
 
 def quantize(
     r: torch.Tensor, norm: torch.Tensor, skel: SkeletonBatch, rows: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Opt, Opt, Opt]:
     """Stages 4-5b for a batch.
 
     ``r``: float32 ``[B, N, W]`` residuals (zero beyond ``d_eff``); ``norm``: float32 ``[B, N]``
@@ -132,7 +134,9 @@ def quantize(
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != r.device:
             raise ValueError(f"{name} must be contiguous {dtype} {shape} on {r.device}")
     if b != skel.num_blocks or w != skel.width:
-        raise ValueError(f"r [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})")
+        raise ValueError(
+            f"r [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})"
+        )
     dev = r.device
     nbits = empty((b, n), torch.int16, dev)
     nexp = empty((b,), torch.int32, dev)

@@ -14,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import block_absmax, empty, from_scaled_f16, is_interpreter, next_pow2, shared_exponent, to_scaled_f16
+from ._utils import (
+    block_absmax,
+    empty,
+    from_scaled_f16,
+    is_interpreter,
+    next_pow2,
+    shared_exponent,
+    to_scaled_f16,
+)
 from .skeleton import SkeletonBatch
 
 
@@ -86,7 +94,9 @@ def residuals(
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != c.device:
             raise ValueError(f"{name} must be contiguous {dtype} {shape} on {c.device}")
     if b != skel.num_blocks or w != skel.width:
-        raise ValueError(f"c [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})")
+        raise ValueError(
+            f"c [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})"
+        )
     tbits = empty((b, n), torch.int16, c.device)
     texp = empty((b,), torch.int32, c.device)
     norm = empty((b, n), torch.float32, c.device)
