@@ -5,6 +5,7 @@ touches the format uses (fp16 with a shared exponent, the band-limited Hadamard 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Iterator, Sequence
 
@@ -43,6 +44,14 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> tor
         else:
             t.fill_(-1 if dtype.is_signed else torch.iinfo(dtype).max)
     return t
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element stand-in for the pointer argument of a disabled branch (never read or
+    written). It has the real buffer's dtype, so the disabled and the enabled setting share one
+    compiled kernel; cached, so it costs no allocation per call."""
+    return torch.zeros(1, dtype=dtype, device=device)
 
 
 def next_pow2(v: int) -> int:

@@ -27,6 +27,7 @@ from ._utils import (
     from_scaled_f16,
     is_interpreter,
     next_pow2,
+    placeholder,
 )
 from .encode import RowsLike, rows_tensor
 from .pack import packed_bytes
@@ -132,7 +133,7 @@ def _launch(codes, skel: SkeletonBatch, rows, rstart, out, has_out: bool) -> Non
     _decode_kernel[(triton.cdiv(n, s["BN"]), b)](
         packed, packed.shape[1], codes["seg_id"], codes["t_bits"], codes["t_exp"],
         codes["norm_bits"], codes["norm_exp"],
-        rstart, opos if has_out else rstart, obits if has_out else rstart,
+        rstart, opos, obits,
         rows, skel.d_eff, skel.signs, skel.centroids,
         skel.centers, skel.centers.stride(0), skel.basis, skel.basis.stride(0),
         skel.mean, skel.mean.stride(0),
@@ -201,6 +202,11 @@ def decode_blocks(
     check_device("out", out, dev)
     rows_t = rows_tensor(rows, b, n, dev)
     has_out = opos.numel() > 0
-    rstart = row_starts(codes, skel.d_eff, n, skel.width) if has_out else rows_t
+    if has_out:
+        rstart = row_starts(codes, skel.d_eff, n, skel.width)
+    else:
+        # Never read without outliers; typed like the real arguments (one compiled kernel).
+        rstart = placeholder(torch.int64, dev)
+        codes = {**codes, "outlier_pos": rstart, "outlier_bits": placeholder(torch.int16, dev)}
     _launch(codes, skel, rows_t, rstart, out, has_out)
     return out

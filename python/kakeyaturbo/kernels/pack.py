@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import block_absmax, empty, is_interpreter, next_pow2, shared_exponent, to_scaled_f16
+from ._utils import (
+    block_absmax,
+    empty,
+    is_interpreter,
+    next_pow2,
+    placeholder,
+    shared_exponent,
+    to_scaled_f16,
+)
 
 #: Indices that can touch one byte, rounded up to a power of two, per bit width.
 _PER_BYTE = {1: 8, 2: 4, 3: 4, 4: 2}
@@ -117,6 +125,7 @@ def pack(
     sexp = empty((b,), torch.int32, dev) if gain is not None else None
     # Without a gain the ip branch is skipped and these pointers are never read.
     _launch(codes, rows, d_eff, packed,
-            codes if gain is None else gain, codes if sbits is None else sbits,
-            codes if sexp is None else sexp, bits, gain is not None)
+            placeholder(torch.float32, dev) if gain is None else gain,
+            placeholder(torch.int16, dev) if sbits is None else sbits,
+            placeholder(torch.int32, dev) if sexp is None else sexp, bits, gain is not None)
     return packed, sbits, sexp

@@ -27,6 +27,7 @@ from ._utils import (
     from_scaled_f16,
     is_interpreter,
     next_pow2,
+    placeholder,
     shared_exponent,
     to_scaled_f16,
 )
@@ -145,9 +146,9 @@ def quantize(
     oflag = empty((b, n, w), torch.uint8, dev) if has_t else None
     oval = empty((b, n, w), torch.int16, dev) if has_t else None
     gain = empty((b, n), torch.float32, dev) if skel.metric == "inner_product" else None
-    # Pointers of a disabled branch are never dereferenced: any buffer will do.
-    dummy = codes
+    # Pointers of a disabled branch are never dereferenced.
     _launch(r, norm, skel, rows, nbits, nexp, codes,
-            dummy if oflag is None else oflag, dummy if oval is None else oval,
+            codes if oflag is None else oflag,
+            placeholder(torch.int16, dev) if oval is None else oval,
             norm if gain is None else gain)
     return nbits, nexp, codes, oflag, oval, gain
