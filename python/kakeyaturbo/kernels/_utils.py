@@ -101,6 +101,16 @@ def from_scaled_f16(h, e):
 
 
 @triton.jit
+def residual_tile(c_ptr, centers_ptr, seg, t_hat, row_off, rmask, cols, W: tl.constexpr):
+    """``r = c - t^ centre_seg`` for a tile of rows of the ``c`` scratch (``[*, W]``), with the
+    stored ``t^``: a product then a difference, two roundings as in Rust (the launchers disable
+    fp fusion, so no fma). ``centers_ptr`` points at the block's ``[KP, W]`` centres."""
+    cen = tl.load(centers_ptr + seg[:, None] * W + cols[None, :])
+    c = tl.load(c_ptr + row_off[:, None] * W + cols[None, :], mask=rmask[:, None], other=0.0)
+    return c - t_hat[:, None] * cen
+
+
+@triton.jit
 def block_absmax(ptr, n, RB: tl.constexpr):
     """``max |ptr[0:n]|`` (f32). Each program of a block reduces the same per-row values the
     previous launch wrote (a few KB, cached): no atomics, no zero-filled buffer, deterministic."""

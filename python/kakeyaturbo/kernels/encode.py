@@ -1,11 +1,10 @@
 """Batched encode: stages 2-5 of many blocks (and heads) in four launches.
 
-| launch | file | stages |
-|---|---|---|
-| 1 | ``project.py`` | project, assign, unrounded ``t`` |
-| 2 | ``residual.py`` | ``t`` exponent + fp16, residual with the rounded ``t``, norm |
-| 3 | ``quantize.py`` | norm exponent + fp16, signs + band Hadamard, scale, Lloyd-Max, outliers, gain |
-| 4 | ``pack.py`` | bit packing, ``inner_product`` gain exponent + fp16 |
+1. ``project.py``: project, assign, the unrounded ``t``.
+2. ``residual.py``: ``t`` exponent and fp16, the residual with the rounded ``t``, its norm.
+3. ``quantize.py``: the residual again, norm exponent and fp16, signs and band Hadamard,
+   scale, Lloyd-Max indices, outlier flags and values, the ``inner_product`` gain.
+4. ``pack.py``: bit packing, the gain's exponent and fp16.
 
 The cuts sit exactly at the block-wide reductions the format needs (the shared fp16 exponents
 of ``t``, the norm and the gain): a launch boundary is the one grid-wide barrier that needs no
@@ -75,7 +74,7 @@ def encode_blocks(x: torch.Tensor, skel: SkeletonBatch, rows: RowsLike = None) -
     rows_t = rows_tensor(rows, b, n, x.device)
     c, seg, traw = project_assign(x, skel, rows_t)
     tbits, texp, norm = residuals(c, seg, traw, skel, rows_t)
-    nbits, nexp, codes, oflag, oval, gain = quantize(c, norm, skel, rows_t)
+    nbits, nexp, codes, oflag, oval, gain = quantize(c, seg, tbits, texp, norm, skel, rows_t)
     packed, sbits, sexp = pack(codes, skel.d_eff, rows_t, skel.bit_width, skel.max_d_eff, gain)
     if sbits is not None and sexp is not None:
         nbits, nexp = sbits, sexp

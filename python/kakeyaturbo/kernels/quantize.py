@@ -1,7 +1,8 @@
 """Encode launch 3 of 4: stages 4 and 5a-b, rotate, scale, quantise, flag outliers.
 
-Fused, per tile of rows, all in registers: the block's shared exponent of the norm (each
-program reduces ``max |r|`` of its block), the stored norm ``s^``, the sign flip and band
+Fused, per tile of rows, all in registers: the residual ``r = c - t^ centre_seg`` formed again
+from ``c`` (as launch 2 did), the block's shared exponent of the norm (each program reduces
+``max |r|`` of its block), the stored norm ``s^``, the sign flip and band
 Hadamard butterfly, ``z = y * (f_b / s^)``, the Lloyd-Max index (number of thresholds
 strictly below ``z``), the outlier flags and fp16 values, and for ``inner_product`` the
 least-squares gain ``s^ <z, q> / <q, q>``. The rotated residual is never written out. The
@@ -28,6 +29,7 @@ from ._utils import (
     is_interpreter,
     next_pow2,
     placeholder,
+    residual_tile,
     shared_exponent,
     to_scaled_f16,
 )
@@ -40,7 +42,8 @@ Opt = Optional[torch.Tensor]
 # specialisations: one compiled kernel per tile shape serves every setting.
 @triton.jit(do_not_specialize=["N", "nthr", "has_t", "ip"])
 def _quantize_kernel(
-    r_ptr, norm_ptr, rows_ptr, d_eff_ptr,
+    c_ptr, seg_ptr, tbits_ptr, texp_ptr, centers_ptr, sc_b,
+    norm_ptr, rows_ptr, d_eff_ptr,
     signs_ptr, centroids_ptr, thr_ptr,
     nbits_ptr, nexp_ptr, codes_ptr, oflag_ptr, oval_ptr, gain_ptr,
     N, T, nthr, has_t, ip,
@@ -62,7 +65,9 @@ def _quantize_kernel(
     # Stage 4: y = H(s * r) per band; z = y * (f_b / s^), 0 for a zero residual.
     live = band_live(de, cols)
     valid = cols < de
-    r = tl.load(r_ptr + row_off[:, None] * W + cols[None, :], mask=rmask[:, None], other=0.0)
+    seg = tl.load(seg_ptr + row_off, mask=rmask, other=0)
+    t_hat = from_scaled_f16(tl.load(tbits_ptr + row_off, mask=rmask, other=0), tl.load(texp_ptr + b))
+    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, t_hat, row_off, rmask, cols, W)
     sg = tl.load(signs_ptr + cols)
     y = band_hadamard(tl.where(valid[None, :], r * sg[None, :], 0.0), live[None, :], BN, W, LOG_W)
     f = band_factor(de, band_width(live, LOG_W))
@@ -101,12 +106,14 @@ def _settings(n: int, w: int) -> Dict[str, int]:
     return {"BN": max(16, 2048 // w), "RB": 512, "num_warps": 4 if w <= 64 else 8}
 
 
-def _launch(r, norm, skel: SkeletonBatch, rows, nbits, nexp, codes, oflag, oval, gain) -> None:
-    b, n, w = r.shape
+def _launch(c, seg, tbits, texp, norm, skel: SkeletonBatch, rows, nbits, nexp, codes, oflag, oval,
+            gain) -> None:
+    b, n, w = c.shape
     s = _settings(n, w)
     t = skel.outlier_threshold
     _quantize_kernel[(triton.cdiv(n, s["BN"]), b)](
-        r, norm, rows, skel.d_eff,
+        c, seg, tbits, texp, skel.centers, skel.centers.stride(0),
+        norm, rows, skel.d_eff,
         skel.signs, skel.centroids, skel.thresholds,
         nbits, nexp, codes, oflag, oval, gain,
         n, 0.0 if t is None else float(t),
@@ -117,28 +124,42 @@ def _launch(r, norm, skel: SkeletonBatch, rows, nbits, nexp, codes, oflag, oval,
 
 
 def quantize(
-    r: torch.Tensor, norm: torch.Tensor, skel: SkeletonBatch, rows: torch.Tensor
+    c: torch.Tensor,
+    seg: torch.Tensor,
+    tbits: torch.Tensor,
+    texp: torch.Tensor,
+    norm: torch.Tensor,
+    skel: SkeletonBatch,
+    rows: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Opt, Opt, Opt]:
     """Stages 4-5b for a batch.
 
-    ``r``: float32 ``[B, N, W]`` residuals (zero beyond ``d_eff``); ``norm``: float32 ``[B, N]``
-    unrounded ``|r|``; ``rows``: int32 ``[B]``. Returns ``norm_bits`` int16 ``[B, N]`` and
+    ``c``: float32 ``[B, N, W]`` projections (zero beyond ``d_eff``); ``seg``: int32 ``[B, N]``;
+    ``tbits``: int16 ``[B, N]`` and ``texp``: int32 ``[B]``, the stored ``t``; ``norm``: float32
+    ``[B, N]`` unrounded ``|r|``; ``rows``: int32 ``[B]`` (from
+    :func:`~kakeyaturbo.kernels.residual.residuals`). Returns ``norm_bits`` int16 ``[B, N]`` and
     ``norm_exp`` int32 ``[B]`` (the stored norm), ``codes`` uint8 ``[B, N, W]`` (0 beyond
     ``d_eff``), and -- only when the skeleton has an outlier threshold -- ``oflag`` uint8
     ``[B, N, W]`` (1 = outlier) and ``oval`` int16 ``[B, N, W]`` (fp16 bits of ``z``, written
     where flagged), and -- only for ``inner_product`` -- the unrounded gain float32 ``[B, N]``
     (else None each). Raises ValueError on bad shapes."""
-    b, n, w = r.shape
-    want = {"r": (r, (b, n, w), torch.float32), "norm": (norm, (b, n), torch.float32),
-            "rows": (rows, (b,), torch.int32)}
+    b, n, w = c.shape
+    want = {
+        "c": (c, (b, n, w), torch.float32),
+        "seg": (seg, (b, n), torch.int32),
+        "tbits": (tbits, (b, n), torch.int16),
+        "texp": (texp, (b,), torch.int32),
+        "norm": (norm, (b, n), torch.float32),
+        "rows": (rows, (b,), torch.int32),
+    }
     for name, (t, shape, dtype) in want.items():
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != r.device:
-            raise ValueError(f"{name} must be contiguous {dtype} {shape} on {r.device}")
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != c.device:
+            raise ValueError(f"{name} must be contiguous {dtype} {shape} on {c.device}")
     if b != skel.num_blocks or w != skel.width:
         raise ValueError(
-            f"r [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})"
+            f"c [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})"
         )
-    dev = r.device
+    dev = c.device
     nbits = empty((b, n), torch.int16, dev)
     nexp = empty((b,), torch.int32, dev)
     codes = empty((b, n, w), torch.uint8, dev)
@@ -147,7 +168,7 @@ def quantize(
     oval = empty((b, n, w), torch.int16, dev) if has_t else None
     gain = empty((b, n), torch.float32, dev) if skel.metric == "inner_product" else None
     # Pointers of a disabled branch are never dereferenced.
-    _launch(r, norm, skel, rows, nbits, nexp, codes,
+    _launch(c, seg, tbits, texp, norm, skel, rows, nbits, nexp, codes,
             codes if oflag is None else oflag,
             placeholder(torch.int16, dev) if oval is None else oval,
             norm if gain is None else gain)

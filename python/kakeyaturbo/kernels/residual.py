@@ -1,9 +1,10 @@
-"""Encode launch 2 of 4: stage 3b, ``t`` stored and the residual formed.
+"""Encode launch 2 of 4: stage 3b, ``t`` stored and the residual's norm.
 
 Fused: the block's shared exponent of ``t`` (each program reduces ``max |t|`` of its block
 from launch 1's per-row values), the fp16 rounding of ``t``, ``r = c - t^ centre_seg`` with
-the *rounded* ``t^`` (SPEC section 1), and ``|r|``. ``r`` overwrites ``c`` in place. The launch
-ends here because the norm is rounded with a block-wide exponent too.
+the *rounded* ``t^`` (SPEC section 1), and ``|r|``. The launch ends here because the norm is
+rounded with a block-wide exponent too. ``r`` is not written: launch 3 forms it again from
+``c`` (the same arithmetic, so the same bits), which saves a write and a read of the scratch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ._utils import (
     from_scaled_f16,
     is_interpreter,
     next_pow2,
+    residual_tile,
     shared_exponent,
     to_scaled_f16,
 )
@@ -45,13 +47,9 @@ def _residual_kernel(
     cols = tl.arange(0, W)
     h = to_scaled_f16(tl.load(traw_ptr + row_off, mask=rmask, other=0.0), e)
     tl.store(tbits_ptr + row_off, h, mask=rmask)
-    t_hat = from_scaled_f16(h, e)
     seg = tl.load(seg_ptr + row_off, mask=rmask, other=0)
-    cen = tl.load(centers_ptr + b * sc_b + seg[:, None] * W + cols[None, :])
-    c_ptrs = c_ptr + row_off[:, None] * W + cols[None, :]
-    # r = c - (t^ * centre): two roundings, no fma (the launcher disables fp fusion), as in Rust.
-    r = tl.load(c_ptrs, mask=rmask[:, None], other=0.0) - t_hat[:, None] * cen
-    tl.store(c_ptrs, r, mask=rmask[:, None])
+    t_hat = from_scaled_f16(h, e)
+    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, t_hat, row_off, rmask, cols, W)
     tl.store(norm_ptr + row_off, tl.math.sqrt_rn(tl.sum(r * r, 1)), mask=rmask)
 
 
@@ -77,9 +75,9 @@ def _launch(c, seg, traw, skel: SkeletonBatch, rows, tbits, texp, norm) -> None:
 def residuals(
     c: torch.Tensor, seg: torch.Tensor, traw: torch.Tensor, skel: SkeletonBatch, rows: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 3b for a batch: rounds ``t`` and overwrites ``c`` with ``r = c - t^ centre_seg``.
+    """Stage 3b for a batch: rounds ``t`` and measures ``r = c - t^ centre_seg``.
 
-    ``c``: float32 ``[B, N, W]`` (modified in place); ``seg``: int32 ``[B, N]``; ``traw``:
+    ``c``: float32 ``[B, N, W]``; ``seg``: int32 ``[B, N]``; ``traw``:
     float32 ``[B, N]`` (from :func:`~kakeyaturbo.kernels.project.project_assign`); ``rows``:
     int32 ``[B]``. Returns ``t_bits`` int16 ``[B, N]`` (fp16 bit patterns), ``t_exp`` int32
     ``[B]`` and the unrounded ``|r|`` float32 ``[B, N]``. Raises ValueError on bad shapes."""
