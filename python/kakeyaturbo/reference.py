@@ -19,6 +19,7 @@ This module needs torch (the ``eval`` extra), not the extension.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
@@ -59,10 +60,8 @@ PARAM_KEYS = (
 )
 
 
-def sign_pattern(seed: int, n: int, device: Any = None) -> torch.Tensor:
-    """The +-1 float32 pattern of length ``n`` (FORMAT.md: SplitMix64, -1 where bit 63 is set).
-
-    Computed with Python integers, independently of the extension."""
+@functools.lru_cache(maxsize=256)
+def _signs(seed: int, n: int) -> Tuple[float, ...]:
     state = seed & _MASK64
     out = []
     for _ in range(n):
@@ -72,7 +71,14 @@ def sign_pattern(seed: int, n: int, device: Any = None) -> torch.Tensor:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         z ^= z >> 31
         out.append(-1.0 if z >> 63 else 1.0)
-    return torch.tensor(out, dtype=torch.float32, device=device)
+    return tuple(out)
+
+
+def sign_pattern(seed: int, n: int, device: Any = None) -> torch.Tensor:
+    """The +-1 float32 pattern of length ``n`` (FORMAT.md: SplitMix64, -1 where bit 63 is set).
+
+    Computed with Python integers, independently of the extension."""
+    return torch.tensor(_signs(int(seed), int(n)), dtype=torch.float32, device=device)
 
 
 def band_layout(d_eff: int) -> List[Tuple[int, int]]:
