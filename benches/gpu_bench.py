@@ -137,6 +137,9 @@ def run_fuzz(full: bool, device: str, workers: int, budget_s: float, limit: Opti
     else:
         ctx = multiprocessing.get_context("spawn")
         threads = max(1, (os.cpu_count() or workers) // workers)
+        # Spawned workers load their BLAS afresh: keep them from oversubscribing the cores.
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             futs = {pool.submit(fuzz_worker, [g.gid], full, device, threads): g for g in groups}
             done, pending = cf.wait(futs, timeout=max(1.0, budget_s - (time.perf_counter() - t0)))
