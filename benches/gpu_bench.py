@@ -142,17 +142,18 @@ def run_fuzz(full: bool, device: str, workers: int, budget_s: float, limit: Opti
             os.environ[var] = str(threads)
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             futs = {pool.submit(fuzz_worker, [g.gid], full, device, threads): g for g in groups}
-            done, pending = cf.wait(futs, timeout=max(1.0, budget_s - (time.perf_counter() - t0)))
+            _, pending = cf.wait(futs, timeout=max(1.0, budget_s - (time.perf_counter() - t0)))
             for f in pending:
-                f.cancel()
-                not_run.append(futs[f].label)
-            for f in done:
-                try:
-                    results.extend(f.result())
-                except Exception:  # noqa: BLE001 - a crashed worker is a failure, not a crash
-                    err = traceback.format_exc(limit=3)
-                    results.append({"label": futs[f].label, "impl": "worker", "error": err})
-            pool.shutdown(wait=False, cancel_futures=True)
+                f.cancel()  # groups not started are dropped; running ones finish
+        for f, g in futs.items():
+            if f.cancelled():
+                not_run.append(g.label)
+                continue
+            try:
+                results.extend(f.result())
+            except Exception:  # noqa: BLE001 - a crashed worker is a failure, not a crash
+                err = traceback.format_exc(limit=3)
+                results.append({"label": g.label, "impl": "worker", "error": err})
     ok = [r for r in results if r["error"] is None]
     failures = [f"{r['label']} [{r['impl']}]: {r['error']}" for r in results if r["error"] is not None]
     failures += [v for r in ok for v in r["near_violations"]]
