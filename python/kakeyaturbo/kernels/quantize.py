@@ -2,11 +2,11 @@
 
 Fused, per tile of rows, all in registers: the residual ``r = c - t^ centre_seg`` formed again
 from ``c`` (as launch 2 did), the block's shared exponent of the norm (each program reduces
-``max |r|`` of its block), the stored norm ``s^``, the sign flip and band
-Hadamard butterfly, ``z = y * (f_b / s^)``, the Lloyd-Max index (number of thresholds
-strictly below ``z``), the outlier flags and fp16 values, and for ``inner_product`` the
-least-squares gain ``s^ <z, q> / <q, q>``. The rotated residual is never written out. The
-launch ends here because the gain is rounded with a block-wide exponent (launch 4).
+``max |r|`` of its block), the stored norm ``s^``, the sign flip and band Hadamard butterfly,
+``z = y * (f_b / s^)``, the Lloyd-Max index (number of thresholds strictly below ``z``), the
+outlier flags and fp16 values, and for ``inner_product`` the least-squares gain
+``s^ <z, q> / <q, q>``. Neither ``r`` nor ``z`` is written out. The launch ends here because
+the gain is rounded with a block-wide exponent (launch 4).
 """
 
 from __future__ import annotations
