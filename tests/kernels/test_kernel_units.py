@@ -340,3 +340,17 @@ def test_every_kernel_compiles_for_hopper() -> None:
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "specialisations compiled for sm_90" in r.stdout
+
+
+def test_parts_have_the_extensions_names_and_dtypes(block: tuple) -> None:
+    """The reference's dict and a kernel batch's block both mirror the extension's parts."""
+    x, rust, ours = block
+    skel = K.stack_skeletons([rust], DEVICE)
+    codes = K.encode_blocks(torch.from_numpy(x[None]).to(DEVICE), skel)
+    for other in (ours, K.block_parts(codes, skel, [len(x)], 0, rust)):
+        assert set(other) == set(rust)
+        for key, v in rust.items():
+            w = other[key]
+            assert type(w) is type(v), key
+            if isinstance(v, np.ndarray):
+                assert w.dtype == v.dtype and w.shape == v.shape, key
