@@ -6,12 +6,16 @@ import concurrent.futures as cf
 import os
 
 import pytest
-import torch
 
-import kakeyaturbo as kt
-from kakeyaturbo import kernels as K
+pytest.importorskip("torch")
+pytest.importorskip("triton")
 
-from . import parity
+import torch  # noqa: E402
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import kernels as K  # noqa: E402
+
+from . import parity  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,11 @@ from typing import Callable, Dict
 import numpy as np
 import pytest
 
-from . import parity
-from .conftest import DEVICE, FULL_FUZZ, RESULTS
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from . import parity  # noqa: E402
+from .conftest import DEVICE, FULL_FUZZ, RESULTS  # noqa: E402
 
 GROUPS = parity.make_groups(FULL_FUZZ)
 _PREPARED: Dict[int, parity.Prepared] = {}

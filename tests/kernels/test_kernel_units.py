@@ -7,18 +7,23 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
-import triton
-import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kakeyaturbo as kt
-from . import parity
-from .conftest import DEVICE
-from kakeyaturbo import kernels as K
-from kakeyaturbo import reference as ref
-from kakeyaturbo.kernels import _utils
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo import reference as ref  # noqa: E402
+from kakeyaturbo.kernels import _utils  # noqa: E402
+
+from . import parity  # noqa: E402
+from .conftest import DEVICE  # noqa: E402
 
 
 def hadamard(n: int) -> np.ndarray:
