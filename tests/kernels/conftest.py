@@ -13,10 +13,10 @@ from typing import Any, List
 
 try:
     import torch
-except ModuleNotFoundError:  # the test modules skip themselves (pytest.importorskip)
-    torch = None
 
-CUDA = torch is not None and torch.cuda.is_available()
+    CUDA = torch.cuda.is_available()
+except ModuleNotFoundError:  # the test modules skip themselves (pytest.importorskip)
+    CUDA = False
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
