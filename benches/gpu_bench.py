@@ -1,0 +1,381 @@
+"""Parity fuzz and timing of the Triton kernels on a GPU, in one prepared run that builds nothing.
+
+    bash benches/gpu_run.sh OUT_DIR          # on the GPU machine: install dist/*.whl, run this
+    python benches/gpu_bench.py --out OUT_DIR [--workers 8] [--budget-s 280] [--dry-run]
+
+1. Parity: the full fuzz of ``tests/kernels/parity.py`` (over 1,000 blocks in 150 groups),
+   the torch reference and the kernels each against the Rust codec, spread over worker
+   processes (Rust fits and float64 checks use the CPU cores, the kernels the GPU, and the
+   workers compile Triton specialisations in parallel through Triton's shared disk cache).
+2. Timing of a realistic layer: 8 kv heads x 8192 tokens x head_dim 128, bfloat16, blocks of
+   512 rows (128 blocks), skeletons fitted per block by the Rust codec, in two settings: K (the
+   predecessor's K recipe: inner_product, 3 bits, randomized PCA, k = 16, outliers T = 2.0) and V
+   (mse, 2 bits). Each time is ``triton.testing.do_bench``'s median (ms) of:
+   - ``copy``: a device-to-device copy of the bf16 input (``Tensor.copy_``), the yardstick;
+   - ``kernels encode``: :func:`kakeyaturbo.kernels.encode_blocks` (stages 2-5, four launches,
+     plus the outlier compaction, which synchronises);
+   - ``kernels decode``: :func:`kakeyaturbo.kernels.decode_blocks` to bf16 (one launch);
+   - ``torch reference`` encode / decode on the GPU, one block at a time;
+   - ``Rust CPU``: the same layer through ``roundtrip_layer`` (float32 in): stages 2-5 of the
+     encode on one core (the report's ``code_seconds``, thread time) and the decode on all cores
+     (``decode_seconds``), measured once each after a warm-up (not do_bench).
+   GB/s = bytes of the bf16 layer / time for every row, so rows compare directly;
+   ``x copy`` = copy time / time (1.0 = as fast as copying the input once).
+   The timed encode is also checked against Rust block by block.
+3. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
+
+The whole run is held under ``--budget-s`` (default 280 s): the fuzz stops taking new groups
+when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
+Triton's interpreter (``TRITON_INTERPRET=1``) with tiny shapes (2 heads x 1024 tokens x 64), two
+fuzz groups and ``time.perf_counter`` instead of do_bench: it checks the script, not the GPU.
+Exit status 0 when every parity check passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # tests/kernels/parity.py, the fuzz, as the package "kernels"
+
+
+
+def settings(dim: int) -> Dict[str, Dict[str, Any]]:
+    """The K and V codec keyword arguments for head dimension ``dim``."""
+    return {
+        "K": dict(metric="inner_product", bit_width=3, pca_method="randomized", rsvd_target_rank=dim // 2,
+                  k=16, outlier_threshold=2.0),
+        "V": dict(metric="mse", bit_width=2, k=16),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    heads: int
+    tokens: int
+    dim: int
+    block: int
+
+    @property
+    def blocks(self) -> int:
+        return self.heads * self.tokens // self.block
+
+    @property
+    def bf16_bytes(self) -> int:
+        return self.heads * self.tokens * self.dim * 2
+
+
+REAL = Layer(8, 8192, 128, 512)
+TINY = Layer(2, 1024, 64, 512)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity fuzz in worker processes.
+
+
+def fuzz_worker(gids: Sequence[int], full: bool, device: str, threads: int) -> List[Dict[str, Any]]:
+    """Runs groups ``gids`` of the fuzz through the reference and the kernels."""
+    import torch
+
+    from kernels import parity
+
+    torch.set_num_threads(threads)
+    groups = {g.gid: g for g in parity.make_groups(full)}
+    out: List[Dict[str, Any]] = []
+    for gid in gids:
+        group = groups[gid]
+        try:
+            prep = parity.prepare(group)
+        except Exception:  # noqa: BLE001 - reported, not raised: the bench goes on
+            out.append({"label": group.label, "impl": "rust", "error": traceback.format_exc(limit=3)})
+            continue
+        for impl, run in (("reference", parity.run_reference), ("kernels", parity.run_kernels)):
+            t0 = time.perf_counter()
+            try:
+                r = run(prep, device)
+            except Exception as e:  # noqa: BLE001
+                msg = str(e) if isinstance(e, parity.ParityError) else traceback.format_exc(limit=4)
+                out.append({"label": group.label, "impl": impl, "error": msg,
+                            "seconds": time.perf_counter() - t0})
+                continue
+            out.append({
+                "label": r.label, "impl": r.impl, "error": None, "blocks": r.blocks,
+                "compared": r.compared, "nears": [str(n) for n in r.nears],
+                "near_violations": r.near_violations(), "undetermined_rows": r.undetermined_rows,
+                "cascaded_rows": r.cascaded_rows, "max_decode_error": r.max_decode_error,
+                "d_effs": r.d_effs, "seconds": r.seconds,
+            })
+    return out
+
+
+def run_fuzz(full: bool, device: str, workers: int, budget_s: float, limit: Optional[int]) -> Dict[str, Any]:
+    from kernels import parity
+
+    groups = parity.make_groups(full)[:limit]
+    t0 = time.perf_counter()
+    results: List[Dict[str, Any]] = []
+    not_run: List[str] = []
+    if workers <= 1:
+        for g in groups:
+            if time.perf_counter() - t0 > budget_s:
+                not_run.append(g.label)
+                continue
+            results.extend(fuzz_worker([g.gid], full, device, max(1, os.cpu_count() or 1)))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        threads = max(1, (os.cpu_count() or workers) // workers)
+        # Spawned workers load their BLAS afresh: keep them from oversubscribing the cores.
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futs = {pool.submit(fuzz_worker, [g.gid], full, device, threads): g for g in groups}
+            _, pending = cf.wait(futs, timeout=max(1.0, budget_s - (time.perf_counter() - t0)))
+            for f in pending:
+                f.cancel()  # groups not started are dropped; running ones finish
+        for f, g in futs.items():
+            if f.cancelled():
+                not_run.append(g.label)
+                continue
+            try:
+                results.extend(f.result())
+            except Exception:  # noqa: BLE001 - a crashed worker is a failure, not a crash
+                err = traceback.format_exc(limit=3)
+                results.append({"label": g.label, "impl": "worker", "error": err})
+    ok = [r for r in results if r["error"] is None]
+    failures = [f"{r['label']} [{r['impl']}]: {r['error']}" for r in results if r["error"] is not None]
+    failures += [v for r in ok for v in r["near_violations"]]
+    blocks = {impl: sum(r["blocks"] for r in ok if r["impl"] == impl) for impl in ("reference", "kernels")}
+    compared: Dict[str, int] = {}
+    for r in ok:
+        for k, v in r["compared"].items():
+            compared[k] = compared.get(k, 0) + v
+    return {
+        "full": full,
+        "groups_planned": len(groups),
+        "groups_not_run": not_run,
+        "block_comparisons": blocks,
+        "compared_values": compared,
+        "near_threshold": [n for r in ok for n in r["nears"]],
+        "undetermined_rows": sum(r["undetermined_rows"] for r in ok),
+        "max_decode_error": max([r["max_decode_error"] for r in ok] + [0.0]),
+        "failures": failures,
+        "seconds": time.perf_counter() - t0,
+        "passed": not failures and not not_run,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing.
+
+
+def timer(dry_run: bool) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a call: do_bench on the GPU, perf_counter in a dry run."""
+    if dry_run:
+        def bench(fn: Callable[[], Any]) -> float:
+            fn()
+            runs = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                runs.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(runs)
+
+        return bench
+    import triton.testing
+
+    def bench_gpu(fn: Callable[[], Any]) -> float:
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    return bench_gpu
+
+
+def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
+    import numpy as np
+    import torch
+
+    import kakeyaturbo as kt
+    from kakeyaturbo import kernels as K
+    from kakeyaturbo import reference as ref
+    from kernels import parity
+
+    bench = timer(dry_run)
+    x = parity.kv_layer(layer.heads, layer.tokens, layer.dim)
+    flat = x.reshape(-1, layer.dim)
+    nb, bs = layer.blocks, layer.block
+    xg = torch.from_numpy(x).to(device=device, dtype=torch.bfloat16)
+    blocks = xg.view(nb, bs, layer.dim)
+    rows: List[Dict[str, Any]] = []
+    copy_dst = torch.empty_like(xg)
+    copy_ms = bench(lambda: copy_dst.copy_(xg))
+    base = {"impl": "copy (bf16, device to device)", "setting": "-", "ms": copy_ms}
+    rows.append(base)
+    checks: Dict[str, Any] = {}
+    for name, kw in settings(layer.dim).items():
+        with cf.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:  # the extension releases the GIL
+            parts = list(pool.map(lambda i: kt.encode_block_codes(flat[i * bs:(i + 1) * bs], **kw),
+                                  range(nb)))
+        skel = K.stack_skeletons(parts, device)
+        codes = K.encode_blocks(blocks, skel)
+        out = torch.empty_like(blocks)
+        rows.append({"impl": "kernels encode", "setting": name,
+                     "ms": bench(lambda: K.encode_blocks(blocks, skel))})
+        rows.append({"impl": "kernels decode (bf16 out)", "setting": name,
+                     "ms": bench(lambda: K.decode_blocks(codes, skel, out_dtype=torch.bfloat16, out=out))})
+        # The timed encode, checked against Rust block by block.
+        nears, undetermined = [], 0
+        for i in range(nb):
+            ours = K.block_parts(codes, skel, [bs] * nb, i, parts[i])
+            res = parity.compare_block(flat[i * bs:(i + 1) * bs], parts[i], ours, f"{name} block {i}")
+            nears += [str(n) for n in res.nears]
+            undetermined += res.undetermined_rows
+        checks[name] = {"blocks": nb, "near_threshold": nears, "undetermined_rows": undetermined,
+                        "mean_d_eff": float(np.mean([p["d_eff"] for p in parts])),
+                        "outliers": int(codes["outlier_pos"].numel())}
+
+        def ref_encode() -> None:
+            for i in range(nb):
+                ref.encode_block(blocks[i], parts[i])
+
+        ref_parts = [ref.encode_block(blocks[i], parts[i]) for i in range(nb)]  # on the device
+
+        def ref_decode() -> None:
+            for p in ref_parts:
+                ref.decode_block(p, device)
+
+        rows.append({"impl": "torch reference encode (block loop)", "setting": name, "ms": bench(ref_encode)})
+        rows.append({"impl": "torch reference decode (block loop)", "setting": name, "ms": bench(ref_decode)})
+        kt.roundtrip_layer(flat, block_size=bs, threads=1, **kw)  # warm-up
+        _, rep1 = kt.roundtrip_layer(flat, block_size=bs, threads=1, **kw)
+        _, rep = kt.roundtrip_layer(flat, block_size=bs, **kw)
+        rows.append({"impl": "Rust CPU stages 2-5 encode (1 core)", "setting": name,
+                     "ms": rep1["code_seconds"] * 1e3})
+        rows.append({"impl": f"Rust CPU decode ({os.cpu_count()} cores)", "setting": name,
+                     "ms": rep["decode_seconds"] * 1e3})
+    for r in rows:
+        r["GB/s"] = layer.bf16_bytes / (r["ms"] * 1e-3) / 1e9
+        r["x copy"] = copy_ms / r["ms"]
+    return {"layer": dataclasses.asdict(layer), "bf16_bytes": layer.bf16_bytes, "rows": rows,
+            "checks": checks}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+
+def environment(device: str) -> Dict[str, Any]:
+    import torch
+    import triton
+
+    import kakeyaturbo as kt
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU, Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "kakeyaturbo": kt.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    env, fz, tm = res["environment"], res["fuzz"], res["timing"]
+    lay = tm["layer"]
+    lines = [
+        f"# Triton kernels: parity and timing{' (dry run)' if res['dry_run'] else ''}",
+        "",
+        f"{env['date']} | {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
+        f"kakeyaturbo {env['kakeyaturbo']} | Python {env['python']} | {env['cpu_count']} CPUs",
+        "",
+        "## Parity with the Rust codec",
+        "",
+        f"{'full fuzz' if fz['full'] else 'fuzz subset'}: "
+        f"{fz['groups_planned'] - len(fz['groups_not_run'])} of {fz['groups_planned']} groups in "
+        f"{fz['seconds']:.0f} s; block comparisons: "
+        f"reference {fz['block_comparisons']['reference']}, kernels {fz['block_comparisons']['kernels']}; "
+        f"{sum(fz['compared_values'].values())} values compared; "
+        f"{len(fz['near_threshold'])} near-threshold disagreements; {fz['undetermined_rows']} rows with "
+        f"undetermined indices; max decode error {fz['max_decode_error']:.2e}; "
+        f"**{'PASS' if fz['passed'] else 'FAIL'}**",
+        "",
+    ]
+    lines += [f"- failure: {f}" for f in fz["failures"][:20]]
+    lines += [f"- near: {n}" for n in fz["near_threshold"][:20]]
+    lines += [
+        "",
+        f"## Timing: {lay['heads']} heads x {lay['tokens']} tokens x {lay['dim']}, bf16, "
+        f"blocks of {lay['block']}",
+        "",
+        "GB/s = bytes of the bf16 layer / time; x copy = copy time / time.",
+        "",
+        "| impl | setting | ms | GB/s | x copy |",
+        "|---|---|---|---|---|",
+    ]
+    for r in tm["rows"]:
+        lines.append(
+            f"| {r['impl']} | {r['setting']} | {r['ms']:.4g} | {r['GB/s']:.4g} | {r['x copy']:.3g} |"
+        )
+    lines.append("")
+    for name, c in tm["checks"].items():
+        lines.append(
+            f"- {name}: timed encode vs Rust, {c['blocks']} blocks: "
+            f"{len(c['near_threshold'])} near-threshold disagreements, {c['undetermined_rows']} "
+            f"undetermined rows; mean d_eff {c['mean_d_eff']:.1f}, "
+            f"{c['outliers']} outliers"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="folder for gpu_bench.json and gpu_bench.md")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    ap.add_argument("--workers", type=int, default=8, help="fuzz worker processes")
+    ap.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+    import torch
+
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
+        return 2
+    layer = TINY if args.dry_run else REAL
+    # The timing needs about a minute on the GPU; the fuzz gets the rest of the budget.
+    fuzz = run_fuzz(
+        full=not args.dry_run,
+        device=device,
+        workers=1 if args.dry_run else args.workers,
+        budget_s=max(10.0, args.budget_s - 90.0),
+        limit=2 if args.dry_run else None,
+    )
+    timing = run_timing(layer, device, args.dry_run)
+    res = {"dry_run": args.dry_run, "environment": environment(device), "fuzz": fuzz, "timing": timing,
+           "seconds": time.perf_counter() - t0}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (args.out / "gpu_bench.md").write_text(md)
+    print(md)
+    print(f"total {res['seconds']:.0f} s; wrote gpu_bench.json and gpu_bench.md under {args.out}")
+    return 0 if fuzz["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The one table of parity limits. Every parity check reads its limit from here.
+
+Integer codes (segment ids, fp16 bit patterns, shared exponents, quantiser indices, outlier
+flags) are compared exactly. A disagreement is accepted only where the value that decides it
+lies within an epsilon of the decision threshold, the epsilon being the f32 error the
+computation can carry (Rust sums in a fixed 8-lane / faer order, torch and Triton in their
+own). The epsilons are relative to the magnitudes that enter the computation of the row:
+
+- ``c``: ``c = U (x - mu)`` and everything linear in it (``g = c C^T``, ``t``):
+  ``|error| <= c * |x_i - mu|``.
+- ``z``: the residual and what follows (``|r|``, ``z``, the outlier value, the gain):
+  ``|error| <= z * kappa_i`` in units of ``z`` (unit second moment), with
+  ``kappa_i = (|x_i - mu| + |t_i|) / |r_i|`` the amplification of the residual's cancellation;
+  the norm uses ``z * (|x_i - mu| + |t_i|)``. The gain ``s^ <z, q> / <q, q>`` propagates the z
+  epsilon through the dot product: ``2 s^ (eps_z |q|_1 + d_eff 2**-24 sum|z q|) / <q, q>`` (its
+  dot product may cancel when the centroid table fits z badly).
+
+Measured (CPU, permuted summation orders, D up to 256): c errors <= 6e-7 |x - mu| and z errors
+<= 1.2e-6 kappa; the limits below leave a margin of about 15x. ``near_fraction`` bounds how many
+of the compared values of one kind may sit that close to a threshold (at least one per kind
+and group is allowed; they must stay rare); fp16 roundings have their own, larger, share.
+Decoded tensors: ``max |a - b| / max |b|`` per block, with both decoders fed the same codes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+TOLERANCES: Dict[str, float] = {
+    # decision epsilons (see the module docstring for what they multiply)
+    "c": 1e-5,
+    "z": 2e-5,
+    # largest accepted share of near-threshold disagreements per kind of code and group:
+    # decisions on f32 values (segments, quantiser indices, outlier flags) ...
+    "near_fraction": 1e-3,
+    # ... and fp16 roundings (t, norm, gain, outlier values): fp16 keeps 13 bits fewer than
+    # f32, so an f32 difference of k ulps crosses an fp16 rounding boundary with probability
+    # about k * 2**-12 (measured: 4 of 1024 rows at D=128, d_eff=98)
+    "near_fraction_fp16": 1e-2,
+    # rows whose z epsilon exceeds this (a residual below the f32 resolution of the
+    # projection, kappa > 2500) have indices no f32 implementation determines: their codes are
+    # not compared, their decoded values are
+    "undetermined_z": 0.05,
+    # ... and on those rows |decoded row difference| <= this * the row's r epsilon: both
+    # residuals are below 21 epsilons, their quantised copies below about 25 each
+    "undetermined_decode": 50.0,
+    # decoded output, normwise relative error per block, by output dtype
+    "decode_float32": 1e-5,
+    # one bf16 ulp: the GPU rounds to nearest (half an ulp); Triton's CPU interpreter
+    # truncates when it casts float32 to bfloat16
+    "decode_bfloat16": 2.0**-7,
+}
