@@ -1,7 +1,7 @@
 """Triton GPU kernels of the codec: stages 2-5 and the decode, batched over blocks and heads.
 
-They live inside the package so that the wheel ships them with no extra build step; the
-repository's top-level ``kernels/`` is a link to this folder. The Rust codec is their oracle
+They live inside the package so that the wheel ships them with no extra build step. The Rust
+codec is their oracle
 (``tests/kernels/`` fuzzes both these kernels and :mod:`kakeyaturbo.reference` against it).
 Needs torch and triton; set ``TRITON_INTERPRET=1`` before importing to run on the CPU.
 
