@@ -19,6 +19,10 @@ import triton.language as tl
 
 from ._utils import band_hadamard, ceil_log2, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
 from .cal_batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
+
+#: The per-head table layout as compile-time constants (row b of TABLE_LEN entries).
+_TLEN = tl.constexpr(TABLE_LEN)
+_TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
 from .decode import row_starts
 from .encode import RowsLike, rows_tensor
 
@@ -52,7 +56,7 @@ def _decode_kernel(
     lo = tl.load(base, mask=m2, other=0).to(tl.int32)
     hi = tl.load(base + 1, mask=m2 & (sh + b > 8)[None, :], other=0).to(tl.int32)
     code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << b) - 1)[None, :]
-    q = tl.load(cent_ptr + h * (TABLE_ROWS * TABLE_LEN) + b[None, :] * TABLE_LEN + code)
+    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
     if has_out != 0:
         col = tl.load(col_ptr + hs)
         start = tl.load(rstart_ptr + h * (N + 1) + rows, mask=rmask, other=0)
@@ -85,7 +89,7 @@ def _settings(n: int, mp: int, d: int) -> Dict[str, int]:
     if is_interpreter():
         return {"BN": max(16, min(256, next_pow2(n))), "BD": max(16, min(256, next_pow2(d))), "num_warps": 4}
     bn = 64 if mp <= 64 else (32 if mp <= 128 else 16)
-    return {"BN": bn, "BD": 64, "num_warps": 4 if mp <= 64 else 8}
+    return {"BN": bn, "BD": 64 if mp <= 128 else 32, "num_warps": 4 if mp <= 64 else 8}
 
 
 def decode_calibrated(

@@ -42,6 +42,10 @@ from ._utils import (
     to_scaled_f16,
 )
 from .cal_batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
+
+#: The per-head table layout as compile-time constants (row b of TABLE_LEN entries).
+_TLEN = tl.constexpr(TABLE_LEN)
+_TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
 from .cal_rms import project_tile, settings as project_settings
 
 
@@ -95,13 +99,13 @@ def _quantize_kernel(
     z = y * f
     # Index = number of thresholds strictly below z: binary search over 2**nsteps - 1 entries
     # (the table of b bits, then +inf), so a tie goes to the lower index.
-    tbase = thr_ptr + h * (TABLE_ROWS * TABLE_LEN) + b * TABLE_LEN
+    tbase = thr_ptr + h * _TSIZE + b * _TLEN
     code = tl.zeros((BN, MP), tl.int32)
     for i in range(nsteps):
         step = 1 << (nsteps - 1 - i)
         t = tl.load(tbase[None, :] + code + (step - 1))
         code += tl.where(z > t, step, 0)
-    q = tl.load(cent_ptr + h * (TABLE_ROWS * TABLE_LEN) + b[None, :] * TABLE_LEN + code)
+    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
     col = tl.load(col_ptr + hs)
     if has_t != 0:
         # |z| > T is stored as fp16 of z (clamped to the finite range) and replaces the centroid.
