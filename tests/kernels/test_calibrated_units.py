@@ -130,6 +130,21 @@ def test_batched_heads_equal_single_heads() -> None:
         pc.compare_head(x, codecs[i], rc.calibration_of(codecs[i]), codecs[i].encode_parts(x), a, f"head {i}")
 
 
+def test_nothing_is_written_past_a_heads_rows() -> None:
+    """With poisoned buffers, the bytes, scales and decoded rows past each head's count keep
+    their poison: the masks hold, and an element a kernel forgot would show as NaN / 0xFF."""
+    codecs, ns, _, xb = _batch_case()
+    batch = K.stack_calibrations(codecs, DEVICE)
+    with K.poison_outputs():
+        codes = K.encode_calibrated(torch.from_numpy(xb).to(DEVICE), batch, ns, intermediates=True)
+        dec = K.decode_calibrated(codes, batch, ns)
+    for i, (n, c) in enumerate(zip(ns, codecs)):
+        assert (codes["codes"][i, n * c.row_bytes:] == 255).all()
+        assert (codes["scale_bits"][i, n:] == -1).all() and (codes["scale_bits"][i, :n] != -1).any()
+        assert torch.isnan(dec[i, n:]).all() and not torch.isnan(dec[i, :n]).any()
+        assert torch.isnan(codes["z"][i, :n, c.m:]).all() and not torch.isnan(codes["z"][i, :n, :c.m]).any()
+
+
 def test_outlier_buffer_overflow_reruns() -> None:
     """A buffer too small for the outliers (capacity 1) gives the same lists as a roomy one."""
     codecs, ns, _, xb = _batch_case()
