@@ -114,13 +114,14 @@ def record_launches() -> List[Launch]:
             codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
             K.decode_blocks(codes, skel, out_dtype=dtype)
     # Calibrated mode: slot counts 16..256 (MP), every branch, both input and output dtypes.
-    for d, bpe, kw, dtype in [
+    cases: List[Tuple[int, float, Dict[str, Any], torch.dtype]] = [
         (64, 1.5, dict(norm=False), torch.float32),
         (128, 4.4, dict(), torch.bfloat16),
         (128, 3.0, dict(metric="inner_product", outlier_threshold=2.5), torch.float32),
         (256, 8.0, dict(metric="linf", outlier_threshold=3.0), torch.bfloat16),
         (96, 0.5, dict(), torch.float32),
-    ]:
+    ]
+    for d, bpe, kw, dtype in cases:
         x = (g.standard_normal((300, d)) * 0.97 ** np.arange(d)).astype(np.float32)
         fit = calibrate.fit_stream(x.mean(0), np.cov(x.T), bpe, norm=kw.get("norm", True))
         batch = K.stack_calibrations([fit.codec(**kw)] * 2)

@@ -291,7 +291,7 @@ def _fail(field: str, where: str, idx: Tuple[int, ...], detail: str, count: int,
     raise ParityError(f"{where}: {field} differs at {count} of {total} values; first at {list(idx)}: {detail}")
 
 
-def pack_independent(indices: np.ndarray, bits: Sequence[int]) -> bytes:
+def pack_independent(indices: np.ndarray, bits: Any) -> bytes:
     """Rows of per-component widths packed with numpy's bit packer (LSB first, each row padded
     to whole bytes): the format's packing, independently of both implementations."""
     b = np.asarray(bits, dtype=np.int64)
@@ -459,10 +459,10 @@ def compare_head(x: np.ndarray, codec: kt.CalibratedCodec, cal: rc.Calibration, 
 
     # The packed rows are exactly the indices packed by an independent packer.
     for name, p in (("oracle", rust), ("ours", ours)):
-        want = pack_independent(p["indices"], cal.bits)
-        if bytes(p["codes"]) != want:
+        stream = pack_independent(p["indices"], cal.bits)
+        if bytes(p["codes"]) != stream:
             got = np.frombuffer(bytes(p["codes"]), np.uint8)
-            exp = np.frombuffer(want, np.uint8)
+            exp = np.frombuffer(stream, np.uint8)
             k = min(got.size, exp.size)
             i = int(np.argmax(got[:k] != exp[:k])) if (got[:k] != exp[:k]).any() else k
             _fail(f"codes ({name})", where, (i // cal.row_bytes, i % cal.row_bytes),

@@ -5,6 +5,7 @@ buffer's overflow path, input validation, and the parity checker catching what i
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -185,7 +186,8 @@ def test_strided_input_bf16_and_strided_output() -> None:
 def test_zero_rows_and_no_norm() -> None:
     """Rows equal to the mean have a zero scale (z = 0); without norm g = 1 and no scale is
     stored. Both as Rust codes them."""
-    for kw in (dict(), dict(norm=False, outlier_threshold=1.5)):
+    settings: List[Dict[str, Any]] = [dict(), dict(norm=False, outlier_threshold=1.5)]
+    for kw in settings:
         c = _codec(LAYOUT, **kw)
         x = _rows(20)
         x[::3] = rc.calibration_of(c).mean

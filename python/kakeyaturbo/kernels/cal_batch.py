@@ -136,7 +136,7 @@ class CalibrationBatch:
             raise ValueError(f"max_m={self.max_m}, max_row_bytes={self.max_row_bytes} out of range")
 
 
-def slot_order(bits: Sequence[int]) -> List[Tuple[int, int, int, int]]:
+def slot_order(bits: Any) -> List[Tuple[int, int, int, int]]:
     """``(slot, offset, width, bits)`` of every sub-band: sub-bands sorted by width, widest first
     (ties in layout order), placed consecutively, so each starts at a multiple of its width."""
     bands = sorted(rc.sub_bands(bits), key=lambda band: -band[1])

@@ -11,7 +11,7 @@ found per row through a table of row starts into the sorted lists, built on devi
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 import triton
@@ -129,7 +129,7 @@ def decode_calibrated(
             n = packed.shape[1] // batch.max_row_bytes
     if packed.shape[1] < n * batch.max_row_bytes:
         raise ValueError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, got {packed.shape[1]}")
-    want = {"outlier_ptr": ((h + 1,), torch.int64)}
+    want: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {"outlier_ptr": ((h + 1,), torch.int64)}
     if batch.norm:
         want.update(scale_bits=((h, n), torch.int16), scale_exp=((h,), torch.int32))
     for name, (shape, dtype) in want.items():

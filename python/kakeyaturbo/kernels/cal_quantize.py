@@ -216,7 +216,7 @@ def quantize(
         max(capacity, 1),
         out.get("indices", placeholder(torch.uint8, dev)), out.get("z", f32), out.get("g", f32),
         batch.max_m,
-        n, d, batch.max_bits, tiles, 0.0 if not has_t else float(batch.outlier_threshold),
+        n, d, batch.max_bits, tiles, 0.0 if batch.outlier_threshold is None else float(batch.outlier_threshold),
         int(has_t), int(ip), int(batch.norm), int(intermediates),
         MP=mp, LOG_MP=ceil_log2(mp), BN=s["BN"], BD=s["BD"], RBC=s["RBC"], RB=s["RB"],
         num_warps=s["num_warps"], enable_fp_fusion=False,
