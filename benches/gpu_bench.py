@@ -346,7 +346,8 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
         rows.append({"impl": "calibrated kernels encode", "setting": name,
                      "ms": bench(lambda: K.encode_calibrated(xg, batch))})
         rows.append({"impl": "calibrated kernels decode (bf16 out)", "setting": name,
-                     "ms": bench(lambda: K.decode_calibrated(codes, batch, out_dtype=torch.bfloat16, out=out))})
+                     "ms": bench(lambda: K.decode_calibrated(codes, batch, out_dtype=torch.bfloat16,
+                                                             out=out))})
         # The timed encode (without intermediates) against Rust head by head, through the same
         # batch with intermediates for the checker.
         full = K.encode_calibrated(xg, batch, intermediates=True)
@@ -357,7 +358,8 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
         ns = [layer.tokens] * layer.heads
         for i, c in enumerate(codecs):
             ours = K.head_parts(full, batch, ns, i)
-            res = parity_calibrated.compare_head(x[i], c, cals[i], c.encode_parts(x[i]), ours, f"{name} head {i}")
+            res = parity_calibrated.compare_head(x[i], c, cals[i], c.encode_parts(x[i]), ours,
+                                                 f"{name} head {i}")
             nears += [str(n) for n in res.nears]
             undetermined += res.undetermined_values
         checks[name] = {"heads": layer.heads, "near_threshold": nears, "undetermined_values": undetermined,

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from .reference import fwht, scaled_f16, sign_pattern, thresholds
+from .reference import fwht, pow2, scaled_f16, sign_pattern, thresholds
 
 __all__ = [
     "Calibration",
@@ -299,7 +299,7 @@ def decode(parts: Mapping[str, Any], cal: Calibration, device: Any = "cpu") -> t
     idx = unpack_rows(codes.reshape(n, cal.row_bytes), cal.bits).long()
     if cal.norm:
         e = torch.tensor(int(parts["scale_exp"]), dtype=torch.int32, device=device)
-        g = _bits_to_f32(_tensor(parts["scale_bits"], device, torch.int32)) * ((e + 127) << 23).view(torch.float32)
+        g = _bits_to_f32(_tensor(parts["scale_bits"], device, torch.int32)) * pow2(e)
         if g.shape != (n,):
             raise ValueError(f"scale_bits must hold {n} values")
     else:

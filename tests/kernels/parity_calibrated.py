@@ -288,7 +288,9 @@ class HeadResult:
 
 
 def _fail(field: str, where: str, idx: Tuple[int, ...], detail: str, count: int, total: int) -> None:
-    raise ParityError(f"{where}: {field} differs at {count} of {total} values; first at {list(idx)}: {detail}")
+    raise ParityError(
+        f"{where}: {field} differs at {count} of {total} values; first at {list(idx)}: {detail}"
+    )
 
 
 def pack_independent(indices: np.ndarray, bits: Any) -> bytes:
@@ -351,7 +353,8 @@ def compare_head(x: np.ndarray, codec: kt.CalibratedCodec, cal: rc.Calibration, 
         try:
             if not ip:
                 compared["scale_exp"] = 1
-                exponent_check("scale_exp", int(rust["scale_exp"]), int(ours["scale_exp"]), ex.rms, ex.eps_rms)
+                exponent_check("scale_exp", int(rust["scale_exp"]), int(ours["scale_exp"]), ex.rms,
+                               ex.eps_rms)
         except _Cascade:
             return HeadResult(nears, compared, 0, 0, n, codec.decode_parts(rust))
         e = int(rust["scale_exp"]) if not ip else _exponent(float(ex.rms.max()))
@@ -364,8 +367,10 @@ def compare_head(x: np.ndarray, codec: kt.CalibratedCodec, cal: rc.Calibration, 
         for i in rows[bad]:
             near("g", (i,), excess[i], ex.eps_rms[i])
             live[i] = False
-        if not ip and not np.array_equal(np.asarray(rust["scale_bits"])[~bad], np.asarray(ours["scale_bits"])[~bad]):
-            _fail("scale_bits", where, (), "differ where g agrees", 1, n)
+        if not ip:
+            sa, sb = np.asarray(rust["scale_bits"]), np.asarray(ours["scale_bits"])
+            if not np.array_equal(sa[~bad], sb[~bad]):
+                _fail("scale_bits", where, (), "differ where g agrees", 1, n)
     elif not np.all(gb == 1.0):
         _fail("g", where, (), "not 1 without norm", 1, n)
 
@@ -382,15 +387,17 @@ def compare_head(x: np.ndarray, codec: kt.CalibratedCodec, cal: rc.Calibration, 
         dist = np.full((n, m), np.inf)
         lo = np.minimum(ca, cb)
         for b in np.unique(widths[diff.any(axis=0)]):
-            thr = (np.float32(0.5) * (cal.centroids(int(b))[:-1] + cal.centroids(int(b))[1:])).astype(np.float64)
+            table = cal.centroids(int(b))
+            thr = (np.float32(0.5) * (table[:-1] + table[1:])).astype(np.float64)
             cols = widths == b
             dist[:, cols] = np.abs(ex.z[:, cols] - thr[np.clip(lo[:, cols], 0, len(thr) - 1)])
         bad = diff & ~((np.abs(ca - cb) == 1) & (dist <= ex.eps_z))
         if bad.any():
             i, j = (int(v) for v in np.argwhere(bad)[0])
             _fail("indices", where, (i, j),
-                  f"{cb[i, j]} vs {ca[i, j]} ({widths[j]} bits), z = {ex.z[i, j]!r}, {dist[i, j]:.3g} from the "
-                  f"threshold (eps {ex.eps_z[i, j]:.3g})", int(diff.sum()), int(check.sum()))
+                  f"{cb[i, j]} vs {ca[i, j]} ({widths[j]} bits), z = {ex.z[i, j]!r}, "
+                  f"{dist[i, j]:.3g} from the threshold (eps {ex.eps_z[i, j]:.3g})", int(diff.sum()),
+                  int(check.sum()))
         for i, j in np.argwhere(diff):
             near("indices", (i, j), dist[i, j], ex.eps_z[i, j])
 
@@ -472,7 +479,8 @@ def compare_head(x: np.ndarray, codec: kt.CalibratedCodec, cal: rc.Calibration, 
     got = codec.decode_parts(ours)
     same = equal_code_rows(rust, ours, n, m)
     assert_decoded(got[same], want[same], TOL["decode_float32"], f"{where}: oracle decode of our codes")
-    return HeadResult(nears, compared, int((~det).sum()), int((~det).any(axis=1).sum()), int((~live).sum()), want)
+    return HeadResult(nears, compared, int((~det).sum()), int((~det).any(axis=1).sum()), int((~live).sum()),
+                      want)
 
 
 class _Cascade(Exception):
@@ -574,7 +582,8 @@ def run_kernels(prep: Prepared, device: str, poison: bool = True) -> GroupResult
     dt = getattr(torch, group.input_dtype)
     batch = K.stack_calibrations(prep.cals, device)
     with K.poison_outputs() if poison else contextlib.nullcontext():
-        codes = K.encode_calibrated(torch.from_numpy(xs).to(device=device, dtype=dt), batch, ns, intermediates=True)
+        xt = torch.from_numpy(xs).to(device=device, dtype=dt)
+        codes = K.encode_calibrated(xt, batch, ns, intermediates=True)
         dec_ours = K.decode_calibrated(codes, batch, ns, n=n).cpu().numpy()
         rcodes = K.stack_calibrated_parts(prep.rust, batch)
         dec_rust = K.decode_calibrated(rcodes, batch, ns, n=n).cpu().numpy()
@@ -584,9 +593,11 @@ def run_kernels(prep: Prepared, device: str, poison: bool = True) -> GroupResult
         ours = K.head_parts(codes, batch, ns, i)
         want = _merge(res, compare_head(x, codec, cal, rust, ours, where))
         m = ns[i]
-        assert_decoded(dec_rust16[i, :m], want, TOL["decode_bfloat16"], f"{where}: bf16 decode of the oracle's codes")
+        assert_decoded(dec_rust16[i, :m], want, TOL["decode_bfloat16"],
+                       f"{where}: bf16 decode of the oracle's codes")
         errs = [
-            assert_decoded(dec_rust[i, :m], want, TOL["decode_float32"], f"{where}: decode of the oracle's codes"),
+            assert_decoded(dec_rust[i, :m], want, TOL["decode_float32"],
+                           f"{where}: decode of the oracle's codes"),
             assert_decoded(dec_ours[i, :m], codec.decode_parts(ours), TOL["decode_float32"],
                            f"{where}: decode of our codes vs the oracle's decoder"),
         ]

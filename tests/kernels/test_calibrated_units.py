@@ -53,7 +53,8 @@ def test_calibration_bytes_round_trip() -> None:
     c = _codec(LAYOUT, metric="inner_product", outlier_threshold=2.5, rotation_seed=12345,
                centroids={3: np.linspace(-2, 2, 8)})
     cal = rc.calibration_of(c)
-    assert (cal.d, cal.m, cal.rotation_seed, cal.metric, cal.norm) == (D, len(LAYOUT), 12345, "inner_product", True)
+    got = (cal.d, cal.m, cal.rotation_seed, cal.metric, cal.norm)
+    assert got == (D, len(LAYOUT), 12345, "inner_product", True)
     assert cal.threshold == 2.5 and list(cal.tables) == [3] and cal.row_bytes == c.row_bytes
     assert cal.fingerprint == c.fingerprint
     assert rc.sub_bands(cal.bits) == [tuple(b) for b in c.bands]
@@ -166,7 +167,8 @@ def test_strided_input_bf16_and_strided_output() -> None:
     into a strided view of a bf16 cache: both give what copies give."""
     t, h = 40, 2
     codecs = [_codec([3] * 20 + [2] * 11, seed=s) for s in range(h)]
-    layer = torch.from_numpy(np.stack([_rows(t, seed=s) for s in range(h)], axis=1)).to(DEVICE, torch.bfloat16)
+    rows = np.stack([_rows(t, seed=s) for s in range(h)], axis=1)
+    layer = torch.from_numpy(rows).to(DEVICE, torch.bfloat16)
     view = layer.permute(1, 0, 2)  # [H, T, D], not contiguous
     assert not view.is_contiguous()
     batch = K.stack_calibrations(codecs, DEVICE)
@@ -320,7 +322,8 @@ def test_checker_rejects_a_wrong_code(head: tuple, field: str) -> None:
             far[:, off:off + w] = np.abs(ex.z[:, off:off + w, None] - thr).min(-1)
         i, j = np.unravel_index(int(np.argmax(far)), far.shape)
         top = (1 << int(cal.bits[j])) - 1
-        bad["indices"][i, j] = bad["indices"][i, j] + 1 if bad["indices"][i, j] < top else bad["indices"][i, j] - 1
+        v = int(bad["indices"][i, j])
+        bad["indices"][i, j] = v + 1 if v < top else v - 1
         bad["codes"] = pc.pack_independent(bad["indices"], cal.bits)
     elif field == "outlier_pos":
         for key in ("outlier_pos", "outlier_bits", "outlier_val"):
@@ -330,7 +333,8 @@ def test_checker_rejects_a_wrong_code(head: tuple, field: str) -> None:
         bad["outlier_val"] = bad["outlier_bits"].view(np.float16).astype(np.float32)
     elif field == "scale_bits":
         bad["scale_bits"][9] += 40
-        bad["scale"] = bad["scale_bits"].view(np.float16).astype(np.float32) * np.float32(2.0 ** bad["scale_exp"])
+        scale = np.float32(2.0 ** bad["scale_exp"])
+        bad["scale"] = bad["scale_bits"].view(np.float16).astype(np.float32) * scale
     else:
         raw = bytearray(bad["codes"])
         raw[3] ^= 0x10

@@ -255,7 +255,8 @@ def head_parts(codes: Mapping[str, torch.Tensor], batch: CalibrationBatch, rows:
     return out
 
 
-def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]], batch: CalibrationBatch) -> Dict[str, torch.Tensor]:
+def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
+                           batch: CalibrationBatch) -> Dict[str, torch.Tensor]:
     """The batched codes dict of :func:`kakeyaturbo.kernels.encode_calibrated` built from parts
     dicts (e.g. what the Rust codec encoded), on the batch's device, for
     :func:`kakeyaturbo.kernels.decode_calibrated`. ``N`` is the largest head's row count.

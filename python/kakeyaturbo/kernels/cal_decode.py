@@ -17,7 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import band_hadamard, ceil_log2, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
+from ._utils import (
+    band_hadamard,
+    ceil_log2,
+    check_device,
+    empty,
+    from_scaled_f16,
+    is_interpreter,
+    next_pow2,
+    placeholder,
+)
 from .cal_batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
 
 #: The per-head table layout as compile-time constants (row b of TABLE_LEN entries).
@@ -118,7 +127,8 @@ def decode_calibrated(
     dev, h, d = batch.device, batch.num_heads, batch.dim
     packed = codes["codes"]
     if packed.ndim != 2 or packed.shape[0] != h or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        raise ValueError(f"codes must be contiguous uint8 [{h}, PB], got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(f"codes must be contiguous uint8 [{h}, PB], got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
     check_device("codes", packed, dev)
     if n is None:
         if batch.norm:
@@ -128,7 +138,8 @@ def decode_calibrated(
         else:
             n = packed.shape[1] // batch.max_row_bytes
     if packed.shape[1] < n * batch.max_row_bytes:
-        raise ValueError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, got {packed.shape[1]}")
+        raise ValueError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, "
+                         f"got {packed.shape[1]}")
     want: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {"outlier_ptr": ((h + 1,), torch.int64)}
     if batch.norm:
         want.update(scale_bits=((h, n), torch.int16), scale_exp=((h,), torch.int32))

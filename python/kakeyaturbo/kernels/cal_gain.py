@@ -37,7 +37,8 @@ def _settings(n: int) -> Dict[str, int]:
     return {"BN": 1024, "RB": 256, "num_warps": 4}
 
 
-def round_gains(gain: torch.Tensor, gain_max: torch.Tensor, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def round_gains(gain: torch.Tensor, gain_max: torch.Tensor,
+                rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stores the gains: ``gain`` float32 ``[H, N]``, ``gain_max`` float32 ``[H, T]`` (maxima of
     ``|gain|`` over row tiles, every tile written), ``rows`` int32 ``[H]``. Returns
     ``scale_bits`` int16 ``[H, N]`` (fp16 bit patterns) and ``scale_exp`` int32 ``[H]``.

@@ -51,7 +51,8 @@ from .cal_rms import project_tile, settings as project_settings
 
 # The codec settings (norm, metric, outliers, intermediates) and the sizes are runtime
 # values, not specialisations: one compiled kernel per tile shape serves every setting.
-@triton.jit(do_not_specialize=["N", "T1", "PB", "C", "MM", "nsteps", "T2", "thr_out", "has_t", "ip", "norm", "keep"])
+@triton.jit(do_not_specialize=["N", "T1", "PB", "C", "MM", "nsteps", "T2", "thr_out", "has_t", "ip", "norm",
+                                "keep"])
 def _quantize_kernel(
     x_ptr, sx_h, sx_n, sx_d, mean_ptr, a_ptr,
     col_ptr, bits_ptr, width_ptr, rnorm_ptr, signs_ptr, byte_ptr, shift_ptr,
@@ -183,7 +184,8 @@ def quantize(
     and ``g`` float32 ``[H, N]``. Raises ValueError on bad shapes."""
     h, n, d = x.shape
     if h != batch.num_heads or d != batch.dim or rows.shape != (h,) or rows.dtype != torch.int32:
-        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, D={batch.dim}")
+        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
+                         f"D={batch.dim}")
     if batch.norm and (g_raw is None or tile_max is None or g_raw.shape != (h, n)):
         raise ValueError("norm needs launch 1's g [H, N] and tile maxima")
     dev, mp = x.device, batch.slots
@@ -216,7 +218,8 @@ def quantize(
         max(capacity, 1),
         out.get("indices", placeholder(torch.uint8, dev)), out.get("z", f32), out.get("g", f32),
         batch.max_m,
-        n, d, batch.max_bits, tiles, 0.0 if batch.outlier_threshold is None else float(batch.outlier_threshold),
+        n, d, batch.max_bits, tiles,
+        0.0 if batch.outlier_threshold is None else float(batch.outlier_threshold),
         int(has_t), int(ip), int(batch.norm), int(intermediates),
         MP=mp, LOG_MP=ceil_log2(mp), BN=s["BN"], BD=s["BD"], RBC=s["RBC"], RB=s["RB"],
         num_warps=s["num_warps"], enable_fp_fusion=False,

@@ -77,7 +77,8 @@ def settings(n: int, mp: int, d: int) -> Dict[str, int]:
     return {"BN": bn, "BD": 64 if mp <= 128 else 32, "num_warps": 4 if mp <= 64 else 8}
 
 
-def rms_scales(x: torch.Tensor, batch: CalibrationBatch, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def rms_scales(x: torch.Tensor, batch: CalibrationBatch,
+               rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch 1: the unrounded rms scale of every row and the per-tile maxima.
 
     ``x``: float32 or bfloat16 ``[H, N, D]`` (any strides, checked by the caller); ``batch``: the
@@ -86,7 +87,8 @@ def rms_scales(x: torch.Tensor, batch: CalibrationBatch, rows: torch.Tensor) -> 
     ``T = ceil(N / BN)`` with :func:`settings`' ``BN``. Raises ValueError on bad shapes."""
     h, n, d = x.shape
     if h != batch.num_heads or d != batch.dim or rows.shape != (h,) or rows.dtype != torch.int32:
-        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, D={batch.dim}")
+        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
+                         f"D={batch.dim}")
     s = settings(n, batch.slots, d)
     tiles = triton.cdiv(n, s["BN"])
     g = empty((h, n), torch.float32, x.device)
