@@ -27,6 +27,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo import calibrate  # noqa: E402
+from kakeyaturbo.kernels import cal_decode, cal_gain, cal_quantize, cal_rms  # noqa: E402
 from kakeyaturbo.kernels import decode, pack, project, quantize, residual  # noqa: E402
 
 KERNELS = [
@@ -35,6 +37,10 @@ KERNELS = [
     (quantize, "_quantize_kernel"),
     (pack, "_pack_kernel"),
     (decode, "_decode_kernel"),
+    (cal_rms, "_rms_kernel"),
+    (cal_quantize, "_quantize_kernel"),
+    (cal_gain, "_gain_kernel"),
+    (cal_decode, "_decode_kernel"),
 ]
 TYPES = {
     torch.float32: "fp32",
@@ -107,6 +113,23 @@ def record_launches() -> List[Launch]:
             codes["outlier_pos"] = torch.zeros(3, dtype=torch.int64)
             codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
             K.decode_blocks(codes, skel, out_dtype=dtype)
+    # Calibrated mode: slot counts 16..256 (MP), every branch, both input and output dtypes.
+    cases: List[Tuple[int, float, Dict[str, Any], torch.dtype]] = [
+        (64, 1.5, dict(norm=False), torch.float32),
+        (128, 4.4, dict(), torch.bfloat16),
+        (128, 3.0, dict(metric="inner_product", outlier_threshold=2.5), torch.float32),
+        (256, 8.0, dict(metric="linf", outlier_threshold=3.0), torch.bfloat16),
+        (96, 0.5, dict(), torch.float32),
+    ]
+    for d, bpe, kw, dtype in cases:
+        x = (g.standard_normal((300, d)) * 0.97 ** np.arange(d)).astype(np.float32)
+        fit = calibrate.fit_stream(x.mean(0), np.cov(x.T), bpe, norm=kw.get("norm", True))
+        batch = K.stack_calibrations([fit.codec(**kw)] * 2)
+        codes = K.encode_calibrated(torch.from_numpy(np.stack([x, x])).to(dtype), batch)
+        codes["outlier_ptr"] = torch.tensor([0, 1, 3])
+        codes["outlier_pos"] = torch.zeros(3, dtype=torch.int64)
+        codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
+        K.decode_calibrated(codes, batch, out_dtype=dtype, n=300)
     for mod, name in KERNELS:
         setattr(mod, name, getattr(mod, name).fn)
     return log

@@ -34,10 +34,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     blocks = sum(r.blocks for r in RESULTS)
     nears = [n for r in RESULTS for n in r.nears]
     und = sum(r.undetermined_rows for r in RESULTS)
-    rows = sum(r.compared.get("seg_id", 0) for r in RESULTS)
+    rows = sum(r.compared.get("seg_id", r.compared.get("rows", 0)) for r in RESULTS)
     tr.section("kakeyaturbo kernel parity")
     tr.write_line(
-        f"{len(RESULTS)} group runs, {blocks} block comparisons on {DEVICE}; "
+        f"{len(RESULTS)} group runs, {blocks} block / head comparisons on {DEVICE}; "
         f"{len(nears)} near-threshold disagreements; {und} of {rows} rows with undetermined indices"
     )
     for n in nears[:50]:

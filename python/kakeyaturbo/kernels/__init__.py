@@ -11,21 +11,37 @@ Typical use (per-block mode, skeletons fitted by the Rust codec)::
     skel = stack_skeletons(parts, device="cuda")
     codes = encode_blocks(x, skel, rows)            # x: [B, N, D] float32 / bfloat16
     x_hat = decode_blocks(codes, skel, rows, torch.bfloat16)
+
+Calibrated mode (one calibration per head, e.g. every kv-head of a layer's K stream)::
+
+    batch = stack_calibrations(codecs, device="cuda")   # CalibratedCodec objects
+    codes = encode_calibrated(k, batch)                  # k: [H, T, D] float32 / bfloat16
+    k_hat = decode_calibrated(codes, batch, out_dtype=torch.bfloat16)
 """
 
 from ._utils import is_interpreter, poison_outputs
+from .cal_batch import CalibrationBatch, head_parts, stack_calibrated_parts, stack_calibrations
+from .cal_decode import decode_calibrated
+from .calibrated import encode_calibrated, outlier_capacity
 from .decode import decode_blocks
 from .encode import compact_outliers, encode_blocks
 from .skeleton import SkeletonBatch, block_parts, stack_codes, stack_skeletons
 
 __all__ = [
+    "CalibrationBatch",
     "SkeletonBatch",
     "block_parts",
     "compact_outliers",
     "decode_blocks",
+    "decode_calibrated",
     "encode_blocks",
+    "encode_calibrated",
+    "head_parts",
     "is_interpreter",
+    "outlier_capacity",
     "poison_outputs",
+    "stack_calibrated_parts",
+    "stack_calibrations",
     "stack_codes",
     "stack_skeletons",
 ]
