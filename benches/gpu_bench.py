@@ -33,7 +33,7 @@
    The timed encodes are also checked against Rust block by block / head by head.
 3. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
 
-The whole run is held under ``--budget-s`` (default 420 s): each fuzz stops taking new groups
+The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes): each fuzz stops taking new groups
 when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
 Triton's interpreter (``TRITON_INTERPRET=1``) with tiny shapes (2 heads x 1024 tokens x 64), two
 fuzz groups of each mode and ``time.perf_counter`` instead of do_bench: it checks the script,
@@ -482,7 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="folder for gpu_bench.json and gpu_bench.md")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--workers", type=int, default=8, help="fuzz worker processes")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.dry_run:
