@@ -2,7 +2,7 @@
 
 use crate::block::{arr, item, to_array2_u8, vec1};
 use crate::errors::{invalid_input, run, to_py};
-use crate::layer::{matrix, to_array2};
+use crate::layer::{error_sums, matrix, set_errors, to_array2};
 use crate::params;
 use kakeyaturbo::calibrated::{self, CalibratedCodec, CalibratedCodes, CalibratedParams};
 use kakeyaturbo::f16::ScaledF16;
@@ -172,13 +172,6 @@ impl PyCalibratedCodec {
                 ))
             })?
         })?;
-        let (mut se, mut sx, mut mx) = (0f64, 0f64, 0f64);
-        for (a, b) in x.iter().zip(&y) {
-            let e = (*a as f64) - (*b as f64);
-            se += e * e;
-            sx += (*a as f64) * (*a as f64);
-            mx = mx.max(e.abs());
-        }
         let r = PyDict::new(py);
         let elems = (n * d) as f64;
         let total = parts.total();
@@ -196,16 +189,7 @@ impl PyCalibratedCodec {
         r.set_item("model_bytes", c.model_bytes())?;
         r.set_item("encode_seconds", enc)?;
         r.set_item("decode_seconds", dec)?;
-        r.set_item("mse", se / elems)?;
-        r.set_item(
-            "relative_error",
-            if sx > 0.0 {
-                (se / sx).sqrt()
-            } else {
-                se.sqrt()
-            },
-        )?;
-        r.set_item("max_abs_error", mx)?;
+        set_errors(&r, error_sums(x, &y), n * d)?;
         Ok((to_array2(py, y, n, d)?, r))
     }
 

@@ -44,6 +44,33 @@ pub fn to_array2<'py>(
     PyArray1::from_vec(py, v).reshape([n, d])
 }
 
+/// Sums for a report's error fields: (squared error, squared input, largest absolute error).
+pub fn error_sums(x: &[f32], y: &[f32]) -> (f64, f64, f64) {
+    let (mut se, mut sx, mut mx) = (0f64, 0f64, 0f64);
+    for (a, b) in x.iter().zip(y) {
+        let e = (*a as f64) - (*b as f64);
+        se += e * e;
+        sx += (*a as f64) * (*a as f64);
+        mx = mx.max(e.abs());
+    }
+    (se, sx, mx)
+}
+
+/// Writes `mse`, `relative_error` (`||x - y|| / ||x||`) and `max_abs_error` into a report.
+pub fn set_errors(r: &Bound<'_, PyDict>, sums: (f64, f64, f64), elems: usize) -> PyResult<()> {
+    let (se, sx, mx) = sums;
+    r.set_item("mse", se / elems as f64)?;
+    r.set_item(
+        "relative_error",
+        if sx > 0.0 {
+            (se / sx).sqrt()
+        } else {
+            se.sqrt()
+        },
+    )?;
+    r.set_item("max_abs_error", mx)
+}
+
 /// The parts of a report that depend only on the encoded layer.
 fn describe<'py>(
     py: Python<'py>,
@@ -117,33 +144,15 @@ pub fn roundtrip_layer<'py>(
         let t0 = Instant::now();
         let y = layer::decode_layer(&e, threads)?;
         let dec = t0.elapsed().as_secs_f64();
-        let mut se = 0f64;
-        let mut sx = 0f64;
-        let mut mx = 0f64;
-        for (a, b) in x.iter().zip(&y) {
-            let diff = (*a as f64) - (*b as f64);
-            se += diff * diff;
-            sx += (*a as f64) * (*a as f64);
-            mx = mx.max(diff.abs());
-        }
-        Ok((y, dec, parts, (se, sx, mx)))
+        let stats = error_sums(x, &y);
+        Ok((y, dec, parts, stats))
     })?;
     let r = describe(py, &e, &parts)?;
     r.set_item("encode_seconds", enc_s)?;
     r.set_item("decode_seconds", dec_s)?;
     r.set_item("fit_seconds", times.fit)?;
     r.set_item("code_seconds", times.code)?;
-    let (se, sx, mx) = stats;
-    r.set_item("mse", se / (n * d) as f64)?;
-    r.set_item(
-        "relative_error",
-        if sx > 0.0 {
-            (se / sx).sqrt()
-        } else {
-            se.sqrt()
-        },
-    )?;
-    r.set_item("max_abs_error", mx)?;
+    set_errors(&r, stats, n * d)?;
     Ok((to_array2(py, y, n, d)?, r))
 }
 
