@@ -227,3 +227,11 @@ def test_global_allocation_moves_bits_to_where_variance_is() -> None:
     lm = np.array(calibrate.LLOYD_MAX_MSE)
     cost = lambda alloc: sum(np.sum(sp * lm[b]) for sp, b in zip((loud, quiet), alloc))  # noqa: E731
     assert cost(glob) < cost(per_head)
+    # Bytes freed by trimming every head to whole bytes go back: the pooled budget is spent.
+    assert sum(b.sum() for b in glob) == 128
+    spectra = [s * 0.8 ** np.arange(D) for s in (1.0, 0.37, 0.11)]
+    three = calibrate.global_allocation(spectra, [40, 40, 40])
+    assert sum(b.sum() for b in three) == 120 and all(b.sum() % 8 == 0 and b.sum() >= 8 for b in three)
+    # A head the pooled water-filling leaves empty still gets its byte, paid for by the others.
+    tight = calibrate.global_allocation([loud, 1e-12 * loud, quiet], [8, 8, 8])
+    assert [int(b.sum()) for b in tight] == [8, 8, 8]

@@ -92,3 +92,20 @@ def test_sink_and_stream_fields(tmp_path) -> None:
         p.write_text(bad)
         with pytest.raises(kt.InvalidParameterError):
             recipes.load(p)
+
+
+def test_sensitivity_recipe_fields(tmp_path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text('mode = "calibrated"\n[k]\nwhiten = "fisher"\nallocation = "sensitivity"\n'
+                 '[v]\nwhiten = "fisher"\n[calibration]\nsensitivity_windows = 4\n'
+                 'sensitivity_path = "f.safetensors"\n')
+    r = recipes.load(p)
+    assert r.needs_sensitivity and r.calibration["score"] == 64
+    assert r.calibration["sensitivity_path"] == str(tmp_path / "f.safetensors")
+    for bad in ('mode = "calibrated"\n[k]\nallocation = "fisher"\n',
+                'mode = "calibrated"\n[k]\nwhiten = "gradient"\n',
+                'mode = "calibrated"\n[calibration]\nscore = 0\n',
+                'mode = "calibrated"\n[calibration]\nsensitivity_windows = true\n'):
+        p.write_text(bad)
+        with pytest.raises(kt.InvalidParameterError):
+            recipes.load(p)

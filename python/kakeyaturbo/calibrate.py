@@ -310,6 +310,115 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                           v_cov=vc, o_gram=o_gram, k_samples=stack(k_acc), v_samples=stack(v_acc))
 
 
+@dataclass
+class Sensitivity:
+    """How much a model's loss reacts to errors in its cached keys and values: per (layer,
+    kv-head) the second moment ``sum_t g_t g_t^T`` of the gradient of the loss with respect to
+    each cached pre-RoPE key (``k``) and value (``v``) row, float64 ``[L, H_kv, D, D]``, summed
+    over the cached positions and averaged over windows (an empirical Fisher). To second order
+    an error ``e_t`` in row ``t`` raises the loss by ``e_t^T F e_t / 2``, so ``F`` weighs every
+    coded component by what it costs the model."""
+
+    meta: Dict[str, Any]
+    k: np.ndarray
+    v: np.ndarray
+
+    ARRAYS = ("k", "v")
+
+    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
+        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
+        from safetensors.numpy import save_file
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
+        side = p.with_name(p.name + ".json")
+        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return p, side
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str") -> "Sensitivity":
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        try:
+            arrays = load_file(str(p))
+            meta = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"cannot read sensitivity {str(p)!r}: {e}") from e
+        missing = [k for k in cls.ARRAYS if k not in arrays]
+        if missing:
+            raise InvalidParameterError(f"sensitivity {str(p)!r} lacks {missing}")
+        return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})
+
+    def of(self, stream: str) -> np.ndarray:
+        return self.k if stream == "k" else self.v
+
+
+def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
+                        score: int = 64,
+                        progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+                        meta: Optional[Dict[str, Any]] = None) -> Sensitivity:
+    """Runs ``model`` over ``windows`` (token id lists) with gradients and gathers its
+    :class:`Sensitivity`, the way a cache is used: the loss is the next-token NLL of the last
+    ``score`` tokens of each window, and the gradients are taken at the cached positions
+    before them (positions ``< n_sink`` left out: they stay uncompressed). The gradients are
+    taken at the outputs of ``k_proj`` and ``v_proj`` (recorded by forward hooks, so keys are
+    seen before RoPE, as the calibrated codecs code them), with every path through the later
+    layers kept: the token embeddings are made to require gradients instead of the weights."""
+    import torch
+
+    attn = attention_modules(model)
+    cfg = model.config
+    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    if score < 1 or any(len(w) < n_sink + score + 1 for w in windows):
+        raise InvalidParameterError(f"windows must be longer than n_sink + score ({n_sink} + {score})")
+    fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
+    captured: Dict[Tuple[str, int], Any] = {}
+
+    def hook(kind: str, i: int) -> Callable[..., None]:
+        def f(_m: Any, _inp: Any, out: Any) -> None:
+            captured[(kind, i)] = out
+        return f
+
+    def embedded(_m: Any, _inp: Any, out: Any) -> Any:
+        return out.detach().requires_grad_(True)  # the graph starts here, not at the weights
+
+    handles = [mod.register_forward_hook(hook(kind, i))
+               for i, a in enumerate(attn) for kind, mod in (("k", a.k_proj), ("v", a.v_proj))]
+    handles.append(model.get_input_embeddings().register_forward_hook(embedded))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            for w in progress(windows):
+                captured.clear()
+                ids = torch.tensor([list(w)])
+                t = len(w)
+                logits = model(input_ids=ids, use_cache=False).logits[0, t - score - 1:t - 1]
+                nll = -torch.log_softmax(logits.double(), dim=-1).gather(
+                    1, ids[0, t - score:, None]).sum()
+                keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
+                grads = torch.autograd.grad(nll, [captured[key] for key in keys])
+                for (s, i), g in zip(keys, grads):
+                    g = g[0, n_sink:t - score].double().reshape(-1, hkv, d)
+                    fisher[s][i] += torch.einsum("tha,thb->hab", g, g).numpy()
+    finally:
+        for h in handles:
+            h.remove()
+        for p in trainable:
+            p.requires_grad_(True)
+    info = dict(meta or {})
+    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                score=score, layers=n_layers, kv_heads=hkv, head_dim=d,
+                date=datetime.date.today().isoformat(),
+                hooks="gradients at pre-RoPE k_proj/v_proj outputs")
+    n = max(len(windows), 1)
+    return Sensitivity(meta=info, k=fisher["k"] / n, v=fisher["v"] / n)
+
+
 # ---- fitting ------------------------------------------------------------------------------------
 
 
@@ -363,8 +472,9 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
     """PCA of ``cov`` in the whitened space (``x -> x L``), water-filled to the target (or
     given ``bits`` per component, in the order of :func:`spectrum`).
 
-    Components are sorted by variance; those allocated 0 bits are dropped (they decode as the
-    mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
+    Components are sorted by bits, then by variance (so that equal widths form one band even
+    when an allocation is not monotone in the variances); those allocated 0 bits are dropped
+    (they decode as the mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
     ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
     """
     d = len(mean)
@@ -373,10 +483,11 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
     if bits is None:
         bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits)
     bits = np.asarray(bits, dtype=np.int64)
-    keep = bits > 0
-    if not np.any(keep):
+    keep = np.flatnonzero(bits > 0)
+    if keep.size == 0:
         raise InvalidParameterError(
             f"{bits_per_element} bits per element leave no bits for the components at D = {d}")
+    keep = keep[np.argsort(-bits[keep], kind="stable")]
     ut = u[:, keep].T
     if w is not None:
         analysis = ut @ w.T
@@ -390,7 +501,8 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
 
 
 def _stream_inputs(stats: AttentionStats, stream: str, layer: int, head: int,
-                   settings: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+                   settings: Dict[str, Any], sensitivity: Optional[Sensitivity] = None
+                   ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """(mean, covariance, whitening factor) of one (stream, layer, kv-head) for the settings."""
     if stream == "k":
         mean, cov = stats.k_mean[layer, head], stats.k_cov[layer, head]
@@ -404,17 +516,73 @@ def _stream_inputs(stats: AttentionStats, stream: str, layer: int, head: int,
         w = whitening_factor(stats.q2[layer, head])
     elif settings["whiten"] == "output":
         w = whitening_factor(stats.o_gram[layer, head])
+    elif settings["whiten"] == "fisher":
+        if sensitivity is None:
+            raise InvalidParameterError("whiten = 'fisher' needs the model's sensitivity")
+        w = whitening_factor(sensitivity.of(stream)[layer, head])
     return mean, cov, w
+
+
+def sensitivity_weights(synthesis: np.ndarray, fisher: np.ndarray) -> np.ndarray:
+    """``w_j = s_j^T F s_j`` for synthesis rows ``s_j``: the loss per unit of squared error in
+    component ``j`` (an error ``e`` in the coefficients is ``e @ synthesis`` in the row)."""
+    s = np.asarray(synthesis, dtype=np.float64)
+    return np.maximum(np.einsum("ja,ab,jb->j", s, np.asarray(fisher, dtype=np.float64), s), 0.0)
+
+
+def weighted_spectrum(stats: AttentionStats, sensitivity: Sensitivity, stream: str, layer: int,
+                      head: int, settings: Dict[str, Any]) -> np.ndarray:
+    """The variances of one (stream, layer, kv-head)'s components, in the order of
+    :func:`spectrum`, each times its :func:`sensitivity_weights`: what an error in it costs the
+    model's loss, comparable across layers, heads and streams."""
+    _, cov, w = _stream_inputs(stats, stream, layer, head, settings, sensitivity)
+    lam, u = spectrum(cov, w)
+    synthesis = u.T if w is None else np.linalg.solve(np.asarray(w, dtype=np.float64).T, u).T
+    return lam * sensitivity_weights(synthesis, sensitivity.of(stream)[layer, head])
+
+
+def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int) -> Tuple[float, np.ndarray]:
+    """``n`` more bits for one head's components, one at a time where the error falls most:
+    (the fall in ``sum_j sp_j * mse(b_j)``, the new bits); ``-inf`` if they do not fit."""
+    lm = np.asarray(LLOYD_MAX_MSE)
+    b = b.copy()
+    gain = 0.0
+    for _ in range(n):
+        room = b < max_bits
+        if not np.any(room):
+            return -np.inf, b
+        g = np.where(room, sp * (lm[b] - lm[np.minimum(b + 1, len(lm) - 1)]), -np.inf)
+        j = int(np.argmax(g))
+        gain += float(g[j])
+        b[j] += 1
+    return gain, b
+
+
+def _take_bits(sp: np.ndarray, b: np.ndarray, n: int) -> Tuple[float, np.ndarray]:
+    """``n`` bits taken back from one head's components, one at a time where the error rises
+    least: (the rise, the new bits)."""
+    lm = np.asarray(LLOYD_MAX_MSE)
+    b = b.copy()
+    loss = 0.0
+    for _ in range(n):
+        have = b > 0
+        c = np.where(have, sp * (lm[np.maximum(b - 1, 0)] - lm[b]), np.inf)
+        j = int(np.argmin(c))
+        loss += float(c[j])
+        b[j] -= 1
+    return loss, b
 
 
 def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
                       max_bits: int = 8) -> List[np.ndarray]:
     """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
-    (whitened) variances are largest, whichever head they belong to; then each head's row is
-    trimmed to whole bytes by taking back its least useful bits (so the total never exceeds the
-    pooled budget)."""
+    (whitened or weighted) variances are largest, whichever head they belong to; then each
+    head's row is trimmed to whole bytes by taking back its least useful bits, and the bytes
+    so freed go back, one byte at a time, to the head whose error falls most with it (so the
+    total never exceeds the pooled budget, and every head keeps at least one byte)."""
     lam = np.concatenate(spectra)
-    bits = allocate_bits(lam, int(sum(row_budgets)), max_bits)
+    total = int(sum(row_budgets))
+    bits = allocate_bits(lam, total, max_bits)
     out, at = [], 0
     lm = np.asarray(LLOYD_MAX_MSE)
     for sp in spectra:
@@ -425,19 +593,37 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
             loss = [sp[i] * (lm[b[i] - 1] - lm[b[i]]) for i in j]
             b[j[int(np.argmin(loss))]] -= 1
         if b.sum() == 0:  # every head keeps at least one byte of codes
-            b[0] = 8 if max_bits >= 8 else max_bits
+            b = _add_bits(np.asarray(sp, dtype=np.float64), b, min(8, max_bits * len(b)), max_bits)[1]
         out.append(b)
+    left = total - sum(int(b.sum()) for b in out)
+    sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
+    while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
+        asks = [_take_bits(sp, b, 8) if b.sum() >= 16 else (np.inf, b) for sp, b in zip(sps, out)]
+        worst = int(np.argmin([c for c, _ in asks]))
+        if not np.isfinite(asks[worst][0]):
+            raise InvalidParameterError("the pooled budget cannot give every head one byte")
+        out[worst] = asks[worst][1]
+        left += 8
+    offers = [_add_bits(sp, b, 8, max_bits) for sp, b in zip(sps, out)] if left >= 8 else []
+    while left >= 8:
+        best = int(np.argmax([g for g, _ in offers]))
+        if not np.isfinite(offers[best][0]) or offers[best][0] <= 0:
+            break
+        out[best] = offers[best][1]
+        offers[best] = _add_bits(sps[best], out[best], 8, max_bits)
+        left -= 8
     return out
 
 
 def fit_codec(stats: AttentionStats, stream: str, layer: int, head: int,
               settings: Dict[str, Any],
               centroids: Optional[Mapping[int, np.ndarray]] = None,
-              bits: Optional[np.ndarray] = None) -> CalibratedCodec:
+              bits: Optional[np.ndarray] = None,
+              sensitivity: Optional[Sensitivity] = None) -> CalibratedCodec:
     """The calibrated codec of one (stream, layer, kv-head) for the recipe settings of that
     stream (:data:`kakeyaturbo.recipes.CALIBRATED_DEFAULTS` names), with optional custom
     Lloyd-Max tables by bit width and an optional given allocation."""
-    mean, cov, w = _stream_inputs(stats, stream, layer, head, settings)
+    mean, cov, w = _stream_inputs(stats, stream, layer, head, settings, sensitivity)
     fit = fit_stream(mean, cov, float(settings["bits"]), whitening=w, norm=settings["norm"],
                      max_bits=int(settings["max_bits"]), bits=bits)
     widths = set(int(b) for b in fit.bits)
@@ -478,29 +664,55 @@ class ModelCodec:
 
     pre_rope_keys = True
 
-    def __init__(self, stats: AttentionStats, recipe: Any, *, threads: Optional[int] = None) -> None:
+    def __init__(self, stats: AttentionStats, recipe: Any, *, threads: Optional[int] = None,
+                 sensitivity: Optional[Sensitivity] = None) -> None:
         if getattr(recipe, "mode", None) != "calibrated":
             raise InvalidParameterError(f"recipe {getattr(recipe, 'name', recipe)!r} is not calibrated")
+        if recipe.needs_sensitivity and sensitivity is None:
+            raise InvalidParameterError(
+                f"recipe {recipe.name!r} allocates by sensitivity or whitens by it: pass the "
+                "model's Sensitivity (kakeyaturbo.calibrate.cached_sensitivity)")
+        if sensitivity is not None and sensitivity.k.shape[:2] != stats.q2.shape[:2]:
+            raise InvalidParameterError(
+                f"sensitivity of {sensitivity.k.shape[:2]} (layers, kv-heads) does not match the "
+                f"statistics' {stats.q2.shape[:2]}")
         self.recipe = recipe
         self.threads = threads
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
         #: Custom Lloyd-Max tables by stream and bit width (``tables = "calibrated"``).
         self.tables: Dict[str, Dict[int, np.ndarray]] = {}
         keys = [(layer, h) for layer in range(stats.num_layers) for h in range(stats.kv_heads)]
+        # allocation = "sensitivity": one pooled water-filling over every (stream, layer,
+        # kv-head) that asks for it, on variances weighed by what their errors cost the loss.
+        pooled = [(s, key) for s in recipe.streams
+                  if recipe.stream(s)["allocation"] == "sensitivity" for key in keys]
+        shared: Dict[Tuple[str, int, int], np.ndarray] = {}
+        if pooled:
+            assert sensitivity is not None
+            spectra = [weighted_spectrum(stats, sensitivity, s, *key, recipe.stream(s))
+                       for s, key in pooled]
+            budgets = [row_budget(float(recipe.stream(s)["bits"]), sp.size, recipe.stream(s)["norm"])
+                       for (s, _), sp in zip(pooled, spectra)]
+            max_bits = min(int(recipe.stream(s)["max_bits"]) for s, _ in pooled)
+            for (s, key), b in zip(pooled, global_allocation(spectra, budgets, max_bits)):
+                shared[(s, *key)] = b
         for s in recipe.streams:
             settings = recipe.stream(s)
-            alloc: Dict[Tuple[int, int], Optional[np.ndarray]] = {key: None for key in keys}
+            alloc: Dict[Tuple[int, int], Optional[np.ndarray]] = {
+                key: shared.get((s, *key)) for key in keys}
             if settings["allocation"] == "global":
-                spectra = [spectrum(*_stream_inputs(stats, s, *key, settings)[1:])[0] for key in keys]
+                spectra = [spectrum(*_stream_inputs(stats, s, *key, settings, sensitivity)[1:])[0]
+                           for key in keys]
                 d = spectra[0].size
                 budget = row_budget(float(settings["bits"]), d, settings["norm"])
                 alloc = dict(zip(keys, global_allocation(spectra, [budget] * len(keys),
                                                          int(settings["max_bits"]))))
-            first = {key: fit_codec(stats, s, *key, settings, bits=alloc[key]) for key in keys}
+            first = {key: fit_codec(stats, s, *key, settings, bits=alloc[key],
+                                    sensitivity=sensitivity) for key in keys}
             if settings["tables"] == "calibrated":
                 self.tables[s] = fit_tables(first, stats.k_samples if s == "k" else stats.v_samples)
-                first = {key: fit_codec(stats, s, *key, settings, self.tables[s], alloc[key])
-                         for key in keys}
+                first = {key: fit_codec(stats, s, *key, settings, self.tables[s], alloc[key],
+                                        sensitivity) for key in keys}
             for key, c in first.items():
                 self.codecs[(s, *key)] = c
         self.model_bytes = sum(c.model_bytes for c in self.codecs.values())
@@ -572,3 +784,38 @@ def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                           "split": "calibration"})
     stats.save(path)
     return stats
+
+
+def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
+                     settings: Dict[str, Any], n_sink: int) -> Path:
+    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings)."""
+    from .eval.data import CACHE
+
+    mp, tp = Path(model_path), Path(text_path)
+    size = mp.stat().st_size if mp.is_file() else 0
+    key = (f"{mp.stem}-{size}-{tp.stem}-{settings['sensitivity_windows']}x{settings['window']}-"
+           f"score{settings['score']}-sink{n_sink}-sensitivity")
+    return CACHE / "calibration" / f"{key}.safetensors"
+
+
+def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                       text_path: "os.PathLike[str] | str", settings: Dict[str, Any], *,
+                       n_sink: int = 1,
+                       progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it
+                       ) -> Sensitivity:
+    """The :class:`Sensitivity` a recipe's ``[calibration]`` asks for: its
+    ``sensitivity_path`` if given, else the cached file for this model, text and settings,
+    gathered (and cached) on the calibration split when missing."""
+    if settings.get("sensitivity_path"):
+        return Sensitivity.load(settings["sensitivity_path"])
+    path = sensitivity_path(model_path, text_path, settings, n_sink)
+    if path.exists():
+        return Sensitivity.load(path)
+    wins = calibration_windows(tok, text_path, int(settings["sensitivity_windows"]),
+                               int(settings["window"]))
+    sens = collect_sensitivity(model, wins, n_sink=n_sink, score=int(settings["score"]),
+                               progress=progress,
+                               meta={"model": Path(model_path).name, "text": Path(text_path).name,
+                                     "split": "calibration"})
+    sens.save(path)
+    return sens

@@ -60,7 +60,15 @@ def _eval(args: argparse.Namespace) -> int:
                                                     n_sink=max(rec.n_sink, 1),
                                                     progress=_progress("calibration"))
             st = stats[key]
-        methods.append(harness.codec_method(rec, layers, stats=st))
+        sens = None
+        if rec.needs_sensitivity:
+            key = "sensitivity" + str(sorted(rec.calibration.items())) + f"sink{rec.n_sink}"
+            if key not in stats:
+                stats[key] = calibrate.cached_sensitivity(
+                    m, tok, model_path, text_path, rec.calibration, n_sink=max(rec.n_sink, 1),
+                    progress=_progress("sensitivity"))
+            sens = stats[key]
+        methods.append(harness.codec_method(rec, layers, stats=st, sensitivity=sens))
         if args.attribute:
             methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))

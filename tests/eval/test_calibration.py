@@ -93,3 +93,88 @@ def test_calibrated_recipe_through_the_harness(tiny) -> None:
     assert out["kl"] > 0.0 and res["identity"]["kl"] == 0.0
     with pytest.raises(ValueError, match="statistics"):
         harness.codec_method(rec, 2)
+
+
+def test_sensitivity_is_the_gradient_second_moment(tiny, tmp_path) -> None:
+    """With one cached position between the sink and the scored tokens, the sensitivity is
+    ``g g^T`` for the total derivative ``g`` of the scored NLL with respect to that position's
+    key (value) row, every path through the later layers included. Checked against gradients
+    taken a second way: a zero offset added to the row by a hook, differentiated alone."""
+    model, windows = tiny
+    score = 3
+    w = list(windows[0][:1 + 1 + score])  # sink, one cached position, then the scored tokens
+    sens = calibrate.collect_sensitivity(model, [w], n_sink=1, score=score)
+    assert sens.k.shape == sens.v.shape == (2, HKV, D, D)
+    ids = torch.tensor([w])
+    t = len(w)
+
+    def grad(layer: int, kind: str) -> np.ndarray:
+        offset = torch.zeros(HKV * D, requires_grad=True)
+        mod = getattr(model.model.layers[layer].self_attn, f"{kind}_proj")
+
+        def add(_m, _i, out):
+            out = out.clone()
+            out[0, 1] = out[0, 1] + offset
+            return out
+
+        h = mod.register_forward_hook(add)
+        try:
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
+            nll = -logp[t - score - 1:t - 1].gather(1, ids[0, t - score:, None]).sum()
+            (g,) = torch.autograd.grad(nll, [offset])
+        finally:
+            h.remove()
+        return g.double().numpy().reshape(HKV, D)
+
+    for layer in range(2):
+        for kind in ("k", "v"):
+            g = grad(layer, kind)
+            for h in range(HKV):
+                np.testing.assert_allclose(sens.of(kind)[layer, h], np.outer(g[h], g[h]),
+                                           rtol=1e-4, atol=1e-6 * np.abs(g[h]).max() ** 2)
+    assert np.abs(sens.k[0]).max() > 0 and np.abs(sens.v[1]).max() > 0
+    assert all(p.requires_grad for p in model.parameters())  # restored
+    back = calibrate.Sensitivity.load(sens.save(tmp_path / "f.safetensors")[0])
+    assert np.array_equal(back.k, sens.k) and back.meta["score"] == score
+    with pytest.raises(calibrate.InvalidParameterError):
+        calibrate.collect_sensitivity(model, [w[:4]], n_sink=1, score=score)
+
+
+def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
+    """allocation = "sensitivity" pools the bits of K and V of every layer and head and moves
+    them to where the measured sensitivity is large, within the pooled budget."""
+    model, windows = tiny
+    st = calibrate.collect(model, windows[:2], n_sink=1, samples=10)
+    sens = calibrate.collect_sensitivity(model, windows[:2], n_sink=1, score=8)
+    p = tmp_path / "s.toml"
+    p.write_text('mode = "calibrated"\nn_sink = 1\n[k]\nbits = 4\nwhiten = "query"\n'
+                 'allocation = "sensitivity"\n[v]\nbits = 4\nwhiten = "output"\ncenter = false\n'
+                 'allocation = "sensitivity"\n')
+    rec = recipes.load(p)
+    assert rec.needs_sensitivity and not recipes.load("calibrated-4bit").needs_sensitivity
+    with pytest.raises(calibrate.InvalidParameterError, match="Sensitivity"):
+        calibrate.ModelCodec(st, rec)
+    budget = calibrate.row_budget(4.0, D, True)
+
+    def row_bits(s):
+        c = calibrate.ModelCodec(st, rec, sensitivity=s)
+        return {key: c.row_bits for key, c in c.codecs.items()}
+
+    base = row_bits(sens)
+    assert sum(base.values()) <= budget * len(base) and all(b % 8 == 0 for b in base.values())
+    # Make layer 1's values 1000x as costly: they gain bits, the rest pay for them.
+    boosted = calibrate.Sensitivity(meta={}, k=sens.k, v=sens.v.copy())
+    boosted.v[1] *= 1000.0
+    more = row_bits(boosted)
+    assert sum(more.values()) <= budget * len(more)
+    assert all(more[("v", 1, h)] > base[("v", 1, h)] for h in range(HKV))
+    # Fisher whitening: the weights in the whitened basis are ~1 (up to the ridge).
+    fit = calibrate.fit_stream(np.zeros(D), st.k_cov[0, 0], 4.0,
+                               whitening=calibrate.whitening_factor(sens.k[0, 0], ridge=0.0))
+    w = calibrate.sensitivity_weights(fit.synthesis, sens.k[0, 0])
+    np.testing.assert_allclose(w, 1.0, rtol=1e-6)
+    # Through the harness.
+    m = harness.codec_method(rec, 2, stats=st, sensitivity=sens)
+    wins = [list(w) + list(w[:10]) for w in windows]
+    res = harness.evaluate(model, wins, 30, [m])
+    assert 3.0 < res[m.name]["bits_per_element"] < 8.0

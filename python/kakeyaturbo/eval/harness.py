@@ -38,9 +38,11 @@ def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
     raise AssertionError("codec methods are coded through compress_cache")
 
 
-def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None) -> Method:
+def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None,
+                 sensitivity: Any = None) -> Method:
     """The method of a recipe: its per-block codec, or (``mode = "calibrated"``) the
-    calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibrate.AttentionStats`)."""
+    calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibrate.AttentionStats`)
+    and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibrate.Sensitivity`)."""
     from ..cache import BlockCodec
 
     model_bytes = 0
@@ -49,7 +51,7 @@ def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None) -> Metho
 
         if stats is None:
             raise ValueError(f"recipe {recipe.name!r} is calibrated: pass its statistics")
-        codec: Any = ModelCodec(stats, recipe)
+        codec: Any = ModelCodec(stats, recipe, sensitivity=sensitivity)
         model_bytes = codec.model_bytes
     else:
         codec = BlockCodec(recipe)

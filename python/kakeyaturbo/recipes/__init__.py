@@ -44,7 +44,10 @@ CALIBRATED_DEFAULTS: Dict[str, Any] = {
     "rotation_seed": 0xCAFEBABE,
     "max_bits": 8,
     "tables": "gaussian",  # or "calibrated": Lloyd-Max fitted on the codec's own z (per width)
-    "allocation": "per-head",  # or "global": one water-filling over every layer and kv-head
+    # or "global": one water-filling over every layer and kv-head of the stream; or
+    # "sensitivity": one water-filling over every layer, kv-head and stream that asks for it,
+    # each component weighed by the measured sensitivity of the model's loss to it
+    "allocation": "per-head",
 }
 
 #: How the calibration statistics are gathered (``kakeyaturbo calibrate``).
@@ -53,6 +56,11 @@ CALIBRATION_DEFAULTS: Dict[str, Any] = {
     "window": 1024,
     "weighting": "attention",
     "path": None,
+    # For allocation = "sensitivity" or whiten = "fisher": windows of the calibration split
+    # whose loss gradients are gathered, and the tokens at the end of each that are scored.
+    "sensitivity_windows": 16,
+    "score": 64,
+    "sensitivity_path": None,
 }
 
 
@@ -74,6 +82,14 @@ class Recipe:
         if self.mode == "calibrated":
             return {**CALIBRATED_DEFAULTS, **table}
         return dict(table)
+
+    @property
+    def needs_sensitivity(self) -> bool:
+        """Whether the calibrated codecs need the model's measured sensitivity
+        (:class:`kakeyaturbo.calibrate.Sensitivity`) besides its attention statistics."""
+        return self.mode == "calibrated" and any(
+            self.stream(s)["allocation"] == "sensitivity" or self.stream(s)["whiten"] == "fisher"
+            for s in self.streams)
 
     def boundary(self, num_layers: int) -> List[int]:
         """The boundary layer indices for a model of `num_layers` layers, sorted, in range."""
@@ -104,8 +120,9 @@ def _check_calibrated(name: str, stream: str, t: Dict[str, Any]) -> None:
     bits = full["bits"]
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits <= 16:
         raise InvalidParameterError(f"recipe {name!r}: [{stream}] bits must be in (0, 16]")
-    if full["whiten"] not in ("none", "query", "output"):
-        raise InvalidParameterError(f"recipe {name!r}: [{stream}] whiten must be none, query or output")
+    if full["whiten"] not in ("none", "query", "output", "fisher"):
+        raise InvalidParameterError(
+            f"recipe {name!r}: [{stream}] whiten must be none, query, output or fisher")
     if full["whiten"] == "query" and stream != "k":
         raise InvalidParameterError(f"recipe {name!r}: whiten = 'query' applies to keys only")
     if full["whiten"] == "output" and stream != "v":
@@ -113,8 +130,9 @@ def _check_calibrated(name: str, stream: str, t: Dict[str, Any]) -> None:
     for key in ("center", "norm"):
         if not isinstance(full[key], bool):
             raise InvalidParameterError(f"recipe {name!r}: [{stream}] {key} must be a bool")
-    if full["allocation"] not in ("per-head", "global"):
-        raise InvalidParameterError(f"recipe {name!r}: [{stream}] allocation must be per-head or global")
+    if full["allocation"] not in ("per-head", "global", "sensitivity"):
+        raise InvalidParameterError(
+            f"recipe {name!r}: [{stream}] allocation must be per-head, global or sensitivity")
     if full["tables"] not in ("gaussian", "calibrated"):
         raise InvalidParameterError(f"recipe {name!r}: [{stream}] tables must be gaussian or calibrated")
     if not isinstance(full["max_bits"], int) or not 1 <= full["max_bits"] <= 8:
@@ -163,9 +181,14 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
         _check_calibrated(name, "v", v)
     elif calibration:
         raise InvalidParameterError(f"recipe {name!r}: [calibration] needs mode = 'calibrated'")
-    if calibration.get("path") is not None:
-        cp = Path(calibration["path"]).expanduser()
-        calibration["path"] = str(cp if cp.is_absolute() else path.parent / cp)
+    for key in ("path", "sensitivity_path"):
+        if calibration.get(key) is not None:
+            cp = Path(calibration[key]).expanduser()
+            calibration[key] = str(cp if cp.is_absolute() else path.parent / cp)
+    for key in ("sensitivity_windows", "score"):
+        val = calibration.get(key, CALIBRATION_DEFAULTS[key])
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise InvalidParameterError(f"recipe {name!r}: [calibration] {key} must be an int >= 1")
     return Recipe(
         name=name,
         n_sink=n_sink,
