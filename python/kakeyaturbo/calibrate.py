@@ -360,34 +360,36 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                         progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
                         meta: Optional[Dict[str, Any]] = None) -> Sensitivity:
     """Runs ``model`` over ``windows`` (token id lists) with gradients and gathers its
-    :class:`Sensitivity`, the way a cache is used: the loss is the next-token NLL of the last
-    ``score`` tokens of each window, and the gradients are taken at the cached positions
-    before them (positions ``< n_sink`` left out: they stay uncompressed). The gradients are
-    taken at the outputs of ``k_proj`` and ``v_proj`` (recorded by forward hooks, so keys are
-    seen before RoPE, as the calibrated codecs code them), with every path through the later
-    layers kept: the token embeddings are made to require gradients instead of the weights."""
+    :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
+    1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
+    and their next-token NLL is the loss. The gradients are taken at the cached rows of every
+    layer's ``k_proj`` and ``v_proj`` outputs (forward hooks, so keys are seen before RoPE, as
+    the calibrated codecs code them; positions ``< n_sink`` left out, they stay uncompressed).
+    Each cached row is made an independent input, as in a cache (an error in one layer's
+    cached rows does not reach the other layers' cached rows, which were filled before it),
+    while the fed tokens stay differentiable through every layer."""
     import torch
 
     attn = attention_modules(model)
     cfg = model.config
     n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    if score < 1 or any(len(w) < n_sink + score + 1 for w in windows):
-        raise InvalidParameterError(f"windows must be longer than n_sink + score ({n_sink} + {score})")
+    if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
+        raise InvalidParameterError(
+            f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
     fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
     captured: Dict[Tuple[str, int], Any] = {}
+    ctx = 0
 
-    def hook(kind: str, i: int) -> Callable[..., None]:
-        def f(_m: Any, _inp: Any, out: Any) -> None:
-            captured[(kind, i)] = out
+    def hook(kind: str, i: int) -> Callable[..., Any]:
+        def f(_m: Any, _inp: Any, out: Any) -> Any:
+            cached = out[:, :ctx].detach().requires_grad_(True)
+            captured[(kind, i)] = cached
+            return torch.cat([cached, out[:, ctx:]], dim=1)
         return f
-
-    def embedded(_m: Any, _inp: Any, out: Any) -> Any:
-        return out.detach().requires_grad_(True)  # the graph starts here, not at the weights
 
     handles = [mod.register_forward_hook(hook(kind, i))
                for i, a in enumerate(attn) for kind, mod in (("k", a.k_proj), ("v", a.v_proj))]
-    handles.append(model.get_input_embeddings().register_forward_hook(embedded))
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
@@ -397,13 +399,14 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                 captured.clear()
                 ids = torch.tensor([list(w)])
                 t = len(w)
-                logits = model(input_ids=ids, use_cache=False).logits[0, t - score - 1:t - 1]
+                ctx = t - score - 1
+                logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
                 nll = -torch.log_softmax(logits.double(), dim=-1).gather(
-                    1, ids[0, t - score:, None]).sum()
+                    1, ids[0, ctx + 1:, None]).sum()
                 keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
                 grads = torch.autograd.grad(nll, [captured[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
-                    g = g[0, n_sink:t - score].double().reshape(-1, hkv, d)
+                    g = g[0, n_sink:].double().reshape(-1, hkv, d)
                     fisher[s][i] += torch.einsum("tha,thb->hab", g, g).numpy()
     finally:
         for h in handles:
@@ -412,7 +415,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
             p.requires_grad_(True)
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                score=score, layers=n_layers, kv_heads=hkv, head_dim=d,
+                score=score, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
                 hooks="gradients at pre-RoPE k_proj/v_proj outputs")
     n = max(len(windows), 1)

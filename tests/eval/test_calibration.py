@@ -96,35 +96,39 @@ def test_calibrated_recipe_through_the_harness(tiny) -> None:
 
 
 def test_sensitivity_is_the_gradient_second_moment(tiny, tmp_path) -> None:
-    """With one cached position between the sink and the scored tokens, the sensitivity is
-    ``g g^T`` for the total derivative ``g`` of the scored NLL with respect to that position's
-    key (value) row, every path through the later layers included. Checked against gradients
-    taken a second way: a zero offset added to the row by a hook, differentiated alone."""
+    """With one cached position between the sink and the fed tokens, the sensitivity is
+    ``g g^T`` for the gradient ``g`` of the scored NLL with respect to that position's
+    pre-RoPE key (value) row. Checked against gradients taken the way the evaluation runs: a
+    prefilled ``DynamicCache`` whose cached row gets a zero offset, the fed tokens run through
+    it, and (keys) the gradient rotated back through RoPE (an orthogonal map)."""
+    from kakeyaturbo.rope import rope_for, unapply_rope
+
     model, windows = tiny
     score = 3
-    w = list(windows[0][:1 + 1 + score])  # sink, one cached position, then the scored tokens
+    w = list(windows[0][:1 + 1 + score + 1])  # sink, one cached position, fed tokens, target
+    ctx = 2
     sens = calibrate.collect_sensitivity(model, [w], n_sink=1, score=score)
     assert sens.k.shape == sens.v.shape == (2, HKV, D, D)
     ids = torch.tensor([w])
-    t = len(w)
+    cos, sin = rope_for(model)(torch.tensor([1]))
 
     def grad(layer: int, kind: str) -> np.ndarray:
-        offset = torch.zeros(HKV * D, requires_grad=True)
-        mod = getattr(model.model.layers[layer].self_attn, f"{kind}_proj")
-
-        def add(_m, _i, out):
-            out = out.clone()
-            out[0, 1] = out[0, 1] + offset
-            return out
-
-        h = mod.register_forward_hook(add)
-        try:
-            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
-            nll = -logp[t - score - 1:t - 1].gather(1, ids[0, t - score:, None]).sum()
-            (g,) = torch.autograd.grad(nll, [offset])
-        finally:
-            h.remove()
-        return g.double().numpy().reshape(HKV, D)
+        with torch.no_grad():
+            _, cache = harness._forward(model, ids[:, :ctx])
+        lay = cache.layers[layer]
+        offset = torch.zeros(HKV, D, requires_grad=True)
+        rows = (lay.keys if kind == "k" else lay.values).clone()
+        rows[0, :, 1] = rows[0, :, 1] + offset
+        if kind == "k":
+            lay.keys = rows
+        else:
+            lay.values = rows
+        logits, _ = harness._forward(model, ids[:, ctx:-1], cache)
+        nll = -torch.log_softmax(logits[0].double(), -1).gather(1, ids[0, ctx + 1:, None]).sum()
+        (g,) = torch.autograd.grad(nll, [offset])
+        if kind == "k":
+            g = unapply_rope(g[None, :, None], cos, sin)[0, :, 0]
+        return g.double().numpy()
 
     for layer in range(2):
         for kind in ("k", "v"):
@@ -137,7 +141,7 @@ def test_sensitivity_is_the_gradient_second_moment(tiny, tmp_path) -> None:
     back = calibrate.Sensitivity.load(sens.save(tmp_path / "f.safetensors")[0])
     assert np.array_equal(back.k, sens.k) and back.meta["score"] == score
     with pytest.raises(calibrate.InvalidParameterError):
-        calibrate.collect_sensitivity(model, [w[:4]], n_sink=1, score=score)
+        calibrate.collect_sensitivity(model, [w[:5]], n_sink=1, score=score)
 
 
 def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
