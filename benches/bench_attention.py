@@ -8,7 +8,9 @@ uncompressed: the attention sink), and the attention output of the last ``--quer
 over the whole window (causal, all query heads of the GQA group, RoPE applied with the model's
 own tables) is compared with the uncompressed one: relative Frobenius error per (layer, head),
 averaged. The calibrated codecs come from the statistics `kakeyaturbo calibrate` writes
-(collected and cached on first use).
+(collected and cached on first use); by default with the settings of
+``benches/recipes/calibrated-4bit-proxy.toml`` (keys whitened by the query covariance, values
+by ``o_proj``: the bits serve this very error), ``--recipe`` runs another.
 
     .venv/bin/python benches/bench_attention.py [--model hard-case] [--windows 2] [--ctx 1024]
 
@@ -111,6 +113,10 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="tokens per window")
     ap.add_argument("--queries", type=int, default=128, help="scored queries at the end of each window")
     ap.add_argument("--bits", default="2,2.5,3,4")
+    ap.add_argument("--recipe", default=str(Path(__file__).parent / "recipes" / "calibrated-4bit-proxy.toml"),
+                    help="the calibrated recipe whose settings are run at each of --bits for K "
+                         "and V alike (default: the query/o_proj-whitened one, whose objective "
+                         "is this attention error)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     model_path = (data.hard_case_model() if args.model == "hard-case"
@@ -126,14 +132,11 @@ def main() -> int:
     wins = data.windows(ids, args.ctx, args.windows, model_mod.bos_id(tok))
     coders: Dict[str, Tuple[Coder, bool]] = {}
     bit_list = [float(b) for b in args.bits.split(",")]
-    stats = None
     for b in bit_list:
-        rec = recipes.load("calibrated-4bit")
+        rec = recipes.load(args.recipe)
         rec = recipes.Recipe(**{**rec.__dict__, "name": f"calibrated {b:g}",
                                 "k": {**rec.k, "bits": b}, "v": {**rec.v, "bits": b}})
-        if stats is None:
-            stats = calibrate.cached_stats(model, tok, model_path, text, rec.calibration)
-        mc = calibrate.ModelCodec(stats, rec)
+        mc = calibrate.model_codec_for(rec, model, tok, model_path, text)
 
         def coder(s: str, layer: int, h: int, x: np.ndarray, mc: Any = mc) -> Tuple[np.ndarray, int]:
             blob = mc.encode(s, layer, h, x)

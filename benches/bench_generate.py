@@ -65,9 +65,7 @@ def main() -> int:
     for name in args.recipes.split(","):
         rec = recipes.load(name)
         if rec.mode == "calibrated":
-            stats = calibrate.cached_stats(model, tok, model_path, text_path, rec.calibration,
-                                           n_sink=max(rec.n_sink, 1))
-            codec: Any = calibrate.ModelCodec(stats, rec)
+            codec: Any = calibrate.model_codec_for(rec, model, tok, model_path, text_path)
         else:
             codec = BlockCodec(rec)
         cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,

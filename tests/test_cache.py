@@ -366,8 +366,9 @@ def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:
     g = np.random.default_rng(0)
     wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
     stats = calibrate.collect(llama, wins, n_sink=1, samples=8)
+    sens = calibrate.collect_sensitivity(llama, wins, n_sink=1, score=16)
     rec = recipes.load("calibrated-4bit")
-    codec = calibrate.ModelCodec(stats, rec)
+    codec = calibrate.ModelCodec(stats, rec, sensitivity=sens)
     assert codec.pre_rope_keys
     cache = KakeyaCache(codec, model=llama, block_size=16, n_sink=1)
     seq, logits = generate(llama, prompt(t=40), cache, n=8)

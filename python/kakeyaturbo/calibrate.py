@@ -822,3 +822,21 @@ def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str
                                      "split": "calibration"})
     sens.save(path)
     return sens
+
+
+def model_codec_for(recipe: Any, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                    text_path: "os.PathLike[str] | str", *,
+                    progress: Callable[[str], Callable[[Iterable[Any]], Iterable[Any]]] = (
+                        lambda _desc: lambda it: it),
+                    threads: Optional[int] = None) -> ModelCodec:
+    """The :class:`ModelCodec` of a calibrated recipe for a loaded model: its statistics and,
+    where the recipe asks, its sensitivity, each from the cache or gathered on the calibration
+    split of ``text_path`` (``progress(description)`` wraps the windows)."""
+    n_sink = max(int(recipe.n_sink), 1)
+    stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
+                         progress=progress("calibration"))
+    sens = None
+    if recipe.needs_sensitivity:
+        sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
+                                  n_sink=n_sink, progress=progress("sensitivity"))
+    return ModelCodec(stats, recipe, threads=threads, sensitivity=sens)

@@ -81,8 +81,9 @@ def test_attention_weighting_round_trips_files(tiny, tmp_path) -> None:
 def test_calibrated_recipe_through_the_harness(tiny) -> None:
     model, windows = tiny
     st = calibrate.collect(model, windows[:2], n_sink=1, samples=10)
+    sens = calibrate.collect_sensitivity(model, windows[:2], n_sink=1, score=8)
     rec = recipes.load("calibrated-4bit")
-    m = harness.codec_method(rec, 2, stats=st)
+    m = harness.codec_method(rec, 2, stats=st, sensitivity=sens)
     ctx = 30
     wins = [list(w) + list(w[:10]) for w in windows]  # ctx + n_eval + 1 tokens
     res = harness.evaluate(model, wins, ctx, harness.baseline_methods(["identity"]) + [m])
@@ -93,6 +94,8 @@ def test_calibrated_recipe_through_the_harness(tiny) -> None:
     assert out["kl"] > 0.0 and res["identity"]["kl"] == 0.0
     with pytest.raises(ValueError, match="statistics"):
         harness.codec_method(rec, 2)
+    with pytest.raises(calibrate.InvalidParameterError, match="Sensitivity"):
+        harness.codec_method(rec, 2, stats=st)
 
 
 def test_sensitivity_is_the_gradient_second_moment(tiny, tmp_path) -> None:
@@ -155,7 +158,8 @@ def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
                  'allocation = "sensitivity"\n[v]\nbits = 4\nwhiten = "output"\ncenter = false\n'
                  'allocation = "sensitivity"\n')
     rec = recipes.load(p)
-    assert rec.needs_sensitivity and not recipes.load("calibrated-4bit").needs_sensitivity
+    assert rec.needs_sensitivity and recipes.load("calibrated-4bit").needs_sensitivity
+    assert not recipes.load("balanced").needs_sensitivity
     with pytest.raises(calibrate.InvalidParameterError, match="Sensitivity"):
         calibrate.ModelCodec(st, rec)
     budget = calibrate.row_budget(4.0, D, True)
