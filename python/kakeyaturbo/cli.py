@@ -102,6 +102,18 @@ def _calibrate(args: argparse.Namespace) -> int:
                                 "weighting": args.weighting})
     for p in stats.save(out):
         print(f"wrote {p}", file=sys.stderr)
+    if args.sensitivity_windows > 0:
+        settings = {"sensitivity_windows": args.sensitivity_windows, "window": args.window,
+                    "score": args.score}
+        wins = calibrate.calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
+        sens = calibrate.collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
+                                             progress=_progress("sensitivity"),
+                                             meta={"model": model_path.name, "text": text_path.name,
+                                                   "split": "calibration"})
+        sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
+                calibrate.sensitivity_path(model_path, text_path, settings, args.n_sink))
+        for p in sens.save(sout):
+            print(f"wrote {p}", file=sys.stderr)
     return 0
 
 
@@ -132,7 +144,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")
     c.add_argument("--weighting", choices=("attention", "uniform"), default="attention")
     c.add_argument("--samples", type=int, default=512, help="rows kept per (layer, kv-head)")
-    c.add_argument("--out", help="output .safetensors (default: the cache eval looks in)")
+    c.add_argument("--sensitivity-windows", type=int, default=16,
+                   help="windows for the model's sensitivity (gradients; 0: skip it)")
+    c.add_argument("--score", type=int, default=256,
+                   help="tokens at the end of each sensitivity window that are scored")
+    c.add_argument("--out", help="output .safetensors (default: the cache eval looks in); the "
+                   "sensitivity goes beside it as <stem>-sensitivity.safetensors")
     args = ap.parse_args(argv)
     return _eval(args) if args.command == "eval" else _calibrate(args)
 
