@@ -116,3 +116,15 @@ def test_sensitivity_recipe_fields(tmp_path) -> None:
         p.write_text(bad)
         with pytest.raises(kt.InvalidParameterError):
             recipes.load(p)
+
+
+def test_bad_sensitivity_is_refused() -> None:
+    from kakeyaturbo import calibrate
+
+    good = np.zeros((2, 1, 4, 4))
+    bad = good.copy()
+    bad[0, 0, 1, 1] = np.nan
+    for k, v in ((good, bad), (good, np.zeros((2, 1, 4, 3))), (np.zeros((2, 4, 4)), good),
+                 (good, np.zeros((1, 1, 4, 4)))):
+        with pytest.raises(kt.InvalidParameterError):
+            calibrate.Sensitivity(meta={}, k=k, v=v)

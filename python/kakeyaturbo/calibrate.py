@@ -325,6 +325,16 @@ class Sensitivity:
 
     ARRAYS = ("k", "v")
 
+    def __post_init__(self) -> None:
+        for name in self.ARRAYS:
+            a = np.asarray(getattr(self, name), dtype=np.float64)
+            if a.ndim != 4 or a.shape[2] != a.shape[3] or a.shape != np.shape(self.k):
+                raise InvalidParameterError(
+                    f"sensitivity {name!r} must be [layers, kv_heads, D, D] like 'k', got {a.shape}")
+            if not np.all(np.isfinite(a)):
+                raise InvalidParameterError(f"sensitivity {name!r} holds NaN or inf")
+            setattr(self, name, a)
+
     def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
         """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
         from safetensors.numpy import save_file
@@ -675,10 +685,10 @@ class ModelCodec:
             raise InvalidParameterError(
                 f"recipe {recipe.name!r} allocates by sensitivity or whitens by it: pass the "
                 "model's Sensitivity (kakeyaturbo.calibrate.cached_sensitivity)")
-        if sensitivity is not None and sensitivity.k.shape[:2] != stats.q2.shape[:2]:
+        if sensitivity is not None and sensitivity.k.shape != stats.q2.shape:
             raise InvalidParameterError(
-                f"sensitivity of {sensitivity.k.shape[:2]} (layers, kv-heads) does not match the "
-                f"statistics' {stats.q2.shape[:2]}")
+                f"sensitivity of shape {sensitivity.k.shape} (layers, kv-heads, D, D) does not "
+                f"match the statistics' {stats.q2.shape}")
         self.recipe = recipe
         self.threads = threads
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}

@@ -162,6 +162,9 @@ def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
     assert not recipes.load("balanced").needs_sensitivity
     with pytest.raises(calibrate.InvalidParameterError, match="Sensitivity"):
         calibrate.ModelCodec(st, rec)
+    with pytest.raises(calibrate.InvalidParameterError, match="does not match"):
+        calibrate.ModelCodec(st, rec, sensitivity=calibrate.Sensitivity(
+            meta={}, k=sens.k[:1], v=sens.v[:1]))
     budget = calibrate.row_budget(4.0, D, True)
 
     def row_bits(s):
