@@ -21,7 +21,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple,
+                    Type, TypeVar)
 
 import numpy as np
 
@@ -110,8 +111,46 @@ def lloyd_max(samples: np.ndarray, bits: int, iters: int = 100) -> np.ndarray:
 # ---- statistics -------------------------------------------------------------------------------
 
 
+_S = TypeVar("_S", bound="_Stored")
+
+
+class _Stored:
+    """Arrays (``ARRAYS``) saved as safetensors with a JSON sidecar holding ``meta``; ``KIND``
+    names the file in errors."""
+
+    ARRAYS: Tuple[str, ...] = ()
+    KIND = "file"
+    meta: Dict[str, Any]
+
+    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
+        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
+        from safetensors.numpy import save_file
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
+        side = p.with_name(p.name + ".json")
+        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return p, side
+
+    @classmethod
+    def load(cls: Type[_S], path: "os.PathLike[str] | str") -> _S:
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        try:
+            arrays = load_file(str(p))
+            meta = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"cannot read {cls.KIND} {str(p)!r}: {e}") from e
+        missing = [k for k in cls.ARRAYS if k not in arrays]
+        if missing:
+            raise InvalidParameterError(f"{cls.KIND} {str(p)!r} lacks {missing}")
+        return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
+
+
 @dataclass
-class AttentionStats:
+class AttentionStats(_Stored):
     """Per (layer, kv-head) statistics of a model's attention, pre-RoPE. Arrays are float64
     ``[L, H_kv, ...]``; ``*_samples`` float32 ``[L, H_kv, S, D]``."""
 
@@ -126,32 +165,7 @@ class AttentionStats:
     v_samples: np.ndarray
 
     ARRAYS = ("q2", "k_mean", "k_cov", "v_mean", "v_cov", "o_gram", "k_samples", "v_samples")
-
-    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
-        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
-        from safetensors.numpy import save_file
-
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
-        side = p.with_name(p.name + ".json")
-        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return p, side
-
-    @classmethod
-    def load(cls, path: "os.PathLike[str] | str") -> "AttentionStats":
-        from safetensors.numpy import load_file
-
-        p = Path(path)
-        try:
-            arrays = load_file(str(p))
-            meta = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise InvalidParameterError(f"cannot read calibration {str(p)!r}: {e}") from e
-        missing = [k for k in cls.ARRAYS if k not in arrays]
-        if missing:
-            raise InvalidParameterError(f"calibration {str(p)!r} lacks {missing}")
-        return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})
+    KIND = "calibration"
 
     @property
     def num_layers(self) -> int:
@@ -311,7 +325,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
 
 @dataclass
-class Sensitivity:
+class Sensitivity(_Stored):
     """How much a model's loss reacts to errors in its cached keys and values: per (layer,
     kv-head) the second moment ``sum_t g_t g_t^T`` of the gradient of the loss with respect to
     each cached pre-RoPE key (``k``) and value (``v``) row, float64 ``[L, H_kv, D, D]``, summed
@@ -324,6 +338,7 @@ class Sensitivity:
     v: np.ndarray
 
     ARRAYS = ("k", "v")
+    KIND = "sensitivity"
 
     def __post_init__(self) -> None:
         for name in self.ARRAYS:
@@ -334,32 +349,6 @@ class Sensitivity:
             if not np.all(np.isfinite(a)):
                 raise InvalidParameterError(f"sensitivity {name!r} holds NaN or inf")
             setattr(self, name, a)
-
-    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
-        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
-        from safetensors.numpy import save_file
-
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
-        side = p.with_name(p.name + ".json")
-        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return p, side
-
-    @classmethod
-    def load(cls, path: "os.PathLike[str] | str") -> "Sensitivity":
-        from safetensors.numpy import load_file
-
-        p = Path(path)
-        try:
-            arrays = load_file(str(p))
-            meta = json.loads(p.with_name(p.name + ".json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise InvalidParameterError(f"cannot read sensitivity {str(p)!r}: {e}") from e
-        missing = [k for k in cls.ARRAYS if k not in arrays]
-        if missing:
-            raise InvalidParameterError(f"sensitivity {str(p)!r} lacks {missing}")
-        return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})
 
     def of(self, stream: str) -> np.ndarray:
         return self.k if stream == "k" else self.v
@@ -479,6 +468,14 @@ def spectrum(cov: np.ndarray, whitening: Optional[np.ndarray] = None) -> Tuple[n
     return np.maximum(lam[order], 0.0), u[:, order]
 
 
+def _synthesis(u: np.ndarray, whitening: Optional[np.ndarray]) -> np.ndarray:
+    """Synthesis rows of the components ``u`` (columns, in the whitened space): ``U^T L^-1``,
+    so that a coefficient error ``e`` is the row error ``e @ synthesis``."""
+    if whitening is None:
+        return np.asarray(u.T)
+    return np.linalg.solve(np.asarray(whitening, dtype=np.float64).T, u).T
+
+
 def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
                whitening: Optional[np.ndarray] = None, norm: bool = True,
                max_bits: int = 8, bits: Optional[np.ndarray] = None) -> StreamFit:
@@ -502,11 +499,8 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
             f"{bits_per_element} bits per element leave no bits for the components at D = {d}")
     keep = keep[np.argsort(-bits[keep], kind="stable")]
     ut = u[:, keep].T
-    if w is not None:
-        analysis = ut @ w.T
-        synthesis = np.linalg.solve(w.T, ut.T).T  # rows of U^T L^-1
-    else:
-        analysis = synthesis = ut
+    analysis = ut if w is None else ut @ w.T
+    synthesis = _synthesis(ut.T, w)
     floor = max(float(lam[0]), 1e-30) * 1e-12
     return StreamFit(mean=np.asarray(mean, dtype=np.float64), analysis=analysis,
                      synthesis=synthesis, spread=np.sqrt(np.maximum(lam[keep], floor)),
@@ -550,8 +544,7 @@ def weighted_spectrum(stats: AttentionStats, sensitivity: Sensitivity, stream: s
     model's loss, comparable across layers, heads and streams."""
     _, cov, w = _stream_inputs(stats, stream, layer, head, settings, sensitivity)
     lam, u = spectrum(cov, w)
-    synthesis = u.T if w is None else np.linalg.solve(np.asarray(w, dtype=np.float64).T, u).T
-    return lam * sensitivity_weights(synthesis, sensitivity.of(stream)[layer, head])
+    return lam * sensitivity_weights(_synthesis(u, w), sensitivity.of(stream)[layer, head])
 
 
 def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int) -> Tuple[float, np.ndarray]:
@@ -593,23 +586,18 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
     head's row is trimmed to whole bytes by taking back its least useful bits, and the bytes
     so freed go back, one byte at a time, to the head whose error falls most with it (so the
     total never exceeds the pooled budget, and every head keeps at least one byte)."""
-    lam = np.concatenate(spectra)
+    sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
     total = int(sum(row_budgets))
-    bits = allocate_bits(lam, total, max_bits)
+    bits = allocate_bits(np.concatenate(sps), total, max_bits)
     out, at = [], 0
-    lm = np.asarray(LLOYD_MAX_MSE)
-    for sp in spectra:
-        b = bits[at:at + len(sp)].copy()
+    for sp in sps:
+        b = bits[at:at + len(sp)]
         at += len(sp)
-        for _ in range(int(b.sum()) % 8):
-            j = [i for i in range(len(b)) if b[i] > 0]
-            loss = [sp[i] * (lm[b[i] - 1] - lm[b[i]]) for i in j]
-            b[j[int(np.argmin(loss))]] -= 1
+        b = _take_bits(sp, b, int(b.sum()) % 8)[1]  # whole bytes
         if b.sum() == 0:  # every head keeps at least one byte of codes
-            b = _add_bits(np.asarray(sp, dtype=np.float64), b, min(8, max_bits * len(b)), max_bits)[1]
+            b = _add_bits(sp, b, min(8, max_bits * len(b)), max_bits)[1]
         out.append(b)
     left = total - sum(int(b.sum()) for b in out)
-    sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
     while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
         asks = [_take_bits(sp, b, 8) if b.sum() >= 16 else (np.inf, b) for sp, b in zip(sps, out)]
         worst = int(np.argmin([c for c, _ in asks]))
