@@ -33,8 +33,8 @@
    The timed encodes are also checked against Rust block by block / head by head.
 3. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
 
-The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes): each fuzz stops taking new groups
-when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
+The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes):
+each fuzz stops taking new groups when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
 Triton's interpreter (``TRITON_INTERPRET=1``) with tiny shapes (2 heads x 1024 tokens x 64), two
 fuzz groups of each mode and ``time.perf_counter`` instead of do_bench: it checks the script,
 not the GPU.

@@ -1,8 +1,8 @@
 """Triton GPU kernels of the codec: stages 2-5 and the decode, batched over blocks and heads.
 
 They live inside the package so that the wheel ships them with no extra build step. The Rust
-codec is their oracle
-(``tests/kernels/`` fuzzes both these kernels and :mod:`kakeyaturbo.reference` against it).
+codec is their oracle (``tests/kernels/`` fuzzes both these kernels and
+:mod:`kakeyaturbo.reference` against it).
 Needs torch and triton; set ``TRITON_INTERPRET=1`` before importing to run on the CPU.
 
 Typical use (per-block mode, skeletons fitted by the Rust codec)::
