@@ -1,0 +1,51 @@
+"""No behaviour change across refactorings: today's build writes the same bytes for every
+shipped recipe and mode, and evaluates to the same figures, as the commit recorded in
+`tests/golden/behaviour.json` (made by `tools/behaviour.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED = json.loads((ROOT / "tests" / "golden" / "behaviour.json").read_text())["fingerprint"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("behaviour", ROOT / "tools" / "behaviour.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _tool()
+
+
+def test_per_block_bytes_unchanged(tool) -> None:
+    assert tool.per_block_bytes() == RECORDED["per_block"]
+
+
+def test_every_recipe_writes_the_recorded_bytes(tool) -> None:
+    now = tool.codec_bytes()
+    for name, want in RECORDED["recipes"].items():
+        assert now.get(name) == want, f"recipe {name!r} changed its bytes"
+
+
+def test_eval_figures_unchanged(tool) -> None:
+    now = tool.eval_figures()
+    assert sorted(now) == sorted(RECORDED["eval"])
+    for name, want in RECORDED["eval"].items():
+        for k, v in want.items():
+            if isinstance(v, str):
+                assert now[name][k] == v, (name, k)
+            else:
+                assert now[name][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (name, k)
