@@ -19,7 +19,7 @@ from ._api import (
 )
 from ._calibrated import CalibratedCodec
 from ._core import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__
-from ._errors import (
+from .errors import (
     CorruptDataError,
     InternalError,
     InvalidInputError,

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from . import _core
-from ._errors import InvalidInputError, InvalidParameterError
+from .errors import InvalidInputError, InvalidParameterError
 
 #: Every codec keyword argument and its default. The one table the names are checked against.
 DEFAULTS: Dict[str, Any] = {

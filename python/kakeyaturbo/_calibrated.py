@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _core
 from ._api import _buffer, _matrix, _threads
-from ._errors import InvalidParameterError
+from .errors import InvalidParameterError
 
 DEFAULT_ROTATION_SEED = 0xCAFEBABE
 

@@ -27,7 +27,7 @@ from typing import (Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequ
 import numpy as np
 
 from ._calibrated import CalibratedCodec
-from ._errors import InvalidParameterError
+from .errors import InvalidParameterError
 
 #: N(0, 1) Lloyd-Max distortion at 0..8 bits (0 bits: the variance itself).
 LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.00064424,

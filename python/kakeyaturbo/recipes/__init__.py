@@ -29,7 +29,7 @@ else:  # pragma: no cover - exercised on Python < 3.11 only
     import tomli as tomllib
 
 from .._api import DEFAULTS
-from .._errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 HERE = Path(__file__).parent
 

@@ -7,7 +7,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-/// The exception classes live in `kakeyaturbo._errors` (Python, so that they can inherit
+/// The exception classes live in `kakeyaturbo.errors` (Python, so that they can inherit
 /// from both `KakeyaError` and `ValueError`); this looks one up once.
 fn class<'py>(
     py: Python<'py>,
@@ -15,7 +15,7 @@ fn class<'py>(
     name: &str,
 ) -> Bound<'py, PyType> {
     cell.get_or_try_init(py, || -> PyResult<_> {
-        let m = py.import("kakeyaturbo._errors")?;
+        let m = py.import("kakeyaturbo.errors")?;
         Ok(m.getattr(name)?.cast_into::<PyType>()?.unbind())
     })
     .map(|c| c.bind(py).clone())
