@@ -21,28 +21,28 @@ def test_shipped_block_recipes_run(name: str) -> None:
 
 @pytest.mark.parametrize("name", [n for n in recipes.available() if recipes.load(n).mode == "calibrated"])
 def test_shipped_calibrated_recipes_fit(name: str) -> None:
-    from kakeyaturbo import calibrate
+    from kakeyaturbo import calibration
 
     r = recipes.load(name)
     x = kv_like(700, 64).astype(np.float64)
     q = kv_like(500, 64, seed=1).astype(np.float64)
-    stats = calibrate.AttentionStats(
+    stats = calibration.AttentionStats(
         meta={}, q2=(q.T @ q / len(q))[None, None], k_mean=x.mean(0)[None, None],
         k_cov=np.cov(x.T)[None, None], v_mean=x.mean(0)[None, None], v_cov=np.cov(x.T)[None, None],
         o_gram=np.eye(64)[None, None], k_samples=np.zeros((1, 1, 0, 64), np.float32),
         v_samples=np.zeros((1, 1, 0, 64), np.float32))
     f = q.T @ q / len(q) * 1e-3  # a stand-in for the gradient second moment
-    sens = calibrate.Sensitivity(meta={}, k=f[None, None], v=(2.0 * f)[None, None])
-    codec = calibrate.ModelCodec(stats, r, sensitivity=sens if r.needs_sensitivity else None)
+    sens = calibration.Sensitivity(meta={}, k=f[None, None], v=(2.0 * f)[None, None])
+    codec = calibration.ModelCodec(stats, r, sensitivity=sens if r.needs_sensitivity else None)
     used = nominal = 0.0
     for s in ("k", "v"):
         blob = codec.encode(s, 0, 0, x.astype(np.float32))
         y = codec.decode(s, 0, 0, blob)
         assert y.shape == x.shape
         used += 8 * len(blob) / x.size
-        nominal += r.stream(s)["bits"]
+        nominal += r.stream(s).bits
         if not r.needs_sensitivity:  # else K and V share one pooled budget
-            assert 8 * len(blob) / x.size <= r.stream(s)["bits"] + 0.05
+            assert 8 * len(blob) / x.size <= r.stream(s).bits + 0.05
     assert used <= nominal + 0.1
 
 
@@ -50,8 +50,8 @@ def test_calibrated_recipe_fields(tmp_path) -> None:
     p = tmp_path / "c.toml"
     p.write_text('mode = "calibrated"\n[k]\nbits = 3\nwhiten = "query"\n[calibration]\npath = "s.safetensors"\n')
     r = recipes.load(p)
-    assert r.stream("k")["bits"] == 3 and r.stream("v")["bits"] == recipes.CALIBRATED_DEFAULTS["bits"]
-    assert r.calibration["path"] == str(tmp_path / "s.safetensors")
+    assert r.stream("k").bits == 3 and r.stream("v").bits == recipes.CALIBRATED_DEFAULTS["bits"]
+    assert r.calibration.path == str(tmp_path / "s.safetensors")
     for bad in ('mode = "calibrated"\n[k]\nbit_width = 3\n',
                 'mode = "calibrated"\n[v]\nwhiten = "query"\n',
                 'mode = "calibrated"\n[k]\nbits = 0\n',
@@ -107,8 +107,8 @@ def test_sensitivity_recipe_fields(tmp_path) -> None:
                  '[v]\nwhiten = "fisher"\n[calibration]\nsensitivity_windows = 4\n'
                  'sensitivity_path = "f.safetensors"\n')
     r = recipes.load(p)
-    assert r.needs_sensitivity and r.calibration["score"] == 64
-    assert r.calibration["sensitivity_path"] == str(tmp_path / "f.safetensors")
+    assert r.needs_sensitivity and r.calibration.score == 64
+    assert r.calibration.sensitivity_path == str(tmp_path / "f.safetensors")
     for bad in ('mode = "calibrated"\n[k]\nallocation = "fisher"\n',
                 'mode = "calibrated"\n[k]\nwhiten = "gradient"\n',
                 'mode = "calibrated"\n[calibration]\nscore = 0\n',
@@ -119,7 +119,7 @@ def test_sensitivity_recipe_fields(tmp_path) -> None:
 
 
 def test_bad_sensitivity_is_refused() -> None:
-    from kakeyaturbo import calibrate
+    from kakeyaturbo import calibration
 
     good = np.zeros((2, 1, 4, 4))
     bad = good.copy()
@@ -127,4 +127,4 @@ def test_bad_sensitivity_is_refused() -> None:
     for k, v in ((good, bad), (good, np.zeros((2, 1, 4, 3))), (np.zeros((2, 4, 4)), good),
                  (good, np.zeros((1, 1, 4, 4)))):
         with pytest.raises(kt.InvalidParameterError):
-            calibrate.Sensitivity(meta={}, k=k, v=v)
+            calibration.Sensitivity(meta={}, k=k, v=v)

@@ -1,282 +1,19 @@
-"""The codec inside transformers' KV cache.
-
-Three pieces:
-
-- :class:`StreamCodec`, the small protocol every codec mode implements: ``encode`` one
-  (stream, layer, kv-head) slice of float32 ``[T, D]`` rows into bytes and ``decode`` them back.
-  :class:`BlockCodec` runs a :class:`~kakeyaturbo.recipes.Recipe` through the per-block codec;
-  :class:`IdentityCodec` stores raw float32 (exact; for tests and as a reference).
-- :func:`compress_cache`: replace the K and V held by a filled ``DynamicCache`` by their
-  decoded values, in place (the EVAL.md protocol's prefix compression), with all-in bit counts.
-- :class:`KakeyaCache`: a transformers ``Cache`` for ``model.generate`` that seals every full
-  block of ``block_size`` tokens through the codec and holds it as bytes only.
-
-Keys in a transformers cache carry RoPE. A codec with ``pre_rope_keys = True`` receives keys
-with RoPE removed (and returns them that way); the cache re-applies it after decoding, with
-cos/sin from the model's own rotary module (:func:`kakeyaturbo.rope.rope_for`).
-
-This module needs torch and transformers (the ``eval`` extra); the codec core does not.
-"""
+"""The generation cache: a transformers ``Cache`` whose full blocks are sealed through a codec
+and held as bytes (:class:`KakeyaCache`, one :class:`KakeyaLayer` per attention layer)."""
 
 from __future__ import annotations
 
-import struct
-from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _api
-from .recipes import Recipe
+from ..codec import _checks
+from ..errors import InvalidParameterError
+from ..recipes import Recipe
+from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, decode_rows,
+                     encode_rows, to_numpy, wants_rope)
 from .rope import RopeFn, apply_rope, rope_for, unapply_rope
-
-__all__ = [
-    "StreamCodec",
-    "BlockCodec",
-    "IdentityCodec",
-    "compress_cache",
-    "KakeyaCache",
-    "KakeyaLayer",
-]
-
-STREAMS = ("k", "v")
-
-#: Bits charged per element that is kept uncompressed (bf16, whatever the cache's dtype).
-RAW_BITS = 16
-
-
-class StreamCodec(Protocol):
-    """What the cache asks of a codec. One call codes one (stream, layer, kv-head) slice.
-
-    ``pre_rope_keys``: True when keys must be handed to :meth:`encode` without RoPE (and come
-    back from :meth:`decode` without it); values never carry RoPE.
-    """
-
-    pre_rope_keys: bool
-
-    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
-        """``stream`` is ``"k"`` or ``"v"``; ``x`` is C-contiguous float32 ``[T, D]``, ``T >= 1``."""
-        ...
-
-    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
-        """The float32 ``[T, D]`` rows that :meth:`encode` turned into ``blob``."""
-        ...
-
-
-def _check_stream(stream: str) -> str:
-    if stream not in STREAMS:
-        raise ValueError(f"stream must be 'k' or 'v', got {stream!r}")
-    return stream
-
-
-class IdentityCodec:
-    """Stores the rows as raw little-endian float32 after a 4-byte ``D`` header; decodes exactly."""
-
-    def __init__(self, *, pre_rope_keys: bool = False) -> None:
-        self.pre_rope_keys = bool(pre_rope_keys)
-
-    def __repr__(self) -> str:
-        return f"IdentityCodec(pre_rope_keys={self.pre_rope_keys})"
-
-    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
-        _check_stream(stream)
-        x = np.asarray(x)
-        if x.ndim != 2:
-            raise ValueError(f"x must be [T, D], got shape {x.shape}")
-        return struct.pack("<I", x.shape[1]) + np.ascontiguousarray(x, dtype="<f4").tobytes()
-
-    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
-        _check_stream(stream)
-        (d,) = struct.unpack_from("<I", blob)
-        return np.frombuffer(blob, dtype="<f4", offset=4).reshape(-1, d).astype(np.float32)
-
-
-class BlockCodec:
-    """A recipe's per-block codec: ``encode_layer(x, **recipe.k)`` for keys, ``recipe.v`` for values.
-
-    Each call makes one self-describing container (FORMAT.md), so a blob decodes on its own.
-    ``pre_rope_keys``: code the keys without RoPE (the cache removes and re-applies it).
-    ``threads``: passed to ``encode_layer``/``decode_layer`` (None: all cores).
-    The recipe's ``boundary_layers``, ``n_sink`` and ``streams`` are cache settings, not codec
-    ones: :meth:`KakeyaCache.from_recipe` and :func:`compress_cache` take them.
-    """
-
-    def __init__(self, recipe: Recipe, *, pre_rope_keys: bool = False, threads: Optional[int] = None) -> None:
-        if not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
-        # Fail on a bad parameter now, not at the first sealed block.
-        for table in (recipe.k, recipe.v):
-            _api._params("BlockCodec", dict(table))
-        self.recipe = recipe
-        self.pre_rope_keys = bool(pre_rope_keys)
-        self.threads = threads
-
-    def __repr__(self) -> str:
-        return f"BlockCodec({self.recipe.name!r}, pre_rope_keys={self.pre_rope_keys})"
-
-    def params(self, stream: str) -> Dict[str, Any]:
-        """The codec keyword arguments of ``stream``."""
-        return dict(self.recipe.k if _check_stream(stream) == "k" else self.recipe.v)
-
-    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
-        return _api.encode_layer(x, threads=self.threads, **self.params(stream))
-
-    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
-        _check_stream(stream)
-        return _api.decode_layer(blob, threads=self.threads)
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared helpers
-
-
-def _streams(streams: Sequence[str]) -> Tuple[str, ...]:
-    if isinstance(streams, str):
-        streams = (streams,)
-    out = tuple(streams)
-    for s in out:
-        _check_stream(s)
-    return out
-
-
-def _boundary(boundary: Sequence[int], num_layers: Optional[int]) -> FrozenSet[int]:
-    """Layer indices, negative ones counted from the end (needs ``num_layers``); out of range dropped."""
-    out = set()
-    for i in boundary:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"boundary layers must be ints, got {i!r}")
-        i = int(i)
-        if i < 0:
-            if num_layers is None:
-                raise ValueError(
-                    f"boundary layer {i} counts from the end: give the model or num_layers"
-                )
-            i += num_layers
-        if i >= 0 and (num_layers is None or i < num_layers):
-            out.add(i)
-    return frozenset(out)
-
-
-def _codec_wants_rope(codec: StreamCodec, streams: Sequence[str]) -> bool:
-    return bool(getattr(codec, "pre_rope_keys", False)) and "k" in streams
-
-
-def _encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> List[List[bytes]]:
-    """Blobs ``[batch][head]`` of float32 ``x [B, H, T, D]``."""
-    out = []
-    for b in range(x.shape[0]):
-        row = []
-        for h in range(x.shape[1]):
-            blob = codec.encode(stream, layer, h, np.ascontiguousarray(x[b, h]))
-            if not isinstance(blob, (bytes, bytearray)):
-                raise TypeError(f"{codec!r}.encode must return bytes, got {type(blob).__name__}")
-            row.append(bytes(blob))
-        out.append(row)
-    return out
-
-
-def _decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
-    """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``."""
-    y = np.empty((len(blobs), len(blobs[0]) if blobs else 0, t, d), dtype=np.float32)
-    for b, row in enumerate(blobs):
-        for h, blob in enumerate(row):
-            r = np.asarray(codec.decode(stream, layer, h, blob))
-            if r.shape != (t, d):
-                raise ValueError(
-                    f"{codec!r}.decode returned shape {r.shape} for stream {stream!r}, layer {layer}, "
-                    f"head {h}; expected {(t, d)}"
-                )
-            y[b, h] = r
-    return y
-
-
-def _to_numpy(x: torch.Tensor) -> np.ndarray:
-    return x.detach().to("cpu", torch.float32).contiguous().numpy()
-
-
-# ---------------------------------------------------------------------------------------------
-# In-place prefix compression of a filled cache
-
-
-def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary: Sequence[int] = (),
-                   streams: Sequence[str] = STREAMS, rope: Optional[RopeFn] = None,
-                   positions: Any = None) -> Dict[str, Any]:
-    """Replaces the K and V of every compressed layer of ``cache`` by their decoded values, in place.
-
-    ``cache``: a filled transformers ``DynamicCache`` (``cache.layers[i].keys`` / ``.values``,
-    each ``[batch, kv_heads, T, head_dim]``; any batch size). Per layer, stream, batch row and
-    kv-head, the rows ``n_sink:`` go through ``codec.encode`` / ``codec.decode`` as one blob and
-    the decoded rows are written back into the same tensors (in the tensors' dtype). Untouched,
-    bit for bit: the first ``n_sink`` tokens, the ``boundary`` layers (negative indices count
-    from the last layer) and streams not in ``streams``.
-
-    When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied
-    to the decoded keys; ``rope`` (e.g. :func:`kakeyaturbo.rope.rope_for` of the model) gives
-    cos/sin for ``positions`` (``[T]`` or ``[batch, T]``; default ``0 .. T-1``).
-
-    Returns ``bits`` (all-in: ``8 * len(blob)`` for every blob plus 16 bits per element kept
-    uncompressed), ``elements`` (K and V elements over all layers), ``bits_per_element``,
-    ``blob_bytes``, ``raw_elements`` and ``compressed_layers``.
-    Raises ValueError on a bad stream name, a negative ``n_sink``, a codec that needs RoPE
-    without ``rope``, or a codec that decodes to the wrong shape.
-    """
-    streams = _streams(streams)
-    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
-        raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
-    layers = list(cache.layers)
-    skip = _boundary(boundary, len(layers))
-    want_rope = _codec_wants_rope(codec, streams)
-    if want_rope and rope is None:
-        raise ValueError(f"{codec!r} codes keys without RoPE: pass rope=rope_for(model)")
-    bits = elems = blob_bytes = raw = 0
-    done = []
-    with torch.no_grad():
-        for i, layer in enumerate(layers):
-            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if k is None or v is None or k.numel() == 0:
-                continue
-            elems += k.numel() + v.numel()
-            if i in skip:
-                raw += k.numel() + v.numel()
-                continue
-            done.append(i)
-            for stream, t in (("k", k), ("v", v)):
-                b, h, n, d = t.shape
-                s = min(n_sink, n)
-                if stream not in streams or s == n:
-                    raw += t.numel()
-                    continue
-                raw += b * h * s * d
-                x = t[:, :, s:]
-                cos = sin = None
-                if stream == "k" and want_rope:
-                    pos = torch.arange(n) if positions is None else torch.as_tensor(positions)
-                    cos, sin = rope(pos)
-                    cos = cos[..., s:, :].to(t.device)[:, None]
-                    sin = sin[..., s:, :].to(t.device)[:, None]
-                    x = unapply_rope(x, cos, sin)
-                blobs = _encode_rows(codec, stream, i, _to_numpy(x))
-                nb = sum(len(blob) for row in blobs for blob in row)
-                blob_bytes += nb
-                bits += 8 * nb
-                y = torch.from_numpy(_decode_rows(codec, stream, i, blobs, n - s, d)).to(t.device)
-                if cos is not None:
-                    y = apply_rope(y, cos.float(), sin.float())
-                t[:, :, s:] = y.to(t.dtype)
-    bits += RAW_BITS * raw
-    return {
-        "bits": bits,
-        "elements": elems,
-        "bits_per_element": bits / elems if elems else 0.0,
-        "blob_bytes": blob_bytes,
-        "raw_elements": raw,
-        "compressed_layers": done,
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The generation cache
 
 
 def _position_ids(kwargs: Dict[str, Any], q: int) -> Optional[torch.Tensor]:
@@ -374,9 +111,9 @@ class KakeyaLayer(CacheLayerMixin):
         self.n_sink = n_sink
         self.streams = tuple(streams)
         self.keep_decoded = keep_decoded
-        self.pre_rope = _codec_wants_rope(codec, self.streams)
+        self.pre_rope = wants_rope(codec, self.streams)
         if self.pre_rope and (rope is None or positions is None):
-            raise ValueError(f"{codec!r} codes keys without RoPE: the layer needs rope and positions")
+            raise InvalidParameterError(f"{codec!r} codes keys without RoPE: the layer needs rope and positions")
         self.rope = rope
         self.positions = positions
         self._s: Dict[str, _Stream] = {}
@@ -433,7 +170,7 @@ class KakeyaLayer(CacheLayerMixin):
         Inside staging this is exact; reaching into a sealed block decodes it back into staging
         (lossy for a lossy codec)."""
         if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
+            raise InvalidParameterError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
         r = -tokens_to_remove
         if r == 0 or not self.is_initialized:
             return
@@ -552,7 +289,7 @@ class KakeyaLayer(CacheLayerMixin):
         st.staging = st.staging[..., self.block_size:, :].clone()
         if name == "k" and self.pre_rope:
             rows = unapply_rope(rows, *self._rope(self._block_start(name, j)))
-        st.blocks.append(_encode_rows(self.codec, name, self.index, _to_numpy(rows)))
+        st.blocks.append(encode_rows(self.codec, name, self.index, to_numpy(rows)))
         if self.keep_decoded:
             st.decoded.append(self._block(name, j))
 
@@ -563,7 +300,7 @@ class KakeyaLayer(CacheLayerMixin):
             return st.decoded[j]
         ref = st.staging
         y = torch.from_numpy(
-            _decode_rows(self.codec, name, self.index, st.blocks[j], self.block_size, ref.shape[-1])
+            decode_rows(self.codec, name, self.index, st.blocks[j], self.block_size, ref.shape[-1])
         ).to(self.device)
         if name == "k" and self.pre_rope:
             y = apply_rope(y, *self._rope(self._block_start(name, j)))
@@ -594,12 +331,12 @@ class KakeyaCache(Cache):
     :meth:`nbytes`). Raw rows keep the dtype the model hands over.
 
     ``model`` gives the number of layers (for negative boundary indices), checks that every
-    layer is full attention, and gives RoPE (:func:`kakeyaturbo.rope.rope_for`) when
+    layer is full attention, and gives RoPE (:func:`kakeyaturbo.cache.rope.rope_for`) when
     ``codec.pre_rope_keys``; without a model pass ``num_layers`` / ``rope``. RoPE positions are
     the ``position_ids`` the attention forwards to the cache (so left-padded batches are right),
     else the token index.
 
-    Raises ValueError on a bad setting, a non-full-attention model, or a codec that needs RoPE
+    Raises InvalidParameterError (a ValueError) on a bad setting, a non-full-attention model, or a codec that needs RoPE
     without ``model`` or ``rope``.
     """
 
@@ -607,10 +344,8 @@ class KakeyaCache(Cache):
                  block_size: int = 512, n_sink: int = 0, boundary: Sequence[int] = (),
                  streams: Sequence[str] = STREAMS, rope: Optional[RopeFn] = None,
                  keep_decoded: bool = False) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
-            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        block_size = _checks.integer(block_size, "block_size", 1)
+        n_sink = _checks.integer(n_sink, "n_sink", 0)
         for attr in ("encode", "decode"):
             if not callable(getattr(codec, attr, None)):
                 raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
@@ -618,22 +353,23 @@ class KakeyaCache(Cache):
             cfg = model.config.get_text_config(decoder=True)
             n = int(cfg.num_hidden_layers)
             if num_layers is not None and num_layers != n:
-                raise ValueError(f"num_layers={num_layers} but the model has {n} layers")
+                raise InvalidParameterError(f"num_layers={num_layers} but the model has {n} layers")
             num_layers = n
             kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
             if kinds != {"full_attention"}:
-                raise ValueError(f"KakeyaCache supports full-attention layers only, the model has {sorted(kinds)}")
+                raise InvalidParameterError(
+                    f"KakeyaCache supports full-attention layers only, the model has {sorted(kinds)}")
         self.codec = codec
         self.block_size = block_size
         self.n_sink = n_sink
-        self.streams = _streams(streams)
-        self.boundary = _boundary(boundary, num_layers)
+        self.streams = check_streams(streams)
+        self.boundary = boundary_layers(boundary, num_layers)
         self.keep_decoded = bool(keep_decoded)
         self._positions: Optional[_Positions] = None
-        if _codec_wants_rope(codec, self.streams):
+        if wants_rope(codec, self.streams):
             if rope is None:
                 if model is None:
-                    raise ValueError(f"{codec!r} codes keys without RoPE: pass model= or rope=")
+                    raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=")
                 rope = rope_for(model)
             self._positions = _Positions()
         self.rope = rope

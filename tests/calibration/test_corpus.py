@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from kakeyaturbo.eval import data
+from kakeyaturbo import assets
+from kakeyaturbo.calibration import corpus as data
 
 
 def test_split_is_disjoint_stable_and_near_its_share() -> None:
@@ -31,18 +32,13 @@ def test_load_articles_json_and_text(tmp_path) -> None:
 
 def test_windows() -> None:
     ids = list(range(100))
-    w = data.windows(ids, 10, 5, bos=-1)
+    w = data.windows_of(ids, 10, 5, bos=-1)
     assert len(w) == 5 and all(len(x) == 10 and x[0] == -1 for x in w)
     assert w[1][1:] == list(range(9, 18))
-    assert len(data.windows(ids, 30, 10, bos=None)) == 3
-
-
-def test_missing_package_is_a_clear_error() -> None:
-    with pytest.raises(FileNotFoundError, match="not installed"):
-        data.package_file("surely_not_installed_pkg_x", "f")
+    assert len(data.windows_of(ids, 30, 10, bos=None)) == 3
 
 
 def test_shipped_text_split() -> None:
-    calib, evalu = data.split(data.load_articles(data.default_text()))
+    calib, evalu = data.split(data.load_articles(assets.default_text()))
     assert len(calib) > 1000 and len(evalu) > 5000
     assert not set(calib) & set(evalu)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import kakeyaturbo as kt
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 M64 = (1 << 64) - 1
 
 

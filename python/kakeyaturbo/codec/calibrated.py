@@ -6,29 +6,12 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import _core
-from ._api import _buffer, _matrix, _threads
-from .errors import InvalidParameterError
+from .. import _core
+from ..errors import InvalidParameterError
+from . import _checks
 
 DEFAULT_ROTATION_SEED = 0xCAFEBABE
-
-
-def _vector(v: Any, name: str, dtype: Any) -> np.ndarray:
-    a = np.asarray(v)
-    if a.dtype.kind not in "fiu":
-        raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise InvalidParameterError(f"{name} must be 1-D, got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=dtype)
-
-
-def _table(v: Any, name: str) -> np.ndarray:
-    a = np.asarray(v)
-    if a.dtype.kind not in "fiu":
-        raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    if a.ndim != 2:
-        raise InvalidParameterError(f"{name} must be 2-D [m, D], got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+METRICS = ("mse", "inner_product", "ip", "linf")
 
 
 class CalibratedCodec:
@@ -53,21 +36,31 @@ class CalibratedCodec:
             raise TypeError(f"bits must be integers, got dtype {b.dtype}")
         if b.size and (b.min() < 1 or b.max() > 8):
             raise InvalidParameterError("bits must be in 1..8 (leave 0-bit components out)")
+        mean_ = _checks.vector(mean, "mean", np.float32)
+        a_, s_ = _checks.table(analysis, "analysis"), _checks.table(synthesis, "synthesis")
+        spread_, bits_ = _checks.vector(spread, "spread", np.float32), _checks.vector(b, "bits", np.uint8)
+        m, d = a_.shape
+        for name, got, want in (("mean", mean_.shape, (d,)), ("synthesis", s_.shape, (m, d)),
+                                ("spread", spread_.shape, (m,)), ("bits", bits_.shape, (m,))):
+            if got != want:
+                raise InvalidParameterError(
+                    f"{name} must have shape {want} to match analysis [m={m}, D={d}], got {got}")
+        seed = _checks.seed(rotation_seed)
+        metric = _checks.choice(metric, "metric", METRICS)
+        norm = _checks.boolean(norm, "norm")
+        threshold = (None if outlier_threshold is None
+                     else _checks.real(outlier_threshold, "outlier_threshold", positive=True))
         tables = None
         if centroids is not None:
-            tables = [(int(k), [float(x) for x in _vector(v, f"centroids[{k}]", np.float64)])
-                      for k, v in centroids.items()]
-        if not isinstance(norm, bool):
-            raise TypeError(f"norm must be a bool, got {type(norm).__name__}")
-        self._c = _core.CalibratedCodec(
-            _vector(mean, "mean", np.float32), _table(analysis, "analysis"),
-            _table(synthesis, "synthesis"), _vector(spread, "spread", np.float32),
-            _vector(b, "bits", np.uint8), int(rotation_seed), str(metric), norm,
-            None if outlier_threshold is None else float(outlier_threshold), tables)
-        self.metric = str(metric)
+            tables = [(_checks.integer(k, "a centroids key (bit width)", 1, 8),
+                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64)])
+                      for k, v in _checks.mapping(centroids, "centroids").items()]
+        self._c = _core.CalibratedCodec(mean_, a_, s_, spread_, bits_, seed, metric, norm,
+                                        threshold, tables)
+        self.metric = metric
         self.norm = norm
-        self.rotation_seed = int(rotation_seed)
-        self.outlier_threshold = outlier_threshold
+        self.rotation_seed = seed
+        self.outlier_threshold = threshold
 
     @property
     def d(self) -> int:
@@ -109,34 +102,32 @@ class CalibratedCodec:
 
     def encode(self, array: np.ndarray, *, threads: Optional[int] = None) -> bytes:
         """Encodes float32 ``[n, D]`` rows into a calibrated container (bytes)."""
-        return self._c.encode(_matrix(array), _threads(threads))
+        return self._c.encode(_checks.matrix(array), _checks.threads(threads))
 
     def decode(self, data: Any, *, threads: Optional[int] = None) -> np.ndarray:
         """Decodes a container of this calibration into float32 ``[n, D]``. Raises
         CorruptDataError for damaged bytes, InvalidParameterError for another calibration's."""
-        return self._c.decode(_buffer(data), _threads(threads))
+        return self._c.decode(_checks.buffer(data), _checks.threads(threads))
 
     def roundtrip(self, array: np.ndarray, *, threads: Optional[int] = None
                   ) -> Tuple[np.ndarray, Dict[str, Any]]:
         """Encode + decode; returns ``(decoded, report)`` (bytes by part, errors, timings)."""
-        return self._c.roundtrip(_matrix(array), _threads(threads))
+        return self._c.roundtrip(_checks.matrix(array), _checks.threads(threads))
 
     def encode_parts(self, array: np.ndarray) -> Dict[str, Any]:
         """Every intermediate of an encode by name: ``z [n, m]`` (scaled rotated coordinates),
         ``g [n]`` (the scale divided by), ``indices [n, m] uint8``, ``codes`` (packed rows),
         ``scale``/``scale_exp``/``scale_bits`` (with ``norm``), ``outlier_pos [k] int64`` (flat
         ``row * m + j``), ``outlier_val``/``outlier_bits``."""
-        return self._c.encode_parts(_matrix(array))
+        return self._c.encode_parts(_checks.matrix(array))
 
     def decode_parts(self, parts: Dict[str, Any]) -> np.ndarray:
         """Decodes a parts dict as :meth:`encode_parts` returns it."""
-        if not isinstance(parts, dict):
-            raise TypeError(f"parts must be a dict, got {type(parts).__name__}")
-        return self._c.decode_parts(parts)
+        return self._c.decode_parts(dict(_checks.mapping(parts, "parts")))
 
     def inspect(self, data: Any) -> Dict[str, Any]:
         """Header fields and byte counts of a container of this calibration."""
-        return self._c.inspect(_buffer(data))
+        return self._c.inspect(_checks.buffer(data))
 
     def __repr__(self) -> str:
         return (f"CalibratedCodec(d={self.d}, m={self.m}, row_bits={self.row_bits}, "

@@ -10,7 +10,7 @@ import pytest
 
 import kakeyaturbo as kt
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 CASES = json.loads((GOLDEN / "cases.json").read_text())
 
 

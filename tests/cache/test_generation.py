@@ -19,7 +19,7 @@ from kakeyaturbo.cache import (  # noqa: E402
     compress_cache,
 )
 from kakeyaturbo.eval import harness  # noqa: E402
-from kakeyaturbo.rope import rope_for  # noqa: E402
+from kakeyaturbo.cache.rope import rope_for  # noqa: E402
 
 VOCAB, LAYERS, KV_HEADS = 97, 3, 2
 
@@ -338,8 +338,8 @@ def test_bad_settings_raise(llama) -> None:
         KakeyaCache(object())
     with pytest.raises(TypeError, match="Recipe"):
         BlockCodec({"k": {}})
-    with pytest.raises(TypeError, match="bit_widht"):
-        BlockCodec(recipes.Recipe(name="x", k={"bit_widht": 3}))
+    with pytest.raises(kt.InvalidParameterError, match="bit_widht"):
+        recipes.Recipe(name="x", k={"bit_widht": 3})
     cache, _ = filled(llama)
     with pytest.raises(ValueError, match="rope"):
         compress_cache(cache, pre)
@@ -361,14 +361,14 @@ def test_bad_settings_raise(llama) -> None:
 def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:
     """The calibrated mode plugs into the cache: pre-RoPE keys, blocks held as KKYC bytes whose
     size is the per-token bits of the recipe plus one small header per block."""
-    from kakeyaturbo import calibrate
+    from kakeyaturbo import calibration
 
     g = np.random.default_rng(0)
     wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
-    stats = calibrate.collect(llama, wins, n_sink=1, samples=8)
-    sens = calibrate.collect_sensitivity(llama, wins, n_sink=1, score=16)
+    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
     rec = recipes.load("calibrated-4bit")
-    codec = calibrate.ModelCodec(stats, rec, sensitivity=sens)
+    codec = calibration.ModelCodec(stats, rec, sensitivity=sens)
     assert codec.pre_rope_keys
     cache = KakeyaCache(codec, model=llama, block_size=16, n_sink=1)
     seq, logits = generate(llama, prompt(t=40), cache, n=8)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo.rope import apply_rope, rope_for, rotate_half, unapply_rope  # noqa: E402
+from kakeyaturbo.cache.rope import apply_rope, rope_for, rotate_half, unapply_rope  # noqa: E402
 
 T = 37
 
