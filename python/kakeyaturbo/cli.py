@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import assets, recipes
-from .calibration import collect, corpus, gather
+from .calibration import (calibration_windows, collect, collect_sensitivity, for_recipe,
+                          sensitivity_path, stats_path)
 from .eval import data, model, report
 
 DEFAULT_BASELINES = "identity,bf16,fp8_e4m3,int4,kivi2,turboquant3,turboquant4"
@@ -48,7 +49,7 @@ def _eval(args: argparse.Namespace) -> int:
         rec = recipes.load(name)
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
         if rec.mode == "calibrated" and key not in calibrations:
-            calibrations[key] = gather.for_recipe(rec, m, tok, model_path, text_path,
+            calibrations[key] = for_recipe(rec, m, tok, model_path, text_path,
                                                   progress=_progress)
         stats, sens = calibrations.get(key, (None, None))
         methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
@@ -76,24 +77,25 @@ def _calibrate(args: argparse.Namespace) -> int:
         windows=args.windows, window=args.window, weighting=args.weighting,
         sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
     meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
-    wins = corpus.calibration_windows(tok, text_path, args.windows, args.window)
-    stats = collect.collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
+    wins = calibration_windows(tok, text_path, args.windows, args.window)
+    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
                             samples=args.samples, progress=_progress("calibration"), meta=meta)
-    out = Path(args.out) if args.out else gather.stats_path(model_path, text_path, settings)
+    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings)
     for p in stats.save(out):
         print(f"wrote {p}", file=sys.stderr)
     if args.sensitivity_windows > 0:
-        wins = corpus.calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = collect.collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
+        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
+        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
                                            progress=_progress("sensitivity"), meta=meta)
         sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                gather.sensitivity_path(model_path, text_path, settings, args.n_sink))
+                sensitivity_path(model_path, text_path, settings, args.n_sink))
         for p in sens.save(sout):
             print(f"wrote {p}", file=sys.stderr)
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``kakeyaturbo eval`` and ``kakeyaturbo calibrate``."""
     ap = argparse.ArgumentParser(prog="kakeyaturbo")
     sub = ap.add_subparsers(dest="command", required=True)
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
@@ -126,7 +128,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="tokens at the end of each sensitivity window that are scored")
     c.add_argument("--out", help="output .safetensors (default: the cache eval looks in); the "
                    "sensitivity goes beside it as <stem>-sensitivity.safetensors")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
     return _eval(args) if args.command == "eval" else _calibrate(args)
 
 

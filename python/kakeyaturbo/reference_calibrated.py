@@ -134,7 +134,7 @@ class Calibration:
         """The table of ``bits`` bits: the custom one, else the N(0, 1) table (float32)."""
         if bits in self.tables:
             return self.tables[bits]
-        from ._api import centroids_gaussian
+        from .codec import centroids_gaussian
 
         return np.asarray(centroids_gaussian(bits), dtype=np.float32)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 
@@ -18,76 +16,20 @@ from kakeyaturbo.cache import (  # noqa: E402
     KakeyaCache,
     compress_cache,
 )
-from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.cache.rope import rope_for  # noqa: E402
 
-VOCAB, LAYERS, KV_HEADS = 97, 3, 2
-
-
-def build(kind: str, head_dim: int = 16):
-    torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=128,
-                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-                  max_position_embeddings=512)
-    if kind == "qwen2":  # q/k/v projections with bias
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=head_dim, **common)).eval()
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return build("llama")
-
-
-@pytest.fixture(scope="module")
-def qwen2():
-    return build("qwen2")
-
-
-@pytest.fixture(scope="module")
-def llama32():
-    return build("llama", head_dim=32)
-
-
-def cache_kw(model) -> str:
-    """transformers 5.24 renamed `past_key_values=` to `cache=`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def generate(model, ids, cache, n: int = 24, **kw):
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         return_dict_in_generate=True, output_logits=True, pad_token_id=0,
-                         **{cache_kw(model): cache}, **kw)
-    return out.sequences, torch.stack(out.logits)
-
-
-def forward(model, ids, cache):
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=True, **{cache_kw(model): cache}).logits
-
-
-def prompt(batch: int = 1, t: int = 21, seed: int = 1):
-    return torch.randint(0, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
-
-
-class Spy(IdentityCodec):
-    """An exact codec that records what it is handed."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.seen = []
-
-    def encode(self, stream, layer, head, x):
-        self.seen.append((stream, layer, head, x.copy()))
-        return super().encode(stream, layer, head, x)
-
-
-class Zero(IdentityCodec):
-    """Decodes every row to zero (to make the effect of coding visible)."""
-
-    def decode(self, stream, layer, head, blob):
-        return np.zeros_like(super().decode(stream, layer, head, blob))
-
+from .conftest import (  # noqa: E402
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    Spy,
+    Zero,
+    cache_kw,
+    filled,
+    forward,
+    generate,
+    prompt,
+)
 
 # --- KakeyaCache with an exact codec: the same generation as DynamicCache ---------------------
 
@@ -267,56 +209,6 @@ def test_crop_select_and_reset(llama) -> None:
 
 
 # --- compress_cache ---------------------------------------------------------------------------
-
-
-def filled(model, batch: int = 1, t: int = 40):
-    cache = transformers.DynamicCache(config=model.config)
-    forward(model, prompt(batch=batch, t=t), cache)
-    return cache, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_compress_cache_identity_leaves_the_cache_as_it_was(llama, batch) -> None:
-    cache, snap = filled(llama, batch)
-    stats = compress_cache(cache, IdentityCodec(), n_sink=3)
-    for layer, (k, v) in zip(cache.layers, snap):
-        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
-    elems = LAYERS * 2 * batch * KV_HEADS * 40 * 16
-    blobs = LAYERS * 2 * batch * KV_HEADS * (4 + 37 * 16 * 4)
-    assert stats["elements"] == elems and stats["blob_bytes"] == blobs
-    assert stats["bits"] == 8 * blobs + 16 * LAYERS * 2 * batch * KV_HEADS * 3 * 16
-    cache, snap = filled(llama, batch)
-    compress_cache(cache, IdentityCodec(pre_rope_keys=True), rope=rope_for(llama))
-    for layer, (k, v) in zip(cache.layers, snap):
-        torch.testing.assert_close(layer.keys, k, rtol=0, atol=1e-6)
-        assert torch.equal(layer.values, v)
-
-
-def test_compress_cache_keeps_sink_boundary_and_streams_exact(qwen2) -> None:
-    cache, snap = filled(qwen2, batch=2)
-    stats = compress_cache(cache, Zero(), n_sink=4, boundary=(-1,), streams=("k",))
-    assert stats["compressed_layers"] == [0, 1]
-    for i, (layer, (k, v)) in enumerate(zip(cache.layers, snap)):
-        assert torch.equal(layer.values, v)
-        if i == LAYERS - 1:
-            assert torch.equal(layer.keys, k)
-        else:
-            assert torch.equal(layer.keys[:, :, :4], k[:, :, :4])
-            assert torch.count_nonzero(layer.keys[:, :, 4:]) == 0
-
-
-def test_compress_cache_matches_the_harness_loop(llama) -> None:
-    """compress_cache is a drop-in for harness.compress_prefix: same decoded values and bits."""
-    recipe = recipes.load("balanced")
-    method = harness.codec_method(recipe, LAYERS)
-    a, snap = filled(llama)
-    bits, elems = harness.compress_prefix(a, [k for k, _ in snap], [v for _, v in snap], method)
-    b, _ = filled(llama)
-    stats = compress_cache(b, BlockCodec(recipe), n_sink=recipe.n_sink,
-                           boundary=recipe.boundary_layers, streams=recipe.streams)
-    assert (stats["bits"], stats["elements"]) == (bits, elems)
-    for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
 # --- errors -----------------------------------------------------------------------------------

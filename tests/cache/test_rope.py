@@ -7,7 +7,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo.cache.rope import apply_rope, rope_for, rotate_half, unapply_rope  # noqa: E402
+from kakeyaturbo.cache.rope import (  # noqa: E402
+    apply_rope,
+    rope_for,
+    rotate_half,
+    unapply_rope,
+)
 
 T = 37
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Tuple
 
-from ..assets import CACHE
+from .. import assets
 from ..recipes import CalibrationSettings, Recipe
 from .collect import collect, collect_sensitivity
 from .corpus import calibration_windows
@@ -27,7 +27,7 @@ def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str
     """Where :func:`cached_stats` keeps the statistics of a (model, text, settings)."""
     key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
            f"{settings.weighting}")
-    return CACHE / "calibration" / f"{key}.safetensors"
+    return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
 def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
@@ -35,7 +35,7 @@ def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLi
     """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
            f"score{settings.score}-sink{n_sink}-sensitivity")
-    return CACHE / "calibration" / f"{key}.safetensors"
+    return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
 def _meta(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> dict:
