@@ -10,6 +10,7 @@ __all__ = [
     "CalibratedCodec",
     "FORMAT_VERSION",
     "centroids_gaussian",
+    "check_params",
     "decode_block_from_parts",
     "decode_layer",
     "encode_block_codes",
