@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from .codec import centroids_gaussian
 from .reference import fwht, pow2, scaled_f16, sign_pattern, thresholds
 
 __all__ = [
@@ -134,8 +135,6 @@ class Calibration:
         """The table of ``bits`` bits: the custom one, else the N(0, 1) table (float32)."""
         if bits in self.tables:
             return self.tables[bits]
-        from .codec import centroids_gaussian
-
         return np.asarray(centroids_gaussian(bits), dtype=np.float32)
 
 
