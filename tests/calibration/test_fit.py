@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kakeyaturbo import calibration
+import kakeyaturbo as kt
+from kakeyaturbo import calibration, recipes
 
 D = 32
 
@@ -105,3 +106,62 @@ def test_more_bits_never_hurt() -> None:
         c, x, _ = _codec(bpe)
         errs.append(c.roundtrip(x)[1]["relative_error"])
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
+
+
+def _stats(layers: int = 2, heads: int = 1, d: int = 8, **override):
+    g = np.random.default_rng(0)
+    a = g.standard_normal((layers, heads, d, d))
+    spd = np.einsum("lhij,lhkj->lhik", a, a) / d + np.eye(d)
+    arrays = dict(q2=spd, k_mean=np.zeros((layers, heads, d)), k_cov=spd,
+                  v_mean=np.zeros((layers, heads, d)), v_cov=spd, o_gram=spd,
+                  k_samples=np.zeros((layers, heads, 0, d), np.float32),
+                  v_samples=np.zeros((layers, heads, 0, d), np.float32))
+    arrays.update(override)
+    return calibration.AttentionStats(meta={}, **arrays)
+
+
+def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
+    good = _stats()
+    bad = good.k_cov.copy()
+    bad[1, 0, 2, 2] = np.nan
+    with pytest.raises(kt.InvalidParameterError, match="k_cov.*NaN"):
+        _stats(k_cov=bad)
+    with pytest.raises(kt.InvalidParameterError, match="v_mean.*shape"):
+        _stats(v_mean=np.zeros((3, 1, 8)))  # a layer more than q2
+    with pytest.raises(kt.InvalidParameterError, match="q2"):
+        _stats(q2=np.zeros((2, 8, 8)))
+    path, side = good.save(tmp_path / "s.safetensors")
+    back = calibration.AttentionStats.load(path)
+    assert np.array_equal(back.k_cov, good.k_cov)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(kt.CorruptDataError, match="s.safetensors"):
+        calibration.AttentionStats.load(path)
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(kt.CorruptDataError, match="s.safetensors"):
+        calibration.AttentionStats.load(path)
+    good.save(path)
+    side.write_text("[1, 2]")
+    with pytest.raises(kt.CorruptDataError, match="JSON object"):
+        calibration.AttentionStats.load(path)
+    with pytest.raises(kt.InvalidParameterError, match="does not exist"):
+        calibration.AttentionStats.load(tmp_path / "none.safetensors")
+    # Arrays that disagree on the number of layers, written by hand, are corrupt data.
+    from safetensors.numpy import save_file
+
+    arrays = {k: np.ascontiguousarray(getattr(good, k)) for k in good.ARRAYS}
+    arrays["o_gram"] = arrays["o_gram"][:1]
+    save_file(arrays, str(path))
+    side.write_text("{}")
+    with pytest.raises(kt.CorruptDataError, match="o_gram"):
+        calibration.AttentionStats.load(path)
+
+
+def test_statistics_that_cannot_be_factored_name_the_head() -> None:
+    q2 = _stats().q2.copy()
+    q2[1, 0] = -np.eye(8)  # negative definite: no Cholesky factor
+    stats = _stats(q2=q2)
+    rec = recipes.Recipe(name="q", mode="calibrated", k={"whiten": "query", "bits": 3},
+                         v={"bits": 3}, streams=("k", "v"))
+    with pytest.raises(kt.NumericalError, match="layer 1, kv-head 0"):
+        calibration.ModelCodec(stats, rec)

@@ -128,3 +128,52 @@ def test_bad_sensitivity_is_refused() -> None:
                  (good, np.zeros((1, 1, 4, 4)))):
         with pytest.raises(kt.InvalidParameterError):
             calibration.Sensitivity(meta={}, k=k, v=v)
+
+
+@pytest.mark.parametrize("body, field", [
+    ('[k]\nbit_width = "four"\n', "bit_width"),
+    ("[k]\nbit_width = 9\n", "bit_width"),
+    ('[v]\nmetric = "l2"\n', "metric"),
+    ("boundary_layers = [true]\n", "boundary"),
+    ("[k]\noutlier_threshold = -1.0\n", "outlier_threshold"),
+    ("[k]\nrotation_seed = -1\n", "rotation_seed"),
+    ("[k]\nrotation_seed = 1.7\n", "rotation_seed"),
+    ('mode = "calibrated"\n[calibration]\nwindows = -4\n', "windows"),
+    ('mode = "calibrated"\n[calibration]\nweighting = "magic"\n', "weighting"),
+    ('mode = "calibrated"\n[k]\nbits = "four"\n', "bits"),
+    ('mode = "calibrated"\n[k]\nrotation_seed = 1.7\n', "rotation_seed"),
+    ('mode = "calibrated"\n[k]\nmax_bits = 9\n', "max_bits"),
+    ('mode = "calibrated"\n[k]\nnorm = 1\n', "norm"),
+    ('mode = "calibrated"\n[k]\noutlier_threshold = -1.0\n', "outlier_threshold"),
+    ('mode = "calibrated"\n[calibration]\npath = 3\n', "path"),
+    ('description = 5\n', "description"),
+    ('streams = "kv"\n', "stream"),
+])
+def test_bad_values_are_refused_on_load_naming_file_and_field(tmp_path, body, field) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text(body)
+    with pytest.raises(kt.InvalidParameterError) as e:
+        recipes.load(p)
+    assert field in str(e.value) and "bad.toml" in str(e.value), str(e.value)
+
+
+def test_non_utf8_and_non_toml_recipes_are_refused(tmp_path) -> None:
+    p = tmp_path / "latin.toml"
+    p.write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(kt.InvalidParameterError, match="latin.toml"):
+        recipes.load(p)
+    with pytest.raises(kt.InvalidParameterError, match="no recipe named"):
+        recipes.load(tmp_path / "missing")
+
+
+def test_recipes_made_in_code_are_checked_too() -> None:
+    with pytest.raises(kt.InvalidParameterError, match="bit_width"):
+        recipes.Recipe(name="x", k={"bit_width": 0})
+    with pytest.raises(kt.InvalidParameterError, match="whiten"):
+        recipes.Recipe(name="x", mode="calibrated", v={"whiten": "query"})
+    with pytest.raises(kt.InvalidParameterError, match="calibrated settings"):
+        recipes.Recipe(name="x", k=recipes.CalibratedStream())
+    r = recipes.Recipe(name="x", mode="calibrated", k=recipes.CalibratedStream(bits=3),
+                       calibration={"windows": 2})
+    assert r.k.bits == 3.0 and r.v == recipes.CalibratedStream() and r.calibration.windows == 2
+    assert isinstance(r.k.bits, float) and r.streams == ("k", "v")
