@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from kakeyaturbo import assets
 from kakeyaturbo.calibration import corpus as data
