@@ -229,7 +229,7 @@ def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
 
     import kakeyaturbo as kt
     from kakeyaturbo import kernels as K
-    from kakeyaturbo import reference as ref
+    from kakeyaturbo.reference import perblock as ref
     from kernels import parity
 
     bench = timer(dry_run)
@@ -329,7 +329,7 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
     import torch
 
     from kakeyaturbo import kernels as K
-    from kakeyaturbo import reference_calibrated as rc
+    from kakeyaturbo.reference import calibrated as rc
     from kernels import parity, parity_calibrated
 
     bench = timer(dry_run)

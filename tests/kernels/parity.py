@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import kakeyaturbo as kt
-from kakeyaturbo import reference as ref
+from kakeyaturbo.reference import perblock as ref
 from .tolerances import TOLERANCES as TOL
 
 METRICS = ("mse", "inner_product", "linf")

@@ -33,7 +33,7 @@ import torch
 
 import kakeyaturbo as kt
 from kakeyaturbo import calibrate
-from kakeyaturbo import reference_calibrated as rc
+from kakeyaturbo.reference import calibrated as rc
 from .parity import Near, ParityError, _exponent, _stored_near, assert_decoded
 from .tolerances import TOLERANCES as TOL
 

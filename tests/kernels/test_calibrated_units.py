@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
-from kakeyaturbo import reference_calibrated as rc  # noqa: E402
-from kakeyaturbo.kernels import cal_batch  # noqa: E402
+from kakeyaturbo.kernels.calibrated import batch as kbatch  # noqa: E402
+from kakeyaturbo.reference import calibrated as rc  # noqa: E402
 
 from . import parity  # noqa: E402
 from . import parity_calibrated as pc  # noqa: E402
@@ -75,7 +75,7 @@ def test_sub_bands_and_slots(runs: list) -> None:
     assert [j for off, w, _ in bands for j in range(off, off + w)] == list(range(len(bits)))
     assert all(w & (w - 1) == 0 and all(bits[j] == b for j in range(off, off + w)) for off, w, b in bands)
     # Slots: every sub-band aligned to its own width, consecutive, in at most next_pow2(m).
-    slots = cal_batch.slot_order(bits)
+    slots = kbatch.slot_order(bits)
     assert all(s % w == 0 for s, _, w, _ in slots)
     assert sum(w for _, _, w, _ in slots) == len(bits)
 

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
-from kakeyaturbo import reference_calibrated as rc  # noqa: E402
+from kakeyaturbo.reference import calibrated as rc  # noqa: E402
 
 from . import parity, parity_calibrated  # noqa: E402
 

@@ -19,8 +19,8 @@ import triton.language as tl  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
-from kakeyaturbo import reference as ref  # noqa: E402
-from kakeyaturbo.kernels import _utils  # noqa: E402
+from kakeyaturbo.kernels import _common  # noqa: E402
+from kakeyaturbo.reference import perblock as ref  # noqa: E402
 
 from . import parity  # noqa: E402
 from .conftest import DEVICE  # noqa: E402
@@ -79,9 +79,9 @@ EXP_VALUES = [0.0, 1.0, 1.5, 32768.0, 32768.004, 65504.0, 65536.0, 3e38, 1e-40, 
 def _exponent_kernel(v_ptr, e_ptr, h_ptr, n, B: tl.constexpr):
     i = tl.arange(0, B)
     v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-    e = _utils.shared_exponent(tl.abs(v))
+    e = _common.shared_exponent(tl.abs(v))
     tl.store(e_ptr + i, e, mask=i < n)
-    tl.store(h_ptr + i, _utils.to_scaled_f16(v, e), mask=i < n)
+    tl.store(h_ptr + i, _common.to_scaled_f16(v, e), mask=i < n)
 
 
 @pytest.mark.parametrize("value", EXP_VALUES)
@@ -225,9 +225,9 @@ def test_reference_rejects_bad_input() -> None:
 
 def test_poisoned_buffers() -> None:
     with K.poison_outputs():
-        f = _utils.empty((3,), torch.float32, torch.device("cpu"))
-        i = _utils.empty((3,), torch.int32, torch.device("cpu"))
-        u = _utils.empty((3,), torch.uint8, torch.device("cpu"))
+        f = _common.empty((3,), torch.float32, torch.device("cpu"))
+        i = _common.empty((3,), torch.int32, torch.device("cpu"))
+        u = _common.empty((3,), torch.uint8, torch.device("cpu"))
     assert torch.isnan(f).all() and (i == -1).all() and (u == 255).all()
     # An unwritten decoded value fails the decode check rather than passing by accident.
     want = np.ones((4, 3), np.float32)

@@ -1,13 +1,14 @@
-"""Helpers shared by the kernel files: interpreter detection, output allocation (with NaN
-poisoning for the parity tests), sizes, and the @triton.jit building blocks every kernel that
-touches the format uses (fp16 with a shared exponent, the band-limited Hadamard butterfly)."""
+"""Helpers shared by the kernel files of both modes: interpreter detection, output allocation
+(with NaN poisoning for the parity tests), sizes, row counts and the outlier row table of the
+launchers, and the @triton.jit building blocks every kernel that touches the format uses (fp16
+with a shared exponent, the band-limited Hadamard butterfly)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 import triton
@@ -66,6 +67,41 @@ def ceil_log2(v: int) -> int:
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+RowsLike = Union[None, Sequence[int], torch.Tensor]
+
+
+def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.Tensor:
+    """Row counts as int32 ``[B]`` on ``device``. Host sequences are range-checked (1..N);
+    a tensor is trusted (checking it would read the device)."""
+    if rows is None:
+        return torch.full((b,), n, dtype=torch.int32, device=device)
+    if isinstance(rows, torch.Tensor):
+        if rows.shape != (b,) or rows.dtype != torch.int32:
+            raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
+        check_device("rows", rows, device)
+        return rows
+    vals = [int(v) for v in rows]
+    if len(vals) != b or any(not 1 <= v <= n for v in vals):
+        raise ValueError(f"rows must hold {b} counts in 1..{n}, got {vals}")
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def row_starts(codes: Mapping[str, torch.Tensor], d_eff: torch.Tensor, n: int, w: int) -> torch.Tensor:
+    """int64 ``[B, N + 1]``: index into ``outlier_pos`` of the first outlier of each row (and
+    of the end of the block), found on device by binary search of the sorted lists; ``w``
+    bounds every ``d_eff``."""
+    ptr, pos = codes["outlier_ptr"], codes["outlier_pos"]
+    b = d_eff.shape[0]
+    # One sorted key over all blocks: block * stride + position, stride > any n * d_eff.
+    stride = n * w + 1
+    blk = torch.repeat_interleave(torch.arange(b, device=pos.device), ptr.diff(), output_size=pos.numel())
+    key = blk * stride + pos
+    query = torch.arange(b, device=pos.device)[:, None] * stride + torch.arange(
+        n + 1, device=pos.device
+    )[None, :] * d_eff[:, None].to(torch.int64)
+    return torch.searchsorted(key, query.reshape(-1)).reshape(b, n + 1)
 
 
 @triton.jit

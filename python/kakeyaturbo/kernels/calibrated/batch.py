@@ -12,7 +12,7 @@ first: the sub-bands of a calibrated layout are runs of equal bits cut into powe
 so they sit at arbitrary offsets (``[4, 4, 4, 3, ...]`` has a 4-wide band at offset 3), but
 placed widest first each starts at a multiple of its own width. Then every sub-band is an
 aligned block of slots and the band-limited butterfly of the per-block kernels
-(``_utils.band_hadamard``, level ``h`` kept where the band is wider than ``h``) is exactly each
+(``_common.band_hadamard``, level ``h`` kept where the band is wider than ``h``) is exactly each
 sub-band's own transform, whatever the layout. The permutation costs nothing at run time: the
 rows of ``A'`` and ``S'`` are stored in slot order, so the projection produces ``u`` in slot
 order and the decode's product consumes it; only the packing (byte and shift of each slot's
@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import reference_calibrated as rc
-from ._utils import next_pow2
+from ...reference import calibrated as rc
+from .._common import next_pow2
 
 #: Codec parameters that must agree across the heads of one batch.
 SHARED_PARAMS = ("d", "metric", "norm", "threshold")
@@ -160,7 +160,7 @@ def _tables(cal: rc.Calibration) -> Tuple[np.ndarray, np.ndarray]:
 
 def stack_calibrations(calibrations: Sequence[Any], device: Any = "cpu") -> CalibrationBatch:
     """Pads, permutes and stacks calibrations (:class:`kakeyaturbo.CalibratedCodec` objects or
-    :class:`kakeyaturbo.reference_calibrated.Calibration`) into a :class:`CalibrationBatch` on
+    :class:`kakeyaturbo.reference.calibrated.Calibration`) into a :class:`CalibrationBatch` on
     ``device``. They must share ``D``, metric, ``norm`` and outlier threshold; raises ValueError
     otherwise."""
     if not calibrations:

@@ -9,8 +9,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import reference
-from ._utils import next_pow2
+from ...reference import perblock as reference
+from .._common import next_pow2
 
 #: Codec parameters that must agree across the blocks of one batch.
 SHARED_PARAMS = ("d", "bit_width", "metric", "rotation_seed", "outlier_threshold")
@@ -97,7 +97,8 @@ class SkeletonBatch:
 
 def stack_skeletons(parts_list: Sequence[Mapping[str, Any]], device: Any = "cpu") -> SkeletonBatch:
     """Pads and stacks the skeletons of parts dicts (from :func:`kakeyaturbo.encode_block_codes`
-    or :func:`kakeyaturbo.reference.encode_block`) into a :class:`SkeletonBatch` on ``device``.
+    or :func:`kakeyaturbo.reference.perblock.encode_block`) into a :class:`SkeletonBatch` on
+    ``device``.
 
     Every dict must share ``d``, ``bit_width``, ``metric``, ``rotation_seed``,
     ``outlier_threshold`` and the centroid table. Raises ValueError otherwise."""
