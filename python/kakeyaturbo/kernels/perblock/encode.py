@@ -20,12 +20,13 @@ from typing import Dict, Optional
 
 import torch
 
-from .._common import RowsLike, check_device, rows_tensor
+from .._common import RowsLike, rows_tensor
 from .pack import pack
 from .project import check_input, project_assign
 from .quantize import quantize
 from .residual import residuals
 from .skeleton import SkeletonBatch
+
 
 def encode_blocks(x: torch.Tensor, skel: SkeletonBatch, rows: RowsLike = None) -> Dict[str, torch.Tensor]:
     """Stages 2-5 of ``B`` blocks against their skeletons, on the skeleton's device.
