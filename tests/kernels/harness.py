@@ -252,7 +252,7 @@ class Comparison:
     def fail(self, field: str, idx: Tuple[int, ...], detail: str, count: int, total: int) -> NoReturn:
         fail(field, self.where, idx, detail, count, total)
 
-    def near(self, field: str, idx: Tuple[int, ...], dist: float, eps: float) -> None:
+    def near(self, field: str, idx: Tuple[Any, ...], dist: float, eps: float) -> None:
         self.nears.append(Near(field, self.where, tuple(int(v) for v in idx), float(dist), float(eps)))
 
     def result(self, undetermined_values: int, undetermined_rows: int, cascaded_rows: int,
@@ -283,8 +283,8 @@ class Comparison:
             return
         ok, excess = stored_near(exact, a, b, scale, eps)
         if (bad & ~ok).any():
-            i = int(np.flatnonzero(bad & ~ok)[0])
-            self.fail(field, (i,), detail(i), int(bad.sum()), total)
+            first = int(np.flatnonzero(bad & ~ok)[0])
+            self.fail(field, (first,), detail(first), int(bad.sum()), total)
         for i in np.flatnonzero(bad):
             self.near(near_field or field, (i,), excess[i], eps[i])
 
