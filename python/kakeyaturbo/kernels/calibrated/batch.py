@@ -12,7 +12,7 @@ first: the sub-bands of a calibrated layout are runs of equal bits cut into powe
 so they sit at arbitrary offsets (``[4, 4, 4, 3, ...]`` has a 4-wide band at offset 3), but
 placed widest first each starts at a multiple of its own width. Then every sub-band is an
 aligned block of slots and the band-limited butterfly of the per-block kernels
-(``_utils.band_hadamard``, level ``h`` kept where the band is wider than ``h``) is exactly each
+(``_common.band_hadamard``, level ``h`` kept where the band is wider than ``h``) is exactly each
 sub-band's own transform, whatever the layout. The permutation costs nothing at run time: the
 rows of ``A'`` and ``S'`` are stored in slot order, so the projection produces ``u`` in slot
 order and the decode's product consumes it; only the packing (byte and shift of each slot's
@@ -29,8 +29,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import reference_calibrated as rc
-from ._utils import next_pow2
+from ...reference import calibrated as rc
+from .._common import f16_values, next_pow2, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the heads of one batch.
 SHARED_PARAMS = ("d", "metric", "norm", "threshold")
@@ -160,7 +160,7 @@ def _tables(cal: rc.Calibration) -> Tuple[np.ndarray, np.ndarray]:
 
 def stack_calibrations(calibrations: Sequence[Any], device: Any = "cpu") -> CalibrationBatch:
     """Pads, permutes and stacks calibrations (:class:`kakeyaturbo.CalibratedCodec` objects or
-    :class:`kakeyaturbo.reference_calibrated.Calibration`) into a :class:`CalibrationBatch` on
+    :class:`kakeyaturbo.reference.calibrated.Calibration`) into a :class:`CalibrationBatch` on
     ``device``. They must share ``D``, metric, ``norm`` and outlier threshold; raises ValueError
     otherwise."""
     if not calibrations:
@@ -221,10 +221,6 @@ def stack_calibrations(calibrations: Sequence[Any], device: Any = "cpu") -> Cali
     return batch
 
 
-def _f16(bits: np.ndarray) -> np.ndarray:
-    return bits.view(np.float16).astype(np.float32)
-
-
 def head_parts(codes: Mapping[str, torch.Tensor], batch: CalibrationBatch, rows: Sequence[int],
                i: int) -> Dict[str, Any]:
     """Head ``i`` of a batch as a parts dict of the extension's types (numpy arrays, Python
@@ -234,19 +230,15 @@ def head_parts(codes: Mapping[str, torch.Tensor], batch: CalibrationBatch, rows:
     encode kept them."""
     n, m = int(rows[i]), len(batch.bits_host[i])
     rb = (sum(batch.bits_host[i]) + 7) // 8
-    lo, hi = (int(v) for v in codes["outlier_ptr"][i:i + 2])
-    obits = codes["outlier_bits"][lo:hi].cpu().numpy().view(np.uint16)
     out: Dict[str, Any] = {
         "n": n, "d": batch.dim, "m": m, "row_bytes": rb,
         "codes": codes["codes"][i, : n * rb].cpu().numpy().tobytes(),
-        "outlier_pos": codes["outlier_pos"][lo:hi].cpu().numpy().astype(np.int64),
-        "outlier_bits": obits,
-        "outlier_val": _f16(obits),
+        **outlier_parts(codes, i),
     }
     if batch.norm:
         sb = codes["scale_bits"][i, :n].cpu().numpy().view(np.uint16)
         e = int(codes["scale_exp"][i])
-        out.update(scale=_f16(sb) * np.float32(2.0**e), scale_exp=e, scale_bits=sb)
+        out.update(scale=f16_values(sb) * np.float32(2.0**e), scale_exp=e, scale_bits=sb)
     for key in ("z", "indices"):
         if key in codes:
             out[key] = np.ascontiguousarray(codes[key][i, :n, :m].cpu().numpy())
@@ -269,9 +261,6 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
     codes = np.zeros((h, n * batch.max_row_bytes), np.uint8)
     sbits = np.zeros((h, n), np.uint16)
     sexp = np.zeros(h, np.int32)
-    ptr = np.zeros(h + 1, np.int64)
-    pos: List[np.ndarray] = []
-    obits: List[np.ndarray] = []
     for i, p in enumerate(parts_list):
         rb = (sum(batch.bits_host[i]) + 7) // 8
         raw = np.frombuffer(bytes(p["codes"]), np.uint8)
@@ -281,9 +270,6 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
         if batch.norm:
             sbits[i, : ns[i]] = np.asarray(p["scale_bits"]).view(np.uint16)
             sexp[i] = int(p["scale_exp"])
-        pos.append(np.asarray(p["outlier_pos"], np.int64))
-        obits.append(np.asarray(p["outlier_bits"]).view(np.uint16))
-        ptr[i + 1] = ptr[i] + pos[-1].size
     dev = batch.device
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -291,9 +277,7 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
 
     out = {
         "codes": t(codes),
-        "outlier_ptr": t(ptr),
-        "outlier_pos": t(np.concatenate(pos)),
-        "outlier_bits": t(np.concatenate(obits).view(np.int16)),
+        **stack_outliers(parts_list, dev),
     }
     if batch.norm:
         out.update(scale_bits=t(sbits.view(np.int16)), scale_exp=t(sexp))

@@ -14,16 +14,27 @@ Values in the returned dict are torch tensors on the input's device, except the
 parameters copied from the skeleton (plain Python values). ``t_exp``/``norm_exp`` are 0-d
 int32 tensors (no host synchronisation), ``residual_packed`` a uint8 tensor;
 :func:`to_numpy_parts` turns the dict into exactly the types the extension uses.
-This module needs torch (the ``eval`` extra), not the extension.
+This module needs torch (the ``eval`` extra), not the extension; the helpers it shares with
+the calibrated reference are in ``_common.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Mapping, Tuple
 
-import numpy as np
 import torch
+
+from ._common import (
+    as_tensor,
+    bits_to_f32,
+    fwht,
+    gain,
+    outliers,
+    pow2,
+    scaled_f16,
+    sign_pattern,
+    thresholds,
+)
 
 __all__ = [
     "band_factors",
@@ -42,8 +53,6 @@ __all__ = [
     "unpack_codes",
 ]
 
-_MASK64 = (1 << 64) - 1
-
 #: The parameter and skeleton-shape entries copied unchanged from the skeleton's parts.
 PARAM_KEYS = (
     "n",
@@ -58,27 +67,6 @@ PARAM_KEYS = (
     "skeleton_dtype",
     "outlier_threshold",
 )
-
-
-@functools.lru_cache(maxsize=256)
-def _signs(seed: int, n: int) -> Tuple[float, ...]:
-    state = seed & _MASK64
-    out = []
-    for _ in range(n):
-        state = (state + 0x9E3779B97F4A7C15) & _MASK64
-        z = state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        z ^= z >> 31
-        out.append(-1.0 if z >> 63 else 1.0)
-    return tuple(out)
-
-
-def sign_pattern(seed: int, n: int, device: Any = None) -> torch.Tensor:
-    """The +-1 float32 pattern of length ``n`` (FORMAT.md: SplitMix64, -1 where bit 63 is set).
-
-    Computed with Python integers, independently of the extension."""
-    return torch.tensor(_signs(int(seed), int(n)), dtype=torch.float32, device=device)
 
 
 def band_layout(d_eff: int) -> List[Tuple[int, int]]:
@@ -102,22 +90,6 @@ def band_factors(d_eff: int, device: Any = None) -> torch.Tensor:
     return f
 
 
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Unnormalised Sylvester-Hadamard transform over the last axis (a power of two), by the
-    radix-2 butterfly ``h = 1, 2, 4, ...: (a, b) -> (a + b, a - b)`` of ``wht.rs``."""
-    w = x.shape[-1]
-    if w & (w - 1):
-        raise ValueError(f"fwht needs a power-of-two length, got {w}")
-    lead = x.shape[:-1]
-    h = 1
-    while h < w:
-        v = x.reshape(*lead, w // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, w)
-        h *= 2
-    return x
-
-
 def rotate(r: torch.Tensor, signs: torch.Tensor, d_eff: int) -> torch.Tensor:
     """``y = H(s * r)`` band by band; ``r`` is ``[..., d_eff]``, ``signs`` has length >= d_eff."""
     parts = [fwht(r[..., o : o + w] * signs[o : o + w]) for o, w in band_layout(d_eff)]
@@ -131,40 +103,6 @@ def inverse_rotate(y: torch.Tensor, signs: torch.Tensor, d_eff: int) -> torch.Te
         inv = torch.tensor(1.0 / w, dtype=torch.float32, device=y.device)
         parts.append(fwht(y[..., o : o + w]) * signs[o : o + w] * inv)
     return torch.cat(parts, dim=-1)
-
-
-def pow2(e: torch.Tensor) -> torch.Tensor:
-    """``2**e`` as float32 for integer ``e`` in [-126, 127], exact (built from the bits)."""
-    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
-
-
-def shared_exponent(values: torch.Tensor) -> torch.Tensor:
-    """The smallest ``e`` in [-126, 127] with ``max|v| * 2**-e <= 32768`` (0 when all values are
-    zero or the maximum is not finite), as a 0-d int32 tensor (``f16.rs``)."""
-    m = values.abs().max() if values.numel() else torch.zeros((), device=values.device)
-    mant, ex = torch.frexp(m)
-    # m = mant * 2**ex with mant in [0.5, 1): ceil(log2 m) is ex, or ex - 1 for a power of two.
-    e = ex - 15 - (mant == 0.5).to(torch.int32)
-    e = e.clamp(-126, 127)
-    ok = (m > 0) & torch.isfinite(m)
-    return torch.where(ok, e, torch.zeros_like(e)).to(torch.int32)
-
-
-def scaled_f16(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stores ``values`` (float32) as fp16 mantissas with one shared exponent.
-
-    Returns ``(exp, bits, stored)``: 0-d int32, uint16 bits like ``values``, and the stored
-    float32 values ``f32(h) * 2**exp``."""
-    e = shared_exponent(values)
-    # 2**-e is a normal f32 for every exponent a finite f32 maximum produces, so the product is
-    # exact and the fp16 conversion (round to nearest even) is the only rounding.
-    h = (values * pow2(-e)).to(torch.float16)
-    return e, h.view(torch.uint16), h.to(torch.float32) * pow2(e)
-
-
-def thresholds(centroids: torch.Tensor) -> torch.Tensor:
-    """Decision thresholds ``0.5 * (c_i + c_{i+1})`` in f32 (part of the format)."""
-    return 0.5 * (centroids[:-1] + centroids[1:])
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -186,21 +124,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return (stream.reshape(count, bits) * weights).sum(dim=1).to(torch.uint8)
 
 
-def _tensor(v: Any, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.to(device=device, dtype=dtype)
-    if isinstance(v, (bytes, bytearray)):
-        return torch.frombuffer(bytearray(v), dtype=torch.uint8).to(device)
-    a = np.asarray(v)
-    if a.dtype == np.uint16:
-        return torch.from_numpy(a.astype(np.int32)).to(device=device, dtype=dtype)
-    return torch.as_tensor(a).to(device=device, dtype=dtype)
-
-
-def _bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
-
-
 def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]:
     """Stages 2-5 of one block against a given skeleton.
 
@@ -220,10 +143,10 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
     dev = x.device
     n, d = x.shape
     de, k, bw = int(skeleton["d_eff"]), int(skeleton["k"]), int(skeleton["bit_width"])
-    mean = _tensor(skeleton["mean"], dev, torch.float32)
-    basis = _tensor(skeleton["basis"], dev, torch.float32)
-    centers = _tensor(skeleton["centers"], dev, torch.float32)
-    table = _tensor(skeleton["centroids"], dev, torch.float32)
+    mean = as_tensor(skeleton["mean"], dev, torch.float32)
+    basis = as_tensor(skeleton["basis"], dev, torch.float32)
+    centers = as_tensor(skeleton["centers"], dev, torch.float32)
+    table = as_tensor(skeleton["centroids"], dev, torch.float32)
     if mean.shape != (d,) or basis.shape != (de, d) or centers.shape != (k, de):
         raise ValueError(
             f"skeleton shapes mean {tuple(mean.shape)}, basis {tuple(basis.shape)}, centers "
@@ -253,22 +176,9 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
     thr = thresholds(table)
     codes = (z[..., None] > thr).sum(dim=-1).to(torch.uint8)
     qv = table[codes.long()]
-    big = skeleton.get("outlier_threshold")
-    if big is not None:
-        flag = z.abs() > torch.tensor(big, dtype=torch.float32, device=dev)
-        h = z.clamp(-65504.0, 65504.0).to(torch.float16)
-        qv = torch.where(flag, h.to(torch.float32), qv)
-        idx = torch.nonzero(flag.reshape(-1))[:, 0]
-        opos = idx.to(torch.int64)
-        obits = h.reshape(-1)[idx].view(torch.uint16)
-    else:
-        opos = torch.zeros(0, dtype=torch.int64, device=dev)
-        obits = torch.zeros(0, dtype=torch.uint16, device=dev)
+    qv, opos, obits = outliers(z, qv, skeleton.get("outlier_threshold"))
     if skeleton["metric"] == "inner_product":
-        qq = (qv * qv).sum(dim=1)
-        zq = (z * qv).sum(dim=1)
-        gain = torch.where(qq > 0, s_hat * (zq / torch.where(qq > 0, qq, torch.ones_like(qq))), s_hat)
-        norm_exp, norm_bits, s_store = scaled_f16(gain)
+        norm_exp, norm_bits, s_store = scaled_f16(gain(z, qv, s_hat))
     else:
         s_store = s_hat
     out: Dict[str, Any] = {key: skeleton[key] for key in PARAM_KEYS}
@@ -289,8 +199,8 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
         residual_packed=pack_codes(codes, bw),
         residual_codes=codes,
         outlier_pos=opos,
-        outlier_bits=obits,
-        outlier_val=_bits_to_f32(obits.view(torch.int16)) if obits.numel() else obits.to(torch.float32),
+        outlier_bits=obits.view(torch.uint16),
+        outlier_val=bits_to_f32(obits),
     )
     return out
 
@@ -306,27 +216,27 @@ def decode_block(parts: Mapping[str, Any], device: Any = None) -> torch.Tensor:
         device = m.device if isinstance(m, torch.Tensor) else "cpu"
     n, d, de, k = (int(parts[key]) for key in ("n", "d", "d_eff", "k"))
     bw = int(parts["bit_width"])
-    mean = _tensor(parts["mean"], device, torch.float32)
-    basis = _tensor(parts["basis"], device, torch.float32)
-    centers = _tensor(parts["centers"], device, torch.float32)
-    table = _tensor(parts["centroids"], device, torch.float32)
+    mean = as_tensor(parts["mean"], device, torch.float32)
+    basis = as_tensor(parts["basis"], device, torch.float32)
+    centers = as_tensor(parts["centers"], device, torch.float32)
+    table = as_tensor(parts["centroids"], device, torch.float32)
     if mean.shape != (d,) or basis.shape != (de, d) or centers.shape != (k, de):
         raise ValueError("parts hold a skeleton of inconsistent shape")
-    packed = _tensor(parts["residual_packed"], device, torch.uint8)
+    packed = as_tensor(parts["residual_packed"], device, torch.uint8)
     if packed.numel() != (n * de * bw + 7) // 8:
         raise ValueError(f"residual_packed has {packed.numel()} bytes, expected {(n * de * bw + 7) // 8}")
-    seg = _tensor(parts["seg_id"], device, torch.int64)
-    t_hat = _bits_to_f32(_tensor(parts["t_bits"], device, torch.int32)) * pow2(
+    seg = as_tensor(parts["seg_id"], device, torch.int64)
+    t_hat = bits_to_f32(as_tensor(parts["t_bits"], device, torch.int32)) * pow2(
         torch.tensor(int(parts["t_exp"]), device=device)
     )
-    scale = _bits_to_f32(_tensor(parts["norm_bits"], device, torch.int32)) * pow2(
+    scale = bits_to_f32(as_tensor(parts["norm_bits"], device, torch.int32)) * pow2(
         torch.tensor(int(parts["norm_exp"]), device=device)
     )
     codes = unpack_codes(packed, bw, n * de).reshape(n, de)
     q = table[codes.long()].reshape(-1)
-    opos = _tensor(parts["outlier_pos"], device, torch.int64)
+    opos = as_tensor(parts["outlier_pos"], device, torch.int64)
     if opos.numel():
-        q[opos] = _bits_to_f32(_tensor(parts["outlier_bits"], device, torch.int32))
+        q[opos] = bits_to_f32(as_tensor(parts["outlier_bits"], device, torch.int32))
     q = q.reshape(n, de)
     f = band_factors(de, device)
     y = q * (scale[:, None] / f[None, :])

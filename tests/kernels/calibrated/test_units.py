@@ -20,12 +20,12 @@ import torch  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
-from kakeyaturbo import reference_calibrated as rc  # noqa: E402
-from kakeyaturbo.kernels import cal_batch  # noqa: E402
+from kakeyaturbo.kernels.calibrated import batch as kbatch  # noqa: E402
+from kakeyaturbo.reference import calibrated as rc  # noqa: E402
 
+from .. import harness  # noqa: E402
+from ..conftest import DEVICE  # noqa: E402
 from . import parity  # noqa: E402
-from . import parity_calibrated as pc  # noqa: E402
-from .conftest import DEVICE  # noqa: E402
 
 D = 64
 
@@ -75,7 +75,7 @@ def test_sub_bands_and_slots(runs: list) -> None:
     assert [j for off, w, _ in bands for j in range(off, off + w)] == list(range(len(bits)))
     assert all(w & (w - 1) == 0 and all(bits[j] == b for j in range(off, off + w)) for off, w, b in bands)
     # Slots: every sub-band aligned to its own width, consecutive, in at most next_pow2(m).
-    slots = cal_batch.slot_order(bits)
+    slots = kbatch.slot_order(bits)
     assert all(s % w == 0 for s, _, w, _ in slots)
     assert sum(w for _, _, w, _ in slots) == len(bits)
 
@@ -87,14 +87,14 @@ def test_row_packing_matches_the_independent_packer(bits: list, seed: int) -> No
     idx = np.stack([g.integers(0, 1 << b, size=n) for b in bits], axis=1).astype(np.uint8)
     packed = rc.pack_rows(torch.from_numpy(idx), bits)
     assert packed.shape == (n, (sum(bits) + 7) // 8)
-    assert packed.numpy().tobytes() == pc.pack_independent(idx, bits)
+    assert packed.numpy().tobytes() == parity.pack_independent(idx, bits)
     assert np.array_equal(rc.unpack_rows(packed, bits).numpy(), idx)
 
 
 def test_rust_rows_pack_like_the_format() -> None:
     c = _codec(LAYOUT)
     p = c.encode_parts(_rows(40))
-    assert p["codes"] == pc.pack_independent(p["indices"], rc.calibration_of(c).bits)
+    assert p["codes"] == parity.pack_independent(p["indices"], rc.calibration_of(c).bits)
 
 
 def _batch_case():
@@ -129,7 +129,8 @@ def test_batched_heads_equal_single_heads() -> None:
         for key in ("indices", "scale_bits", "outlier_pos", "outlier_bits", "z", "g"):
             assert np.array_equal(a[key], b[key]), key
         assert a["codes"] == b["codes"] and a["scale_exp"] == b["scale_exp"]
-        pc.compare_head(x, codecs[i], rc.calibration_of(codecs[i]), codecs[i].encode_parts(x), a, f"head {i}")
+        cal = rc.calibration_of(codecs[i])
+        parity.compare_head(x, codecs[i], cal, codecs[i].encode_parts(x), a, f"head {i}")
 
 
 def test_nothing_is_written_past_a_heads_rows() -> None:
@@ -198,7 +199,7 @@ def test_zero_rows_and_no_norm() -> None:
             codes = K.encode_calibrated(torch.from_numpy(x[None]).to(DEVICE), batch, intermediates=True)
         ours = K.head_parts(codes, batch, [20], 0)
         assert ("scale_bits" in ours) == c.norm
-        pc.compare_head(x, c, rc.calibration_of(c), c.encode_parts(x), ours, str(kw))
+        parity.compare_head(x, c, rc.calibration_of(c), c.encode_parts(x), ours, str(kw))
 
 
 def test_encode_rejects_bad_input() -> None:
@@ -303,7 +304,7 @@ def _copy(p: dict) -> dict:
 
 def test_checker_accepts_identical_codes(head: tuple) -> None:
     x, c, cal, rust, ours = head
-    res = pc.compare_head(x, c, cal, rust, ours, "same")
+    res = parity.compare_head(x, c, cal, rust, ours, "same")
     assert res.nears == [] and res.compared["indices"] == 200 * c.m
 
 
@@ -314,7 +315,7 @@ def test_checker_rejects_a_wrong_code(head: tuple, field: str) -> None:
     if field == "g":
         bad["g"][7] *= 1.01
     elif field == "indices":
-        ex = pc.exact(x, cal, rust["g"])
+        ex = parity.exact(x, cal, rust["g"])
         # The value farthest from a threshold of its table: a flip there is a real error.
         far = np.zeros_like(ex.z)
         for off, w, b in rc.sub_bands(cal.bits):
@@ -324,7 +325,7 @@ def test_checker_rejects_a_wrong_code(head: tuple, field: str) -> None:
         top = (1 << int(cal.bits[j])) - 1
         v = int(bad["indices"][i, j])
         bad["indices"][i, j] = v + 1 if v < top else v - 1
-        bad["codes"] = pc.pack_independent(bad["indices"], cal.bits)
+        bad["codes"] = parity.pack_independent(bad["indices"], cal.bits)
     elif field == "outlier_pos":
         for key in ("outlier_pos", "outlier_bits", "outlier_val"):
             bad[key] = bad[key][1:]
@@ -339,14 +340,14 @@ def test_checker_rejects_a_wrong_code(head: tuple, field: str) -> None:
         raw = bytearray(bad["codes"])
         raw[3] ^= 0x10
         bad["codes"] = bytes(raw)
-    with pytest.raises(parity.ParityError, match=field):
-        pc.compare_head(x, c, cal, rust, bad, "mutated")
+    with pytest.raises(harness.ParityError, match=field):
+        parity.compare_head(x, c, cal, rust, bad, "mutated")
 
 
 def test_checker_accepts_a_flip_on_a_threshold(head: tuple) -> None:
     """A flip is accepted (and reported) only where z lies within epsilon of the threshold."""
     x, c, cal, rust, ours = head
-    ex = pc.exact(x, cal, rust["g"])
+    ex = parity.exact(x, cal, rust["g"])
     idx = rust["indices"].astype(np.int64)
     dist = np.full(ex.z.shape, np.inf)
     for off, w, b in rc.sub_bands(cal.bits):
@@ -359,15 +360,15 @@ def test_checker_accepts_a_flip_on_a_threshold(head: tuple) -> None:
     i, j = np.unravel_index(int(np.argmin(dist)), dist.shape)
     bad = _copy(ours)
     bad["indices"][i, j] -= 1
-    bad["codes"] = pc.pack_independent(bad["indices"], cal.bits)
+    bad["codes"] = parity.pack_independent(bad["indices"], cal.bits)
     # (A row with a flipped index is left out of the gain comparison.)
-    old = pc.TOL["cal_u"]
+    old = parity.TOL["cal_u"]
     try:
-        pc.TOL["cal_u"] = old * 1.001 * dist[i, j] / ex.eps_z[i, j]
-        res = pc.compare_head(x, c, cal, rust, bad, "on threshold")
+        parity.TOL["cal_u"] = old * 1.001 * dist[i, j] / ex.eps_z[i, j]
+        res = parity.compare_head(x, c, cal, rust, bad, "on threshold")
         assert [n_.field for n_ in res.nears] == ["indices"]
-        pc.TOL["cal_u"] = old * 0.5 * dist[i, j] / ex.eps_z[i, j]
-        with pytest.raises(parity.ParityError, match="indices"):
-            pc.compare_head(x, c, cal, rust, bad, "off threshold")
+        parity.TOL["cal_u"] = old * 0.5 * dist[i, j] / ex.eps_z[i, j]
+        with pytest.raises(harness.ParityError, match="indices"):
+            parity.compare_head(x, c, cal, rust, bad, "off threshold")
     finally:
-        pc.TOL["cal_u"] = old
+        parity.TOL["cal_u"] = old

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
+    RowsLike,
     band_factor,
     band_hadamard,
     band_live,
@@ -28,8 +29,9 @@ from ._utils import (
     is_interpreter,
     next_pow2,
     placeholder,
+    row_starts,
+    rows_tensor,
 )
-from .encode import RowsLike, rows_tensor
 from .pack import packed_bytes
 from .skeleton import SkeletonBatch
 
@@ -106,22 +108,6 @@ def _settings(n: int, w: int, d: int) -> Dict[str, int]:
         return {"BN": max(16, min(256, next_pow2(n))), "BD": max(16, min(256, next_pow2(d))), "num_warps": 4}
     bn = 64 if w <= 64 else (32 if w <= 128 else 16)
     return {"BN": bn, "BD": 64, "num_warps": 4 if w <= 64 else 8}
-
-
-def row_starts(codes: Mapping[str, torch.Tensor], d_eff: torch.Tensor, n: int, w: int) -> torch.Tensor:
-    """int64 ``[B, N + 1]``: index into ``outlier_pos`` of the first outlier of each row (and
-    of the end of the block), found on device by binary search of the sorted lists; ``w``
-    bounds every ``d_eff``."""
-    ptr, pos = codes["outlier_ptr"], codes["outlier_pos"]
-    b = d_eff.shape[0]
-    # One sorted key over all blocks: block * stride + position, stride > any n * d_eff.
-    stride = n * w + 1
-    blk = torch.repeat_interleave(torch.arange(b, device=pos.device), ptr.diff(), output_size=pos.numel())
-    key = blk * stride + pos
-    query = torch.arange(b, device=pos.device)[:, None] * stride + torch.arange(
-        n + 1, device=pos.device
-    )[None, :] * d_eff[:, None].to(torch.int64)
-    return torch.searchsorted(key, query.reshape(-1)).reshape(b, n + 1)
 
 
 def _launch(codes, skel: SkeletonBatch, rows, rstart, out, has_out: bool) -> None:

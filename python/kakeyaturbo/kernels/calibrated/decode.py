@@ -6,7 +6,7 @@ lookup at the slot's width, outlier override, ``q * (g^ r)``, the band-limited b
 every sub-band, the signs, and ``x = mean + u S'`` (tiled over D). Nothing in the decode needs
 a head-wide reduction (the exponents are stored), so one launch does it all. Outliers are
 found per row through a table of row starts into the sorted lists, built on device with
-``torch.searchsorted`` (``decode.row_starts``) before the launch, only when there are some.
+``torch.searchsorted`` (``_common.row_starts``) before the launch, only when there are some.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
+    RowsLike,
     band_hadamard,
     ceil_log2,
     check_device,
@@ -26,14 +27,14 @@ from ._utils import (
     is_interpreter,
     next_pow2,
     placeholder,
+    row_starts,
+    rows_tensor,
 )
-from .cal_batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
+from .batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
 
 #: The per-head table layout as compile-time constants (row b of TABLE_LEN entries).
 _TLEN = tl.constexpr(TABLE_LEN)
 _TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
-from .decode import row_starts
-from .encode import RowsLike, rows_tensor
 
 
 @triton.jit(do_not_specialize=["PB", "N", "norm", "has_out"])

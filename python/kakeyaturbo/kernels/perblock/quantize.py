@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
     band_factor,
     band_hadamard,
     band_live,
@@ -137,9 +137,9 @@ def quantize(
     ``c``: float32 ``[B, N, W]`` projections (zero beyond ``d_eff``); ``seg``: int32 ``[B, N]``;
     ``tbits``: int16 ``[B, N]`` and ``texp``: int32 ``[B]``, the stored ``t``; ``norm``: float32
     ``[B, N]`` unrounded ``|r|``; ``rows``: int32 ``[B]`` (from
-    :func:`~kakeyaturbo.kernels.residual.residuals`). Returns ``norm_bits`` int16 ``[B, N]`` and
-    ``norm_exp`` int32 ``[B]`` (the stored norm), ``codes`` uint8 ``[B, N, W]`` (0 beyond
-    ``d_eff``), and -- only when the skeleton has an outlier threshold -- ``oflag`` uint8
+    :func:`~kakeyaturbo.kernels.perblock.residual.residuals`). Returns ``norm_bits`` int16
+    ``[B, N]`` and ``norm_exp`` int32 ``[B]`` (the stored norm), ``codes`` uint8 ``[B, N, W]``
+    (0 beyond ``d_eff``), and -- only when the skeleton has an outlier threshold -- ``oflag`` uint8
     ``[B, N, W]`` (1 = outlier) and ``oval`` int16 ``[B, N, W]`` (fp16 bits of ``z``, written
     where flagged), and -- only for ``inner_product`` -- the unrounded gain float32 ``[B, N]``
     (else None each). Raises ValueError on bad shapes."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
     block_absmax,
     empty,
     from_scaled_f16,
@@ -77,10 +77,10 @@ def residuals(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 3b for a batch: rounds ``t`` and measures ``r = c - t^ centre_seg``.
 
-    ``c``: float32 ``[B, N, W]``; ``seg``: int32 ``[B, N]``; ``traw``:
-    float32 ``[B, N]`` (from :func:`~kakeyaturbo.kernels.project.project_assign`); ``rows``:
-    int32 ``[B]``. Returns ``t_bits`` int16 ``[B, N]`` (fp16 bit patterns), ``t_exp`` int32
-    ``[B]`` and the unrounded ``|r|`` float32 ``[B, N]``. Raises ValueError on bad shapes."""
+    ``c``: float32 ``[B, N, W]``; ``seg``: int32 ``[B, N]``; ``traw``: float32 ``[B, N]`` (from
+    :func:`~kakeyaturbo.kernels.perblock.project.project_assign`); ``rows``: int32 ``[B]``.
+    Returns ``t_bits`` int16 ``[B, N]`` (fp16 bit patterns), ``t_exp`` int32 ``[B]`` and the
+    unrounded ``|r|`` float32 ``[B, N]``. Raises ValueError on bad shapes."""
     b, n, w = c.shape
     want = {
         "c": (c, (b, n, w), torch.float32),

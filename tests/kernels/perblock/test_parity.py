@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from . import parity  # noqa: E402
-from .conftest import DEVICE, FULL_FUZZ, RESULTS  # noqa: E402
+from ..conftest import DEVICE, FULL_FUZZ, RESULTS  # noqa: E402
 
 GROUPS = parity.make_groups(FULL_FUZZ)
 _PREPARED: Dict[int, parity.Prepared] = {}

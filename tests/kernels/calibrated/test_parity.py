@@ -13,20 +13,20 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from . import parity_calibrated as pc  # noqa: E402
-from .conftest import DEVICE, FULL_FUZZ, RESULTS  # noqa: E402
+from . import parity  # noqa: E402
+from ..conftest import DEVICE, FULL_FUZZ, RESULTS  # noqa: E402
 
-GROUPS = pc.make_groups(FULL_FUZZ)
-_PREPARED: Dict[int, pc.Prepared] = {}
+GROUPS = parity.make_groups(FULL_FUZZ)
+_PREPARED: Dict[int, parity.Prepared] = {}
 
 
 @pytest.fixture(scope="module")
-def prepared() -> Callable[[pc.GroupCase], pc.Prepared]:
+def prepared() -> Callable[[parity.GroupCase], parity.Prepared]:
     """Rust calibrates and encodes each group once for both implementations."""
 
-    def get(group: pc.GroupCase) -> pc.Prepared:
+    def get(group: parity.GroupCase) -> parity.Prepared:
         if group.gid not in _PREPARED:
-            _PREPARED[group.gid] = pc.prepare(group)
+            _PREPARED[group.gid] = parity.prepare(group)
         return _PREPARED[group.gid]
 
     return get
@@ -34,9 +34,9 @@ def prepared() -> Callable[[pc.GroupCase], pc.Prepared]:
 
 @pytest.mark.parametrize("impl", ["reference", "kernels"])
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.label)
-def test_calibrated_parity_with_rust(group: pc.GroupCase, impl: str, prepared: Callable) -> None:
+def test_calibrated_parity_with_rust(group: parity.GroupCase, impl: str, prepared: Callable) -> None:
     prep = prepared(group)
-    run = pc.run_reference if impl == "reference" else pc.run_kernels
+    run = parity.run_reference if impl == "reference" else parity.run_kernels
     res = run(prep, DEVICE)
     RESULTS.append(res)
     assert res.compared["indices"] > 0
@@ -46,26 +46,26 @@ def test_calibrated_parity_with_rust(group: pc.GroupCase, impl: str, prepared: C
 
 
 def test_calibrated_case_set_covers_the_brief() -> None:
-    full = pc.make_groups(True)
+    full = parity.make_groups(True)
     heads = [h for g in full for h in g.heads]
     assert len(heads) >= 1000
     ns = {h.n for h in heads}
     assert {1, 63, 512, 1024} <= ns and len(ns - {1, 63, 512, 1024}) > 50
-    assert {g.d for g in full} == set(pc.DIMS)
-    assert {g.metric for g in full} == set(pc.METRICS)
+    assert {g.d for g in full} == set(parity.DIMS)
+    assert {g.metric for g in full} == set(parity.METRICS)
     assert {(g.metric, g.norm) for g in full} >= {("mse", True), ("mse", False), ("linf", False),
                                                    ("inner_product", True)}
-    assert {g.threshold for g in full} == set(pc.THRESHOLDS)
+    assert {g.threshold for g in full} == set(parity.THRESHOLDS)
     assert {g.input_dtype for g in full} == {"float32", "bfloat16"}
     water = [h.target for h in heads if h.layout == "water"]
-    assert set(water) == set(pc.TARGETS) and min(water) == 1.5 and max(water) == 8.0
+    assert set(water) == set(parity.TARGETS) and min(water) == 1.5 and max(water) == 8.0
     assert sum(h.layout == "hand" for h in heads) >= 300
-    assert {h.table for h in heads} == set(pc.TABLES)
-    assert {h.data for h in heads} == set(pc.DATA)
+    assert {h.table for h in heads} == set(parity.TABLES)
+    assert {h.data for h in heads} == set(parity.DATA)
     assert sum(h.whiten for h in heads) >= 200
-    assert sum(h.rotation_seed != pc.DEFAULT_SEED for h in heads) >= 100
+    assert sum(h.rotation_seed != parity.DEFAULT_SEED for h in heads) >= 100
     # The subset: inner_product with outliers (f32) and mse without norm (bf16).
-    sub = pc.make_groups(False)
+    sub = parity.make_groups(False)
     assert {(g.metric, g.norm, g.input_dtype) for g in sub} == {("inner_product", True, "float32"),
                                                                  ("mse", False, "bfloat16")}
     assert all(g.threshold is not None for g in sub)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
     block_absmax,
     empty,
     is_interpreter,

@@ -1,14 +1,17 @@
-"""Helpers shared by the kernel files: interpreter detection, output allocation (with NaN
-poisoning for the parity tests), sizes, and the @triton.jit building blocks every kernel that
-touches the format uses (fp16 with a shared exponent, the band-limited Hadamard butterfly)."""
+"""Helpers shared by the kernel files of both modes: interpreter detection, output allocation
+(with NaN poisoning for the parity tests), sizes, row counts, the batched outlier lists (their
+row table, and their conversion from and to parts dicts), and the @triton.jit building blocks
+every kernel that touches the format uses (fp16 with a shared exponent, the band-limited
+Hadamard butterfly)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-from typing import Iterator, Sequence
+from typing import Any, Dict, Iterator, Mapping, Sequence, Union
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -66,6 +69,74 @@ def ceil_log2(v: int) -> int:
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+RowsLike = Union[None, Sequence[int], torch.Tensor]
+
+
+def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.Tensor:
+    """Row counts as int32 ``[B]`` on ``device``. Host sequences are range-checked (1..N);
+    a tensor is trusted (checking it would read the device)."""
+    if rows is None:
+        return torch.full((b,), n, dtype=torch.int32, device=device)
+    if isinstance(rows, torch.Tensor):
+        if rows.shape != (b,) or rows.dtype != torch.int32:
+            raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
+        check_device("rows", rows, device)
+        return rows
+    vals = [int(v) for v in rows]
+    if len(vals) != b or any(not 1 <= v <= n for v in vals):
+        raise ValueError(f"rows must hold {b} counts in 1..{n}, got {vals}")
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def row_starts(codes: Mapping[str, torch.Tensor], d_eff: torch.Tensor, n: int, w: int) -> torch.Tensor:
+    """int64 ``[B, N + 1]``: index into ``outlier_pos`` of the first outlier of each row (and
+    of the end of the block), found on device by binary search of the sorted lists; ``w``
+    bounds every ``d_eff``."""
+    ptr, pos = codes["outlier_ptr"], codes["outlier_pos"]
+    b = d_eff.shape[0]
+    # One sorted key over all blocks: block * stride + position, stride > any n * d_eff.
+    stride = n * w + 1
+    blk = torch.repeat_interleave(torch.arange(b, device=pos.device), ptr.diff(), output_size=pos.numel())
+    key = blk * stride + pos
+    query = torch.arange(b, device=pos.device)[:, None] * stride + torch.arange(
+        n + 1, device=pos.device
+    )[None, :] * d_eff[:, None].to(torch.int64)
+    return torch.searchsorted(key, query.reshape(-1)).reshape(b, n + 1)
+
+
+def f16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of fp16 bit patterns (uint16)."""
+    return bits.view(np.float16).astype(np.float32)
+
+
+def outlier_parts(codes: Mapping[str, torch.Tensor], i: int) -> Dict[str, np.ndarray]:
+    """Entry ``i`` of batched outlier lists (``outlier_ptr [B + 1]``, ``outlier_pos``,
+    ``outlier_bits``) as a parts dict's ``outlier_pos`` int64, ``outlier_bits`` uint16 and
+    ``outlier_val`` float32 (numpy)."""
+    lo, hi = (int(v) for v in codes["outlier_ptr"][i : i + 2])
+    bits = codes["outlier_bits"][lo:hi].cpu().numpy().view(np.uint16)
+    return {
+        "outlier_pos": codes["outlier_pos"][lo:hi].cpu().numpy().astype(np.int64),
+        "outlier_bits": bits,
+        "outlier_val": f16_values(bits),
+    }
+
+
+def stack_outliers(parts_list: Sequence[Mapping[str, Any]], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The outlier lists of parts dicts batched on ``device``: ``outlier_ptr`` int64 ``[B + 1]``
+    (case ``i`` owns entries ``outlier_ptr[i]:outlier_ptr[i+1]``), ``outlier_pos`` int64 and
+    ``outlier_bits`` int16 (fp16 bit patterns)."""
+    pos = [np.asarray(p["outlier_pos"], np.int64) for p in parts_list]
+    bits = [np.asarray(p["outlier_bits"]).view(np.uint16) for p in parts_list]
+    ptr = np.zeros(len(pos) + 1, np.int64)
+    ptr[1:] = np.cumsum([a.size for a in pos])
+    return {
+        "outlier_ptr": torch.from_numpy(ptr).to(device),
+        "outlier_pos": torch.from_numpy(np.concatenate(pos)).to(device),
+        "outlier_bits": torch.from_numpy(np.concatenate(bits).view(np.int16)).to(device),
+    }
 
 
 @triton.jit

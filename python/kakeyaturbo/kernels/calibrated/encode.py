@@ -1,10 +1,10 @@
 """Batched calibrated encode: many heads (e.g. every kv-head of a layer) in up to three launches.
 
-1. ``cal_rms.py`` (only with ``norm``): projection, the f64 rms of every row, per-tile maxima.
-2. ``cal_quantize.py``: projection again, the stored scale, signs and the butterfly of every
+1. ``rms.py`` (only with ``norm``): projection, the f64 rms of every row, per-tile maxima.
+2. ``quantize.py``: projection again, the stored scale, signs and the butterfly of every
    sub-band, ``z``, Lloyd-Max indices at per-slot widths, outliers, the ``inner_product``
    gain, and the byte packing of the rows.
-3. ``cal_gain.py`` (only for ``inner_product``): the gain rounded with its head-wide exponent.
+3. ``gain.py`` (only for ``inner_product``): the gain rounded with its head-wide exponent.
 
 The cuts sit exactly at the head-wide reductions the format needs (the shared fp16 exponent
 of the rms scale, then of the gain): a launch boundary is the one grid-wide barrier that needs
@@ -22,12 +22,11 @@ from typing import Dict, Optional
 
 import torch
 
-from ._utils import check_device
-from .cal_batch import CalibrationBatch
-from .cal_gain import round_gains
-from .cal_quantize import quantize
-from .cal_rms import rms_scales
-from .encode import RowsLike, rows_tensor
+from .._common import RowsLike, check_device, rows_tensor
+from .batch import CalibrationBatch
+from .gain import round_gains
+from .quantize import quantize
+from .rms import rms_scales
 
 
 def outlier_capacity(n: int, max_m: int) -> int:

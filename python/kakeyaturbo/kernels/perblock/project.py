@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_device, empty, is_interpreter, next_pow2
+from .._common import check_device, empty, is_interpreter, next_pow2
 from .skeleton import SkeletonBatch
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import block_absmax, empty, is_interpreter, next_pow2, shared_exponent, to_scaled_f16
+from .._common import block_absmax, empty, is_interpreter, next_pow2, shared_exponent, to_scaled_f16
 
 
 @triton.jit(do_not_specialize=["N", "T"])

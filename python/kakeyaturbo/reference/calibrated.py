@@ -12,7 +12,7 @@ butterfly of ``wht.rs``, ``r / g^`` then a multiply, thresholds ``0.5 * (c_i + c
 "number of thresholds strictly below ``z``", the fp16 outliers, ``g^ * (<z, q> / <q, q>)``).
 Sums (the projection and the two dot products of ``inner_product``) run in torch's order, not
 faer's or Rust's 8-lane order, so a value within a few ulps of a decision threshold may code
-differently; the parity tests (``tests/kernels/parity_calibrated.py``) bound and report those.
+differently; the parity tests (``tests/kernels/``) bound and report those.
 
 Values of the returned dict are torch tensors on the input's device (``codes`` a uint8 tensor,
 ``scale_exp`` a 0-d int32 tensor: no host synchronisation), plus the plain ints ``n``, ``d``,
@@ -29,8 +29,18 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from .codec import centroids_gaussian
-from .reference import fwht, pow2, scaled_f16, sign_pattern, thresholds
+from ..codec import centroids_gaussian
+from ._common import (
+    as_tensor,
+    bits_to_f32,
+    fwht,
+    gain,
+    outliers,
+    pow2,
+    scaled_f16,
+    sign_pattern,
+    thresholds,
+)
 
 __all__ = [
     "Calibration",
@@ -204,10 +214,6 @@ def unpack_rows(codes: torch.Tensor, bits: Any) -> torch.Tensor:
     return ((word >> (off % 8)[None, :]) & mask[None, :]).to(torch.uint8)
 
 
-def _bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
-
-
 def encode(x: torch.Tensor, cal: Calibration) -> Dict[str, Any]:
     """Encodes rows against a calibration.
 
@@ -251,38 +257,16 @@ def encode(x: torch.Tensor, cal: Calibration) -> Dict[str, Any]:
         code = torch.searchsorted(thresholds(table), z[:, sl].contiguous())
         idx[:, sl] = code.to(torch.uint8)
         q[:, sl] = table[code]
-    if cal.threshold is not None:
-        flag = z.abs() > torch.tensor(cal.threshold, dtype=torch.float32, device=dev)
-        h = z.clamp(-65504.0, 65504.0).to(torch.float16)
-        q = torch.where(flag, h.to(torch.float32), q)
-        opos = torch.nonzero(flag.reshape(-1))[:, 0]
-        obits = h.reshape(-1)[opos].view(torch.int16)
-    else:
-        opos = torch.zeros(0, dtype=torch.int64, device=dev)
-        obits = torch.zeros(0, dtype=torch.int16, device=dev)
+    q, opos, obits = outliers(z, q, cal.threshold)
     out: Dict[str, Any] = {"n": n, "d": d, "m": m, "row_bytes": cal.row_bytes, "z": z, "g": g,
                            "indices": idx, "codes": pack_rows(idx, cal.bits).reshape(-1)}
     if cal.metric == "inner_product":
-        qq = (q * q).sum(dim=1)
-        zq = (z * q).sum(dim=1)
-        gain = torch.where(qq > 0, g * (zq / torch.where(qq > 0, qq, torch.ones_like(qq))), g)
-        scale_exp, scale_bits, stored = scaled_f16(gain)
+        scale_exp, scale_bits, stored = scaled_f16(gain(z, q, g))
         out.update(scale=stored, scale_exp=scale_exp, scale_bits=scale_bits.view(torch.int16))
     elif cal.norm:
         out.update(scale=g, scale_exp=scale_exp, scale_bits=scale_bits.view(torch.int16))
-    out.update(outlier_pos=opos.to(torch.int64), outlier_bits=obits, outlier_val=_bits_to_f32(obits))
+    out.update(outlier_pos=opos, outlier_bits=obits, outlier_val=bits_to_f32(obits))
     return out
-
-
-def _tensor(v: Any, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        return v.to(device=device, dtype=dtype)
-    if isinstance(v, (bytes, bytearray)):
-        return torch.frombuffer(bytearray(v), dtype=torch.uint8).to(device=device, dtype=dtype)
-    a = np.asarray(v)
-    if a.dtype == np.uint16:
-        a = a.astype(np.int32)
-    return torch.as_tensor(a).to(device=device, dtype=dtype)
 
 
 def decode(parts: Mapping[str, Any], cal: Calibration, device: Any = "cpu") -> torch.Tensor:
@@ -292,13 +276,13 @@ def decode(parts: Mapping[str, Any], cal: Calibration, device: Any = "cpu") -> t
     ``q * (g^ r)``, the butterfly, the signs, ``x = mean + u S'``. Raises ValueError on parts
     that do not fit the calibration."""
     n, m = int(parts["n"]), cal.m
-    codes = _tensor(parts["codes"], device, torch.uint8).reshape(-1)
+    codes = as_tensor(parts["codes"], device, torch.uint8).reshape(-1)
     if codes.numel() != n * cal.row_bytes:
         raise ValueError(f"codes hold {codes.numel()} bytes, expected {n} x {cal.row_bytes}")
     idx = unpack_rows(codes.reshape(n, cal.row_bytes), cal.bits).long()
     if cal.norm:
         e = torch.tensor(int(parts["scale_exp"]), dtype=torch.int32, device=device)
-        g = _bits_to_f32(_tensor(parts["scale_bits"], device, torch.int32)) * pow2(e)
+        g = bits_to_f32(as_tensor(parts["scale_bits"], device, torch.int32)) * pow2(e)
         if g.shape != (n,):
             raise ValueError(f"scale_bits must hold {n} values")
     else:
@@ -307,11 +291,11 @@ def decode(parts: Mapping[str, Any], cal: Calibration, device: Any = "cpu") -> t
     for off, w, b in sub_bands(cal.bits):
         table = torch.from_numpy(cal.centroids(b)).to(device)
         q[:, off:off + w] = table[idx[:, off:off + w]]
-    opos = _tensor(parts["outlier_pos"], device, torch.int64)
+    opos = as_tensor(parts["outlier_pos"], device, torch.int64)
     if opos.numel():
         if int(opos.min()) < 0 or int(opos.max()) >= n * m:
             raise ValueError("outlier_pos out of range")
-        q.view(-1)[opos] = _bits_to_f32(_tensor(parts["outlier_bits"], device, torch.int32))
+        q.view(-1)[opos] = bits_to_f32(as_tensor(parts["outlier_bits"], device, torch.int32))
     signs = sign_pattern(cal.rotation_seed, m, device)
     u = torch.empty_like(q)
     for off, w, _ in sub_bands(cal.bits):

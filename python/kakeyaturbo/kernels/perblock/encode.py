@@ -16,34 +16,16 @@ step whose output size depends on the data (it synchronises).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional
 
 import torch
 
-from ._utils import check_device
+from .._common import RowsLike, rows_tensor
 from .pack import pack
 from .project import check_input, project_assign
 from .quantize import quantize
 from .residual import residuals
 from .skeleton import SkeletonBatch
-
-RowsLike = Union[None, Sequence[int], torch.Tensor]
-
-
-def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.Tensor:
-    """Row counts as int32 ``[B]`` on ``device``. Host sequences are range-checked (1..N);
-    a tensor is trusted (checking it would read the device)."""
-    if rows is None:
-        return torch.full((b,), n, dtype=torch.int32, device=device)
-    if isinstance(rows, torch.Tensor):
-        if rows.shape != (b,) or rows.dtype != torch.int32:
-            raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
-        check_device("rows", rows, device)
-        return rows
-    vals = [int(v) for v in rows]
-    if len(vals) != b or any(not 1 <= v <= n for v in vals):
-        raise ValueError(f"rows must hold {b} counts in 1..{n}, got {vals}")
-    return torch.tensor(vals, dtype=torch.int32, device=device)
 
 
 def encode_blocks(x: torch.Tensor, skel: SkeletonBatch, rows: RowsLike = None) -> Dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 Fused per tile of rows, all in registers: the projection ``u = A' (x - mean)`` again (launch 1
 did not write it), the head's shared exponent of the rms scale (each program reduces launch
 1's per-tile maxima) and the stored ``g^``, the sign flip and the band-limited butterfly of
-every sub-band at once (slots are permuted so that sub-bands are aligned, ``cal_batch.py``),
+every sub-band at once (slots are permuted so that sub-bands are aligned, ``batch.py``),
 ``z = y * (r / g^)``, the Lloyd-Max index of each slot at its own bit width (a branch-free
 binary search, ``max_bits`` steps, in the head's threshold table padded with ``+inf``), the
 centroid, the outlier flags and fp16 values, the ``inner_product`` gain, and the packing of
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (
+from .._common import (
     band_hadamard,
     block_absmax,
     ceil_log2,
@@ -41,12 +41,12 @@ from ._utils import (
     shared_exponent,
     to_scaled_f16,
 )
-from .cal_batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
+from .batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
 
 #: The per-head table layout as compile-time constants (row b of TABLE_LEN entries).
 _TLEN = tl.constexpr(TABLE_LEN)
 _TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
-from .cal_rms import project_tile, settings as project_settings
+from .rms import project_tile, settings as project_settings
 
 
 # The codec settings (norm, metric, outliers, intermediates) and the sizes are runtime

@@ -9,8 +9,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from .. import reference
-from ._utils import next_pow2
+from ...reference import perblock as reference
+from .._common import f16_values, next_pow2, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the blocks of one batch.
 SHARED_PARAMS = ("d", "bit_width", "metric", "rotation_seed", "outlier_threshold")
@@ -97,7 +97,8 @@ class SkeletonBatch:
 
 def stack_skeletons(parts_list: Sequence[Mapping[str, Any]], device: Any = "cpu") -> SkeletonBatch:
     """Pads and stacks the skeletons of parts dicts (from :func:`kakeyaturbo.encode_block_codes`
-    or :func:`kakeyaturbo.reference.encode_block`) into a :class:`SkeletonBatch` on ``device``.
+    or :func:`kakeyaturbo.reference.perblock.encode_block`) into a :class:`SkeletonBatch` on
+    ``device``.
 
     Every dict must share ``d``, ``bit_width``, ``metric``, ``rotation_seed``,
     ``outlier_threshold`` and the centroid table. Raises ValueError otherwise."""
@@ -171,8 +172,6 @@ def block_parts(
     t_bits = codes["t_bits"][i, :n].cpu().numpy().view(np.uint16)
     n_bits = codes["norm_bits"][i, :n].cpu().numpy().view(np.uint16)
     t_exp, n_exp = int(codes["t_exp"][i]), int(codes["norm_exp"][i])
-    lo, hi = (int(v) for v in codes["outlier_ptr"][i : i + 2])
-    obits = codes["outlier_bits"][lo:hi].cpu().numpy().view(np.uint16)
     packed_len = (n * de * bw + 7) // 8
     out: Dict[str, Any] = {
         "n": n,
@@ -192,26 +191,20 @@ def block_parts(
         "basis": np.ascontiguousarray(skel.basis[i, :de].cpu().numpy()),
         "centers": np.ascontiguousarray(skel.centers[i, :k, :de].cpu().numpy()),
         "seg_id": codes["seg_id"][i, :n].cpu().numpy().astype(np.int32),
-        "t": _f16(t_bits) * np.float32(2.0**t_exp),
+        "t": f16_values(t_bits) * np.float32(2.0**t_exp),
         "t_exp": t_exp,
         "t_bits": t_bits,
-        "norm": _f16(n_bits) * np.float32(2.0**n_exp),
+        "norm": f16_values(n_bits) * np.float32(2.0**n_exp),
         "norm_exp": n_exp,
         "norm_bits": n_bits,
         "residual_packed": codes["residual_packed"][i, :packed_len].cpu().numpy().tobytes(),
         "residual_codes": np.ascontiguousarray(codes["residual_codes"][i, :n, :de].cpu().numpy()),
-        "outlier_pos": codes["outlier_pos"][lo:hi].cpu().numpy().astype(np.int64),
-        "outlier_bits": obits,
-        "outlier_val": _f16(obits),
+        **outlier_parts(codes, i),
     }
     if skeleton_parts is not None:
         out["mean_exp"] = int(skeleton_parts.get("mean_exp", 0))
         out["skeleton_dtype"] = skeleton_parts.get("skeleton_dtype", "fp32")
     return out
-
-
-def _f16(bits: np.ndarray) -> np.ndarray:
-    return bits.view(np.float16).astype(np.float32)
 
 
 def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) -> Dict[str, torch.Tensor]:
@@ -230,8 +223,7 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
     nb = np.zeros((b, n), np.uint16)
     codes = np.zeros((b, n, w), np.uint8)
     packed = np.zeros((b, (n * skel.max_d_eff * bw + 7) // 8), np.uint8)
-    texp, nexp, ptr = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b + 1, np.int64)
-    pos, bits = [], []
+    texp, nexp = np.zeros(b, np.int32), np.zeros(b, np.int32)
     for i, p in enumerate(parts_list):
         m, de = ns[i], int(p["d_eff"])
         if de != de_host[i] or int(p["bit_width"]) != bw:
@@ -243,9 +235,6 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
         raw = np.frombuffer(bytes(p["residual_packed"]), np.uint8)
         packed[i, : raw.size] = raw
         texp[i], nexp[i] = int(p["t_exp"]), int(p["norm_exp"])
-        pos.append(np.asarray(p["outlier_pos"], np.int64))
-        bits.append(np.asarray(p["outlier_bits"]).view(np.uint16))
-        ptr[i + 1] = ptr[i] + pos[-1].size
     dev = skel.device
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -259,7 +248,5 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
         "norm_exp": t(nexp),
         "residual_codes": t(codes),
         "residual_packed": t(packed),
-        "outlier_ptr": t(ptr),
-        "outlier_pos": t(np.concatenate(pos)),
-        "outlier_bits": t(np.concatenate(bits).view(np.int16)),
+        **stack_outliers(parts_list, dev),
     }

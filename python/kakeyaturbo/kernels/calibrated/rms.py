@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import empty, is_interpreter, next_pow2
-from .cal_batch import CalibrationBatch
+from .._common import empty, is_interpreter, next_pow2
+from .batch import CalibrationBatch
 
 
 @triton.jit
