@@ -4,10 +4,10 @@
 use crate::errors::{invalid_input, run, type_error};
 use crate::layer::{matrix, to_array2};
 use crate::params;
-use kakeyaturbo::block::{self, BlockCodes, Rotation, Skeleton};
 use kakeyaturbo::f16::ScaledF16;
-use kakeyaturbo::layer::check_input;
+use kakeyaturbo::limits::check_input;
 use kakeyaturbo::pack::{packed_len, unpack_bits};
+use kakeyaturbo::perblock::block::{self, BlockCodes, Rotation, Skeleton};
 use kakeyaturbo::quant::Quantizer;
 use kakeyaturbo::wht::padded_len;
 use kakeyaturbo::{CodecParams, SkeletonDtype};

@@ -6,7 +6,7 @@ use crate::layer::{error_sums, matrix, set_errors, to_array2};
 use crate::params;
 use kakeyaturbo::calibrated::{self, CalibratedCodec, CalibratedCodes, CalibratedParams};
 use kakeyaturbo::f16::ScaledF16;
-use kakeyaturbo::layer::with_threads;
+use kakeyaturbo::threads::with_threads;
 use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};

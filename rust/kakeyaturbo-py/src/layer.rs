@@ -2,8 +2,9 @@
 
 use crate::errors::{invalid_input, run};
 use crate::params;
-use kakeyaturbo::block::StageTimes;
-use kakeyaturbo::{container, layer, ByteBreakdown, EncodedLayer};
+use kakeyaturbo::perblock::block::StageTimes;
+use kakeyaturbo::perblock::{container, layer};
+use kakeyaturbo::{ByteBreakdown, EncodedLayer};
 use numpy::{
     PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
 };

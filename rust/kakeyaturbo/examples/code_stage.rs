@@ -1,4 +1,5 @@
 // Profiling aid: stages 2-5 encode and the decode of one 512 x 128 block, repeated.
+use kakeyaturbo::perblock::block;
 use kakeyaturbo::*;
 fn main() {
     let (n, d) = (512usize, 128usize);

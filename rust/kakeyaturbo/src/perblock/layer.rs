@@ -5,14 +5,15 @@
 //! counted. Blocks are independent, so they are coded in parallel; each block is computed
 //! sequentially, which makes the bytes independent of the thread count.
 
-use crate::block::{self, Basis, BlockCodes, Rotation, Skeleton, StageTimes};
-use crate::error::{input, param, Error, Result};
-use crate::params::CodecParams;
+use super::block::{self, Basis, BlockCodes, Rotation, Skeleton, StageTimes};
+use super::params::CodecParams;
+use crate::error::{Error, Result};
+use crate::limits::check_input;
 use crate::quant::Quantizer;
+use crate::threads::with_threads;
 use rayon::prelude::*;
-use std::sync::{Arc, Mutex, OnceLock};
 
-/// A layer in coded form, independent of its byte layout (see [`crate::container`]).
+/// A layer in coded form, independent of its byte layout (see [`super::container`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct EncodedLayer {
     pub params: CodecParams,
@@ -26,84 +27,6 @@ pub struct EncodedLayer {
 impl EncodedLayer {
     pub fn quantizer(&self) -> Result<Quantizer> {
         self.params.validate()
-    }
-}
-
-/// Largest row length accepted: an attention head is at most a few hundred wide, and exact
-/// PCA costs O(D^3) time and O(D^2) memory.
-pub const MAX_DIM: usize = 4096;
-
-/// Checks a row-major `[n, d]` float32 tensor and optional weights.
-pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Result<()> {
-    if n == 0 {
-        return input("the tensor has no rows (N = 0)");
-    }
-    if d == 0 {
-        return input("the tensor has no columns (D = 0)");
-    }
-    if x.len() != n * d {
-        return input(format!(
-            "expected {} values for [{n}, {d}], got {}",
-            n * d,
-            x.len()
-        ));
-    }
-    if d > MAX_DIM {
-        return input(format!(
-            "D = {d} exceeds the supported maximum {MAX_DIM} (PCA needs a D x D covariance)"
-        ));
-    }
-    if n > u32::MAX as usize {
-        return input("N must fit in 32 bits");
-    }
-    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
-        return input(format!(
-            "non-finite value {} at row {}, column {}",
-            x[i],
-            i / d,
-            i % d
-        ));
-    }
-    if let Some(w) = weights {
-        if w.len() != n {
-            return input(format!("expected {n} weights, got {}", w.len()));
-        }
-        if let Some(i) = w.iter().position(|v| !v.is_finite() || *v < 0.0) {
-            return input(format!(
-                "weights must be finite and >= 0; weight {i} is {}",
-                w[i]
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// Thread pools by size, built once each: building a pool costs more than coding a block.
-type Pools = Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>;
-
-fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Pools> = OnceLock::new();
-    let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
-    let mut g = pools.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, p)) = g.iter().find(|(t, _)| *t == threads) {
-        return Ok(p.clone());
-    }
-    let p = Arc::new(
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| Error::Numerical(format!("cannot start {threads} threads: {e}")))?,
-    );
-    g.push((threads, p.clone()));
-    Ok(p)
-}
-
-/// Runs `f` on a pool of `threads` threads (`None`: rayon's global pool).
-pub fn with_threads<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> Result<R> {
-    match threads {
-        None => Ok(f()),
-        Some(0) => param("threads must be >= 1"),
-        Some(t) => Ok(pool(t)?.install(f)),
     }
 }
 

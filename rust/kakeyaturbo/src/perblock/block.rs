@@ -1,10 +1,11 @@
 //! One block through stages 1-5 and back (the per-block mode).
 
+use super::params::{CodecParams, Metric, SkeletonDtype};
 use crate::error::{input, Result};
 use crate::f16::{round_f16, ScaledF16};
 use crate::kmeans;
+use crate::metric::least_squares_gain;
 use crate::pack::{index_bits, pack_into, packed_len, unpack_into};
-use crate::params::{CodecParams, Metric, SkeletonDtype};
 use crate::pca::{self, normalised_weights};
 use crate::quant::Quantizer;
 use crate::rng::{sign_pattern, SplitMix64, STREAM_SKETCH};
@@ -104,30 +105,6 @@ impl Rotation {
 /// `out = a * b^T` for row-major `a` (`n x d`), `b` (`m x d`), `out` (`n x m`).
 fn mul_abt(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
     kmeans::dots(a, b, d, out)
-}
-
-/// Dot product in f32 with 8 interleaved partial sums (lane `j mod 8`), added pairwise at the
-/// end: a fixed order that vectorises.
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-        acc[l] += x * y;
-    }
-    let s4 = [
-        acc[0] + acc[4],
-        acc[1] + acc[5],
-        acc[2] + acc[6],
-        acc[3] + acc[7],
-    ];
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
 /// Rounds a float to the skeleton precision.
@@ -302,7 +279,7 @@ fn residuals(r: &mut [f32], de: usize, t_hat: &[f32], seg: &[u32], centers: &[f3
             for (v, &cv) in row.iter_mut().zip(&centers[sg * de..(sg + 1) * de]) {
                 *v -= t_hat[i] * cv;
             }
-            dot(row, row).sqrt()
+            crate::metric::dot(row, row).sqrt()
         })
         .collect()
 }
@@ -349,12 +326,11 @@ fn code_rows(
                 }
             }
         }
-        let qq = dot(&qv, &qv);
-        if ip && qq > 0.0 {
-            gains.push(s_hat[i] * (dot(z, &qv) / qq));
+        gains.push(if ip {
+            least_squares_gain(s_hat[i], z, &qv)
         } else {
-            gains.push(s_hat[i]);
-        }
+            s_hat[i]
+        });
     }
 }
 
@@ -487,8 +463,8 @@ pub fn decode_block(
 
 #[cfg(test)]
 mod tests {
+    use super::super::layer::{decode_layer, encode_layer};
     use super::*;
-    use crate::layer::{decode_layer, encode_layer};
     use crate::pca::PcaMethod;
     use crate::rng::SplitMix64;
     use proptest::prelude::*;
@@ -717,9 +693,9 @@ mod tests {
             prop_assert!(y.iter().all(|v| v.is_finite()));
             // Bounded error: never worse than replacing every row by zero, by a wide margin.
             prop_assert!(rel_err(&x, &y) < 1.5, "{}", rel_err(&x, &y));
-            let (bytes, parts) = crate::container::to_bytes(&e);
+            let (bytes, parts) = super::super::container::to_bytes(&e);
             prop_assert_eq!(bytes.len(), parts.total());
-            let back = crate::container::from_bytes(&bytes).unwrap();
+            let back = super::super::container::from_bytes(&bytes).unwrap();
             prop_assert_eq!(&back, &e);
         }
     }

@@ -1,0 +1,364 @@
+//! Rows to codes and back against a calibration: projection (stage 2), sub-band rotation
+//! (stage 4), per-row scale, Lloyd-Max and outliers (stage 5), and the reverse.
+
+use super::calibration::CalibratedCodec;
+use crate::error::{input, Error, Result};
+use crate::f16::ScaledF16;
+use crate::limits::check_input;
+use crate::metric::{least_squares_gain, Metric};
+use crate::pack::{pack_fields, unpack_fields};
+use crate::wht;
+use faer::linalg::matmul::matmul;
+use faer::{Accum, MatMut, MatRef, Par};
+use half::f16;
+use rayon::prelude::*;
+
+/// Rows coded per task: fixed, so that the bytes never depend on the thread count.
+const CHUNK_ROWS: usize = 256;
+
+/// The per-row codes of a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CalibratedCodes {
+    pub n: usize,
+    /// One fp16 scale per row with a shared exponent; `None` without `norm`.
+    pub scale: Option<ScaledF16>,
+    /// `n` rows of `row_bytes` bytes, each the row's indices packed LSB-first.
+    pub codes: Vec<u8>,
+    /// Ascending flat positions `row * m + j` of the outliers.
+    pub outlier_pos: Vec<u32>,
+    /// fp16 bits of the outliers' scaled values `z`.
+    pub outlier_val: Vec<u16>,
+}
+
+/// Everything an encode computes on the way, for the kernels' parity tests and for fitting
+/// Lloyd-Max tables on the codec's own `z`.
+#[derive(Debug, Clone)]
+pub struct CalibratedParts {
+    pub codes: CalibratedCodes,
+    /// `n x m` unpacked indices.
+    pub indices: Vec<u8>,
+    /// `n x m` scaled, rotated coordinates before quantisation.
+    pub z: Vec<f32>,
+    /// The scale each row was divided by (stored `g`, or 1).
+    pub g: Vec<f32>,
+}
+
+impl CalibratedCodec {
+    /// Stage 2 for a chunk of rows: `u = (x - mu) A'^T`, `A' = A / sigma`.
+    fn project(&self, x: &[f32]) -> Vec<f32> {
+        let (d, m) = (self.d, self.m);
+        let n = x.len() / d;
+        let mut xc = x.to_vec();
+        for row in xc.chunks_exact_mut(d) {
+            for (v, mu) in row.iter_mut().zip(&self.mean) {
+                *v -= mu;
+            }
+        }
+        let mut u = vec![0f32; n * m];
+        matmul(
+            MatMut::from_row_major_slice_mut(&mut u, n, m),
+            Accum::Replace,
+            MatRef::from_row_major_slice(&xc, n, d),
+            MatRef::from_row_major_slice(&self.a_scaled, m, d).transpose(),
+            1.0,
+            Par::Seq,
+        );
+        u
+    }
+
+    /// A row's indices, component `j` at `bits[j]` bits, LSB-first (the shared packing).
+    fn pack_row(&self, idx: &[u8], out: &mut [u8]) {
+        pack_fields(
+            idx.iter()
+                .zip(&self.bits)
+                .map(|(&v, &b)| (v as u32, b as u32)),
+            out,
+        );
+    }
+
+    fn unpack_row(&self, row: &[u8], idx: &mut [u8]) {
+        let mut it = idx.iter_mut();
+        unpack_fields(row, self.bits.iter().map(|&b| b as u32), |v| {
+            if let Some(o) = it.next() {
+                *o = v as u8;
+            }
+        });
+    }
+
+    /// Encodes `n` rows (`x` row-major `[n, D]`), keeping the intermediate values.
+    pub fn encode_parts(&self, x: &[f32], n: usize) -> Result<CalibratedParts> {
+        check_input(x, n, self.d, None)?;
+        if (n as u64) * (self.m as u64) > u32::MAX as u64 {
+            return input("N x m must fit in 32 bits (outlier positions)");
+        }
+        let (d, m, rb) = (self.d, self.m, self.row_bytes());
+        // Pass 1: unit-variance components and the rms scale of every row.
+        let mut u = vec![0f32; n * m];
+        u.par_chunks_mut(CHUNK_ROWS * m)
+            .zip(x.par_chunks(CHUNK_ROWS * d))
+            .for_each(|(dst, src)| dst.copy_from_slice(&self.project(src)));
+        let scale = self.params.norm.then(|| {
+            let rms: Vec<f32> = u
+                .chunks_exact(m)
+                .map(|r| {
+                    let s: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                    (s / m as f64).sqrt() as f32
+                })
+                .collect();
+            ScaledF16::encode(&rms)
+        });
+        let g: Vec<f32> = match &scale {
+            Some(s) => s.decode(),
+            None => vec![1.0; n],
+        };
+        // Pass 2: rotate, scale, quantise, outliers, pack; rows in fixed chunks.
+        let ip = self.params.metric == Metric::InnerProduct;
+        let mut z = u;
+        let mut indices = vec![0u8; n * m];
+        let mut codes = vec![0u8; n * rb];
+        type ChunkOut = (Vec<u32>, Vec<u16>, Vec<f32>);
+        let per_chunk: Vec<ChunkOut> = z
+            .par_chunks_mut(CHUNK_ROWS * m)
+            .zip(indices.par_chunks_mut(CHUNK_ROWS * m))
+            .zip(codes.par_chunks_mut(CHUNK_ROWS * rb))
+            .enumerate()
+            .map(|(ci, ((zc, ic), cc))| {
+                let mut pos = Vec::new();
+                let mut val = Vec::new();
+                let mut gains = Vec::new();
+                let mut qv = vec![0f32; m];
+                for (r, (zr, ir)) in zc
+                    .chunks_exact_mut(m)
+                    .zip(ic.chunks_exact_mut(m))
+                    .enumerate()
+                {
+                    let row = ci * CHUNK_ROWS + r;
+                    let gi = g[row];
+                    for band in &self.bands {
+                        let (o, w) = (band.offset, band.width);
+                        wht::rotate(&mut zr[o..o + w], &self.signs[o..o + w]);
+                        let f = if gi > 0.0 { band.norm / gi } else { 0.0 };
+                        zr[o..o + w].iter_mut().for_each(|v| *v *= f);
+                        let q = self.q(band.bits);
+                        q.quantize_slice(&zr[o..o + w], &mut ir[o..o + w]);
+                        q.dequantize_slice(&ir[o..o + w], &mut qv[o..o + w]);
+                    }
+                    if let Some(th) = self.params.outlier_threshold {
+                        for (j, &zj) in zr.iter().enumerate() {
+                            if zj.abs() > th {
+                                let h = f16::from_f32(zj.clamp(-65504.0, 65504.0));
+                                pos.push((row * m + j) as u32);
+                                val.push(h.to_bits());
+                                qv[j] = h.to_f32();
+                            }
+                        }
+                    }
+                    if ip {
+                        gains.push(least_squares_gain(gi, zr, &qv));
+                    }
+                    self.pack_row(ir, &mut cc[r * rb..(r + 1) * rb]);
+                }
+                (pos, val, gains)
+            })
+            .collect();
+        let mut outlier_pos = Vec::new();
+        let mut outlier_val = Vec::new();
+        let mut gains = Vec::new();
+        for (p, v, g) in per_chunk {
+            outlier_pos.extend(p);
+            outlier_val.extend(v);
+            gains.extend(g);
+        }
+        let scale = if ip {
+            Some(ScaledF16::encode(&gains))
+        } else {
+            scale
+        };
+        Ok(CalibratedParts {
+            codes: CalibratedCodes {
+                n,
+                scale,
+                codes,
+                outlier_pos,
+                outlier_val,
+            },
+            indices,
+            z,
+            g,
+        })
+    }
+
+    pub fn encode(&self, x: &[f32], n: usize) -> Result<CalibratedCodes> {
+        Ok(self.encode_parts(x, n)?.codes)
+    }
+
+    /// Checks codes against this calibration (lengths, positions); never panics.
+    pub fn check_codes(&self, c: &CalibratedCodes) -> Result<()> {
+        let bad = |m: String| Err(Error::Corrupt(m));
+        if c.codes.len() != c.n * self.row_bytes() {
+            return bad(format!(
+                "{} code bytes for {} rows of {} bytes",
+                c.codes.len(),
+                c.n,
+                self.row_bytes()
+            ));
+        }
+        match (&c.scale, self.params.norm) {
+            (Some(s), true) if s.bits.len() == c.n => {}
+            (None, false) => {}
+            _ => return bad("per-row scales disagree with the calibration".into()),
+        }
+        if c.outlier_pos.len() != c.outlier_val.len() {
+            return bad("outlier positions and values differ in number".into());
+        }
+        if self.params.outlier_threshold.is_none() && !c.outlier_pos.is_empty() {
+            return bad("outliers in a container of a calibration without them".into());
+        }
+        let cells = (c.n * self.m) as u64;
+        if c.outlier_pos.windows(2).any(|w| w[0] >= w[1])
+            || c.outlier_pos.last().is_some_and(|&p| p as u64 >= cells)
+        {
+            return bad("outlier positions out of range or not ascending".into());
+        }
+        if c.outlier_val
+            .iter()
+            .any(|&h| !f16::from_bits(h).to_f32().is_finite())
+        {
+            return bad("an outlier value is not finite".into());
+        }
+        Ok(())
+    }
+
+    /// Decodes codes into `[n, D]` row-major.
+    pub fn decode(&self, c: &CalibratedCodes) -> Result<Vec<f32>> {
+        self.check_codes(c)?;
+        let (d, m, rb, n) = (self.d, self.m, self.row_bytes(), c.n);
+        let g: Vec<f32> = match &c.scale {
+            Some(s) => s.decode(),
+            None => vec![1.0; n],
+        };
+        let mut out = vec![0f32; n * d];
+        out.par_chunks_mut(CHUNK_ROWS * d)
+            .enumerate()
+            .for_each(|(ci, oc)| {
+                let rows = oc.len() / d;
+                let r0 = ci * CHUNK_ROWS;
+                let mut u = vec![0f32; rows * m];
+                let mut idx = vec![0u8; m];
+                // Outliers of this chunk: a contiguous run of the ascending positions.
+                let lo = c.outlier_pos.partition_point(|&p| (p as usize) < r0 * m);
+                let hi = c
+                    .outlier_pos
+                    .partition_point(|&p| (p as usize) < (r0 + rows) * m);
+                let mut o = lo;
+                for (r, ur) in u.chunks_exact_mut(m).enumerate() {
+                    let row = r0 + r;
+                    self.unpack_row(&c.codes[row * rb..(row + 1) * rb], &mut idx);
+                    for band in &self.bands {
+                        let (of, w) = (band.offset, band.width);
+                        self.q(band.bits)
+                            .dequantize_slice(&idx[of..of + w], &mut ur[of..of + w]);
+                    }
+                    while o < hi && (c.outlier_pos[o] as usize) < (row + 1) * m {
+                        ur[c.outlier_pos[o] as usize - row * m] =
+                            f16::from_bits(c.outlier_val[o]).to_f32();
+                        o += 1;
+                    }
+                    for band in &self.bands {
+                        let (of, w) = (band.offset, band.width);
+                        let f = g[row] * band.norm;
+                        let seg = &mut ur[of..of + w];
+                        seg.iter_mut().for_each(|v| *v *= f);
+                        wht::fwht(seg);
+                        for (v, s) in seg.iter_mut().zip(&self.signs[of..of + w]) {
+                            *v *= s;
+                        }
+                    }
+                }
+                for row in oc.chunks_exact_mut(d) {
+                    row.copy_from_slice(&self.mean);
+                }
+                matmul(
+                    MatMut::from_row_major_slice_mut(oc, rows, d),
+                    Accum::Add,
+                    MatRef::from_row_major_slice(&u, rows, m),
+                    MatRef::from_row_major_slice(&self.s_scaled, m, d),
+                    1.0,
+                    Par::Seq,
+                );
+            });
+        Ok(out)
+    }
+
+    /// Unpacks the indices of every row (`n x m`), for inspection and the kernels' tests.
+    pub fn unpack(&self, c: &CalibratedCodes) -> Result<Vec<u8>> {
+        self.check_codes(c)?;
+        let (m, rb) = (self.m, self.row_bytes());
+        let mut idx = vec![0u8; c.n * m];
+        for (row, out) in idx.chunks_exact_mut(m).enumerate() {
+            self.unpack_row(&c.codes[row * rb..(row + 1) * rb], out);
+        }
+        Ok(idx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::{codec, noise, rel, rows};
+    use super::*;
+    use crate::rng::SplitMix64;
+    use proptest::prelude::*;
+
+    #[test]
+    fn error_falls_with_bits_as_lloyd_max_predicts() {
+        // Every component at b bits: the relative error (against the centred energy) is about
+        // the N(0,1) Lloyd-Max distortion of b bits.
+        let lm = [0.3634, 0.1175, 0.03455, 0.0095, 0.0025, 0.00064];
+        for (b, want) in (1..=6).zip(lm) {
+            let c = codec(32, vec![b; 32], true, Metric::Mse, None);
+            let x = rows(&c, 2048, 3);
+            let y = c.decode(&c.encode(&x, 2048).unwrap()).unwrap();
+            let e = rel(&x, &y, &c.mean);
+            assert!((e / want - 1.0).abs() < 0.25, "b = {b}: {e} vs {want}");
+        }
+    }
+
+    #[test]
+    fn deterministic_across_thread_counts() {
+        let c = codec(16, vec![3; 12], true, Metric::Mse, Some(3.0));
+        let x = rows(&c, 1000, 9);
+        let a = crate::threads::with_threads(Some(1), || c.encode(&x, 1000))
+            .unwrap()
+            .unwrap();
+        let b = crate::threads::with_threads(Some(2), || c.encode(&x, 1000))
+            .unwrap()
+            .unwrap();
+        assert_eq!(a, b);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn every_configuration_round_trips(
+            seed in any::<u64>(), n in 1usize..300, d in 1usize..40, m_frac in 0.05f64..1.0,
+            bmax in 1u8..=8, norm in any::<bool>(), ip in any::<bool>(), outl in any::<bool>(),
+        ) {
+            let m = ((d as f64 * m_frac).ceil() as usize).clamp(1, d);
+            let bits: Vec<u8> = (0..m).map(|j| (bmax as usize).saturating_sub(j / 3).max(1) as u8).collect();
+            let metric = if ip && norm { Metric::InnerProduct } else { Metric::Mse };
+            let c = codec(d, bits, norm, metric, outl.then_some(2.0));
+            let mut g = SplitMix64::new(seed);
+            let x: Vec<f32> = (0..n * d).map(|_| noise(&mut g) * 3.0).collect();
+            let codes = c.encode(&x, n).unwrap();
+            let (bytes, parts) = c.to_bytes(&codes);
+            prop_assert_eq!(bytes.len(), parts.total());
+            let back = c.from_bytes(&bytes).unwrap();
+            prop_assert_eq!(&back, &codes);
+            let y = c.decode(&back).unwrap();
+            prop_assert_eq!(y.len(), n * d);
+            prop_assert!(y.iter().all(|v| v.is_finite()));
+            let parts = c.encode_parts(&x, n).unwrap();
+            prop_assert_eq!(c.unpack(&codes).unwrap(), parts.indices);
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! The documented limits of the codec and the checks of caller input both modes share.
+//!
+//! Everything a caller can ask for is bounded: a row length, a row count, a sign pattern; sizes
+//! computed from caller values use checked arithmetic; outputs sized by caller or container
+//! values are allocated fallibly, so a request the machine cannot hold is an error, not an
+//! abort.
+
+use crate::error::{input, Error, Result};
+
+/// Largest row length `D` (and number of calibrated components `m`): an attention head is at
+/// most a few hundred wide, and exact PCA costs O(D^3) time and O(D^2) memory.
+pub const MAX_DIM: usize = 4096;
+
+/// Largest number of rows in one call: row indices and outlier positions are 32-bit.
+pub const MAX_ROWS: usize = u32::MAX as usize;
+
+/// Longest sign pattern a caller may request (`wht_sign_pattern`): 2^26 entries, 256 MiB of
+/// float32, far beyond any rotation the codec uses (at most `MAX_DIM` wide).
+pub const MAX_SIGN_PATTERN: usize = 1 << 26;
+
+/// `a * b` for sizes given by a caller; an overflow is invalid input.
+pub fn size(a: usize, b: usize, what: &str) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| Error::InvalidInput(format!("size of {what} overflows ({a} x {b})")))
+}
+
+/// A zeroed vector of `len` elements, or an error if the memory cannot be had.
+pub fn zeros<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::InvalidInput(format!(
+            "cannot allocate {what} ({len} values of {} bytes)",
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}
+
+/// Checks a row-major `[n, d]` float32 tensor and optional weights.
+pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Result<()> {
+    if n == 0 {
+        return input("the tensor has no rows (N = 0)");
+    }
+    if d == 0 {
+        return input("the tensor has no columns (D = 0)");
+    }
+    if n.checked_mul(d) != Some(x.len()) {
+        return input(format!(
+            "expected {n} x {d} values for [{n}, {d}], got {}",
+            x.len()
+        ));
+    }
+    if d > MAX_DIM {
+        return input(format!(
+            "D = {d} exceeds the supported maximum {MAX_DIM} (PCA needs a D x D covariance)"
+        ));
+    }
+    if n > MAX_ROWS {
+        return input("N must fit in 32 bits");
+    }
+    if let Some(i) = x.iter().position(|v| !v.is_finite()) {
+        return input(format!(
+            "non-finite value {} at row {}, column {}",
+            x[i],
+            i / d,
+            i % d
+        ));
+    }
+    if let Some(w) = weights {
+        if w.len() != n {
+            return input(format!("expected {n} weights, got {}", w.len()));
+        }
+        if let Some(i) = w.iter().position(|v| !v.is_finite() || *v < 0.0) {
+            return input(format!(
+                "weights must be finite and >= 0; weight {i} is {}",
+                w[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_allocations_fail_softly() {
+        assert!(size(usize::MAX, 2, "x").is_err());
+        assert_eq!(size(3, 4, "x").unwrap(), 12);
+        assert!(zeros::<f32>(usize::MAX / 2, "x").is_err());
+        assert_eq!(zeros::<u8>(3, "x").unwrap(), vec![0; 3]);
+    }
+
+    #[test]
+    fn bad_tensors_are_refused() {
+        assert!(check_input(&[], 0, 4, None).is_err());
+        assert!(check_input(&[], 4, 0, None).is_err());
+        assert!(check_input(&[1.0], usize::MAX, 2, None).is_err());
+        assert!(check_input(&[1.0, f32::NAN], 1, 2, None).is_err());
+        assert!(check_input(&[1.0, 2.0], 1, 2, Some(&[-1.0])).is_err());
+        assert!(check_input(&[1.0, 2.0], 1, 2, Some(&[1.0, 1.0])).is_err());
+        assert!(check_input(&[1.0, 2.0], 1, 2, Some(&[1.0])).is_ok());
+    }
+}
