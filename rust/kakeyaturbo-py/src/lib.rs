@@ -3,6 +3,7 @@
 
 mod block;
 mod calibrated;
+mod convert;
 mod errors;
 mod layer;
 mod params;

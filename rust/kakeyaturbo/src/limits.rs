@@ -37,6 +37,13 @@ pub fn zeros<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// `v` rounded to float32, saturating at `+-f32::MAX` (NaN stays NaN): how the decoders'
+/// f64 fallback returns reconstructions that overshoot the float32 range.
+#[inline]
+pub fn saturate(v: f64) -> f32 {
+    v.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
+}
+
 /// Checks a row-major `[n, d]` float32 tensor and optional weights.
 pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Result<()> {
     if n == 0 {
@@ -91,6 +98,10 @@ mod tests {
         assert_eq!(size(3, 4, "x").unwrap(), 12);
         assert!(zeros::<f32>(usize::MAX / 2, "x").is_err());
         assert_eq!(zeros::<u8>(3, "x").unwrap(), vec![0; 3]);
+        assert_eq!(saturate(1e39), f32::MAX);
+        assert_eq!(saturate(-1e300), -f32::MAX);
+        assert_eq!(saturate(1.5), 1.5);
+        assert!(saturate(f64::NAN).is_nan());
     }
 
     #[test]

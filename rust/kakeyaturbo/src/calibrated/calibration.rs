@@ -54,9 +54,12 @@ pub struct CalibratedCodec {
     pub(super) model_bytes: usize,
 }
 
-fn check_matrix(name: &str, v: &[f32], len: usize) -> Result<()> {
+fn check_matrix(name: &str, v: &[f32], len: usize, what: &str) -> Result<()> {
     if v.len() != len {
-        return param(format!("{name} must hold {len} values, got {}", v.len()));
+        return param(format!(
+            "{name} must hold {len} values ({what}), got {}",
+            v.len()
+        ));
     }
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return param(format!("{name} holds a non-finite value at index {i}"));
@@ -97,10 +100,18 @@ impl CalibratedCodec {
                 MAX_DIM
             ));
         }
-        check_matrix("mean", &mean, d)?;
-        check_matrix("analysis", &analysis, m * d)?;
-        check_matrix("synthesis", &synthesis, m * d)?;
-        check_matrix("spread", &spread, m)?;
+        check_matrix("mean", &mean, d, "one per column, D")?;
+        for (name, v) in [("analysis", &analysis), ("synthesis", &synthesis)] {
+            if v.len() % d == 0 && v.len() / d != m {
+                return param(format!(
+                    "{name} has {} rows but bits has {m} entries: one bit width per coded \
+                     component (row of {name})",
+                    v.len() / d
+                ));
+            }
+            check_matrix(name, v, m * d, "m x D")?;
+        }
+        check_matrix("spread", &spread, m, "one per entry of bits")?;
         if let Some(j) = spread.iter().position(|&s| s <= 0.0) {
             return param(format!(
                 "spread must be > 0; component {j} has {}",
@@ -157,16 +168,27 @@ impl CalibratedCodec {
             start = end;
         }
         let row_bits = bits.iter().map(|&b| b as usize).sum();
-        let a_scaled = analysis
+        let a_scaled: Vec<f32> = analysis
             .chunks_exact(d)
             .zip(&spread)
             .flat_map(|(row, &s)| row.iter().map(move |&v| v / s))
             .collect();
-        let s_scaled = synthesis
+        let s_scaled: Vec<f32> = synthesis
             .chunks_exact(d)
             .zip(&spread)
             .flat_map(|(row, &s)| row.iter().map(move |&v| v * s))
             .collect();
+        // The scaled matrices every row uses must be float32 numbers: a spread so small (or
+        // large) that they overflow is refused here, not met as a container that cannot decode.
+        for (name, op, v) in [("analysis", "/", &a_scaled), ("synthesis", "*", &s_scaled)] {
+            if let Some(i) = v.iter().position(|x: &f32| !x.is_finite()) {
+                let j = i / d;
+                return param(format!(
+                    "{name} row {j} {op} spread[{j}] = {:e} overflows float32",
+                    spread[j]
+                ));
+            }
+        }
         let mut c = Self {
             d,
             m,

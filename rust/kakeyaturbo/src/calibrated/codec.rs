@@ -3,8 +3,8 @@
 
 use super::calibration::CalibratedCodec;
 use crate::error::{input, Error, Result};
-use crate::f16::ScaledF16;
-use crate::limits::check_input;
+use crate::f16::{ScaledF16, MAX_SCALED};
+use crate::limits::{check_input, saturate, size, zeros};
 use crate::metric::{least_squares_gain, Metric};
 use crate::pack::{pack_fields, unpack_fields};
 use crate::wht;
@@ -85,7 +85,46 @@ impl CalibratedCodec {
         });
     }
 
+    /// Stage 2 for one row in f64: `u = A' (x - mu)` for a row whose float32 projection
+    /// overflows (`|x - mean| / spread` beyond the float32 range).
+    fn project_wide(&self, x: &[f32]) -> Vec<f64> {
+        self.a_scaled
+            .chunks_exact(self.d)
+            .map(|a| {
+                x.iter()
+                    .zip(&self.mean)
+                    .zip(a)
+                    .map(|((&v, &mu), &w)| (v as f64 - mu as f64) * w as f64)
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// Stage 4 for a wide row: rotate `u` per sub-band in f64, divide by `g` (0 when `g = 0`)
+    /// and round `z` to f32, saturating.
+    fn rotate_wide(&self, mut u: Vec<f64>, g: f64, z: &mut [f32]) {
+        for band in &self.bands {
+            let (o, w) = (band.offset, band.width);
+            let seg = &mut u[o..o + w];
+            seg.iter_mut()
+                .zip(&self.signs[o..o + w])
+                .for_each(|(v, &s)| *v *= s as f64);
+            wht::fwht(seg);
+            let f = if g > 0.0 { band.norm as f64 / g } else { 0.0 };
+            for (zj, &v) in z[o..o + w].iter_mut().zip(seg.iter()) {
+                *zj = saturate(v * f);
+            }
+        }
+    }
+
     /// Encodes `n` rows (`x` row-major `[n, D]`), keeping the intermediate values.
+    ///
+    /// Float32 arithmetic as `FORMAT.md` gives it. A row it cannot hold ("wide": its
+    /// coefficients or `z` overflow, or its scale lies beyond the float32 range or is so small
+    /// that `1 / g` overflows) is coded from f64 arithmetic instead, and the scales then come
+    /// from [`ScaledF16::encode_f64`]; ordinary rows never take that path, so their bytes are
+    /// those of the float32 rule. A row whose scale exceeds what the format stores (about
+    /// 5.6e42) is refused with [`crate::Error::InvalidInput`].
     pub fn encode_parts(&self, x: &[f32], n: usize) -> Result<CalibratedParts> {
         check_input(x, n, self.d, None)?;
         if (n as u64) * (self.m as u64) > u32::MAX as u64 {
@@ -97,16 +136,26 @@ impl CalibratedCodec {
         u.par_chunks_mut(CHUNK_ROWS * m)
             .zip(x.par_chunks(CHUNK_ROWS * d))
             .for_each(|(dst, src)| dst.copy_from_slice(&self.project(src)));
-        let scale = self.params.norm.then(|| {
-            let rms: Vec<f32> = u
+        let scale = if self.params.norm {
+            let mut wide = false;
+            let rms: Vec<f64> = u
                 .chunks_exact(m)
-                .map(|r| {
-                    let s: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
-                    (s / m as f64).sqrt() as f32
+                .zip(x.chunks_exact(d))
+                .map(|(r, xr)| {
+                    if r.iter().all(|v| v.is_finite()) {
+                        let s: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                        (s / m as f64).sqrt() as f32 as f64
+                    } else {
+                        wide = true;
+                        let w = self.project_wide(xr);
+                        (w.iter().map(|v| v * v).sum::<f64>() / m as f64).sqrt()
+                    }
                 })
                 .collect();
-            ScaledF16::encode(&rms)
-        });
+            Some(scales(&rms, wide)?)
+        } else {
+            None
+        };
         let g: Vec<f32> = match &scale {
             Some(s) => s.decode(),
             None => vec![1.0; n],
@@ -116,20 +165,23 @@ impl CalibratedCodec {
         let mut z = u;
         let mut indices = vec![0u8; n * m];
         let mut codes = vec![0u8; n * rb];
-        type ChunkOut = (Vec<u32>, Vec<u16>, Vec<f32>);
+        type ChunkOut = (Vec<u32>, Vec<u16>, Vec<f64>, bool);
         let per_chunk: Vec<ChunkOut> = z
             .par_chunks_mut(CHUNK_ROWS * m)
             .zip(indices.par_chunks_mut(CHUNK_ROWS * m))
             .zip(codes.par_chunks_mut(CHUNK_ROWS * rb))
+            .zip(x.par_chunks(CHUNK_ROWS * d))
             .enumerate()
-            .map(|(ci, ((zc, ic), cc))| {
+            .map(|(ci, (((zc, ic), cc), xc))| {
                 let mut pos = Vec::new();
                 let mut val = Vec::new();
                 let mut gains = Vec::new();
+                let mut any_wide = false;
                 let mut qv = vec![0f32; m];
-                for (r, (zr, ir)) in zc
+                for (r, ((zr, ir), xr)) in zc
                     .chunks_exact_mut(m)
                     .zip(ic.chunks_exact_mut(m))
+                    .zip(xc.chunks_exact(d))
                     .enumerate()
                 {
                     let row = ci * CHUNK_ROWS + r;
@@ -139,6 +191,18 @@ impl CalibratedCodec {
                         wht::rotate(&mut zr[o..o + w], &self.signs[o..o + w]);
                         let f = if gi > 0.0 { band.norm / gi } else { 0.0 };
                         zr[o..o + w].iter_mut().for_each(|v| *v *= f);
+                    }
+                    let wide = !gi.is_finite() || !zr.iter().all(|v| v.is_finite());
+                    let g64 = match &scale {
+                        Some(s) if wide => s.value_f64(row),
+                        _ => gi as f64,
+                    };
+                    if wide {
+                        any_wide = true;
+                        self.rotate_wide(self.project_wide(xr), g64, zr);
+                    }
+                    for band in &self.bands {
+                        let (o, w) = (band.offset, band.width);
                         let q = self.q(band.bits);
                         q.quantize_slice(&zr[o..o + w], &mut ir[o..o + w]);
                         q.dequantize_slice(&ir[o..o + w], &mut qv[o..o + w]);
@@ -154,23 +218,35 @@ impl CalibratedCodec {
                         }
                     }
                     if ip {
-                        gains.push(least_squares_gain(gi, zr, &qv));
+                        let gain = least_squares_gain(gi, zr, &qv);
+                        if wide || !gain.is_finite() {
+                            any_wide = true;
+                            gains.push(gain_wide(g64, zr, &qv));
+                        } else {
+                            gains.push(gain as f64);
+                        }
                     }
                     self.pack_row(ir, &mut cc[r * rb..(r + 1) * rb]);
                 }
-                (pos, val, gains)
+                (pos, val, gains, any_wide)
             })
             .collect();
         let mut outlier_pos = Vec::new();
         let mut outlier_val = Vec::new();
         let mut gains = Vec::new();
-        for (p, v, g) in per_chunk {
+        let mut any_wide = false;
+        for (p, v, g, w) in per_chunk {
             outlier_pos.extend(p);
             outlier_val.extend(v);
             gains.extend(g);
+            any_wide |= w;
         }
+        let g = match &scale {
+            Some(s) if any_wide => s.decode_f64().into_iter().map(saturate).collect(),
+            _ => g,
+        };
         let scale = if ip {
-            Some(ScaledF16::encode(&gains))
+            Some(scales(&gains, any_wide)?)
         } else {
             scale
         };
@@ -192,10 +268,11 @@ impl CalibratedCodec {
         Ok(self.encode_parts(x, n)?.codes)
     }
 
-    /// Checks codes against this calibration (lengths, positions); never panics.
+    /// Checks codes against this calibration (lengths, positions, stored values); never
+    /// panics, and after it decoding cannot index out of bounds.
     pub fn check_codes(&self, c: &CalibratedCodes) -> Result<()> {
         let bad = |m: String| Err(Error::Corrupt(m));
-        if c.codes.len() != c.n * self.row_bytes() {
+        if c.n.checked_mul(self.row_bytes()) != Some(c.codes.len()) {
             return bad(format!(
                 "{} code bytes for {} rows of {} bytes",
                 c.codes.len(),
@@ -204,7 +281,7 @@ impl CalibratedCodec {
             ));
         }
         match (&c.scale, self.params.norm) {
-            (Some(s), true) if s.bits.len() == c.n => {}
+            (Some(s), true) if s.bits.len() == c.n => s.check("scale")?,
             (None, false) => {}
             _ => return bad("per-row scales disagree with the calibration".into()),
         }
@@ -214,9 +291,10 @@ impl CalibratedCodec {
         if self.params.outlier_threshold.is_none() && !c.outlier_pos.is_empty() {
             return bad("outliers in a container of a calibration without them".into());
         }
-        let cells = (c.n * self.m) as u64;
+        // n * row_bytes fits (above) and m <= 8 * row_bytes, so n * m fits in u128.
+        let cells = c.n as u128 * self.m as u128;
         if c.outlier_pos.windows(2).any(|w| w[0] >= w[1])
-            || c.outlier_pos.last().is_some_and(|&p| p as u64 >= cells)
+            || c.outlier_pos.last().is_some_and(|&p| p as u128 >= cells)
         {
             return bad("outlier positions out of range or not ascending".into());
         }
@@ -229,7 +307,9 @@ impl CalibratedCodec {
         Ok(())
     }
 
-    /// Decodes codes into `[n, D]` row-major.
+    /// Decodes codes into `[n, D]` row-major, in float32; a row whose result is not finite
+    /// (a scale beyond the float32 range, or a reconstruction past `f32::MAX`) is decoded again
+    /// in f64, each value saturating at `+-f32::MAX`. Every value returned is finite.
     pub fn decode(&self, c: &CalibratedCodes) -> Result<Vec<f32>> {
         self.check_codes(c)?;
         let (d, m, rb, n) = (self.d, self.m, self.row_bytes(), c.n);
@@ -237,7 +317,7 @@ impl CalibratedCodec {
             Some(s) => s.decode(),
             None => vec![1.0; n],
         };
-        let mut out = vec![0f32; n * d];
+        let mut out: Vec<f32> = zeros(size(n, d, "the decoded rows")?, "the decoded rows")?;
         out.par_chunks_mut(CHUNK_ROWS * d)
             .enumerate()
             .for_each(|(ci, oc)| {
@@ -286,8 +366,56 @@ impl CalibratedCodec {
                     1.0,
                     Par::Seq,
                 );
+                for (r, orow) in oc.chunks_exact_mut(d).enumerate() {
+                    if !orow.iter().all(|v| v.is_finite()) {
+                        self.decode_row_wide(c, r0 + r, orow);
+                    }
+                }
             });
-        Ok(out)
+        if out.iter().all(|v| v.is_finite()) {
+            Ok(out)
+        } else {
+            Err(Error::Corrupt(
+                "rows decode to values that are not finite".into(),
+            ))
+        }
+    }
+
+    /// One row of [`Self::decode`] in f64: every stored value is finite and at most
+    /// `32768 * 2^127`, so nothing overflows; the result saturates to the float32 range.
+    fn decode_row_wide(&self, c: &CalibratedCodes, row: usize, out: &mut [f32]) {
+        let (m, rb) = (self.m, self.row_bytes());
+        let mut idx = vec![0u8; m];
+        self.unpack_row(&c.codes[row * rb..(row + 1) * rb], &mut idx);
+        let mut u = vec![0f64; m];
+        for band in &self.bands {
+            let q = self.q(band.bits);
+            for j in band.offset..band.offset + band.width {
+                u[j] = q.dequantize(idx[j] & (q.centroids().len() - 1) as u8) as f64;
+            }
+        }
+        let lo = c.outlier_pos.partition_point(|&p| (p as usize) < row * m);
+        for (&p, &h) in c.outlier_pos[lo..].iter().zip(&c.outlier_val[lo..]) {
+            if p as usize >= (row + 1) * m {
+                break;
+            }
+            u[p as usize - row * m] = f16::from_bits(h).to_f64();
+        }
+        let g = c.scale.as_ref().map_or(1.0, |s| s.value_f64(row));
+        for band in &self.bands {
+            let (of, w) = (band.offset, band.width);
+            let seg = &mut u[of..of + w];
+            seg.iter_mut().for_each(|v| *v *= g * band.norm as f64);
+            wht::fwht(seg);
+            for (v, &s) in seg.iter_mut().zip(&self.signs[of..of + w]) {
+                *v *= s as f64;
+            }
+        }
+        let mut x: Vec<f64> = self.mean.iter().map(|&v| v as f64).collect();
+        for (&uj, sj) in u.iter().zip(self.s_scaled.chunks_exact(self.d)) {
+            x.iter_mut().zip(sj).for_each(|(a, &s)| *a += uj * s as f64);
+        }
+        out.iter_mut().zip(&x).for_each(|(o, &v)| *o = saturate(v));
     }
 
     /// Unpacks the indices of every row (`n x m`), for inspection and the kernels' tests.
@@ -299,6 +427,34 @@ impl CalibratedCodec {
             self.unpack_row(&c.codes[row * rb..(row + 1) * rb], out);
         }
         Ok(idx)
+    }
+}
+
+/// The stored per-row scales: the float32 rule when every row took it, else from f64 values
+/// (a refusal when one exceeds what the format stores).
+fn scales(v: &[f64], wide: bool) -> Result<ScaledF16> {
+    if !wide {
+        return Ok(ScaledF16::encode(
+            &v.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+        ));
+    }
+    ScaledF16::encode_f64(v).map_err(|_| {
+        let max = v.iter().fold(0f64, |a, b| a.max(b.abs()));
+        Error::InvalidInput(format!(
+            "a row's scale of {max:e} (its coefficients (x - mean) . analysis / spread) is \
+             beyond what the format stores ({MAX_SCALED:e})"
+        ))
+    })
+}
+
+/// The `inner_product` gain of a wide row in f64.
+fn gain_wide(g: f64, z: &[f32], q: &[f32]) -> f64 {
+    let qq: f64 = q.iter().map(|&v| v as f64 * v as f64).sum();
+    if qq > 0.0 {
+        let zq: f64 = z.iter().zip(q).map(|(&a, &b)| a as f64 * b as f64).sum();
+        g * (zq / qq)
+    } else {
+        g
     }
 }
 

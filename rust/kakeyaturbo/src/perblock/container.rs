@@ -12,6 +12,7 @@ use crate::limits::MAX_DIM;
 use crate::pack::checked_packed_len;
 use crate::pca::PcaMethod;
 use crate::quant::Quantizer;
+use std::sync::Arc;
 
 pub const MAGIC: [u8; 4] = *b"KKYT";
 pub const VERSION: u16 = 1;
@@ -227,8 +228,8 @@ fn get_basis(r: &mut Reader<'_>, dtype: SkeletonDtype, d: usize) -> Result<Basis
         d,
         d_eff,
         mean_exp,
-        mean,
-        basis,
+        mean: Arc::new(mean),
+        basis: Arc::new(basis),
     })
 }
 
@@ -237,7 +238,9 @@ fn get_scaled(r: &mut Reader<'_>, exp: i8, n: usize, what: &str) -> Result<Scale
         exp,
         bits: r.u16s(n, what)?,
     };
-    finite(&s.decode(), what)?;
+    // Finite mantissas; the values themselves may exceed the float32 range (rows near
+    // f32::MAX), which the decoder handles in f64.
+    s.check(what)?;
     Ok(s)
 }
 

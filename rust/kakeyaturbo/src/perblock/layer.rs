@@ -6,12 +6,14 @@
 //! sequentially, which makes the bytes independent of the thread count.
 
 use super::block::{self, Basis, BlockCodes, Rotation, Skeleton, StageTimes};
-use super::params::CodecParams;
-use crate::error::{Error, Result};
-use crate::limits::check_input;
+use super::params::{CodecParams, SkeletonDtype};
+use crate::error::{param, Result};
+use crate::f16::{pow2, to_bits_scaled, ScaledF16};
+use crate::limits::{check_input, saturate, size, zeros};
 use crate::quant::Quantizer;
 use crate::threads::with_threads;
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// A layer in coded form, independent of its byte layout (see [`super::container`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -36,7 +38,94 @@ fn block_ranges(n: usize, bs: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Encodes a row-major `[n, d]` tensor.
+/// Inputs whose largest magnitude exceeds `2^PRESCALE_ABOVE` are coded divided by a power of
+/// two: the float32 arithmetic of the encoder (squared norms of residuals up to
+/// `2^8 * max|x|`) stays far from overflow below it. Ordinary inputs are never pre-scaled, so
+/// their bytes do not depend on this rule.
+pub const PRESCALE_ABOVE: i32 = 50;
+
+/// The `s` by which `x` is divided (`x * 2^-s`) before coding: 0 up to `2^PRESCALE_ABOVE`,
+/// else the smallest `s` that brings the largest magnitude down to it.
+pub fn prescale_exponent(x: &[f32]) -> i32 {
+    let m = x.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    let limit = 2f64.powi(PRESCALE_ABOVE);
+    let mut s = 0;
+    while m * 2f64.powi(-s) > limit {
+        s += 1;
+    }
+    s
+}
+
+/// Multiplies the stored mean by `2^s`: exactly (a new shared exponent) when it stays in
+/// range; an fp16 mean that would round past `f32::MAX` is stepped back to stay finite.
+fn scale_mean(dtype: SkeletonDtype, exp: &mut i8, mean: &mut Arc<Vec<f32>>, s: i32) -> Result<()> {
+    match dtype {
+        SkeletonDtype::F16 => {
+            let bits = mean.iter().map(|&v| to_bits_scaled(v, *exp)).collect();
+            let mut v = ScaledF16 { exp: *exp, bits }.scaled_by_pow2(s)?;
+            v.clamp_to_f32();
+            *exp = v.exp;
+            *mean = Arc::new(v.decode());
+        }
+        SkeletonDtype::F32 => {
+            let f = 2f64.powi(s);
+            *mean = Arc::new(mean.iter().map(|&v| saturate(v as f64 * f)).collect());
+        }
+    }
+    Ok(())
+}
+
+/// Undoes a pre-scale of `2^-s` on coded rows: the mean, `t` and the scales are linear in the
+/// rows (basis, centres and residual codes are scale-free), so multiplying them by `2^s`
+/// gives the codes of the unscaled rows.
+fn scale_codes(c: &mut BlockCodes, s: i32) -> Result<()> {
+    c.t = c.t.scaled_by_pow2(s)?;
+    c.scale = c.scale.scaled_by_pow2(s)?;
+    Ok(())
+}
+
+impl EncodedLayer {
+    fn scale_by_pow2(&mut self, s: i32) -> Result<()> {
+        let dt = self.params.skeleton_dtype;
+        if let Some(b) = &mut self.shared {
+            scale_mean(dt, &mut b.mean_exp, &mut b.mean, s)?;
+        }
+        for (sk, c) in &mut self.blocks {
+            match &self.shared {
+                Some(b) => {
+                    sk.mean_exp = b.mean_exp;
+                    sk.mean = b.mean.clone();
+                }
+                None => scale_mean(dt, &mut sk.mean_exp, &mut sk.mean, s)?,
+            }
+            scale_codes(c, s)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks what [`encode_layer`] and [`encode_single_block`] share; returns the quantiser.
+fn check_encode(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    weights: Option<&[f32]>,
+    p: &CodecParams,
+) -> Result<Quantizer> {
+    check_input(x, n, d, weights)?;
+    let q = p.validate()?;
+    if p.outlier_threshold.is_some() && (p.block_size.min(n) as u64) * (d as u64) > 1 << 32 {
+        return param(format!(
+            "with outliers, block_size x D must be at most 2^32 (positions are 32-bit), got \
+             {} x {d}",
+            p.block_size.min(n)
+        ));
+    }
+    Ok(q)
+}
+
+/// Encodes a row-major `[n, d]` tensor. Every finite input is accepted: rows beyond
+/// `2^PRESCALE_ABOVE` in magnitude are coded pre-scaled (see [`prescale_exponent`]).
 pub fn encode_layer(
     x: &[f32],
     n: usize,
@@ -45,8 +134,50 @@ pub fn encode_layer(
     p: &CodecParams,
     threads: Option<usize>,
 ) -> Result<(EncodedLayer, StageTimes)> {
-    check_input(x, n, d, weights)?;
-    let q = p.validate()?;
+    let q = check_encode(x, n, d, weights, p)?;
+    let s = prescale_exponent(x);
+    if s == 0 {
+        return encode_rows(x, n, d, weights, p, &q, threads);
+    }
+    let f = pow2(-s);
+    let scaled: Vec<f32> = x.iter().map(|&v| v * f).collect();
+    let (mut e, times) = encode_rows(&scaled, n, d, weights, p, &q, threads)?;
+    e.scale_by_pow2(s)?;
+    Ok((e, times))
+}
+
+/// All rows of `x` as ONE block (the parts `encode_block_codes` returns), checked and
+/// pre-scaled like [`encode_layer`].
+pub fn encode_single_block(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    weights: Option<&[f32]>,
+    p: &CodecParams,
+) -> Result<(Skeleton, BlockCodes, Quantizer)> {
+    let q = check_encode(x, n, d, weights, p)?;
+    let s = prescale_exponent(x);
+    if s == 0 {
+        let (sk, c, _) = block::encode_block(x, d, weights, p, &q, 0, None)?;
+        return Ok((sk, c, q));
+    }
+    let f = pow2(-s);
+    let scaled: Vec<f32> = x.iter().map(|&v| v * f).collect();
+    let (mut sk, mut c, _) = block::encode_block(&scaled, d, weights, p, &q, 0, None)?;
+    scale_mean(p.skeleton_dtype, &mut sk.mean_exp, &mut sk.mean, s)?;
+    scale_codes(&mut c, s)?;
+    Ok((sk, c, q))
+}
+
+fn encode_rows(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    weights: Option<&[f32]>,
+    p: &CodecParams,
+    q: &Quantizer,
+    threads: Option<usize>,
+) -> Result<(EncodedLayer, StageTimes)> {
     with_threads(threads, || {
         let mut times = StageTimes::default();
         let shared = if p.share_basis {
@@ -67,7 +198,7 @@ pub fn encode_layer(
                     d,
                     weights.map(|w| &w[lo..hi]),
                     p,
-                    &q,
+                    q,
                     b as u64,
                     shared.as_ref(),
                 )
@@ -91,25 +222,24 @@ pub fn encode_layer(
     })?
 }
 
-/// Decodes a layer into a row-major `[n, d]` tensor.
+/// Decodes a layer into a row-major `[n, d]` tensor; every value is finite (see
+/// [`block::decode_block`]).
 pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f32>> {
     let q = enc.quantizer()?;
     let d = enc.d;
-    let mut out = Vec::new();
-    out.try_reserve_exact(enc.n * d)
-        .map_err(|_| Error::InvalidInput(format!("cannot allocate [{}, {d}] floats", enc.n)))?;
-    out.resize(enc.n * d, 0f32);
+    let mut out: Vec<f32> = zeros(size(enc.n, d, "the decoded layer")?, "the decoded layer")?;
     let bs = enc.params.block_size;
     let bw = enc.params.bit_width;
     let seed = enc.params.rotation_seed;
     with_threads(threads, || {
         out.par_chunks_mut(bs * d)
             .zip(enc.blocks.par_iter())
-            .for_each(|(o, (s, c))| {
+            .map(|(o, (s, c))| {
                 let rot = Rotation::new(seed, s.d_eff);
-                block::decode_block(s, c, bw, &q, &rot, o);
-            });
-    })?;
+                block::decode_block(s, c, bw, &q, &rot, o)
+            })
+            .collect::<Result<()>>()
+    })??;
     Ok(out)
 }
 
