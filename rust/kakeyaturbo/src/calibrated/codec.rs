@@ -492,6 +492,65 @@ mod tests {
         assert_eq!(a, b);
     }
 
+    #[test]
+    fn rows_beyond_the_float32_range_are_coded_in_f64() {
+        // The same calibration for rows 1e9 times larger, with spreads 1e-30 times smaller:
+        // the coefficients are 1e39 times larger and overflow float32. norm makes the codec
+        // scale-invariant, so the error must match the unit calibration's.
+        let unit = codec(12, vec![4; 8], true, Metric::InnerProduct, Some(2.5));
+        let tiny = CalibratedCodec::new(
+            unit.d,
+            unit.mean.iter().map(|v| v * 1e9).collect(),
+            unit.analysis.clone(),
+            unit.synthesis.clone(),
+            unit.spread.iter().map(|v| v * 1e-30).collect(),
+            unit.bits.clone(),
+            vec![],
+            unit.params.clone(),
+        )
+        .unwrap();
+        let x = rows(&unit, 300, 4);
+        let big: Vec<f32> = x.iter().map(|v| v * 1e9).collect();
+        let codes = tiny.encode(&big, 300).unwrap();
+        let y = tiny
+            .decode(&tiny.from_bytes(&tiny.to_bytes(&codes).0).unwrap())
+            .unwrap();
+        assert!(y.iter().all(|v| v.is_finite()));
+        let r = rel(&big, &y, &tiny.mean);
+        let ru = rel(
+            &x,
+            &unit.decode(&unit.encode(&x, 300).unwrap()).unwrap(),
+            &unit.mean,
+        );
+        assert!((r / ru - 1.0).abs() < 0.05, "{r} vs {ru}");
+    }
+
+    #[test]
+    fn reconstructions_past_the_float32_maximum_saturate() {
+        let c = CalibratedCodec::new(
+            1,
+            vec![0.0],
+            vec![1.0],
+            vec![1.0],
+            vec![3e38],
+            vec![2],
+            vec![],
+            crate::calibrated::CalibratedParams {
+                rotation_seed: 1,
+                metric: Metric::Mse,
+                outlier_threshold: None,
+                norm: false,
+            },
+        )
+        .unwrap();
+        let y = c
+            .decode(&c.encode(&[-3.3e38, 3.3e38, 1e30], 3).unwrap())
+            .unwrap();
+        assert_eq!(y[0], -f32::MAX);
+        assert_eq!(y[1], f32::MAX);
+        assert!(y[2].is_finite());
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         #[test]

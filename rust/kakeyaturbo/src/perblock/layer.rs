@@ -305,6 +305,54 @@ mod tests {
     }
 
     #[test]
+    fn ordinary_inputs_are_never_prescaled() {
+        assert_eq!(prescale_exponent(&[1e15, -3.0, 0.0]), 0);
+        assert_eq!(prescale_exponent(&[2f32.powi(PRESCALE_ABOVE)]), 0);
+        assert_eq!(prescale_exponent(&[2f32.powi(PRESCALE_ABOVE + 1)]), 1);
+        assert_eq!(prescale_exponent(&[-f32::MAX]), 128 - PRESCALE_ABOVE);
+        assert_eq!(prescale_exponent(&[]), 0);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(40))]
+        /// Every finite magnitude round-trips through the bytes to finite values; beyond the
+        /// pre-scale threshold the relative error is that of the same rows at unit scale.
+        #[test]
+        fn rows_of_every_magnitude_round_trip(
+            e in -149i32..=127, seed in 0u64..1000, share in proptest::prelude::any::<bool>(),
+            ip in proptest::prelude::any::<bool>(),
+        ) {
+            let (n, d) = (40, 6);
+            let unit = data(n, d, seed);
+            let m = unit.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+            let f = 2f64.powi(e) / m;
+            let x: Vec<f32> = unit.iter().map(|&v| (v as f64 * f) as f32).collect();
+            let p = CodecParams {
+                block_size: 16,
+                share_basis: share,
+                metric: if ip { crate::Metric::InnerProduct } else { crate::Metric::Mse },
+                outlier_threshold: Some(2.0),
+                ..Default::default()
+            };
+            let enc = encode_layer(&x, n, d, None, &p, Some(1)).unwrap().0;
+            let back = super::super::container::from_bytes(&super::super::container::to_bytes(&enc).0).unwrap();
+            let y = decode_layer(&back, Some(1)).unwrap();
+            proptest::prop_assert!(y.iter().all(|v| v.is_finite()));
+            if e > PRESCALE_ABOVE {
+                let (eu, _) = encode_layer(&unit, n, d, None, &p, Some(1)).unwrap();
+                let yu = decode_layer(&eu, Some(1)).unwrap();
+                let rel = |a: &[f32], b: &[f32]| {
+                    let num: f64 = a.iter().zip(b).map(|(p, q)| (*p as f64 - *q as f64).powi(2)).sum();
+                    let den: f64 = a.iter().map(|p| (*p as f64).powi(2)).sum();
+                    (num / den).sqrt()
+                };
+                let (r, ru) = (rel(&x, &y), rel(&unit, &yu));
+                proptest::prop_assert!((r - ru).abs() <= 0.02 * ru + 1e-6, "{r} vs {ru}");
+            }
+        }
+    }
+
+    #[test]
     fn bad_inputs_are_errors() {
         let p = CodecParams::default();
         assert!(encode_layer(&[], 0, 4, None, &p, None).is_err());
