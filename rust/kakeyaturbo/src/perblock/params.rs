@@ -97,14 +97,22 @@ impl CodecParams {
         if self.rank_cap == Some(0) {
             return param("rank_cap must be >= 1");
         }
+        // Stored as u32 fields of the container.
+        let u32_max = u32::MAX as usize;
+        if self.rank_cap.is_some_and(|r| r > u32_max) {
+            return param("rank_cap must fit in 32 bits");
+        }
         if let PcaMethod::Randomized {
             target_rank,
+            oversample,
             power_iters,
-            ..
         } = self.pca_method
         {
             if target_rank == Some(0) {
                 return param("rsvd_target_rank must be >= 1");
+            }
+            if target_rank.is_some_and(|t| t > u32_max) || oversample > u32_max {
+                return param("rsvd_target_rank and rsvd_oversample must fit in 32 bits");
             }
             if power_iters > MAX_POWER_ITERS {
                 return param(format!("rsvd_power_iters must be <= {MAX_POWER_ITERS}"));

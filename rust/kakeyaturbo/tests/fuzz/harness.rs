@@ -179,8 +179,8 @@ pub fn perblock_corpus() -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Calibrations and valid containers of each.
-pub fn calibrated_corpus() -> Vec<(CalibratedCodec, Vec<u8>)> {
+/// The corpus calibrations, in a fixed order (the libFuzzer target picks one by index).
+pub fn calibrated_codecs() -> Vec<CalibratedCodec> {
     let cal = |d: usize, bits: Vec<u8>, norm: bool, metric: Metric, outl: Option<f32>| {
         let m = bits.len();
         let mut g = SplitMix64::new(d as u64 * 31 + m as u64);
@@ -209,7 +209,7 @@ pub fn calibrated_corpus() -> Vec<(CalibratedCodec, Vec<u8>)> {
         )
         .unwrap()
     };
-    let codecs = vec![
+    vec![
         cal(
             12,
             vec![5, 4, 4, 3, 3, 3, 2, 1],
@@ -219,9 +219,13 @@ pub fn calibrated_corpus() -> Vec<(CalibratedCodec, Vec<u8>)> {
         ),
         cal(6, vec![8; 6], false, Metric::Mse, None),
         cal(16, vec![1, 1, 1], true, Metric::Mse, Some(0.5)),
-    ];
+    ]
+}
+
+/// Valid containers of each corpus calibration.
+pub fn calibrated_corpus() -> Vec<(CalibratedCodec, Vec<u8>)> {
     let mut out = Vec::new();
-    for (i, c) in codecs.into_iter().enumerate() {
+    for (i, c) in calibrated_codecs().into_iter().enumerate() {
         for (n, scale) in [(1, 1.0), (5, 1.0), (70, 1.0), (9, 1e36)] {
             let x = rows(n, c.d, 100 + i as u64 * 7 + n as u64, scale);
             let bytes = c.to_bytes(&c.encode(&x, n).unwrap()).0;
@@ -355,18 +359,28 @@ impl Mutation {
     }
 }
 
+/// `b` with its last four bytes replaced by the CRC-32 of the others (shorter: unchanged).
+pub fn with_crc(b: &[u8]) -> Vec<u8> {
+    let mut b = b.to_vec();
+    if b.len() >= 4 {
+        let at = b.len() - 4;
+        let crc = crc32fast::hash(&b[..at]);
+        b[at..].copy_from_slice(&crc.to_le_bytes());
+    }
+    b
+}
+
 /// Applies the mutations, then (unless `keep_crc`) recomputes the trailing CRC-32.
 pub fn mutate(base: &[u8], muts: &[Mutation], keep_crc: bool) -> Vec<u8> {
     let mut b = base.to_vec();
     for m in muts {
         m.apply(&mut b);
     }
-    if !keep_crc && b.len() >= 4 {
-        let at = b.len() - 4;
-        let crc = crc32fast::hash(&b[..at]);
-        b[at..].copy_from_slice(&crc.to_le_bytes());
+    if keep_crc {
+        b
+    } else {
+        with_crc(&b)
     }
-    b
 }
 
 // ---- the checks ---------------------------------------------------------------------------
