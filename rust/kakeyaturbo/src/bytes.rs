@@ -228,10 +228,9 @@ impl<'a> Reader<'a> {
     }
     /// `count` IEEE fp16 values, widened to f32.
     pub fn f16s(&mut self, count: usize, what: &str) -> Result<Vec<f32>> {
-        Ok(self
-            .u16s(count, what)?
-            .into_iter()
-            .map(|h| f16::from_bits(h).to_f32())
+        let b = self.take(size(count, 2, what)?, what)?;
+        Ok(b.chunks_exact(2)
+            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
             .collect())
     }
     /// `count` values of `bits` bits (0..=32), packed LSB-first, padded to a whole byte.

@@ -148,6 +148,13 @@ impl ScaledF16 {
         f16::from_bits(self.bits[i]).to_f64() * 2f64.powi(self.exp as i32)
     }
 
+    /// The largest stored magnitude, exactly, in f64.
+    pub fn max_abs_f64(&self) -> f64 {
+        // The bits of non-negative fp16 numbers are ordered like their values.
+        let m = self.bits.iter().fold(0u16, |m, &h| m.max(h & 0x7fff));
+        f16::from_bits(m).to_f64() * 2f64.powi(self.exp as i32)
+    }
+
     /// The stored values, exactly, in f64.
     pub fn decode_f64(&self) -> Vec<f64> {
         (0..self.bits.len()).map(|i| self.value_f64(i)).collect()
@@ -229,6 +236,10 @@ mod tests {
     #[test]
     fn shifting_by_powers_of_two_is_exact_in_range() {
         let s = ScaledF16::encode(&[3.0, -0.5, 1e-3]);
+        assert_eq!(
+            s.max_abs_f64(),
+            s.decode_f64().iter().fold(0f64, |m, v| m.max(v.abs()))
+        );
         let up = s.scaled_by_pow2(100).unwrap();
         assert_eq!(up.bits, s.bits);
         for (a, b) in s.decode_f64().iter().zip(up.decode_f64()) {

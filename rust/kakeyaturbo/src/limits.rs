@@ -44,6 +44,38 @@ pub fn saturate(v: f64) -> f32 {
     v.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
 }
 
+/// Magnitudes up to which the float32 decoders cannot overflow (`f32::MAX` is about 2^128;
+/// the margin covers rounding).
+pub const SAFE_F32: f64 = 1.329_227_995_784_916e36; // 2^120
+
+/// Largest magnitude of a slice of finite values, in f64. The bits of non-negative floats
+/// are ordered like their values, so an integer max (which vectorises) finds it.
+#[multiversion::multiversion(targets("x86_64+avx2", "x86_64+sse4.1"))]
+pub fn max_abs(v: &[f32]) -> f64 {
+    let m = v
+        .iter()
+        .fold(0i32, |m, x| m.max((x.to_bits() & 0x7fff_ffff) as i32));
+    f32::from_bits(m as u32) as f64
+}
+
+/// True when every value is finite, for the decoders' check of their whole output. Branch
+/// free and vectorisable with plain integer ops: an exponent field `e` plus one ulp of the
+/// exponent carries into the sign bit exactly when `e` is all ones (inf or NaN).
+#[inline]
+pub fn all_finite(v: &[f32]) -> bool {
+    let flag = |x: &f32| (x.to_bits() & 0x7f80_0000) + 0x0080_0000;
+    let mut lanes = [0u32; 16];
+    let chunks = v.chunks_exact(16);
+    let mut bad = chunks.remainder().iter().fold(0, |a, x| a | flag(x));
+    for c in chunks {
+        for (l, x) in lanes.iter_mut().zip(c) {
+            *l |= flag(x);
+        }
+    }
+    bad |= lanes.iter().fold(0, |a, l| a | l);
+    bad & 0x8000_0000 == 0
+}
+
 /// Checks a row-major `[n, d]` float32 tensor and optional weights.
 pub fn check_input(x: &[f32], n: usize, d: usize, weights: Option<&[f32]>) -> Result<()> {
     if n == 0 {
@@ -102,6 +134,12 @@ mod tests {
         assert_eq!(saturate(-1e300), -f32::MAX);
         assert_eq!(saturate(1.5), 1.5);
         assert!(saturate(f64::NAN).is_nan());
+        assert!(all_finite(&[0.0, -f32::MAX, f32::MIN_POSITIVE, 1e-45]));
+        assert_eq!(max_abs(&[0.5, -3.0, 2.0, -0.0]), 3.0);
+        assert_eq!(max_abs(&[]), 0.0);
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            assert!(!all_finite(&[1.0, bad, 2.0]));
+        }
     }
 
     #[test]

@@ -101,31 +101,28 @@ pub fn pack_fields(values: impl Iterator<Item = (u32, u32)>, out: &mut [u8]) {
     }
 }
 
-/// The inverse of [`pack_fields`]: `f` receives each value of the given widths (0..=32) in
-/// order; `buf` must hold at least `ceil(sum of widths / 8)` bytes.
-pub fn unpack_fields(buf: &[u8], widths: impl Iterator<Item = u32>, mut f: impl FnMut(u32)) {
+/// The inverse of [`pack_fields`]: value `i` of width `widths[i]` (0..=32) is written to
+/// `out[i]` through `conv`; `buf` must hold at least `ceil(sum of widths / 8)` bytes.
+#[inline]
+pub fn unpack_fields<T>(
+    buf: &[u8],
+    widths: impl Iterator<Item = u32>,
+    out: &mut [T],
+    conv: impl Fn(u32) -> T,
+) {
     let mut acc: u64 = 0;
     let mut nacc: u32 = 0;
     let mut i = 0;
-    for bits in widths {
+    for (bits, o) in widths.zip(out.iter_mut()) {
         while nacc < bits {
             acc |= (buf[i] as u64) << nacc;
             i += 1;
             nacc += 8;
         }
-        let mask = if bits == 32 {
-            u32::MAX as u64
-        } else {
-            (1u64 << bits) - 1
-        };
-        f((acc & mask) as u32);
+        *o = conv((acc & ((1u64 << bits) - 1)) as u32);
         acc >>= bits;
         nacc -= bits;
     }
-}
-
-fn unpack_serial(buf: &[u8], bits: u32, count: usize, f: impl FnMut(u32)) {
-    unpack_fields(buf, std::iter::repeat_n(bits, count), f);
 }
 
 /// Unpacks `count` values of `bits` bits; `buf` must hold at least `packed_len(count, bits)`
@@ -174,12 +171,8 @@ fn unpack_groups<const B: usize>(buf: &[u8], out: &mut [u8]) {
 }
 
 fn unpack_tail(buf: &[u8], bits: u32, out: &mut [u8]) {
-    let mut it = out.iter_mut();
-    unpack_serial(buf, bits, it.len(), |v| {
-        if let Some(o) = it.next() {
-            *o = v as u8;
-        }
-    });
+    let n = out.len();
+    unpack_fields(buf, std::iter::repeat_n(bits, n), out, |v| v as u8);
 }
 
 /// Packs u32 values of `bits` bits (0..=32) LSB-first; used for outlier positions and segment ids.
@@ -196,8 +189,8 @@ pub(crate) fn unpack_wide(buf: &[u8], bits: u32, count: usize) -> Vec<u32> {
     if bits == 0 {
         return vec![0; count];
     }
-    let mut out = Vec::with_capacity(count);
-    unpack_serial(buf, bits, count, |v| out.push(v));
+    let mut out = vec![0; count];
+    unpack_fields(buf, std::iter::repeat_n(bits, count), &mut out, |v| v);
     out
 }
 
@@ -254,6 +247,28 @@ mod tests {
             let p = pack_bits(&vals, bits).unwrap();
             prop_assert_eq!(p.len(), packed_len(vals.len(), bits));
             prop_assert_eq!(unpack_bits(&p, bits, vals.len()).unwrap(), vals);
+        }
+
+        #[test]
+        fn mixed_widths_round_trip(raw in proptest::collection::vec((any::<u32>(), 0u32..=32), 0..100)) {
+            let vals: Vec<(u32, u32)> = raw
+                .iter()
+                .map(|&(v, b)| (if b == 32 { v } else { v & ((1u32 << b) - 1) }, b))
+                .collect();
+            let total: u32 = vals.iter().map(|v| v.1).sum();
+            let mut buf = vec![0u8; (total as usize).div_ceil(8)];
+            pack_fields(vals.iter().copied(), &mut buf);
+            let mut back = vec![0u32; vals.len()];
+            unpack_fields(&buf, vals.iter().map(|v| v.1), &mut back, |v| v);
+            prop_assert_eq!(back, vals.iter().map(|v| v.0).collect::<Vec<_>>());
+            // The same stream as packing each value's bits one by one, LSB-first.
+            let mut bits = Vec::new();
+            for &(v, b) in &vals {
+                bits.extend((0..b).map(|k| (v >> k) & 1));
+            }
+            for (k, &bit) in bits.iter().enumerate() {
+                prop_assert_eq!(((buf[k / 8] >> (k % 8)) & 1) as u32, bit);
+            }
         }
 
         #[test]

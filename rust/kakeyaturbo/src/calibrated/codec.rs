@@ -4,7 +4,7 @@
 use super::calibration::CalibratedCodec;
 use crate::error::{input, Error, Result};
 use crate::f16::{ScaledF16, MAX_SCALED};
-use crate::limits::{check_input, saturate, size, zeros};
+use crate::limits::{all_finite, check_input, max_abs, saturate, size, SAFE_F32};
 use crate::metric::{least_squares_gain, Metric};
 use crate::pack::{pack_fields, unpack_fields};
 use crate::wht;
@@ -77,12 +77,7 @@ impl CalibratedCodec {
     }
 
     fn unpack_row(&self, row: &[u8], idx: &mut [u8]) {
-        let mut it = idx.iter_mut();
-        unpack_fields(row, self.bits.iter().map(|&b| b as u32), |v| {
-            if let Some(o) = it.next() {
-                *o = v as u8;
-            }
-        });
+        unpack_fields(row, self.bits.iter().map(|&b| b as u32), idx, |v| v as u8);
     }
 
     /// Stage 2 for one row in f64: `u = A' (x - mu)` for a row whose float32 projection
@@ -142,7 +137,7 @@ impl CalibratedCodec {
                 .chunks_exact(m)
                 .zip(x.chunks_exact(d))
                 .map(|(r, xr)| {
-                    if r.iter().all(|v| v.is_finite()) {
+                    if all_finite(r) {
                         let s: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
                         (s / m as f64).sqrt() as f32 as f64
                     } else {
@@ -192,7 +187,7 @@ impl CalibratedCodec {
                         let f = if gi > 0.0 { band.norm / gi } else { 0.0 };
                         zr[o..o + w].iter_mut().for_each(|v| *v *= f);
                     }
-                    let wide = !gi.is_finite() || !zr.iter().all(|v| v.is_finite());
+                    let wide = !gi.is_finite() || !all_finite(zr);
                     let g64 = match &scale {
                         Some(s) if wide => s.value_f64(row),
                         _ => gi as f64,
@@ -317,10 +312,30 @@ impl CalibratedCodec {
             Some(s) => s.decode(),
             None => vec![1.0; n],
         };
-        let mut out: Vec<f32> = zeros(size(n, d, "the decoded rows")?, "the decoded rows")?;
+        // Every stored value is finite, so only an overflow can make a row non-finite: a row
+        // whose bound `|mean| + m^2 qmax |S'| g` stays below 2^120 (every ordinary row) is not
+        // scanned. qmax bounds the centroids and outlier values, the butterfly sums at most m
+        // terms of `q g r` (r <= 1), and the synthesis sums m of them.
+        let qmax = self
+            .bands
+            .iter()
+            .map(|b| max_abs(self.q(b.bits).centroids()))
+            .fold(0f64, f64::max)
+            .max(if c.outlier_pos.is_empty() {
+                0.0
+            } else {
+                65504.0
+            });
+        let per_g = (m * m) as f64 * qmax * max_abs(&self.s_scaled);
+        let mean_max = max_abs(&self.mean);
+        // Every row starts as the mean (the synthesis is added to it); reserved fallibly.
+        let mut out: Vec<f32> = Vec::new();
+        out.try_reserve_exact(size(n, d, "the decoded rows")?)
+            .map_err(|_| Error::InvalidInput(format!("cannot allocate [{n}, {d}] floats")))?;
+        (0..n).for_each(|_| out.extend_from_slice(&self.mean));
         out.par_chunks_mut(CHUNK_ROWS * d)
             .enumerate()
-            .for_each(|(ci, oc)| {
+            .try_for_each(|(ci, oc)| {
                 let rows = oc.len() / d;
                 let r0 = ci * CHUNK_ROWS;
                 let mut u = vec![0f32; rows * m];
@@ -355,9 +370,6 @@ impl CalibratedCodec {
                         }
                     }
                 }
-                for row in oc.chunks_exact_mut(d) {
-                    row.copy_from_slice(&self.mean);
-                }
                 matmul(
                     MatMut::from_row_major_slice_mut(oc, rows, d),
                     Accum::Add,
@@ -367,22 +379,26 @@ impl CalibratedCodec {
                     Par::Seq,
                 );
                 for (r, orow) in oc.chunks_exact_mut(d).enumerate() {
-                    if !orow.iter().all(|v| v.is_finite()) {
+                    let bound = mean_max + per_g * g[r0 + r] as f64;
+                    if !(bound <= SAFE_F32 || all_finite(orow)) {
                         self.decode_row_wide(c, r0 + r, orow);
+                        if !all_finite(orow) {
+                            return Err(Error::Corrupt(format!(
+                                "row {} decodes to values that are not finite",
+                                r0 + r
+                            )));
+                        }
                     }
                 }
-            });
-        if out.iter().all(|v| v.is_finite()) {
-            Ok(out)
-        } else {
-            Err(Error::Corrupt(
-                "rows decode to values that are not finite".into(),
-            ))
-        }
+                Ok(())
+            })?;
+        Ok(out)
     }
 
     /// One row of [`Self::decode`] in f64: every stored value is finite and at most
     /// `32768 * 2^127`, so nothing overflows; the result saturates to the float32 range.
+    #[cold]
+    #[inline(never)]
     fn decode_row_wide(&self, c: &CalibratedCodes, row: usize, out: &mut [f32]) {
         let (m, rb) = (self.m, self.row_bytes());
         let mut idx = vec![0u8; m];

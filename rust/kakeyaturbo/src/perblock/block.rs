@@ -4,7 +4,7 @@ use super::params::{CodecParams, Metric, SkeletonDtype};
 use crate::error::{corrupt, input, Result};
 use crate::f16::{round_f16, ScaledF16};
 use crate::kmeans;
-use crate::limits::{saturate, size, MAX_DIM};
+use crate::limits::{all_finite, max_abs, saturate, size, MAX_DIM, SAFE_F32};
 use crate::metric::least_squares_gain;
 use crate::pack::{index_bits, pack_into, packed_len, unpack_into};
 use crate::pca::{self, normalised_weights};
@@ -467,19 +467,38 @@ pub fn decode_block(
         1.0,
         Par::Seq,
     );
-    if out.iter().all(|v| v.is_finite()) {
+    // Every input is finite, so only an overflow can make the result non-finite: skip the
+    // scan of the output when the bound rules that out (always, for ordinary data).
+    if decode_bound(skel, codes, q) <= SAFE_F32 || all_finite(out) {
         return Ok(());
     }
     decode_block_wide(skel, codes, &idx, q, rot, out);
-    if out.iter().all(|v| v.is_finite()) {
+    if all_finite(out) {
         Ok(())
     } else {
         corrupt("a block decodes to values that are not finite")
     }
 }
 
+/// An upper bound on every intermediate of the float32 decode of a block: `|q| <= qmax`,
+/// `|scale / f_b| <= smax` (`f_b >= 1`), the butterfly sums at most `d_eff` terms, then
+/// `|c| <= tmax * |centre| + qmax * smax` and `|x| <= |mu| + d_eff |U| |c|`.
+fn decode_bound(skel: &Skeleton, codes: &BlockCodes, q: &Quantizer) -> f64 {
+    let qmax = if codes.outlier_val.is_empty() {
+        max_abs(q.centroids())
+    } else {
+        max_abs(q.centroids()).max(65504.0)
+    };
+    let de = skel.d_eff as f64;
+    let r = qmax * codes.scale.max_abs_f64();
+    let c = codes.t.max_abs_f64() * max_abs(&skel.centers) + r;
+    (de * r).max(max_abs(&skel.mean) + de * max_abs(&skel.basis) * c)
+}
+
 /// [`decode_block`] in f64: every stored value is finite and at most `32768 * 2^127`, so no
 /// intermediate overflows; the result saturates to the float32 range.
+#[cold]
+#[inline(never)]
 fn decode_block_wide(
     skel: &Skeleton,
     codes: &BlockCodes,
