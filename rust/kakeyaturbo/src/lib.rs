@@ -8,7 +8,7 @@
 //!   [`calibrated::codec`] (rows to codes) -> [`calibrated::container`] (`KKYC` bytes).
 //!
 //! Below them: the stages [`pca`], [`kmeans`], [`wht`], [`quant`], [`pack`], with [`rng`] the
-//! project's own generator and [`f16`] the fp16 storage rules; [`metric`] the scale rule both
+//! project's own generator and [`mod@f16`] the fp16 storage rules; [`metric`] the scale rule both
 //! modes share; [`bytes`] the one byte writer and reader of both containers; [`limits`] the
 //! documented limits and input checks; [`threads`] the bounded thread pools; [`error`] the one
 //! error type. `FORMAT.md` specifies the bytes.

@@ -1,6 +1,6 @@
 //! LSB-first bit packing (stage 5c): value i occupies stream bits `[i*b, (i+1)*b)`, bit 0 of
 //! the stream being the least significant bit of byte 0. Both containers pack through here:
-//! fixed widths ([`pack_bits`], [`pack_wide`]) and a row of per-value widths
+//! fixed widths ([`pack_bits`], `pack_wide`) and a row of per-value widths
 //! ([`pack_fields`], the calibrated mode's rows).
 
 use crate::error::{param, Error, Result};

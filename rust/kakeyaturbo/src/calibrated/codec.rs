@@ -379,7 +379,7 @@ impl CalibratedCodec {
                     Par::Seq,
                 );
                 for (r, orow) in oc.chunks_exact_mut(d).enumerate() {
-                    let bound = mean_max + per_g * g[r0 + r] as f64;
+                    let bound = mean_max + per_g * g[r0 + r].abs() as f64;
                     if !(bound <= SAFE_F32 || all_finite(orow)) {
                         self.decode_row_wide(c, r0 + r, orow);
                         if !all_finite(orow) {
@@ -539,6 +539,20 @@ mod tests {
             &unit.mean,
         );
         assert!((r / ru - 1.0).abs() < 0.05, "{r} vs {ru}");
+    }
+
+    #[test]
+    fn huge_or_negative_scales_decode_to_finite_values() {
+        // Found by `make fuzz`: a negative scale of a large magnitude slipped past the bound
+        // that lets ordinary rows skip the scan of their output.
+        let c = codec(16, vec![1, 1, 1], true, Metric::Mse, Some(0.5));
+        let mut codes = c.encode(&rows(&c, 9, 2), 9).unwrap();
+        let s = codes.scale.as_mut().unwrap();
+        s.exp = 120;
+        s.bits[3] |= 0x8000;
+        s.bits[5] = 0xfbff; // -65504
+        let y = c.decode(&codes).unwrap();
+        assert!(y.iter().all(|v| v.is_finite()));
     }
 
     #[test]
