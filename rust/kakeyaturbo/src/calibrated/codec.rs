@@ -313,9 +313,11 @@ impl CalibratedCodec {
             None => vec![1.0; n],
         };
         // Every stored value is finite, so only an overflow can make a row non-finite: a row
-        // whose bound `|mean| + m^2 qmax |S'| g` stays below 2^120 (every ordinary row) is not
-        // scanned. qmax bounds the centroids and outlier values, the butterfly sums at most m
-        // terms of `q g r` (r <= 1), and the synthesis sums m of them.
+        // whose intermediates are all bounded below 2^120 (every ordinary row) is not scanned.
+        // With qmax bounding the centroids and outlier values: `|g|`; `|q g r| <= qmax |g|`
+        // (r <= 1); the butterfly's sums of at most m such terms; and the synthesis,
+        // `|mean| + m (m qmax |g|) |S'|`. (Each is listed: a product with 0 could otherwise turn
+        // an overflow into NaN.)
         let qmax = self
             .bands
             .iter()
@@ -326,7 +328,7 @@ impl CalibratedCodec {
             } else {
                 65504.0
             });
-        let per_g = (m * m) as f64 * qmax * max_abs(&self.s_scaled);
+        let (butterfly, synth) = (m as f64 * qmax, m as f64 * max_abs(&self.s_scaled));
         let mean_max = max_abs(&self.mean);
         // Every row starts as the mean (the synthesis is added to it); reserved fallibly.
         let mut out: Vec<f32> = Vec::new();
@@ -379,7 +381,7 @@ impl CalibratedCodec {
                     Par::Seq,
                 );
                 for (r, orow) in oc.chunks_exact_mut(d).enumerate() {
-                    let bound = mean_max + per_g * g[r0 + r].abs() as f64;
+                    let bound = row_bound(g[r0 + r], mean_max, butterfly, synth);
                     if !(bound <= SAFE_F32 || all_finite(orow)) {
                         self.decode_row_wide(c, r0 + r, orow);
                         if !all_finite(orow) {
@@ -461,6 +463,13 @@ fn scales(v: &[f64], wide: bool) -> Result<ScaledF16> {
              beyond what the format stores ({MAX_SCALED:e})"
         ))
     })
+}
+
+/// The bound of [`CalibratedCodec::decode`] on every intermediate of a row with scale `g`:
+/// `|g|`, the butterfly's `m qmax |g|`, and the synthesis `|mean| + m |S'| m qmax |g|`.
+fn row_bound(g: f32, mean_max: f64, butterfly: f64, synth: f64) -> f64 {
+    let g = g.abs() as f64;
+    g.max(butterfly * g).max(mean_max + synth * butterfly * g)
 }
 
 /// The `inner_product` gain of a wide row in f64.
@@ -553,6 +562,17 @@ mod tests {
         s.bits[5] = 0xfbff; // -65504
         let y = c.decode(&codes).unwrap();
         assert!(y.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn overflows_multiplied_by_zero_are_caught() {
+        // The per-block twin was found by `make fuzz`: a bound that only looks at the output
+        // (here the synthesis, 0) misses a scale whose q * g overflows on the way. Every
+        // intermediate must count.
+        assert!(row_bound(3e38, 0.0, 65504.0, 0.0) > SAFE_F32);
+        assert!(row_bound(-3e38, 1.0, 1.0, 1.0) > SAFE_F32);
+        assert!(row_bound(f32::INFINITY, 1.0, 1.0, 0.0) > SAFE_F32);
+        assert!(row_bound(1e3, 1.0, 8.0 * 2.7, 8.0) <= SAFE_F32);
     }
 
     #[test]

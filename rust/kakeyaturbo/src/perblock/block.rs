@@ -480,19 +480,30 @@ pub fn decode_block(
     }
 }
 
-/// An upper bound on every intermediate of the float32 decode of a block: `|q| <= qmax`,
-/// `|scale / f_b| <= smax` (`f_b >= 1`), the butterfly sums at most `d_eff` terms, then
-/// `|c| <= tmax * |centre| + qmax * smax` and `|x| <= |mu| + d_eff |U| |c|`.
-fn decode_bound(skel: &Skeleton, codes: &BlockCodes, q: &Quantizer) -> f64 {
+/// An upper bound on every intermediate of the float32 decode of a block, each listed (a
+/// bound that skips one lets a product with 0 turn an overflow into NaN): the decoded `t` and
+/// scales; `|q| <= qmax` times `scale / f_b <= smax` (`f_b >= 1`); the butterfly's sums of at
+/// most `d_eff` such terms; `|c| <= tmax |centre| + qmax smax`; and `x`'s partial sums,
+/// `|mu| + d_eff |U| |c|`.
+pub(crate) fn decode_bound(skel: &Skeleton, codes: &BlockCodes, q: &Quantizer) -> f64 {
     let qmax = if codes.outlier_val.is_empty() {
         max_abs(q.centroids())
     } else {
         max_abs(q.centroids()).max(65504.0)
     };
     let de = skel.d_eff as f64;
-    let r = qmax * codes.scale.max_abs_f64();
-    let c = codes.t.max_abs_f64() * max_abs(&skel.centers) + r;
-    (de * r).max(max_abs(&skel.mean) + de * max_abs(&skel.basis) * c)
+    let (tmax, smax) = (codes.t.max_abs_f64(), codes.scale.max_abs_f64());
+    let r = qmax * smax;
+    let c = tmax * max_abs(&skel.centers) + r;
+    [
+        tmax,
+        smax,
+        de * r,
+        c,
+        max_abs(&skel.mean) + de * max_abs(&skel.basis) * c,
+    ]
+    .into_iter()
+    .fold(0f64, f64::max)
 }
 
 /// [`decode_block`] in f64: every stored value is finite and at most `32768 * 2^127`, so no
