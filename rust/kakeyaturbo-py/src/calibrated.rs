@@ -1,15 +1,17 @@
 //! `CalibratedCodec`: the calibrated mode as a Python object holding a checked calibration.
 
-use crate::block::{arr, item, to_array2_u8, vec1};
-use crate::errors::{invalid_input, run, to_py};
-use crate::layer::{error_sums, matrix, set_errors, to_array2};
+use crate::convert::{self, any_arr, arr, int_item, item, matrix, to_array2, to_array2_u8, vec1};
+use crate::errors::{invalid_input, run, to_py, type_error};
+use crate::layer::{error_sums, set_errors};
 use crate::params;
 use kakeyaturbo::calibrated::{self, CalibratedCodec, CalibratedCodes, CalibratedParams};
-use kakeyaturbo::f16::ScaledF16;
-use kakeyaturbo::layer::with_threads;
+use kakeyaturbo::f16::{ScaledF16, MAX_EXP, MIN_EXP};
+use kakeyaturbo::limits::{saturate, MAX_ROWS};
+use kakeyaturbo::quant::MAX_BITS;
+use kakeyaturbo::threads::with_threads;
 use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::time::Instant;
 
 fn slice<'a, T: numpy::Element>(
@@ -39,12 +41,21 @@ impl PyCalibratedCodec {
         synthesis: PyReadonlyArray2<'_, f32>,
         spread: PyReadonlyArray1<'_, f32>,
         bits: PyReadonlyArray1<'_, u8>,
-        rotation_seed: u64,
+        rotation_seed: &Bound<'_, PyAny>,
         metric: &str,
         norm: bool,
-        outlier_threshold: Option<f32>,
-        centroids: Option<Vec<(u8, Vec<f32>)>>,
+        outlier_threshold: Option<&Bound<'_, PyAny>>,
+        centroids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let rotation_seed = convert::seed(py, rotation_seed, "rotation_seed")?;
+        let outlier_threshold = match outlier_threshold {
+            Some(t) if !t.is_none() => Some(convert::float(py, t, "outlier_threshold")? as f32),
+            _ => None,
+        };
+        let centroids = match centroids {
+            Some(c) if !c.is_none() => tables(py, c)?,
+            _ => Vec::new(),
+        };
         let (a, m, d) = matrix(py, &analysis)?;
         let (s, ms, ds) = matrix(py, &synthesis)?;
         if (ms, ds) != (m, d) {
@@ -66,7 +77,7 @@ impl PyCalibratedCodec {
             s.to_vec(),
             slice(py, &spread, "spread")?.to_vec(),
             slice(py, &bits, "bits")?.to_vec(),
-            centroids.unwrap_or_default(),
+            centroids,
             p,
         )
         .map_err(|e| to_py(py, e))?;
@@ -117,8 +128,9 @@ impl PyCalibratedCodec {
         &self,
         py: Python<'py>,
         array: PyReadonlyArray2<'py, f32>,
-        threads: Option<usize>,
+        threads: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let threads = convert::threads(py, threads)?;
         let (x, n, d) = self.rows(py, &array)?;
         let c = &self.inner;
         let b = run(py, || {
@@ -133,8 +145,9 @@ impl PyCalibratedCodec {
         &self,
         py: Python<'py>,
         data: &[u8],
-        threads: Option<usize>,
+        threads: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let threads = convert::threads(py, threads)?;
         let c = &self.inner;
         let (y, n) = run(py, || {
             with_threads(threads, || {
@@ -151,8 +164,9 @@ impl PyCalibratedCodec {
         &self,
         py: Python<'py>,
         array: PyReadonlyArray2<'py, f32>,
-        threads: Option<usize>,
+        threads: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyDict>)> {
+        let threads = convert::threads(py, threads)?;
         let (x, n, d) = self.rows(py, &array)?;
         let c = &self.inner;
         let (y, parts, nout, enc, dec) = run(py, || {
@@ -214,7 +228,10 @@ impl PyCalibratedCodec {
         r.set_item("indices", to_array2_u8(py, p.indices, n, m)?)?;
         r.set_item("codes", PyBytes::new(py, &p.codes.codes))?;
         if let Some(s) = &p.codes.scale {
-            r.set_item("scale", vec1(py, s.decode()))?;
+            r.set_item(
+                "scale",
+                vec1(py, s.decode_f64().into_iter().map(saturate).collect()),
+            )?;
             r.set_item("scale_exp", s.exp)?;
             r.set_item("scale_bits", vec1(py, s.bits.clone()))?;
         }
@@ -245,29 +262,27 @@ impl PyCalibratedCodec {
         parts: &Bound<'py, PyDict>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let c = &self.inner;
-        let n: usize = item(parts, "n")?.extract()?;
+        let n: usize = int_item(py, parts, "n", 0, MAX_ROWS as i128)?;
         let scale = if c.params.norm {
             Some(ScaledF16 {
-                exp: item(parts, "scale_exp")?.extract()?,
-                bits: arr(parts, "scale_bits", n)?,
+                exp: int_item(py, parts, "scale_exp", MIN_EXP as i128, MAX_EXP as i128)?,
+                bits: arr(py, parts, "scale_bits", n, "n")?,
             })
         } else {
             None
         };
-        let pos: Vec<i64> = {
-            let a = item(parts, "outlier_pos")?;
-            let len = a.len()?;
-            arr(parts, "outlier_pos", len)?
-        };
+        let pos: Vec<i64> = any_arr(parts, "outlier_pos")?;
         if pos.iter().any(|&p| p < 0 || p > u32::MAX as i64) {
             return Err(invalid_input(py, "outlier_pos out of range"));
         }
         let codes = CalibratedCodes {
             n,
             scale,
-            codes: item(parts, "codes")?.extract()?,
+            codes: item(parts, "codes")?
+                .extract()
+                .map_err(|_| type_error("parts[\"codes\"] must be bytes"))?,
             outlier_pos: pos.iter().map(|&p| p as u32).collect(),
-            outlier_val: arr(parts, "outlier_bits", pos.len())?,
+            outlier_val: arr(py, parts, "outlier_bits", pos.len(), "len(outlier_pos)")?,
         };
         let y = run(py, || c.decode(&codes))?;
         to_array2(py, y, n, c.d)
@@ -295,6 +310,40 @@ impl PyCalibratedCodec {
         r.set_item("compressed_bytes", parts.total())?;
         Ok(r)
     }
+}
+
+/// Custom Lloyd-Max tables: a dict `{bit width: table}` or a sequence of `(bit width, table)`
+/// pairs; widths are ints in 1..=8, tables sequences of floats.
+fn tables(py: Python<'_>, c: &Bound<'_, PyAny>) -> PyResult<Vec<(u8, Vec<f32>)>> {
+    let pairs: Vec<(Bound<'_, PyAny>, Bound<'_, PyAny>)> = if let Ok(d) = c.cast::<PyDict>() {
+        d.iter().collect()
+    } else if c.is_instance_of::<PyList>() || c.is_instance_of::<PyTuple>() {
+        c.try_iter()?
+            .map(|p| {
+                p.and_then(|p| p.extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>())
+                    .map_err(|_| type_error("centroids must map bit widths to tables"))
+            })
+            .collect::<PyResult<_>>()?
+    } else {
+        return Err(type_error(format!(
+            "centroids must be a dict {{bit width: table}}, got {}",
+            c.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )));
+    };
+    pairs
+        .into_iter()
+        .map(|(k, v)| {
+            let b: u8 =
+                convert::int_in(py, &k, "a centroids key (bit width)", 1, MAX_BITS as i128)?;
+            let t: Vec<f64> = v
+                .extract()
+                .map_err(|_| type_error(format!("centroids[{b}] must be a sequence of floats")))?;
+            Ok((b, t.into_iter().map(|x| x as f32).collect()))
+        })
+        .collect()
 }
 
 impl PyCalibratedCodec {

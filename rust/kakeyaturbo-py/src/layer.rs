@@ -1,27 +1,15 @@
 //! `roundtrip_layer`, `encode_layer`, `decode_layer`, `inspect_layer`.
 
+use crate::convert::{self, matrix, to_array2};
 use crate::errors::{invalid_input, run};
 use crate::params;
-use kakeyaturbo::block::StageTimes;
-use kakeyaturbo::{container, layer, ByteBreakdown, EncodedLayer};
-use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods,
-};
+use kakeyaturbo::perblock::block::StageTimes;
+use kakeyaturbo::perblock::{container, layer};
+use kakeyaturbo::{ByteBreakdown, EncodedLayer};
+use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::time::Instant;
-
-/// Borrows a C-contiguous float32 matrix (the Python wrapper has already made it one).
-pub fn matrix<'a>(
-    py: Python<'_>,
-    a: &'a PyReadonlyArray2<'_, f32>,
-) -> PyResult<(&'a [f32], usize, usize)> {
-    let shape = a.shape();
-    let s = a
-        .as_slice()
-        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
-    Ok((s, shape[0], shape[1]))
-}
 
 fn weights_of<'a>(
     py: Python<'_>,
@@ -33,15 +21,6 @@ fn weights_of<'a>(
                 .map_err(|_| invalid_input(py, "weights must be contiguous"))
         })
         .transpose()
-}
-
-pub fn to_array2<'py>(
-    py: Python<'py>,
-    v: Vec<f32>,
-    n: usize,
-    d: usize,
-) -> PyResult<Bound<'py, PyArray2<f32>>> {
-    PyArray1::from_vec(py, v).reshape([n, d])
 }
 
 /// Sums for a report's error fields: (squared error, squared input, largest absolute error).
@@ -132,8 +111,9 @@ pub fn roundtrip_layer<'py>(
     array: PyReadonlyArray2<'py, f32>,
     params: &Bound<'py, PyDict>,
     weights: Option<PyReadonlyArray1<'py, f32>>,
-    threads: Option<usize>,
+    threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyArray2<f32>>, Bound<'py, PyDict>)> {
+    let threads = convert::threads(py, threads)?;
     let p = params::parse(py, params)?;
     let (x, n, d) = matrix(py, &array)?;
     let w = weights_of(py, &weights)?;
@@ -163,8 +143,9 @@ pub fn encode_layer<'py>(
     array: PyReadonlyArray2<'py, f32>,
     params: &Bound<'py, PyDict>,
     weights: Option<PyReadonlyArray1<'py, f32>>,
-    threads: Option<usize>,
+    threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
+    let threads = convert::threads(py, threads)?;
     let p = params::parse(py, params)?;
     let (x, n, d) = matrix(py, &array)?;
     let w = weights_of(py, &weights)?;
@@ -178,8 +159,9 @@ pub fn encode_layer<'py>(
 pub fn decode_layer<'py>(
     py: Python<'py>,
     data: &[u8],
-    threads: Option<usize>,
+    threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let threads = convert::threads(py, threads)?;
     let (y, n, d) = run(py, || {
         let e = container::from_bytes(data)?;
         Ok((layer::decode_layer(&e, threads)?, e.n, e.d))

@@ -3,6 +3,7 @@
 
 mod block;
 mod calibrated;
+mod convert;
 mod errors;
 mod layer;
 mod params;
@@ -13,7 +14,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("FORMAT_VERSION", kakeyaturbo::container::VERSION)?;
+    m.add("FORMAT_VERSION", kakeyaturbo::perblock::container::VERSION)?;
     m.add_function(wrap_pyfunction!(layer::roundtrip_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::encode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::decode_layer, m)?)?;

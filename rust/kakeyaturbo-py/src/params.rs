@@ -1,6 +1,8 @@
 //! Codec parameters from the Python keyword dictionary (names checked on the Python side).
 
+use crate::convert;
 use crate::errors::{invalid_parameter, type_error};
+use kakeyaturbo::perblock::params::{MAX_KMEANS_ITER, MAX_POWER_ITERS};
 use kakeyaturbo::{CodecParams, Metric, PcaMethod, SkeletonDtype};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -9,38 +11,23 @@ fn get<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Option<Bound<'py, PyA
     Ok(d.get_item(key)?.filter(|v| !v.is_none()))
 }
 
-fn int(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<i128>> {
-    match get(d, key)? {
-        None => Ok(None),
-        Some(v) => {
-            if v.is_instance_of::<pyo3::types::PyBool>() {
-                return Err(type_error(format!("{key} must be an int, got bool")));
-            }
-            v.extract::<i128>().map(Some).map_err(|_| {
-                type_error(format!(
-                    "{key} must be an int, got {}",
-                    v.get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                ))
-            })
-        }
-    }
+/// An integer keyword in `lo..=hi` (the documented range, or the range of the stored field).
+fn int<T: TryFrom<i128>>(
+    py: Python<'_>,
+    d: &Bound<'_, PyDict>,
+    key: &str,
+    lo: i128,
+    hi: i128,
+) -> PyResult<Option<T>> {
+    get(d, key)?
+        .map(|v| convert::int_in(py, &v, key, lo, hi))
+        .transpose()
 }
 
-fn ranged<T: TryFrom<i128>>(py: Python<'_>, key: &str, v: i128) -> PyResult<T> {
-    T::try_from(v).map_err(|_| invalid_parameter(py, format!("{key} = {v} is out of range")))
-}
-
-fn float(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<f64>> {
-    match get(d, key)? {
-        None => Ok(None),
-        Some(v) => v
-            .extract::<f64>()
-            .map(Some)
-            .map_err(|_| type_error(format!("{key} must be a float"))),
-    }
+fn float(py: Python<'_>, d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<f64>> {
+    get(d, key)?
+        .map(|v| convert::float(py, &v, key))
+        .transpose()
 }
 
 fn string(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<String>> {
@@ -74,42 +61,36 @@ pub fn parse(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<CodecParams> {
     if let Some(m) = string(d, "metric")? {
         p.metric = metric(py, &m)?;
     }
-    if let Some(v) = int(d, "block_size")? {
-        p.block_size = ranged(py, "block_size", v)?;
+    // Ranges: the documented ones where they are small, else the range of the stored field.
+    const U32: i128 = u32::MAX as i128;
+    if let Some(v) = int(py, d, "block_size", 1, U32)? {
+        p.block_size = v;
     }
-    if let Some(v) = int(d, "bit_width")? {
-        p.bit_width = ranged(py, "bit_width", v)?;
+    if let Some(v) = int(py, d, "bit_width", 1, 4)? {
+        p.bit_width = v;
     }
-    if let Some(v) = float(d, "variance_ratio")? {
+    if let Some(v) = float(py, d, "variance_ratio")? {
         p.variance_ratio = v;
     }
-    if let Some(v) = int(d, "k")? {
-        p.k = ranged(py, "k", v)?;
+    if let Some(v) = int(py, d, "k", 1, U32)? {
+        p.k = v;
     }
-    if let Some(v) = int(d, "rotation_seed")? {
-        p.rotation_seed = ranged(py, "rotation_seed", v)?;
+    if let Some(v) = int(py, d, "rotation_seed", 0, u64::MAX as i128)? {
+        p.rotation_seed = v;
     }
-    if let Some(v) = int(d, "kmeans_max_iter")? {
-        p.kmeans_max_iter = ranged(py, "kmeans_max_iter", v)?;
+    if let Some(v) = int(py, d, "kmeans_max_iter", 0, MAX_KMEANS_ITER as i128)? {
+        p.kmeans_max_iter = v;
     }
-    if let Some(v) = int(d, "rank_cap")? {
-        p.rank_cap = Some(ranged(py, "rank_cap", v)?);
+    if let Some(v) = int(py, d, "rank_cap", 1, U32)? {
+        p.rank_cap = Some(v);
     }
     let method = string(d, "pca_method")?.unwrap_or_else(|| "exact".into());
     p.pca_method = match method.as_str() {
         "exact" => PcaMethod::Exact,
         "randomized" => PcaMethod::Randomized {
-            target_rank: int(d, "rsvd_target_rank")?
-                .map(|v| ranged(py, "rsvd_target_rank", v))
-                .transpose()?,
-            oversample: int(d, "rsvd_oversample")?
-                .map(|v| ranged(py, "rsvd_oversample", v))
-                .transpose()?
-                .unwrap_or(8),
-            power_iters: int(d, "rsvd_power_iters")?
-                .map(|v| ranged(py, "rsvd_power_iters", v))
-                .transpose()?
-                .unwrap_or(2),
+            target_rank: int(py, d, "rsvd_target_rank", 1, U32)?,
+            oversample: int(py, d, "rsvd_oversample", 0, U32)?.unwrap_or(8),
+            power_iters: int(py, d, "rsvd_power_iters", 0, MAX_POWER_ITERS as i128)?.unwrap_or(2),
         },
         _ => {
             return Err(invalid_parameter(
@@ -136,7 +117,7 @@ pub fn parse(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<CodecParams> {
             .map_err(|_| type_error("centroids must be a sequence of floats"))?;
         p.centroids = Some(v.into_iter().map(|x| x as f32).collect());
     }
-    if let Some(t) = float(d, "outlier_threshold")? {
+    if let Some(t) = float(py, d, "outlier_threshold")? {
         p.outlier_threshold = Some(t as f32);
     }
     if let Some(s) = get(d, "share_basis")? {

@@ -1,15 +1,29 @@
 //! The stage primitives: sign pattern, Hadamard, rotation, packing, Lloyd-Max tables.
 
-use crate::errors::{invalid_input, run, to_py};
-use crate::layer::{matrix, to_array2};
+use crate::convert::{self, matrix, to_array2};
+use crate::errors::{invalid_input, run};
+use kakeyaturbo::limits::MAX_SIGN_PATTERN;
+use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::{pack, quant, rng, wht};
-use numpy::{PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2};
+use numpy::{PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+/// A bit width of the packing primitives and tables: 1..=8.
+fn width(py: Python<'_>, bits: &Bound<'_, PyAny>) -> PyResult<u8> {
+    convert::int_in(py, bits, "bits", 1, MAX_BITS as i128)
+}
+
 #[pyfunction]
-pub fn wht_sign_pattern<'py>(py: Python<'py>, seed: u64, n: usize) -> Bound<'py, PyArray1<f32>> {
-    PyArray1::from_vec(py, rng::sign_pattern(seed, n))
+pub fn wht_sign_pattern<'py>(
+    py: Python<'py>,
+    seed: &Bound<'py, PyAny>,
+    n: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let seed = convert::seed(py, seed, "seed")?;
+    let n: usize = convert::int_in(py, n, "n", 0, MAX_SIGN_PATTERN as i128)?;
+    let s = run(py, || Ok(rng::sign_pattern(seed, n)))?;
+    Ok(PyArray1::from_vec(py, s))
 }
 
 fn rows_op<'py>(
@@ -32,6 +46,12 @@ fn rows_op<'py>(
     to_array2(py, out, n, d)
 }
 
+/// The sign pattern of a rotation of `x`'s rows, made inside the panic guard.
+fn signs(py: Python<'_>, seed: &Bound<'_, PyAny>, width: usize) -> PyResult<Vec<f32>> {
+    let seed = convert::seed(py, seed, "seed")?;
+    run(py, || Ok(rng::sign_pattern(seed, width)))
+}
+
 #[pyfunction]
 pub fn wht_rows<'py>(
     py: Python<'py>,
@@ -44,9 +64,9 @@ pub fn wht_rows<'py>(
 pub fn rotate_rows<'py>(
     py: Python<'py>,
     x: PyReadonlyArray2<'py, f32>,
-    seed: u64,
+    seed: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-    let s = rng::sign_pattern(seed, x.shape()[1]);
+    let s = signs(py, seed, x.shape()[1])?;
     rows_op(py, x, move |r| wht::rotate(r, &s))
 }
 
@@ -54,9 +74,9 @@ pub fn rotate_rows<'py>(
 pub fn inverse_rotate_rows<'py>(
     py: Python<'py>,
     y: PyReadonlyArray2<'py, f32>,
-    seed: u64,
+    seed: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-    let s = rng::sign_pattern(seed, y.shape()[1]);
+    let s = signs(py, seed, y.shape()[1])?;
     rows_op(py, y, move |r| wht::inverse_rotate(r, &s))
 }
 
@@ -64,8 +84,9 @@ pub fn inverse_rotate_rows<'py>(
 pub fn pack_bits<'py>(
     py: Python<'py>,
     values: PyReadonlyArray1<'py, u8>,
-    bits: u32,
+    bits: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyBytes>> {
+    let bits = width(py, bits)? as u32;
     let v = values
         .as_slice()
         .map_err(|_| invalid_input(py, "values must be contiguous"))?;
@@ -77,17 +98,22 @@ pub fn pack_bits<'py>(
 pub fn unpack_bits<'py>(
     py: Python<'py>,
     data: &[u8],
-    bits: u32,
-    count: usize,
+    bits: &Bound<'py, PyAny>,
+    count: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let bits = width(py, bits)? as u32;
+    // Any count the machine can address; what the bytes cannot hold is CorruptDataError.
+    let count: usize = convert::int_in(py, count, "count", 0, usize::MAX as i128)?;
     let out = run(py, || pack::unpack_bits(data, bits, count))?;
     Ok(PyArray1::from_vec(py, out))
 }
 
 #[pyfunction]
-pub fn centroids_gaussian<'py>(py: Python<'py>, bits: u8) -> PyResult<Bound<'py, PyArray1<f32>>> {
-    let c = quant::gaussian_centroids(bits).map_err(|e| to_py(py, e))?;
+pub fn centroids_gaussian<'py>(
+    py: Python<'py>,
+    bits: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let bits = width(py, bits)?;
+    let c = run(py, || quant::gaussian_centroids(bits))?;
     Ok(PyArray1::from_vec(py, c))
 }
-
-use numpy::PyUntypedArrayMethods;

@@ -1,11 +1,21 @@
 //! LSB-first bit packing (stage 5c): value i occupies stream bits `[i*b, (i+1)*b)`, bit 0 of
-//! the stream being the least significant bit of byte 0.
+//! the stream being the least significant bit of byte 0. Both containers pack through here:
+//! fixed widths ([`pack_bits`], `pack_wide`) and a row of per-value widths
+//! ([`pack_fields`], the calibrated mode's rows).
 
-use crate::error::{corrupt, param, Result};
+use crate::error::{param, Error, Result};
 
-/// Bytes needed for `count` values of `bits` bits.
+/// Bytes needed for `count` values of `bits` bits; for sizes the codec itself chose (a caller
+/// or a container's sizes go through [`checked_packed_len`]).
 pub fn packed_len(count: usize, bits: u32) -> usize {
     (count * bits as usize).div_ceil(8)
+}
+
+/// [`packed_len`], `None` when `count * bits` overflows.
+pub fn checked_packed_len(count: usize, bits: u32) -> Option<usize> {
+    count
+        .checked_mul(bits as usize)
+        .map(|total| total.div_ceil(8))
 }
 
 fn check_width(bits: u32) -> Result<()> {
@@ -66,15 +76,17 @@ fn pack_groups<const B: usize>(values: &[u8], out: &mut [u8]) {
 }
 
 fn pack_tail(values: &[u8], bits: u32, out: &mut [u8]) {
-    pack_serial(values.iter().map(|&v| v as u32), bits, out);
+    pack_fields(values.iter().map(|&v| (v as u32, bits)), out);
 }
 
-/// Bit-serial LSB-first packing of values of `bits` bits (1..=32) into a zeroed buffer.
-fn pack_serial(values: impl Iterator<Item = u32>, bits: u32, out: &mut [u8]) {
+/// Bit-serial LSB-first packing of `(value, width)` pairs, widths 0..=32, into a zeroed buffer
+/// of at least `ceil(sum of widths / 8)` bytes. Value `i` occupies the stream bits after those
+/// of the values before it.
+pub fn pack_fields(values: impl Iterator<Item = (u32, u32)>, out: &mut [u8]) {
     let mut acc: u64 = 0;
     let mut nacc: u32 = 0;
     let mut o = 0;
-    for v in values {
+    for (v, bits) in values {
         acc |= (v as u64) << nacc;
         nacc += bits;
         while nacc >= 8 {
@@ -89,38 +101,43 @@ fn pack_serial(values: impl Iterator<Item = u32>, bits: u32, out: &mut [u8]) {
     }
 }
 
-/// Bit-serial LSB-first unpacking; `f` receives each value in order.
-fn unpack_serial(buf: &[u8], bits: u32, count: usize, mut f: impl FnMut(u32)) {
-    let mask = if bits == 32 {
-        u32::MAX as u64
-    } else {
-        (1u64 << bits) - 1
-    };
+/// The inverse of [`pack_fields`]: value `i` of width `widths[i]` (0..=32) is written to
+/// `out[i]` through `conv`; `buf` must hold at least `ceil(sum of widths / 8)` bytes.
+#[inline]
+pub fn unpack_fields<T>(
+    buf: &[u8],
+    widths: impl Iterator<Item = u32>,
+    out: &mut [T],
+    conv: impl Fn(u32) -> T,
+) {
     let mut acc: u64 = 0;
     let mut nacc: u32 = 0;
     let mut i = 0;
-    for _ in 0..count {
+    for (bits, o) in widths.zip(out.iter_mut()) {
         while nacc < bits {
             acc |= (buf[i] as u64) << nacc;
             i += 1;
             nacc += 8;
         }
-        f((acc & mask) as u32);
+        *o = conv((acc & ((1u64 << bits) - 1)) as u32);
         acc >>= bits;
         nacc -= bits;
     }
 }
 
-/// Unpacks `count` values of `bits` bits; `buf` must hold at least `packed_len(count, bits)` bytes.
+/// Unpacks `count` values of `bits` bits; `buf` must hold at least `packed_len(count, bits)`
+/// bytes (checked, so the output is bounded by the input: `count <= 8 * buf.len() / bits`).
 pub fn unpack_bits(buf: &[u8], bits: u32, count: usize) -> Result<Vec<u8>> {
     check_width(bits)?;
-    let need = packed_len(count, bits);
-    if buf.len() < need {
-        return corrupt(format!(
-            "{count} values of {bits} bits need {need} bytes, got {}",
-            buf.len()
-        ));
-    }
+    let need = checked_packed_len(count, bits)
+        .filter(|&need| need <= buf.len())
+        .ok_or_else(|| {
+            Error::Corrupt(format!(
+                "{count} values of {bits} bits need more than the {} bytes given",
+                buf.len()
+            ))
+        })?;
+    debug_assert!(need <= buf.len());
     let mut out = vec![0u8; count];
     unpack_into(buf, bits, &mut out);
     Ok(out)
@@ -154,29 +171,26 @@ fn unpack_groups<const B: usize>(buf: &[u8], out: &mut [u8]) {
 }
 
 fn unpack_tail(buf: &[u8], bits: u32, out: &mut [u8]) {
-    let mut it = out.iter_mut();
-    unpack_serial(buf, bits, it.len(), |v| {
-        if let Some(o) = it.next() {
-            *o = v as u8;
-        }
-    });
+    let n = out.len();
+    unpack_fields(buf, std::iter::repeat_n(bits, n), out, |v| v as u8);
 }
 
-/// Packs u32 values of `bits` bits (1..=32) LSB-first; used for outlier positions and segment ids.
+/// Packs u32 values of `bits` bits (0..=32) LSB-first; used for outlier positions and segment ids.
 pub(crate) fn pack_wide(values: &[u32], bits: u32) -> Vec<u8> {
     let mut out = vec![0u8; packed_len(values.len(), bits)];
     if bits > 0 {
-        pack_serial(values.iter().copied(), bits, &mut out);
+        pack_fields(values.iter().map(|&v| (v, bits)), &mut out);
     }
     out
 }
 
+/// Unpacks `count` u32 values of `bits` bits (0..=32); `buf` must hold `packed_len` bytes.
 pub(crate) fn unpack_wide(buf: &[u8], bits: u32, count: usize) -> Vec<u32> {
     if bits == 0 {
         return vec![0; count];
     }
-    let mut out = Vec::with_capacity(count);
-    unpack_serial(buf, bits, count, |v| out.push(v));
+    let mut out = vec![0; count];
+    unpack_fields(buf, std::iter::repeat_n(bits, count), &mut out, |v| v);
     out
 }
 
@@ -233,6 +247,28 @@ mod tests {
             let p = pack_bits(&vals, bits).unwrap();
             prop_assert_eq!(p.len(), packed_len(vals.len(), bits));
             prop_assert_eq!(unpack_bits(&p, bits, vals.len()).unwrap(), vals);
+        }
+
+        #[test]
+        fn mixed_widths_round_trip(raw in proptest::collection::vec((any::<u32>(), 0u32..=32), 0..100)) {
+            let vals: Vec<(u32, u32)> = raw
+                .iter()
+                .map(|&(v, b)| (if b == 32 { v } else { v & ((1u32 << b) - 1) }, b))
+                .collect();
+            let total: u32 = vals.iter().map(|v| v.1).sum();
+            let mut buf = vec![0u8; (total as usize).div_ceil(8)];
+            pack_fields(vals.iter().copied(), &mut buf);
+            let mut back = vec![0u32; vals.len()];
+            unpack_fields(&buf, vals.iter().map(|v| v.1), &mut back, |v| v);
+            prop_assert_eq!(back, vals.iter().map(|v| v.0).collect::<Vec<_>>());
+            // The same stream as packing each value's bits one by one, LSB-first.
+            let mut bits = Vec::new();
+            for &(v, b) in &vals {
+                bits.extend((0..b).map(|k| (v >> k) & 1));
+            }
+            for (k, &bit) in bits.iter().enumerate() {
+                prop_assert_eq!(((buf[k / 8] >> (k % 8)) & 1) as u32, bit);
+            }
         }
 
         #[test]

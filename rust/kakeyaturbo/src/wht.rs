@@ -6,11 +6,14 @@
 //! (96 = 64 + 32, 100 = 64 + 32 + 4), and each band is rotated by its own Sylvester Hadamard
 //! matrix. When `d_eff` is a power of two this is the single W-point transform.
 
+use std::ops::{Add, Sub};
+
 /// In-place unnormalised Sylvester-Hadamard transform, iterative radix-2 butterfly:
 /// for h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) on pairs (j, j + h).
-/// The order of additions is part of the format (GPU kernels mirror it).
+/// The order of additions is part of the format (GPU kernels mirror it). Generic so that the
+/// decoders' f64 fallback (values beyond the float32 range) runs the same butterfly.
 #[inline(always)]
-pub fn fwht(x: &mut [f32]) {
+pub fn fwht<T: Copy + Add<Output = T> + Sub<Output = T>>(x: &mut [T]) {
     let n = x.len();
     debug_assert!(n.is_power_of_two() || n == 0);
     let mut h = 1;

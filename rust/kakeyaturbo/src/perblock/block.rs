@@ -1,10 +1,12 @@
 //! One block through stages 1-5 and back (the per-block mode).
 
-use crate::error::{input, Result};
+use super::params::{CodecParams, Metric, SkeletonDtype};
+use crate::error::{corrupt, input, Result};
 use crate::f16::{round_f16, ScaledF16};
 use crate::kmeans;
+use crate::limits::{all_finite, max_abs, saturate, size, MAX_DIM, SAFE_F32};
+use crate::metric::least_squares_gain;
 use crate::pack::{index_bits, pack_into, packed_len, unpack_into};
-use crate::params::{CodecParams, Metric, SkeletonDtype};
 use crate::pca::{self, normalised_weights};
 use crate::quant::Quantizer;
 use crate::rng::{sign_pattern, SplitMix64, STREAM_SKETCH};
@@ -12,6 +14,7 @@ use crate::wht::{self, bands};
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The stored skeleton of a block; every value is already rounded to its stored precision,
@@ -24,9 +27,10 @@ pub struct Skeleton {
     pub dtype: SkeletonDtype,
     /// Shared exponent of the fp16 mean (0 for fp32).
     pub mean_exp: i8,
-    pub mean: Vec<f32>,
-    /// `d_eff x d`, row-major.
-    pub basis: Vec<f32>,
+    /// Shared with every block of a `share_basis` layer, never copied per block.
+    pub mean: Arc<Vec<f32>>,
+    /// `d_eff x d`, row-major; shared like `mean`.
+    pub basis: Arc<Vec<f32>>,
     /// `k_eff x d_eff`, row-major, unit rows (before rounding).
     pub centers: Vec<f32>,
 }
@@ -106,30 +110,6 @@ fn mul_abt(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
     kmeans::dots(a, b, d, out)
 }
 
-/// Dot product in f32 with 8 interleaved partial sums (lane `j mod 8`), added pairwise at the
-/// end: a fixed order that vectorises.
-#[inline(always)]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-        acc[l] += x * y;
-    }
-    let s4 = [
-        acc[0] + acc[4],
-        acc[1] + acc[5],
-        acc[2] + acc[6],
-        acc[3] + acc[7],
-    ];
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
-}
-
 /// Rounds a float to the skeleton precision.
 fn round_to(dtype: SkeletonDtype, v: f32) -> f32 {
     match dtype {
@@ -149,14 +129,15 @@ pub fn round_mean(dtype: SkeletonDtype, mean: &[f32]) -> (i8, Vec<f32>) {
     }
 }
 
-/// A fitted mean and basis, rounded: the part of a skeleton `share_basis` shares.
+/// A fitted mean and basis, rounded: the part of a skeleton `share_basis` shares (cloning it
+/// shares the vectors).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Basis {
     pub d: usize,
     pub d_eff: usize,
     pub mean_exp: i8,
-    pub mean: Vec<f32>,
-    pub basis: Vec<f32>,
+    pub mean: Arc<Vec<f32>>,
+    pub basis: Arc<Vec<f32>>,
 }
 
 /// Stage 1a on rows `x` (`n x d`): PCA, rounded to the stored precision.
@@ -184,12 +165,13 @@ pub fn fit_basis(
         d,
         d_eff: f.d_eff,
         mean_exp,
-        mean,
-        basis: f
-            .basis
-            .iter()
-            .map(|&v| round_to(p.skeleton_dtype, v))
-            .collect(),
+        mean: Arc::new(mean),
+        basis: Arc::new(
+            f.basis
+                .iter()
+                .map(|&v| round_to(p.skeleton_dtype, v))
+                .collect(),
+        ),
     })
 }
 
@@ -199,7 +181,7 @@ pub fn project(x: &[f32], basis: &Basis) -> Vec<f32> {
     let n = x.len() / d;
     let mut xc = x.to_vec();
     for row in xc.chunks_exact_mut(d) {
-        for (v, m) in row.iter_mut().zip(&basis.mean) {
+        for (v, m) in row.iter_mut().zip(basis.mean.iter()) {
             *v -= m;
         }
     }
@@ -302,7 +284,7 @@ fn residuals(r: &mut [f32], de: usize, t_hat: &[f32], seg: &[u32], centers: &[f3
             for (v, &cv) in row.iter_mut().zip(&centers[sg * de..(sg + 1) * de]) {
                 *v -= t_hat[i] * cv;
             }
-            dot(row, row).sqrt()
+            crate::metric::dot(row, row).sqrt()
         })
         .collect()
 }
@@ -349,12 +331,11 @@ fn code_rows(
                 }
             }
         }
-        let qq = dot(&qv, &qv);
-        if ip && qq > 0.0 {
-            gains.push(s_hat[i] * (dot(z, &qv) / qq));
+        gains.push(if ip {
+            least_squares_gain(s_hat[i], z, &qv)
         } else {
-            gains.push(s_hat[i]);
-        }
+            s_hat[i]
+        });
     }
 }
 
@@ -449,7 +430,10 @@ fn unrotate_rows(
     }
 }
 
-/// Decodes a block into `out` (`n x d`, row-major).
+/// Decodes a block into `out` (`n x d`, row-major), in float32. A block whose result is not
+/// finite (stored `t` or scales beyond the float32 range, as rows near `f32::MAX` give) is
+/// decoded again in f64, each value saturating at `+-f32::MAX`; every value written is finite
+/// or the block is an error.
 pub fn decode_block(
     skel: &Skeleton,
     codes: &BlockCodes,
@@ -457,7 +441,7 @@ pub fn decode_block(
     q: &Quantizer,
     rot: &Rotation,
     out: &mut [f32],
-) {
+) -> Result<()> {
     let (n, de, d) = (codes.n, skel.d_eff, skel.d);
     let mut idx = vec![0u8; n * de];
     unpack_into(&codes.residual, bit_width as u32, &mut idx);
@@ -483,12 +467,167 @@ pub fn decode_block(
         1.0,
         Par::Seq,
     );
+    // Every input is finite, so only an overflow can make the result non-finite: skip the
+    // scan of the output when the bound rules that out (always, for ordinary data).
+    if decode_bound(skel, codes, q) <= SAFE_F32 || all_finite(out) {
+        return Ok(());
+    }
+    decode_block_wide(skel, codes, &idx, q, rot, out);
+    if all_finite(out) {
+        Ok(())
+    } else {
+        corrupt("a block decodes to values that are not finite")
+    }
+}
+
+/// An upper bound on every intermediate of the float32 decode of a block, each listed (a
+/// bound that skips one lets a product with 0 turn an overflow into NaN): the decoded `t` and
+/// scales; `|q| <= qmax` times `scale / f_b <= smax` (`f_b >= 1`); the butterfly's sums of at
+/// most `d_eff` such terms; `|c| <= tmax |centre| + qmax smax`; and `x`'s partial sums,
+/// `|mu| + d_eff |U| |c|`.
+pub(crate) fn decode_bound(skel: &Skeleton, codes: &BlockCodes, q: &Quantizer) -> f64 {
+    let qmax = if codes.outlier_val.is_empty() {
+        max_abs(q.centroids())
+    } else {
+        max_abs(q.centroids()).max(65504.0)
+    };
+    let de = skel.d_eff as f64;
+    let (tmax, smax) = (codes.t.max_abs_f64(), codes.scale.max_abs_f64());
+    let r = qmax * smax;
+    let c = tmax * max_abs(&skel.centers) + r;
+    [
+        tmax,
+        smax,
+        de * r,
+        c,
+        max_abs(&skel.mean) + de * max_abs(&skel.basis) * c,
+    ]
+    .into_iter()
+    .fold(0f64, f64::max)
+}
+
+/// [`decode_block`] in f64: every stored value is finite and at most `32768 * 2^127`, so no
+/// intermediate overflows; the result saturates to the float32 range.
+#[cold]
+#[inline(never)]
+fn decode_block_wide(
+    skel: &Skeleton,
+    codes: &BlockCodes,
+    idx: &[u8],
+    q: &Quantizer,
+    rot: &Rotation,
+    out: &mut [f32],
+) {
+    let (de, d) = (skel.d_eff, skel.d);
+    let mut c: Vec<f64> = idx
+        .iter()
+        .map(|&i| q.dequantize(i & (q.centroids().len() - 1) as u8) as f64)
+        .collect();
+    for (&pos, &v) in codes.outlier_pos.iter().zip(&codes.outlier_val) {
+        c[pos as usize] = f16::from_bits(v).to_f64();
+    }
+    let mut x = vec![0f64; d];
+    for (i, (row, o)) in c
+        .chunks_exact_mut(de)
+        .zip(out.chunks_exact_mut(d))
+        .enumerate()
+    {
+        let (si, ti) = (codes.scale.value_f64(i), codes.t.value_f64(i));
+        for &(off, w, f) in &rot.bands {
+            let band = &mut row[off..off + w];
+            band.iter_mut().for_each(|v| *v *= si / f as f64);
+            wht::fwht(band);
+            for (v, &sg) in band.iter_mut().zip(&rot.signs[off..off + w]) {
+                *v = *v * sg as f64 / w as f64;
+            }
+        }
+        let sg = codes.seg[i] as usize;
+        for (v, &cv) in row.iter_mut().zip(&skel.centers[sg * de..(sg + 1) * de]) {
+            *v += ti * cv as f64;
+        }
+        x.iter_mut()
+            .zip(skel.mean.iter())
+            .for_each(|(a, &m)| *a = m as f64);
+        for (&cj, uj) in row.iter().zip(skel.basis.chunks_exact(d)) {
+            x.iter_mut().zip(uj).for_each(|(a, &u)| *a += cj * u as f64);
+        }
+        o.iter_mut().zip(&x).for_each(|(o, &v)| *o = saturate(v));
+    }
+}
+
+/// Checks a skeleton and codes that did not come from the container reader (a parts dict):
+/// every length, index and stored value, so that decoding them can neither panic nor produce
+/// NaN. Errors are [`crate::Error::InvalidInput`].
+pub fn check_parts(skel: &Skeleton, codes: &BlockCodes, bit_width: u8) -> Result<()> {
+    let (n, d, de, k) = (codes.n, skel.d, skel.d_eff, skel.k_eff);
+    if n == 0 || d == 0 || de == 0 || de > d || d > MAX_DIM || k == 0 || k > n {
+        return input(format!(
+            "inconsistent parts: n = {n}, d = {d}, d_eff = {de}, k = {k} (need 1 <= d_eff <= \
+             d <= {MAX_DIM}, 1 <= k <= n)"
+        ));
+    }
+    let len = |what: &str, got: usize, want: usize| -> Result<()> {
+        if got == want {
+            Ok(())
+        } else {
+            input(format!("{what} has {got} values, expected {want}"))
+        }
+    };
+    len("mean", skel.mean.len(), d)?;
+    len("basis", skel.basis.len(), size(de, d, "basis")?)?;
+    len("centers", skel.centers.len(), size(k, de, "centers")?)?;
+    for (what, v) in [
+        ("mean", &skel.mean[..]),
+        ("basis", &skel.basis[..]),
+        ("centers", &skel.centers[..]),
+    ] {
+        if v.iter().any(|x| !x.is_finite()) {
+            return input(format!("{what} holds a non-finite value"));
+        }
+    }
+    len("seg_id", codes.seg.len(), n)?;
+    if codes.seg.iter().any(|&s| s as usize >= k) {
+        return input(format!("seg_id out of range (k = {k})"));
+    }
+    len("t_bits", codes.t.bits.len(), n)?;
+    len("norm_bits", codes.scale.bits.len(), n)?;
+    for (what, v) in [("t", &codes.t), ("norm", &codes.scale)] {
+        v.check(what).map_err(|e| match e {
+            crate::Error::Corrupt(m) => crate::Error::InvalidInput(m),
+            e => e,
+        })?;
+    }
+    let cells = size(n, de, "codes")?;
+    let want = crate::pack::checked_packed_len(cells, bit_width as u32)
+        .ok_or_else(|| crate::Error::InvalidInput("size of residual_packed overflows".into()))?;
+    if codes.residual.len() != want {
+        return input(format!(
+            "residual_packed has {} bytes, expected {want} ({n} x {de} values of {bit_width} bits)",
+            codes.residual.len()
+        ));
+    }
+    len(
+        "outlier_bits",
+        codes.outlier_val.len(),
+        codes.outlier_pos.len(),
+    )?;
+    if codes.outlier_pos.iter().any(|&p| p as usize >= cells) {
+        return input(format!("outlier_pos out of range ({cells} cells)"));
+    }
+    if codes
+        .outlier_val
+        .iter()
+        .any(|&h| !f16::from_bits(h).is_finite())
+    {
+        return input("outlier_bits holds a non-finite fp16 value");
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::layer::{decode_layer, encode_layer};
     use super::*;
-    use crate::layer::{decode_layer, encode_layer};
     use crate::pca::PcaMethod;
     use crate::rng::SplitMix64;
     use proptest::prelude::*;
@@ -717,9 +856,9 @@ mod tests {
             prop_assert!(y.iter().all(|v| v.is_finite()));
             // Bounded error: never worse than replacing every row by zero, by a wide margin.
             prop_assert!(rel_err(&x, &y) < 1.5, "{}", rel_err(&x, &y));
-            let (bytes, parts) = crate::container::to_bytes(&e);
+            let (bytes, parts) = super::super::container::to_bytes(&e);
             prop_assert_eq!(bytes.len(), parts.total());
-            let back = crate::container::from_bytes(&bytes).unwrap();
+            let back = super::super::container::from_bytes(&bytes).unwrap();
             prop_assert_eq!(&back, &e);
         }
     }

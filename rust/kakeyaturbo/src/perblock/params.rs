@@ -1,48 +1,9 @@
-//! Codec parameters, their defaults and their checks.
+//! Parameters of the per-block mode, their defaults and their checks.
 
 use crate::error::{param, Result};
+pub use crate::metric::Metric;
 use crate::pca::PcaMethod;
 use crate::quant::{gaussian_centroids, Quantizer};
-
-/// How the per-vector scale of the rotated residual is chosen (stage 4). Every metric decodes
-/// with its stored scale; they differ only in which scale is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Metric {
-    /// Scale = |r|, the residual norm (coordinates of `z` have unit second moment).
-    Mse,
-    /// Scale = the least-squares gain `|r| <z, q> / <q, q>` between the scaled residual `z` and
-    /// its dequantised value `q`: it minimises |r - r_hat|^2 per vector, hence the expected
-    /// squared error of `q . k` for any isotropic query distribution.
-    InnerProduct,
-    /// An alias of `Mse`: no scale choice was found that measurably lowers the maximum absolute
-    /// error of the decoded vectors (see README, "Metrics").
-    Linf,
-}
-
-impl Metric {
-    pub fn code(self) -> u8 {
-        match self {
-            Metric::Mse => 0,
-            Metric::InnerProduct => 1,
-            Metric::Linf => 2,
-        }
-    }
-    pub fn from_code(c: u8) -> Option<Self> {
-        Some(match c {
-            0 => Metric::Mse,
-            1 => Metric::InnerProduct,
-            2 => Metric::Linf,
-            _ => return None,
-        })
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            Metric::Mse => "mse",
-            Metric::InnerProduct => "inner_product",
-            Metric::Linf => "linf",
-        }
-    }
-}
 
 /// Precision of the stored mean, basis and k-means centres.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,14 +97,22 @@ impl CodecParams {
         if self.rank_cap == Some(0) {
             return param("rank_cap must be >= 1");
         }
+        // Stored as u32 fields of the container.
+        let u32_max = u32::MAX as usize;
+        if self.rank_cap.is_some_and(|r| r > u32_max) {
+            return param("rank_cap must fit in 32 bits");
+        }
         if let PcaMethod::Randomized {
             target_rank,
+            oversample,
             power_iters,
-            ..
         } = self.pca_method
         {
             if target_rank == Some(0) {
                 return param("rsvd_target_rank must be >= 1");
+            }
+            if target_rank.is_some_and(|t| t > u32_max) || oversample > u32_max {
+                return param("rsvd_target_rank and rsvd_oversample must fit in 32 bits");
             }
             if power_iters > MAX_POWER_ITERS {
                 return param(format!("rsvd_power_iters must be <= {MAX_POWER_ITERS}"));

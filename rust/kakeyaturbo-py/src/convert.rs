@@ -1,0 +1,204 @@
+//! Python values to Rust values and back, checked once here: arrays (borrowed, contiguous),
+//! integers and floats (a wrong type is `TypeError`; an int or float out of range is
+//! `InvalidParameterError` naming the parameter and its range), and the entries of a parts
+//! dict.
+
+use crate::errors::{invalid_input, invalid_parameter, type_error};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use pyo3::exceptions::PyOverflowError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyString};
+
+/// Borrows a C-contiguous float32 matrix (the Python wrapper has already made it one).
+pub fn matrix<'a>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArray2<'_, f32>,
+) -> PyResult<(&'a [f32], usize, usize)> {
+    let shape = a.shape();
+    let s = a
+        .as_slice()
+        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
+    Ok((s, shape[0], shape[1]))
+}
+
+pub fn to_array2<'py>(
+    py: Python<'py>,
+    v: Vec<f32>,
+    n: usize,
+    d: usize,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    PyArray1::from_vec(py, v).reshape([n, d])
+}
+
+pub fn to_array2_u8<'py>(
+    py: Python<'py>,
+    v: Vec<u8>,
+    n: usize,
+    d: usize,
+) -> PyResult<Bound<'py, PyArray2<u8>>> {
+    PyArray1::from_vec(py, v).reshape([n, d])
+}
+
+pub fn vec1<'py, T: numpy::Element>(py: Python<'py>, v: Vec<T>) -> Bound<'py, PyArray1<T>> {
+    PyArray1::from_vec(py, v)
+}
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// A short rendering of a value for a message (huge ints are cut).
+fn shown(v: &Bound<'_, PyAny>) -> String {
+    let s = v.repr().map(|r| r.to_string()).unwrap_or_default();
+    if s.len() > 40 {
+        format!("{}... ({} digits)", &s[..20], s.len())
+    } else {
+        s
+    }
+}
+
+/// An integer argument (a Python int or numpy integer; not a bool, float or str) in
+/// `lo..=hi`, converted to `T`.
+pub fn int_in<T: TryFrom<i128>>(
+    py: Python<'_>,
+    v: &Bound<'_, PyAny>,
+    what: &str,
+    lo: i128,
+    hi: i128,
+) -> PyResult<T> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(type_error(format!("{what} must be an int, got bool")));
+    }
+    let out_of_range = || {
+        invalid_parameter(
+            py,
+            format!("{what} must be in {lo}..={hi}, got {}", shown(v)),
+        )
+    };
+    match v.extract::<i128>() {
+        Ok(x) if (lo..=hi).contains(&x) => T::try_from(x).map_err(|_| out_of_range()),
+        Ok(_) => Err(out_of_range()),
+        // An int too large even for 128 bits.
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(out_of_range()),
+        Err(_) => Err(type_error(format!(
+            "{what} must be an int, got {}",
+            type_name(v)
+        ))),
+    }
+}
+
+/// A 64-bit seed: an int in `0..=2**64 - 1`.
+pub fn seed(py: Python<'_>, v: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    int_in(py, v, what, 0, u64::MAX as i128)
+}
+
+/// `threads`: `None`, or an int >= 1; counts above the number of cores are capped by the core
+/// (`kakeyaturbo::threads`).
+pub fn threads(py: Python<'_>, v: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    match v {
+        None => Ok(None),
+        Some(v) if v.is_none() => Ok(None),
+        Some(v) => {
+            if v.is_instance_of::<PyBool>() {
+                return Err(type_error("threads must be an int, got bool"));
+            }
+            match v.extract::<i128>() {
+                Ok(t) if t >= 1 => Ok(Some(usize::try_from(t).unwrap_or(usize::MAX))),
+                Ok(t) => Err(invalid_parameter(
+                    py,
+                    format!("threads must be >= 1, got {t}"),
+                )),
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+                    // Beyond 128 bits: positive ones are capped like any large count.
+                    if v.gt(0)? {
+                        Ok(Some(usize::MAX))
+                    } else {
+                        Err(invalid_parameter(py, "threads must be >= 1"))
+                    }
+                }
+                Err(_) => Err(type_error(format!(
+                    "threads must be an int, got {}",
+                    type_name(v)
+                ))),
+            }
+        }
+    }
+}
+
+/// A real number (int or float, not bool or str); an int too large for a double is out of
+/// range.
+pub fn float(py: Python<'_>, v: &Bound<'_, PyAny>, what: &str) -> PyResult<f64> {
+    if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyString>() {
+        return Err(type_error(format!(
+            "{what} must be a float, got {}",
+            type_name(v)
+        )));
+    }
+    match v.extract::<f64>() {
+        Ok(x) => Ok(x),
+        Err(e) if e.is_instance_of::<PyOverflowError>(py) => Err(invalid_parameter(
+            py,
+            format!("{what} = {} is beyond the float range", shown(v)),
+        )),
+        Err(_) => Err(type_error(format!(
+            "{what} must be a float, got {}",
+            type_name(v)
+        ))),
+    }
+}
+
+/// `parts[key]`; a missing key is a `TypeError` (the dict is not a parts dict).
+pub fn item<'py>(parts: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    parts
+        .get_item(key)?
+        .ok_or_else(|| type_error(format!("parts is missing {key:?}")))
+}
+
+/// An integer entry of a parts dict in `lo..=hi`.
+pub fn int_item<T: TryFrom<i128>>(
+    py: Python<'_>,
+    parts: &Bound<'_, PyDict>,
+    key: &str,
+    lo: i128,
+    hi: i128,
+) -> PyResult<T> {
+    int_in(py, &item(parts, key)?, &format!("parts[{key:?}]"), lo, hi)
+}
+
+/// An array entry of a parts dict with exactly `len` values of type `T` (any shape).
+pub fn arr<T: numpy::Element + Copy>(
+    py: Python<'_>,
+    parts: &Bound<'_, PyDict>,
+    key: &str,
+    len: usize,
+    expected: &str,
+) -> PyResult<Vec<T>> {
+    let v = any_arr::<T>(parts, key)?;
+    if v.len() != len {
+        return Err(invalid_input(
+            py,
+            format!(
+                "parts[{key:?}] has {} values, expected {expected} = {len}",
+                v.len()
+            ),
+        ));
+    }
+    Ok(v)
+}
+
+/// An array entry of a parts dict, any length.
+pub fn any_arr<T: numpy::Element + Copy>(parts: &Bound<'_, PyDict>, key: &str) -> PyResult<Vec<T>> {
+    let a = item(parts, key)?;
+    let a = a.cast_into::<numpy::PyArrayDyn<T>>().map_err(|_| {
+        type_error(format!(
+            "parts[{key:?}] must be a numpy array of {}",
+            std::any::type_name::<T>()
+        ))
+    })?;
+    let ro = a.readonly();
+    let v: Vec<T> = ro.as_array().iter().copied().collect();
+    Ok(v)
+}

@@ -1,0 +1,15 @@
+//! The per-block mode: a skeleton (mean, PCA basis, k-means centres) is fitted for every block
+//! of rows and stored with it, so a container decodes with nothing but its own bytes.
+//!
+//! Arrows run one way: [`params`] (the checked parameters) -> [`block`] (one block through
+//! stages 1-5 and back) -> [`layer`] (a `[N, D]` tensor cut into blocks, coded in parallel) ->
+//! [`container`] (the `KKYT` bytes).
+
+pub mod block;
+pub mod container;
+pub mod layer;
+pub mod params;
+
+pub use container::{from_bytes, to_bytes, ByteBreakdown};
+pub use layer::{decode_layer, encode_layer, EncodedLayer};
+pub use params::{CodecParams, SkeletonDtype};

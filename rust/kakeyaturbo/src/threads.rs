@@ -1,0 +1,98 @@
+//! Thread pools: a bounded set, so that no sequence of calls can pile up OS threads.
+//!
+//! `threads = None` runs on rayon's global pool (one thread per core, or `RAYON_NUM_THREADS`).
+//! `Some(t)` is capped at the number of cores ([`max_threads`]); the cap itself runs on the
+//! global pool, and smaller counts on a pool of exactly that many threads, built once and
+//! cached. At most [`MAX_CACHED_POOLS`] such pools are kept (the least recently used one is
+//! dropped; its threads end when its last job does), so the process never holds more than
+//! `max_threads() * (1 + MAX_CACHED_POOLS)` codec threads. The bytes never depend on the
+//! thread count.
+
+use crate::error::{param, Result};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Pools of distinct sizes kept alive besides the global pool.
+pub const MAX_CACHED_POOLS: usize = 4;
+
+/// The largest useful thread count: the machine's available parallelism.
+pub fn max_threads() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    })
+}
+
+type Pools = Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>;
+
+/// A pool of `threads` threads (`1 <= threads < max_threads()`), from the cache if it holds
+/// one; `None` if the operating system refuses the threads (the caller then uses the global
+/// pool).
+fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
+    static POOLS: OnceLock<Pools> = OnceLock::new();
+    let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
+    let mut g = pools.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = g.iter().position(|(t, _)| *t == threads) {
+        let hit = g.remove(i);
+        let p = hit.1.clone();
+        g.push(hit);
+        return Some(p);
+    }
+    let p = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kakeyaturbo-{i}"))
+            .build()
+            .ok()?,
+    );
+    g.push((threads, p.clone()));
+    let evicted = if g.len() > MAX_CACHED_POOLS {
+        Some(g.remove(0))
+    } else {
+        None
+    };
+    drop(g);
+    drop(evicted);
+    Some(p)
+}
+
+/// Runs `f` on `threads` threads (`None`: rayon's global pool; see the module docs for the
+/// cap). `Some(0)` is an error.
+pub fn with_threads<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> Result<R> {
+    match threads {
+        None => Ok(f()),
+        Some(0) => param("threads must be >= 1"),
+        Some(t) if t >= max_threads() => Ok(f()),
+        Some(t) => match cached_pool(t) {
+            Some(p) => Ok(p.install(f)),
+            None => Ok(f()),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_are_capped_and_pools_bounded() {
+        assert!(with_threads(Some(0), || ()).is_err());
+        assert_eq!(
+            with_threads(Some(1), rayon::current_num_threads).unwrap(),
+            1
+        );
+        let global = rayon::current_num_threads();
+        assert_eq!(
+            with_threads(Some(1 << 40), rayon::current_num_threads).unwrap(),
+            global
+        );
+        for t in 1..40 {
+            let got = with_threads(Some(t), rayon::current_num_threads).unwrap();
+            assert!(
+                got == t.min(max_threads() - 1).max(1) || got == global,
+                "{t}: {got}"
+            );
+        }
+    }
+}
