@@ -1,0 +1,58 @@
+"""The statistics collected through the attention interface equal, on Llama and Qwen2, those the
+earlier forward hooks on q_proj/k_proj/v_proj gave (``legacy_collect``), to float rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kakeyaturbo import calibration  # noqa: E402
+
+from . import legacy_collect  # noqa: E402
+
+T, HQ, HKV, D = 40, 4, 2, 16
+
+
+def _model(kind: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=HQ, num_key_value_heads=HKV, max_position_embeddings=256)
+    if kind == "qwen2":  # biased q/k/v projections
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=D, **common)).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request):
+    g = np.random.default_rng(0)
+    return _model(request.param), [list(g.integers(0, 97, T)) for _ in range(3)]
+
+
+def _close(a: np.ndarray, b: np.ndarray, name: str, rtol: float = 2e-5) -> None:
+    scale = max(float(np.abs(b).max()), 1e-30)
+    err = float(np.abs(a - b).max()) / scale
+    assert err <= rtol, f"{name}: max error {err:.2e} of the largest entry"
+
+
+@pytest.mark.parametrize("weighting", ["attention", "uniform"])
+def test_statistics_equal_the_hooks(tiny, weighting) -> None:
+    model, windows = tiny
+    new = calibration.collect(model, windows, n_sink=1, samples=25, weighting=weighting)
+    old = legacy_collect.collect(model, windows, n_sink=1, samples=25, weighting=weighting)
+    for name in calibration.AttentionStats.ARRAYS:
+        a, b = getattr(new, name), getattr(old, name)
+        assert a.shape == b.shape, name
+        _close(a, b, name)
+    assert new.meta["weighting"] == weighting
+
+
+def test_sensitivity_equals_the_hooks(tiny) -> None:
+    model, windows = tiny
+    new = calibration.collect_sensitivity(model, windows[:2], n_sink=1, score=8)
+    old = legacy_collect.collect_sensitivity(model, windows[:2], n_sink=1, score=8)
+    for s in ("k", "v"):
+        _close(new.of(s), old.of(s), s, rtol=1e-4)
+    assert all(p.requires_grad for p in model.parameters())
