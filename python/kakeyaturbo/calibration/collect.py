@@ -1,6 +1,9 @@
-"""Statistics collected from a model (torch): forward hooks on the attention projections for
-the moments (`collect`), and gradients at the cached rows for the sensitivity
-(`collect_sensitivity`)."""
+"""Statistics collected from a model (torch), for any decoder family: every layer's queries, keys
+and values are seen as the model hands them to attention (after any q/k norm, after RoPE;
+:class:`kakeyaturbo.families.AttentionCapture`) and RoPE is removed with the layer's own rotary
+module, so the statistics are those of what goes into RoPE. `collect` gathers the moments (and
+the attention weights the model computes anyway), `collect_sensitivity` the gradients at the
+cached rows."""
 
 from __future__ import annotations
 
@@ -11,25 +14,25 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from ..errors import InvalidParameterError
+from ..families import AttentionCapture, describe, output_projection
+from ..families import attention_modules as _attention_modules
+from ..families.capture import positions as call_positions
 from .stats import AttentionStats, Sensitivity
+
+#: Where the statistics are taken (recorded in their meta, part of the calibration cache key).
+CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, v as cached"
 
 
 def attention_modules(model: Any) -> List[Any]:
-    """The self-attention modules of a Llama/Qwen2-style model, in layer order."""
-    try:
-        layers = model.model.layers
-    except AttributeError as e:
-        raise InvalidParameterError("calibration needs a decoder with model.model.layers") from e
-    out = []
-    for i, layer in enumerate(layers):
-        a = getattr(layer, "self_attn", None)
-        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise InvalidParameterError(f"layer {i} has no Llama/Qwen2-style self_attn")
-        if hasattr(a, "k_norm") or hasattr(a, "q_norm"):
-            raise InvalidParameterError(
-                f"layer {i} normalises q/k after the projection (Qwen3-style); not supported")
-        out.append(a)
-    return out
+    """The self-attention modules of a decoder, in layer order (one per layer, or
+    UnsupportedModelError naming the model type)."""
+    layout = describe(model)
+    mods = _attention_modules(model)
+    if sorted(mods) != list(range(layout.num_layers)):
+        raise InvalidParameterError(
+            f"model type {layout.model_type!r}: attention modules found for layers {sorted(mods)}, "
+            f"expected 0 .. {layout.num_layers - 1}")
+    return [mods[i] for i in range(layout.num_layers)]
 
 
 @dataclass
@@ -56,87 +59,90 @@ class _Acc:
         return mean, self.s2 / self.n - np.outer(mean, mean)
 
 
+def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
+    layout = describe(model)
+    rope = layout.require_rope()
+    hq, hkv, d = layout.uniform_heads()
+    return rope, layout.num_layers, hq, hkv, d
+
+
+def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
+    """``x [1, H, T, D]`` after RoPE -> float64 before it."""
+    r = rope.layer(layer)
+    x = x.detach().double()
+    return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
+
+
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
             meta: Optional[Dict[str, Any]] = None) -> AttentionStats:
-    """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats`.
-    ``samples`` rows per (layer, kv-head) are drawn uniformly (seeded) from the positions
-    ``>= n_sink`` of all windows.
+    """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats` of its
+    queries, keys and values before RoPE (after q/k norms where the family has them). ``samples``
+    rows per (layer, kv-head) are drawn uniformly (seeded) from the positions ``>= n_sink`` of all
+    windows.
 
     ``weighting="attention"`` weighs what the errors cost: key and value ``j`` by
     ``sum_i p_ij^2`` and query ``i`` by ``sum_{j >= n_sink} p_ij^2`` (``p`` the attention
-    probabilities of the GQA group), since an error ``e_j`` reaches the output of query ``i``
-    through ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens
-    that draw attention are often atypical; unweighted moments (``"uniform"``) let the bits go
-    to the bulk of tokens that hardly matter.
+    probabilities of the GQA group, as the model computes them: sliding windows, softcapping),
+    since an error ``e_j`` reaches the output of query ``i`` through ``p_ij`` (values:
+    ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens that draw attention are often
+    atypical; unweighted moments (``"uniform"``) let the bits go to the bulk of tokens that
+    hardly matter. The attention runs through the family's eager function for the weights (one
+    forward pass per window); ``"uniform"`` through the model's own implementation.
+
+    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed or
+    whose layers differ in shape, InvalidParameterError on a bad ``weighting``.
     """
     import torch
 
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
-
-    cfg = model.config
-    attn = attention_modules(model)
-    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    rope, n_layers, hq, hkv, d = _shapes(model)
     group = hq // hkv
-    q2 = np.zeros((n_layers, hkv, d, d))
-    q_count = np.zeros((n_layers, hkv))
+    q2 = torch.zeros((n_layers, hkv, d, d), dtype=torch.float64)
+    q_count = torch.zeros((n_layers, hkv), dtype=torch.float64)
     k_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
     v_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
     rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
     total = rows_per_window * len(windows)
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
-    captured: Dict[Tuple[str, int], np.ndarray] = {}
+    sel: List[int] = []
 
-    def hook(kind: str, i: int) -> Callable[..., None]:
-        def f(_m: Any, _inp: Any, out: Any) -> None:
-            captured[(kind, i)] = out[0].detach().double().numpy()
-        return f
+    def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
+                attend: Any) -> Tuple[Any, Any]:
+        out, weights = attend(q, k, v)
+        t = q.shape[2]
+        qp = _pre_rope(rope, i, q, kwargs)[0].reshape(hkv, group * t, d)
+        if weighting == "attention":
+            p2 = weights[0].double().square().reshape(hkv, group, t, t)
+            wq = p2[..., n_sink:].sum(dim=-1).reshape(hkv, group * t)  # per query
+            wk = p2.sum(dim=(1, 2))[:, n_sink:].numpy()  # [hkv, t - n_sink] per key
+        else:
+            wq = torch.ones((hkv, group * t), dtype=torch.float64)
+            wk = None
+        q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
+        q_count[i] += wq.sum(dim=1)
+        for acc, x in ((k_acc, _pre_rope(rope, i, k, kwargs)), (v_acc, v.detach().double())):
+            x = x[0, :, n_sink:].numpy()  # [hkv, t - n_sink, d]
+            for h in range(hkv):
+                acc[i][h].add(x[h], None if wk is None else wk[h])
+                if sel:
+                    acc[i][h].samples.append(x[h, sel].astype(np.float32))
+        return out, weights
 
-    handles = []
-    for i, a in enumerate(attn):
-        for kind, mod in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj)):
-            handles.append(mod.register_forward_hook(hook(kind, i)))
-    attn_impl = getattr(model.config, "_attn_implementation", None)
-    if weighting == "attention":
-        model.set_attn_implementation("eager")  # the only one that returns the probabilities
-    try:
-        with torch.no_grad():
-            for w_i, w in enumerate(progress(windows)):
-                captured.clear()
-                out = model(input_ids=torch.tensor([list(w)]), use_cache=False,
-                            output_attentions=weighting == "attention")
-                t = len(w)
-                sel = [p - w_i * rows_per_window for p in pick
-                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-                for i in range(n_layers):
-                    q = captured[("q", i)].reshape(t, hkv, group, d)
-                    if weighting == "attention":
-                        p2 = out.attentions[i][0].double().numpy().reshape(hkv, group, t, t) ** 2
-                        wq = p2[..., n_sink:].sum(axis=-1)  # [hkv, group, t] per query
-                        wk = p2.sum(axis=(1, 2))[:, n_sink:]  # [hkv, t - n_sink] per key
-                    else:
-                        wq = np.ones((hkv, group, t))
-                        wk = None
-                    q2[i] += np.einsum("hgt,thga,thgb->hab", wq, q, q)
-                    q_count[i] += wq.sum(axis=(1, 2))
-                    for kind, acc in (("k", k_acc), ("v", v_acc)):
-                        x = captured[(kind, i)].reshape(t, hkv, d)[n_sink:]
-                        for h in range(hkv):
-                            acc[i][h].add(x[:, h], None if wk is None else wk[h])
-                            if sel:
-                                acc[i][h].samples.append(x[sel, h].astype(np.float32))
-    finally:
-        for h in handles:
-            h.remove()
-        if weighting == "attention" and attn_impl is not None:
-            model.set_attn_implementation(attn_impl)
+    cap = AttentionCapture(model, handler, weights=weighting == "attention")
+    with torch.no_grad(), cap:
+        for w_i, w in enumerate(progress(windows)):
+            sel[:] = [p - w_i * rows_per_window for p in pick
+                      if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
+            model(input_ids=torch.tensor([list(w)]), use_cache=False)
+    if windows:
+        cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))
-    for i, a in enumerate(attn):
-        w_o = a.o_proj.weight.detach().double().numpy()  # [hidden, hq * d]
+    for i, a in sorted(cap.seen.items()):
+        w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
         for h in range(hkv):
             for g in range(group):
                 blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
@@ -156,9 +162,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 tokens=sum(len(w) for w in windows), layers=n_layers, q_heads=hq, kv_heads=hkv,
                 head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
-                weighting=weighting, hooks="pre-RoPE q_proj/k_proj/v_proj outputs")
-    q2 /= np.maximum(q_count, 1e-300)[:, :, None, None]
-    return AttentionStats(meta=info, q2=q2, k_mean=km, k_cov=kc, v_mean=vm,
+                weighting=weighting, hooks=CAPTURE_POINT)
+    q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
+    return AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm,
                           v_cov=vc, o_gram=o_gram, k_samples=stack(k_acc), v_samples=stack(v_acc))
 
 
@@ -170,60 +176,63 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
     1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
     and their next-token NLL is the loss. The gradients are taken at the cached rows of every
-    layer's ``k_proj`` and ``v_proj`` outputs (forward hooks, so keys are seen before RoPE, as
-    the calibrated codecs code them; positions ``< n_sink`` left out, they stay uncompressed).
-    Each cached row is made an independent input, as in a cache (an error in one layer's
-    cached rows does not reach the other layers' cached rows, which were filled before it),
-    while the fed tokens stay differentiable through every layer."""
+    layer's keys and values as attention receives them (after RoPE) and carried back through the
+    layer's RoPE (its transpose), so they are those of the keys the calibrated codecs code
+    (before RoPE, after any k norm); positions ``< n_sink`` are left out, they stay
+    uncompressed. Each cached row is made an independent input, as in a cache (an error in one
+    layer's cached rows does not reach the other layers' cached rows, which were filled before
+    it), while the fed tokens stay differentiable through every layer."""
     import torch
 
-    attn = attention_modules(model)
-    cfg = model.config
-    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    rope, n_layers, hq, hkv, d = _shapes(model)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
     fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
-    captured: Dict[Tuple[str, int], Any] = {}
+    leaves: Dict[Tuple[str, int], Any] = {}
+    where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows
     ctx = 0
 
-    def hook(kind: str, i: int) -> Callable[..., Any]:
-        def f(_m: Any, _inp: Any, out: Any) -> Any:
-            cached = out[:, :ctx].detach().requires_grad_(True)
-            captured[(kind, i)] = cached
-            return torch.cat([cached, out[:, ctx:]], dim=1)
-        return f
+    def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
+                attend: Any) -> Tuple[Any, Any]:
+        where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
+        parts = []
+        for s, x in (("k", k), ("v", v)):
+            cached = x[:, :, :ctx].detach().requires_grad_(True)
+            leaves[(s, i)] = cached
+            parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
+        return attend(q, parts[0], parts[1])
 
-    handles = [mod.register_forward_hook(hook(kind, i))
-               for i, a in enumerate(attn) for kind, mod in (("k", a.k_proj), ("v", a.v_proj))]
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
+    cap = AttentionCapture(model, handler)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), cap:
             for w in progress(windows):
-                captured.clear()
+                leaves.clear()
                 ids = torch.tensor([list(w)])
                 t = len(w)
                 ctx = t - score - 1
                 logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
                 nll = -torch.log_softmax(logits.double(), dim=-1).gather(
                     1, ids[0, ctx + 1:, None]).sum()
+                cap.check(n_layers)
                 keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
-                grads = torch.autograd.grad(nll, [captured[key] for key in keys])
+                grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
-                    g = g[0, n_sink:].double().reshape(-1, hkv, d)
-                    fisher[s][i] += torch.einsum("tha,thb->hab", g, g).numpy()
+                    r = rope.layer(i)
+                    if s == "k" and r is not None:
+                        g = r.transpose(g.double(), where[i])
+                    g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
+                    fisher[s][i] += torch.bmm(g.transpose(1, 2), g).numpy()
     finally:
-        for h in handles:
-            h.remove()
         for p in trainable:
             p.requires_grad_(True)
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 score=score, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
-                hooks="gradients at pre-RoPE k_proj/v_proj outputs")
+                hooks=f"gradients at the cached rows; {CAPTURE_POINT}")
     n = max(len(windows), 1)
     return Sensitivity(meta=info, k=fisher["k"] / n, v=fisher["v"] / n)
