@@ -78,13 +78,19 @@ class ModelLayout:
 
 def text_config(model: Any) -> Any:
     """The decoder's config (the text config of a multimodal model)."""
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model (it has no config)")
     get = getattr(cfg, "get_text_config", None)
     return get(decoder=True) if callable(get) else cfg
 
 
 def model_type(model: Any) -> str:
-    return str(getattr(text_config(model), "model_type", None) or type(model).__name__)
+    """The ``model_type`` of the decoder's config (the family), else the class name."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg = text_config(model)
+    return str(getattr(cfg, "model_type", None) or type(model).__name__)
 
 
 def _refuse(mt: str, reason: str) -> UnsupportedModelError:

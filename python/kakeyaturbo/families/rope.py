@@ -164,6 +164,40 @@ class LayerRope:
         return rope_transpose(g, *self._cs(positions, g), style=self.style)
 
 
+class FnRope(LayerRope):
+    """A :class:`LayerRope` from a plain ``positions -> (cos, sin)`` callable (the form
+    :func:`rope_for` returned before per-layer RoPE), with the ``"half"`` pairing unless told."""
+
+    def __init__(self, fn: Any, style: str = "half") -> None:
+        if style not in STYLES:
+            raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
+        self.module = fn
+        self.layer_type = None
+        self.style = style
+        self.device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"FnRope({self.module!r}, style={self.style!r})"
+
+    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.module(positions)
+        return cos.float(), sin.float()
+
+
+def layer_rope(rope: Any, layer: int) -> Optional[LayerRope]:
+    """The rotation of ``layer`` from what callers pass as ``rope``: a :class:`ModelRope` (per
+    layer; None for a layer without RoPE), one :class:`LayerRope` for every layer, a plain
+    ``positions -> (cos, sin)`` callable (every layer, ``"half"`` pairing), or None."""
+    if rope is None or isinstance(rope, LayerRope):
+        return rope
+    if isinstance(rope, ModelRope):
+        return rope.layer(layer)
+    if callable(rope):
+        return FnRope(rope)
+    raise TypeError(f"rope must be a ModelRope, a LayerRope or a positions -> (cos, sin) callable, "
+                    f"got {type(rope).__name__}")
+
+
 class ModelRope:
     """The RoPE of every layer of a model: ``layers[i]`` a :class:`LayerRope`, or None for a layer
     that applies none (SmolLM3's NoPE layers). Called with positions, it gives the cos/sin that
