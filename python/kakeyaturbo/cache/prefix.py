@@ -3,7 +3,7 @@ full-attention and sliding-window layers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 

@@ -8,7 +8,6 @@ cached rows."""
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -35,28 +34,41 @@ def attention_modules(model: Any) -> List[Any]:
     return [mods[i] for i in range(layout.num_layers)]
 
 
-@dataclass
-class _Acc:
-    n: float = 0.0
-    s1: Optional[np.ndarray] = None
-    s2: Optional[np.ndarray] = None
-    samples: List[np.ndarray] = field(default_factory=list)
+class _Moments:
+    """Weighted first and second moments of rows, per (layer, kv-head), accumulated in float64
+    torch (batched over the heads of a layer), and the sampled rows."""
 
-    def add(self, x: np.ndarray, w: Optional[np.ndarray] = None) -> None:
-        x = x.astype(np.float64)
+    def __init__(self, layers: int, heads: int, d: int) -> None:
+        import torch
+
+        self.n = torch.zeros((layers, heads), dtype=torch.float64)
+        self.s1 = torch.zeros((layers, heads, d), dtype=torch.float64)
+        self.s2 = torch.zeros((layers, heads, d, d), dtype=torch.float64)
+        self.samples: List[List[List[np.ndarray]]] = [[[] for _ in range(heads)] for _ in range(layers)]
+
+    def add(self, layer: int, x: Any, w: Any = None) -> None:
+        """``x [heads, n, d]`` float64 rows, ``w [heads, n]`` their weights (None: 1)."""
+        import torch
+
         if w is None:
-            self.n += x.shape[0]
-            s1, s2 = x.sum(axis=0), x.T @ x
+            self.n[layer] += x.shape[1]
+            self.s1[layer] += x.sum(dim=1)
+            self.s2[layer] += torch.bmm(x.transpose(1, 2), x)
         else:
-            self.n += float(w.sum())
-            s1, s2 = w @ x, (x * w[:, None]).T @ x
-        self.s1 = s1 if self.s1 is None else self.s1 + s1
-        self.s2 = s2 if self.s2 is None else self.s2 + s2
+            self.n[layer] += w.sum(dim=1)
+            xw = x * w[..., None]
+            self.s1[layer] += xw.sum(dim=1)
+            self.s2[layer] += torch.bmm(xw.transpose(1, 2), x)
 
     def moments(self) -> Tuple[np.ndarray, np.ndarray]:
-        assert self.s1 is not None and self.s2 is not None and self.n > 0
-        mean = self.s1 / self.n
-        return mean, self.s2 / self.n - np.outer(mean, mean)
+        """``(mean [L, H, d], covariance [L, H, d, d])``."""
+        mean = self.s1 / self.n[..., None]
+        cov = self.s2 / self.n[..., None, None] - mean[..., :, None] * mean[..., None, :]
+        return mean.numpy(), cov.numpy()
+
+    def stacked_samples(self, d: int) -> np.ndarray:
+        return np.stack([np.stack([np.concatenate(a) if a else np.zeros((0, d), np.float32)
+                                   for a in row]) for row in self.samples]).astype(np.float32)
 
 
 def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
@@ -73,6 +85,53 @@ def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
     return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
 
 
+def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any], n_sink: int,
+                 chunk: int = 64) -> Tuple[Any, Any]:
+    """Sums of squared attention probabilities of one layer and window, as the model's attention
+    computes the probabilities (its ``scaling``, ``softcap`` and the layer's mask: causal,
+    sliding window): ``wq [kv_heads, group, T]`` (``sum_{j >= n_sink} p_ij^2`` per query) and
+    ``wk [kv_heads, T]`` (``sum_i p_ij^2`` over the queries of the GQA group, per key), float64.
+
+    ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
+    positions); ``mask`` as the model's attention implementation gets it (None: causal; bool:
+    True where attended; float: added; keys after a query are masked in all three). Computed in
+    float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
+    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed; the
+    attention output itself comes from the model's own implementation. A family whose probabilities hold more than this
+    (attention sinks) is refused rather than mis-weighed."""
+    import torch
+
+    if getattr(module, "sinks", None) is not None:
+        raise InvalidParameterError(
+            f"{type(module).__name__} has attention sinks: use weighting='uniform' for this model")
+    _, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scaling = kwargs.get("scaling")
+    scaling = float(d ** -0.5 if scaling is None else scaling)
+    softcap = kwargs.get("softcap")
+    qf = q[0].detach().float().reshape(hkv, group, t, d)
+    kt = k[0].detach().float().transpose(1, 2)  # [hkv, d, t]
+    wq = torch.empty((hkv, group, t), dtype=torch.float64)
+    wk = torch.zeros((hkv, t), dtype=torch.float64)
+    pos = torch.arange(t)
+    for a in range(0, t, chunk):
+        b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
+        logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is None:
+            logits.masked_fill_(pos[None, :b] > pos[a:b, None], float("-inf"))
+        elif mask.dtype == torch.bool:
+            logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
+        else:
+            logits += mask[0, 0, a:b, :b].float()
+        p2 = torch.softmax(logits, dim=-1).square_()
+        wq[:, :, a:b] = p2[..., n_sink:].sum(dim=-1)
+        wk[:, :b] += p2.sum(dim=(1, 2))
+    return wq, wk
+
+
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
@@ -84,12 +143,12 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     ``weighting="attention"`` weighs what the errors cost: key and value ``j`` by
     ``sum_i p_ij^2`` and query ``i`` by ``sum_{j >= n_sink} p_ij^2`` (``p`` the attention
-    probabilities of the GQA group, as the model computes them: sliding windows, softcapping),
-    since an error ``e_j`` reaches the output of query ``i`` through ``p_ij`` (values:
-    ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens that draw attention are often
-    atypical; unweighted moments (``"uniform"``) let the bits go to the bulk of tokens that
-    hardly matter. The attention runs through the family's eager function for the weights (one
-    forward pass per window); ``"uniform"`` through the model's own implementation.
+    probabilities of the GQA group, as the model computes them: sliding windows, softcapping;
+    :func:`attention_p2`), since an error ``e_j`` reaches the output of query ``i`` through
+    ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens that draw
+    attention are often atypical; unweighted moments (``"uniform"``) let the bits go to the bulk
+    of tokens that hardly matter. The attention itself runs through the model's own
+    implementation; one forward pass per window.
 
     Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed or
     whose layers differ in shape, InvalidParameterError on a bad ``weighting``.
@@ -102,8 +161,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     group = hq // hkv
     q2 = torch.zeros((n_layers, hkv, d, d), dtype=torch.float64)
     q_count = torch.zeros((n_layers, hkv), dtype=torch.float64)
-    k_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
-    v_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
+    k_acc, v_acc = _Moments(n_layers, hkv, d), _Moments(n_layers, hkv, d)
     rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
     total = rows_per_window * len(windows)
     rng = np.random.default_rng(seed)
@@ -112,34 +170,34 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
-        out, weights = attend(q, k, v)
+        out = attend(q, k, v)
         t = q.shape[2]
         qp = _pre_rope(rope, i, q, kwargs)[0].reshape(hkv, group * t, d)
         if weighting == "attention":
-            p2 = weights[0].double().square().reshape(hkv, group, t, t)
-            wq = p2[..., n_sink:].sum(dim=-1).reshape(hkv, group * t)  # per query
-            wk = p2.sum(dim=(1, 2))[:, n_sink:].numpy()  # [hkv, t - n_sink] per key
+            wq, wk_t = attention_p2(module, q, k, mask, kwargs, n_sink)
+            wq = wq.reshape(hkv, group * t)  # per query
+            wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
         else:
             wq = torch.ones((hkv, group * t), dtype=torch.float64)
             wk = None
         q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
         q_count[i] += wq.sum(dim=1)
         for acc, x in ((k_acc, _pre_rope(rope, i, k, kwargs)), (v_acc, v.detach().double())):
-            x = x[0, :, n_sink:].numpy()  # [hkv, t - n_sink, d]
-            for h in range(hkv):
-                acc[i][h].add(x[h], None if wk is None else wk[h])
-                if sel:
-                    acc[i][h].samples.append(x[h, sel].astype(np.float32))
-        return out, weights
+            x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
+            acc.add(i, x, wk)
+            if sel:
+                for h in range(hkv):
+                    acc.samples[i][h].append(x[h, sel].numpy().astype(np.float32))
+        return out
 
-    cap = AttentionCapture(model, handler, weights=weighting == "attention")
+    cap = AttentionCapture(model, handler)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
             model(input_ids=torch.tensor([list(w)]), use_cache=False)
-    if windows:
-        cap.check(n_layers)
+            if w_i == 0:
+                cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))
     for i, a in sorted(cap.seen.items()):
         w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
@@ -147,16 +205,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             for g in range(group):
                 blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
                 o_gram[i, h] += blk.T @ blk
-    km, kc, vm, vc = (np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)),
-                      np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)))
-    for i in range(n_layers):
-        for h in range(hkv):
-            km[i, h], kc[i, h] = k_acc[i][h].moments()
-            vm[i, h], vc[i, h] = v_acc[i][h].moments()
-
-    def stack(acc: List[List[_Acc]]) -> np.ndarray:
-        return np.stack([np.stack([np.concatenate(a.samples) if a.samples else np.zeros((0, d), np.float32)
-                                   for a in row]) for row in acc]).astype(np.float32)
+    km, kc = k_acc.moments()
+    vm, vc = v_acc.moments()
 
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
@@ -165,7 +215,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                 weighting=weighting, hooks=CAPTURE_POINT)
     q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
     return AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm,
-                          v_cov=vc, o_gram=o_gram, k_samples=stack(k_acc), v_samples=stack(v_acc))
+                          v_cov=vc, o_gram=o_gram, k_samples=k_acc.stacked_samples(d),
+                          v_samples=v_acc.stacked_samples(d))
 
 
 def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,

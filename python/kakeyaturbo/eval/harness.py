@@ -115,7 +115,7 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, 
                 continue
             heads = []
             for h in range(t.shape[1]):
-                x = np.ascontiguousarray(t[0, h].numpy(), dtype=np.float32)
+                x = np.ascontiguousarray(t[0, h].float().numpy(), dtype=np.float32)
                 y = x.copy()
                 bits += 16 * s * x.shape[1]
                 if s < x.shape[0]:

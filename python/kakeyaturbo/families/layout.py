@@ -130,6 +130,8 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
                           "different widths; not a standard K/V cache")
     if getattr(cfg, "num_kv_shared_layers", 0):
         raise _refuse(mt, "layers share another layer's K/V cache")
+    if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
+        raise _refuse(mt, "bidirectional attention: not a causal decoder")
 
 
 def attention_modules(model: Any) -> Dict[int, Any]:
