@@ -62,6 +62,10 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "smollm3": (lambda: _make(T.SmolLM3Config, T.SmolLM3ForCausalLM, num_key_value_heads=2,
                               no_rope_layers=[1, 0, 1]),
                 "NoPE layers (no RoPE on layer 1)"),
+    "phi": (lambda: _make(T.PhiConfig, T.PhiForCausalLM, num_key_value_heads=2, partial_rotary_factor=0.5),
+            "partial rotary split off by the attention before RoPE, q/k layer norms off"),
+    "gpt2": (lambda: _make(T.GPT2Config, T.GPT2LMHeadModel, n_embd=64, n_layer=3, n_head=4, n_positions=256),
+             "learned absolute positions: keys carry no rotation"),
 }
 
 
@@ -73,12 +77,14 @@ def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.T
     """Patches the family's own ``apply_rotary_pos_emb`` to record, per call (one per layer that
     applies RoPE, in layer order), ``(q, k)`` going in and ``cos, sin``."""
     mod = sys.modules[type(model).__module__]
-    orig = mod.apply_rotary_pos_emb
     calls: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    orig = getattr(mod, "apply_rotary_pos_emb", None)
+    if orig is None:  # a family without RoPE
+        return calls
 
     def spy(q: Any, k: Any, cos: Any, sin: Any, *a: Any, **kw: Any) -> Any:
         calls.append((q.detach().clone(), k.detach().clone(), cos, sin))
-        return orig(q, k, cos, sin, *a, **kw)
+        return orig(q, k, cos, sin, *a, **kw)  # type: ignore[misc]
 
     monkeypatch.setattr(mod, "apply_rotary_pos_emb", spy)
     return calls

@@ -65,7 +65,8 @@ def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
         first, held = held_span(cache.layers[i])
         assert held == (T_PROMPT if not layout.layers[i].is_sliding else WINDOW - 1)
         pos = torch.arange(first, first + held)
-        want = cache.layers[i].keys
+        # Phi splits off the rotated channels before RoPE: only they are recorded.
+        want = cache.layers[i].keys[..., :k_pre.shape[-1]]
         assert torch.equal(r.apply(k_pre[:, :, first:], pos), want), f"{name} layer {i}"
         c, s = r(torch.arange(T_PROMPT))
         assert torch.equal(c, cos.float()) and torch.equal(s, sin.float())
@@ -144,15 +145,27 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     stats = calibration.collect(model, wins, n_sink=1, samples=8, weighting="uniform")
     monkeypatch.undo()
     hq, hkv, d = layout.uniform_heads()
-    i = _rope_layers(layout)[-1]
     nl = len(_rope_layers(layout))
-    calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
-    q = torch.cat([c[0] for c in calls[nl - 1::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
-    k = torch.cat([c[1][:, :, 1:] for c in calls[nl - 1::nl]], dim=2)[0].double()
-    np.testing.assert_allclose(stats.k_mean[i], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
-    qg = q.reshape(hkv, hq // hkv * q.shape[1], d)
-    want_q2 = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
-    np.testing.assert_allclose(stats.q2[i], want_q2, rtol=1e-5, atol=1e-6 * np.abs(want_q2).max())
+    if nl == 0:  # no RoPE anywhere (GPT-2): the statistics are those of the cached keys
+        i = layout.num_layers - 1
+        ks = []
+        for w in wins:
+            cache = transformers.DynamicCache(config=model.config)
+            forward(model, torch.tensor([w]), cache)
+            ks.append(cache.layers[i].keys[:, :, 1:])
+        k = torch.cat(ks, dim=2)[0].double()
+        np.testing.assert_allclose(stats.k_mean[i], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+    else:
+        i = _rope_layers(layout)[-1]
+        calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
+        q = torch.cat([c[0] for c in calls[nl - 1::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
+        k = torch.cat([c[1][:, :, 1:] for c in calls[nl - 1::nl]], dim=2)[0].double()
+        w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
+        np.testing.assert_allclose(stats.k_mean[i, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+        qg = q.reshape(hkv, hq // hkv * q.shape[1], w)
+        want_q2 = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
+        np.testing.assert_allclose(stats.q2[i, :, :w, :w], want_q2, rtol=1e-5,
+                                   atol=1e-6 * np.abs(want_q2).max())
     stats = calibration.collect(model, wins, n_sink=1, samples=8)  # attention-weighted
     sens = calibration.collect_sensitivity(model, wins, n_sink=1, score=6)
     assert np.abs(sens.k).max() > 0 and np.abs(sens.v).max() > 0
@@ -224,3 +237,29 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
         KakeyaCache(IdentityCodec(), model=m4)
     with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
         describe(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "gemma3_text"])
+def test_left_padded_batch_codec_sees_the_keys_before_rope(name, monkeypatch) -> None:
+    """Left padding shifts the RoPE positions per row. GPT-NeoX does not pass position_ids to
+    the cache (the cache takes them from the model's forward call); Gemma 3 rotates its layer
+    types differently. Either way the codec must see each row's keys before RoPE."""
+    from .conftest import Spy
+
+    model = build(name)
+    ids = _ids(batch=2, t=19)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    calls = rope_calls(model, monkeypatch)
+    spy = Spy(pre_rope_keys=True)
+    cache = KakeyaCache(spy, model=model, block_size=4, n_sink=1)
+    n0 = len(calls)  # describe's probes of the function
+    seq, _ = _generate(model, ids, cache, n=4)
+    full = next(s.index for s in describe(model).layers if not s.is_sliding)
+    k_pre = calls[n0 + full][1]  # the first full-attention layer in the prefill
+    ref, _ = _generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    assert torch.equal(seq, ref)
+    sealed = [x for s, layer, h, x in spy.seen if s == "k" and layer == full and h == 0]
+    for b in range(2):  # the first sealed block (positions 1 .. 4) of each row, in batch order
+        np.testing.assert_allclose(sealed[b], k_pre[b, 0, 1:5].numpy(), rtol=0, atol=1e-6)

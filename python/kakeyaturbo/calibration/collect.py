@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, UnsupportedModelError
 from ..families import AttentionCapture, describe, output_projection
 from ..families import attention_modules as _attention_modules
 from ..families.capture import positions as call_positions
@@ -102,8 +102,10 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     import torch
 
     if getattr(module, "sinks", None) is not None:
-        raise InvalidParameterError(
-            f"{type(module).__name__} has attention sinks: use weighting='uniform' for this model")
+        mt = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise UnsupportedModelError(
+            f"model type {mt!r}: attention sinks change the probabilities the statistics are "
+            "weighted by; use weighting='uniform' for this model")
     _, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

@@ -176,9 +176,21 @@ def _apply_fn(model: Any) -> Any:
     return None
 
 
+def _mentions_rotary(model: Any) -> bool:
+    """Whether the modeling modules of the model or its attention define anything rotary."""
+    names = {type(m).__module__ for m in attention_modules(model).values()} | {type(model).__module__}
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is None or any("rotary" in a.lower() or "rope" in a.lower() for a in vars(mod)):
+            return True
+    return False
+
+
 def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Optional[ModelRope], Optional[str]]:
     module = _rotary_module(model)
     if module is None:
+        if not _mentions_rotary(model):  # positions by other means (GPT-2): keys carry no rotation
+            return ModelRope([None] * len(types)), None
         return None, "no rotary embedding module (model.model.rotary_emb) to recompute the rotation from"
     try:
         per_type = "layer_type" in inspect.signature(module.forward).parameters

@@ -233,23 +233,27 @@ class ModelRope:
 def detect_style(apply_fn: Any, rope: LayerRope, head_dim: int) -> Optional[str]:
     """The pairing under which :func:`apply_rope` reproduces ``apply_fn(q, k, cos, sin)`` (a
     modeling module's ``apply_rotary_pos_emb``) bit for bit on random rows with ``rope``'s
-    cos/sin, or None when neither does (or the function does not take those arguments)."""
+    cos/sin, or None when neither does (or the function does not take those arguments).
+
+    Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
+    itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
+    attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
+    channels)."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
     cos, sin = rope(pos)
-    x = torch.randn(1, 2, pos.shape[1], head_dim, generator=torch.Generator().manual_seed(0))
-    x = x.to(cos.device)
-    try:
-        with torch.no_grad():
-            out = apply_fn(x, x.clone(), cos, sin)
-    except Exception:  # a different signature or convention: not one we can reproduce
-        return None
-    if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
-        return None
-    for style in STYLES:
+    widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
+    for width in widths:
+        x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
+        x = x.to(cos.device)
         try:
+            with torch.no_grad():
+                out = apply_fn(x, x.clone(), cos, sin)
+        except Exception:  # a different signature or convention: not one we can reproduce
+            continue
+        if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
+            continue
+        for style in STYLES:
             mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
-        except ValueError:
-            return None
-        if mine.shape == out[1].shape and torch.equal(mine, out[1]):
-            return style
+            if mine.shape == out[1].shape and torch.equal(mine, out[1]):
+                return style
     return None
