@@ -56,3 +56,26 @@ def test_sensitivity_equals_the_hooks(tiny) -> None:
     for s in ("k", "v"):
         _close(new.of(s), old.of(s), s)
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_attention_weights_from_every_kind_of_mask() -> None:
+    """The squared probabilities are the same whether the mask comes as eager's additive floats,
+    sdpa's booleans, or not at all (causal, with the layer's sliding window from its kwargs),
+    and equal those of a plain softmax over the full matrix."""
+    from kakeyaturbo.calibration.collect import attention_p2
+
+    g = torch.Generator().manual_seed(0)
+    t, w = 37, 5
+    q, k = torch.randn(1, 4, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+    pos = torch.arange(t)
+    keep = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w)
+    add = torch.zeros(t, t).masked_fill(~keep, float("-inf"))[None, None]
+    kw = {"scaling": 0.3, "softcap": 2.0, "sliding_window": w}
+    logits = torch.matmul(q[0].view(2, 2, t, 8), k[0].transpose(1, 2)[:, None]) * 0.3
+    p2 = torch.softmax(torch.tanh(logits / 2.0) * 2.0 + add[0], dim=-1).double() ** 2
+    want = (p2[..., 1:].sum(-1), p2.sum(dim=(1, 2)))
+    for mask in (add, keep[None, None], None):
+        for chunk in (4, 64):
+            got = attention_p2(torch.nn.Module(), q, k, mask, kw, n_sink=1, chunk=chunk)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)

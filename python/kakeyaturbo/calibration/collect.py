@@ -93,12 +93,13 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     ``wk [kv_heads, T]`` (``sum_i p_ij^2`` over the queries of the GQA group, per key), float64.
 
     ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
-    positions); ``mask`` as the model's attention implementation gets it (None: causal; bool:
-    True where attended; float: added; keys after a query are masked in all three). Computed in
+    positions); ``mask`` as the model's attention implementation gets it (None, or not 4-D as
+    flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
+    attended; float: added; keys after a query are masked in all of them). Computed in
     float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
     ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed; the
-    attention output itself comes from the model's own implementation. A family whose probabilities hold more than this
-    (attention sinks) is refused rather than mis-weighed."""
+    attention output itself comes from the model's own implementation. A family whose
+    probabilities hold more than this (attention sinks) is refused rather than mis-weighed."""
     import torch
 
     if getattr(module, "sinks", None) is not None:
@@ -112,6 +113,7 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     scaling = kwargs.get("scaling")
     scaling = float(d ** -0.5 if scaling is None else scaling)
     softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
     qf = q[0].detach().float().reshape(hkv, group, t, d)
     kt = k[0].detach().float().transpose(1, 2)  # [hkv, d, t]
     wq = torch.empty((hkv, group, t), dtype=torch.float64)
@@ -122,8 +124,11 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
         logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        if mask is None:
-            logits.masked_fill_(pos[None, :b] > pos[a:b, None], float("-inf"))
+        if mask is None or mask.ndim != 4:  # causal (and the layer's window) by position
+            hidden = pos[None, :b] > pos[a:b, None]
+            if window:
+                hidden |= pos[None, :b] <= pos[a:b, None] - window
+            logits.masked_fill_(hidden, float("-inf"))
         elif mask.dtype == torch.bool:
             logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
         else:
