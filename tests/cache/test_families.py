@@ -263,3 +263,37 @@ def test_left_padded_batch_codec_sees_the_keys_before_rope(name, monkeypatch) ->
     sealed = [x for s, layer, h, x in spy.seen if s == "k" and layer == full and h == 0]
     for b in range(2):  # the first sealed block (positions 1 .. 4) of each row, in batch order
         np.testing.assert_allclose(sealed[b], k_pre[b, 0, 1:5].numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
+    """compress_cache keeps sink rows only in layers that still hold position 0, codes the rest
+    of what each layer holds, and counts both as held; a sliding KakeyaLayer cannot be cropped
+    once it dropped tokens, as DynamicSlidingWindowLayer."""
+    from .conftest import Zero
+
+    model = build(name)
+    layout = describe(model)
+    for t in (WINDOW - 2, T_PROMPT):  # within the window, then past it
+        cache = transformers.DynamicCache(config=model.config)
+        forward(model, _ids(t=t), cache)
+        before = [layer.keys.clone() for layer in cache.layers]
+        got = compress_cache(cache, Zero(), n_sink=2)
+        raw = 0
+        for spec, layer, k0 in zip(layout.layers, cache.layers, before):
+            first, held = held_span(layer)
+            sink = 2 if first == 0 else 0
+            assert first == (max(t - WINDOW + 1, 0) if spec.is_sliding else 0)
+            assert torch.equal(layer.keys[:, :, :sink], k0[:, :, :sink])
+            assert torch.count_nonzero(layer.keys[:, :, sink:]) == 0
+            raw += 2 * spec.kv_heads * sink * spec.head_dim
+        assert got["raw_elements"] == raw
+        assert got["elements"] == sum(2 * s.kv_heads * held_span(layer)[1] * s.head_dim
+                                      for s, layer in zip(layout.layers, cache.layers))
+    kc = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=2)
+    forward(model, _ids(t=WINDOW - 3), kc)
+    kc.crop(-2)  # nothing dropped yet: exact
+    assert kc.get_seq_length() == WINDOW - 5
+    forward(model, _ids(t=T_PROMPT), kc)
+    with pytest.raises(RuntimeError, match="sliding-window"):
+        kc.crop(-1)
