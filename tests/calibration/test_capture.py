@@ -79,3 +79,15 @@ def test_attention_weights_from_every_kind_of_mask() -> None:
             got = attention_p2(torch.nn.Module(), q, k, mask, kw, n_sink=1, chunk=chunk)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_calibration_imports_without_torch() -> None:
+    """The fit, the allocation and the statistics store need numpy only (the wheel without the
+    eval extra): the collection imports the model-family code (torch) where it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "import kakeyaturbo.calibration, kakeyaturbo.recipes\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

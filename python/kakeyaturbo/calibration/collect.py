@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from ..errors import InvalidParameterError, UnsupportedModelError
-from ..families import AttentionCapture, describe, output_projection
-from ..families import attention_modules as _attention_modules
-from ..families.capture import positions as call_positions
 from .stats import AttentionStats, Sensitivity
+
+# `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
+# fit, allocation and statistics store run on numpy alone.
 
 #: Where the statistics are taken (recorded in their meta, part of the calibration cache key).
 CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, v as cached"
@@ -25,6 +25,9 @@ CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, 
 def attention_modules(model: Any) -> List[Any]:
     """The self-attention modules of a decoder, in layer order (one per layer, or
     UnsupportedModelError naming the model type)."""
+    from ..families import attention_modules as _attention_modules
+    from ..families import describe
+
     layout = describe(model)
     mods = _attention_modules(model)
     if sorted(mods) != list(range(layout.num_layers)):
@@ -72,6 +75,8 @@ class _Moments:
 
 
 def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
+    from ..families import describe
+
     layout = describe(model)
     rope = layout.require_rope()
     hq, hkv, d = layout.uniform_heads()
@@ -80,6 +85,8 @@ def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
 
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
     """``x [1, H, T, D]`` after RoPE -> float64 before it."""
+    from ..families.capture import positions as call_positions
+
     r = rope.layer(layer)
     x = x.detach().double()
     return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
@@ -162,6 +169,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     """
     import torch
 
+    from ..families import AttentionCapture, output_projection
+
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     rope, n_layers, hq, hkv, d = _shapes(model)
@@ -241,6 +250,9 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     layer's cached rows does not reach the other layers' cached rows, which were filled before
     it), while the fed tokens stay differentiable through every layer."""
     import torch
+
+    from ..families import AttentionCapture
+    from ..families.capture import positions as call_positions
 
     rope, n_layers, hq, hkv, d = _shapes(model)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
