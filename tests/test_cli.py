@@ -54,3 +54,66 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
     assert res["meta"]["windows"] == 2 and res["meta"]["ctx"] == 64
     assert (out / "results.md").read_text().count("\n| ") >= 5
     assert not cache_dir.exists()  # the recipe named its statistics: nothing was gathered
+
+
+@pytest.fixture(scope="module")
+def gemma3_bf16_dir(tiny_model_dir, tmp_path_factory):
+    """A tiny random-weight Gemma 3 text model (q/k norm, MQA, sliding-window layers of 16 tokens
+    between global ones) saved in bfloat16 with the tiny tokenizer."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("tiny-gemma3")
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    transformers.Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_dir, tmp_path,
+                                                   cache_dir) -> None:
+    """A checkpoint directory of another family, loaded as stored (bfloat16, --dtype auto):
+    calibrate, then eval with a calibrated and a per-block recipe; the identity method is exact
+    across the sliding windows (ctx 64 > window 16)."""
+    text = tiny_model_dir / "text.txt"
+    stats = tmp_path / "g.safetensors"
+    assert cli.main(["calibrate", "--model", str(gemma3_bf16_dir), "--text", str(text), "--dtype", "auto",
+                     "--windows", "2", "--window", "96", "--sensitivity-windows", "2", "--score", "16",
+                     "--samples", "20", "--out", str(stats)]) == 0
+    recipe = tmp_path / "cal.toml"
+    recipe.write_text('name = "cal"\nmode = "calibrated"\nn_sink = 1\n'
+                      '[calibration]\npath = "g.safetensors"\nsensitivity_path = "g-sensitivity.safetensors"\n'
+                      '[k]\nbits = 3.9\nwhiten = "fisher"\nallocation = "sensitivity"\n'
+                      '[v]\nbits = 3.9\nwhiten = "fisher"\ncenter = false\nallocation = "sensitivity"\n')
+    out = tmp_path / "eval-out"
+    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--dtype", "auto",
+                     "--windows", "2", "--ctx", "64", "--n-eval", "8", "--recipes", f"balanced,{recipe}",
+                     "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["dtype"] == "bfloat16"
+    ident = res["methods"]["identity"]
+    assert ident["dppl"] == 0.0 and ident["top1"] == 1.0 and ident["kl"] == 0.0
+    cal = res["methods"]["kakeyaturbo:cal"]
+    assert cal["bits_per_element"] < 6 and cal["model_bytes"] > 0 and cal["kl"] > 0
+    assert not cache_dir.exists()
+    out32 = tmp_path / "eval-32"
+    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--windows", "1",
+                     "--ctx", "32", "--n-eval", "4", "--recipes", "", "--baselines", "identity",
+                     "--out", str(out32)]) == 0
+    assert json.loads((out32 / "results.json").read_text())["meta"]["dtype"] == "float32"
+
+
+def test_dtype_choices() -> None:
+    from kakeyaturbo.eval import model
+
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--dtype", "int8"])
+    assert model.resolve_dtype("bfloat16", "nowhere") == "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        model.resolve_dtype("half", "nowhere")

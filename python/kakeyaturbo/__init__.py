@@ -27,6 +27,7 @@ from .errors import (
     InvalidParameterError,
     KakeyaError,
     NumericalError,
+    UnsupportedModelError,
     UnsupportedVersionError,
 )
 
@@ -57,5 +58,6 @@ __all__ = [
     "InvalidParameterError",
     "KakeyaError",
     "NumericalError",
+    "UnsupportedModelError",
     "UnsupportedVersionError",
 ]

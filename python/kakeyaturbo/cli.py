@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import assets, recipes
 from .calibration import (calibration_windows, collect, collect_sensitivity, for_recipe,
                           sensitivity_path, stats_path)
+from .calibration.gather import model_dtype
 from .eval import data, model, report
 
 DEFAULT_BASELINES = "identity,bf16,fp8_e4m3,int4,kivi2,turboquant3,turboquant4"
@@ -38,7 +39,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     model_path, text_path = _model_and_text(args)
     print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
-    m, tok = model.load(model_path)
+    m, tok = model.load(model_path, args.dtype)
     wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
     if len(wins) < args.windows:
         print(f"text holds only {len(wins)} windows", file=sys.stderr)
@@ -60,7 +61,8 @@ def _eval(args: argparse.Namespace) -> int:
     res = {
         "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
                  "ctx": args.ctx, "n_eval": args.n_eval, "ppl_ref": any_m["ppl_ref"],
-                 "date": datetime.date.today().isoformat(), "layers": layers},
+                 "date": datetime.date.today().isoformat(), "layers": layers,
+                 "dtype": model_dtype(m)},
         "methods": res_methods,
     }
     paths = report.write(res, Path(args.out))
@@ -72,7 +74,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     model_path, text_path = _model_and_text(args)
     print(f"model {model_path}\ntext  {text_path} (calibration split)", file=sys.stderr)
-    m, tok = model.load(model_path)
+    m, tok = model.load(model_path, args.dtype)
+    dtype = model_dtype(m)
     settings = recipes.CalibrationSettings(
         windows=args.windows, window=args.window, weighting=args.weighting,
         sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
@@ -80,7 +83,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     wins = calibration_windows(tok, text_path, args.windows, args.window)
     stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
                             samples=args.samples, progress=_progress("calibration"), meta=meta)
-    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings)
+    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings, dtype)
     for p in stats.save(out):
         print(f"wrote {p}", file=sys.stderr)
     if args.sensitivity_windows > 0:
@@ -88,7 +91,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
                                            progress=_progress("sensitivity"), meta=meta)
         sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                sensitivity_path(model_path, text_path, settings, args.n_sink))
+                sensitivity_path(model_path, text_path, settings, args.n_sink, dtype))
         for p in sens.save(sout):
             print(f"wrote {p}", file=sys.stderr)
     return 0
@@ -101,9 +104,12 @@ def parser() -> argparse.ArgumentParser:
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
                   "(default: the embedded SmolLM2-135M)")
     text_help = "a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)"
+    dtype_help = ("weights and cache dtype: auto = as the checkpoint stores it where the CPU computes in "
+                  "it (bfloat16 or float32); default float32, in which every published figure was measured")
     e = sub.add_parser("eval", help="perplexity, top-1 and KL of the codec and baselines on a model")
     e.add_argument("--model", help=model_help)
     e.add_argument("--text", help=text_help)
+    e.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
     e.add_argument("--windows", type=int, default=4)
     e.add_argument("--ctx", type=int, default=512)
     e.add_argument("--n-eval", type=int, default=64)
@@ -117,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
                        "(safetensors + JSON sidecar), for the calibrated mode")
     c.add_argument("--model", help=model_help)
     c.add_argument("--text", help=text_help)
+    c.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
     c.add_argument("--windows", type=int, default=16)
     c.add_argument("--window", type=int, default=1024)
     c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")

@@ -7,6 +7,7 @@ __all__ = [
     "KakeyaError",
     "InvalidInputError",
     "InvalidParameterError",
+    "UnsupportedModelError",
     "CorruptDataError",
     "UnsupportedVersionError",
     "NumericalError",
@@ -24,6 +25,11 @@ class InvalidInputError(KakeyaError, ValueError):
 
 class InvalidParameterError(KakeyaError, ValueError):
     """A parameter is outside its documented range."""
+
+
+class UnsupportedModelError(InvalidParameterError):
+    """A model the cache cannot serve as asked (its cache is not K/V rows, or its keys' RoPE cannot
+    be recomputed from positions); the message names the model type and the reason."""
 
 
 class CorruptDataError(KakeyaError, ValueError):

@@ -246,8 +246,14 @@ def test_bad_settings_raise(llama) -> None:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
         max_window_layers=1))
-    with pytest.raises(ValueError, match="full-attention"):
-        KakeyaCache(IdentityCodec(), model=sliding)
+    assert KakeyaCache(IdentityCodec(), model=sliding).is_sliding == [False, True]
+    dynamic = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    KakeyaCache(IdentityCodec(), model=dynamic)  # keys stay as cached: no RoPE to remove
+    with pytest.raises(kt.UnsupportedModelError, match="'llama'.*'dynamic'"):
+        KakeyaCache(pre, model=dynamic)
 
 
 def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:

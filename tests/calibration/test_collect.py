@@ -56,11 +56,12 @@ def test_uniform_statistics_are_the_plain_moments(tiny) -> None:
         # GQA pooling: the query heads of group h, every position.
         q = cap["q"][:, :, h * 2:(h + 1) * 2].reshape(-1, D)
         np.testing.assert_allclose(st.q2[1, h], q.T @ q / len(q), rtol=1e-6, atol=1e-9)
-        # The whitening identity on the captured queries: |e L|^2 = mean_q (q . e)^2.
+        # The whitening identity on the captured queries: |e L|^2 = mean_q (q . e)^2 (to the
+        # float32 rounding of the queries, which the collection sees with RoPE removed).
         lw = calibration.whitening_factor(st.q2[1, h], ridge=0.0)
         e = np.random.default_rng(h).standard_normal((5, D))
         np.testing.assert_allclose(np.sum((e @ lw) ** 2, axis=1), np.mean((e @ q.T) ** 2, axis=1),
-                                   rtol=1e-8)
+                                   rtol=1e-6)
 
 
 def test_attention_weighting_round_trips_files(tiny, tmp_path) -> None:

@@ -82,7 +82,7 @@ def test_sink_tokens_and_streams_are_exact_and_counted(tiny) -> None:
         _, cache = harness._forward(cache_model, ids)
     keys0 = [layer.keys.clone() for layer in cache.layers]
     values0 = [layer.values.clone() for layer in cache.layers]
-    bits, elems = harness.compress_prefix(cache, keys0, values0, m)
+    bits, elems = harness.compress_prefix(cache, m)
     assert all(s == "k" and shape == (CTX - 5, 16) for s, shape in calls)
     assert len(calls) == 3 * 2  # layers x kv-heads, K only
     for layer, k0, v0 in zip(cache.layers, keys0, values0):

@@ -4,14 +4,16 @@
   :func:`codec_for`, the one place a recipe becomes a codec;
 - `prefix`: :func:`compress_cache`, the K and V of a filled ``DynamicCache`` replaced by their
   decoded values in place (the EVAL.md protocol), with all-in bit counts;
-- `generation`: :class:`KakeyaCache`, a ``Cache`` for ``model.generate`` that seals every full
-  block through the codec and holds it as bytes;
-- `rope`: RoPE of the model, removed from keys before a codec that wants them without it, and
-  put back after decoding (bit-exact).
+- `layer`: :class:`KakeyaLayer`, one layer of sink rows, sealed blocks held as bytes and staging
+  rows, full-attention or sliding-window;
+- `generation`: :class:`KakeyaCache`, a ``Cache`` for ``model.generate`` built of them;
+- `rope`: RoPE of the model's keys per layer, removed before a codec that wants them without it
+  and put back after decoding (bit-exact; :mod:`kakeyaturbo.families.rope`).
 """
 
 from .codecs import BlockCodec, IdentityCodec, StreamCodec, codec_for
-from .generation import KakeyaCache, KakeyaLayer
+from .generation import KakeyaCache
+from .layer import KakeyaLayer
 from .prefix import compress_cache
 
 __all__ = [

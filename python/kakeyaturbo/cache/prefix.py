@@ -1,8 +1,9 @@
-"""In-place prefix compression of a filled cache (the EVAL.md protocol), with all-in bit counts."""
+"""In-place prefix compression of a filled cache (the EVAL.md protocol), with all-in bit counts;
+full-attention and sliding-window layers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
@@ -10,30 +11,51 @@ from ..codec import _checks
 from ..errors import InvalidParameterError
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_streams, decode_rows,
                      encode_rows, to_numpy, wants_rope)
-from .rope import RopeFn, apply_rope, unapply_rope
+from .rope import layer_rope, rope_for
+
+
+def held_span(layer: Any) -> Tuple[int, int]:
+    """``(first, held)``: the position of the first token a cache layer holds and how many it
+    holds. A full-attention layer holds every token (``first = 0``); a sliding-window layer
+    (``DynamicSlidingWindowLayer``) the last ``window - 1`` of the ``get_seq_length()`` it saw."""
+    keys = getattr(layer, "keys", None)
+    held = 0 if keys is None or keys.numel() == 0 else int(keys.shape[-2])
+    seen = int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else held
+    return max(seen - held, 0), held
+
+
+def sink_rows(n_sink: int, first: int, held: int) -> int:
+    """How many of the ``held`` rows starting at position ``first`` are sink tokens (positions
+    ``< n_sink``): a sliding layer that no longer holds position 0 has none."""
+    return min(max(n_sink - first, 0), held)
 
 
 def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary: Sequence[int] = (),
-                   streams: Sequence[str] = STREAMS, rope: Optional[RopeFn] = None,
-                   positions: Any = None) -> Dict[str, Any]:
+                   streams: Sequence[str] = STREAMS, rope: Any = None, positions: Any = None,
+                   model: Any = None) -> Dict[str, Any]:
     """Replaces the K and V of every compressed layer of ``cache`` by their decoded values, in place.
 
     ``cache``: a filled transformers ``DynamicCache`` (``cache.layers[i].keys`` / ``.values``,
-    each ``[batch, kv_heads, T, head_dim]``; any batch size). Per layer, stream, batch row and
-    kv-head, the rows ``n_sink:`` go through ``codec.encode`` / ``codec.decode`` as one blob and
-    the decoded rows are written back into the same tensors (in the tensors' dtype). Untouched,
-    bit for bit: the first ``n_sink`` tokens, the ``boundary`` layers (negative indices count
-    from the last layer) and streams not in ``streams``.
+    each ``[batch, kv_heads, T_i, head_dim]``; any batch size). A sliding-window layer holds only
+    its last ``window - 1`` tokens (``T_i`` rows from position ``seen - T_i``); its rows are coded
+    as held, and its state (the count of tokens seen) is left alone. Per layer, stream, batch row
+    and kv-head, the rows after the sink go through ``codec.encode`` / ``codec.decode`` as one blob
+    and the decoded rows are written back into the same tensors (in the tensors' dtype).
+    Untouched, bit for bit: sink tokens (positions ``< n_sink`` still held), the ``boundary``
+    layers (negative indices count from the last layer) and streams not in ``streams``.
 
-    When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied
-    to the decoded keys; ``rope`` (e.g. :func:`kakeyaturbo.cache.rope.rope_for` of the model) gives
-    cos/sin for ``positions`` (``[T]`` or ``[batch, T]``; default ``0 .. T-1``).
+    When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied to
+    the decoded keys with each layer's own rotation: ``rope`` is the model's
+    (:func:`kakeyaturbo.cache.rope.rope_for`; a plain ``positions -> (cos, sin)`` callable applies
+    to every layer), or found from ``model``. ``positions`` (``[T]`` or ``[batch, T]`` over every
+    token the cache saw; default ``0 .. T-1``) are the tokens' RoPE positions.
 
     Returns ``bits`` (all-in: ``8 * len(blob)`` for every blob plus 16 bits per element kept
-    uncompressed), ``elements`` (K and V elements over all layers), ``bits_per_element``,
+    uncompressed), ``elements`` (K and V elements the layers hold), ``bits_per_element``,
     ``blob_bytes``, ``raw_elements`` and ``compressed_layers``.
     Raises InvalidParameterError (a ValueError) on a bad stream name, a negative ``n_sink``, a
-    codec that needs RoPE without ``rope``, or a codec that decodes to the wrong shape.
+    codec that needs RoPE without ``rope`` or ``model`` (UnsupportedModelError when the model's
+    RoPE cannot be removed), or a codec that decodes to the wrong shape.
     """
     streams = check_streams(streams)
     n_sink = _checks.integer(n_sink, "n_sink", 0)
@@ -41,7 +63,9 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     skip = boundary_layers(boundary, len(layers))
     want_rope = wants_rope(codec, streams)
     if want_rope and rope is None:
-        raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass rope=rope_for(model)")
+        if model is None:
+            raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
+        rope = rope_for(model)
     bits = elems = blob_bytes = raw = 0
     done = []
     with torch.no_grad():
@@ -54,28 +78,28 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 raw += k.numel() + v.numel()
                 continue
             done.append(i)
+            first, n = held_span(layer)
+            s = sink_rows(n_sink, first, n)
             for stream, t in (("k", k), ("v", v)):
-                b, h, n, d = t.shape
-                s = min(n_sink, n)
+                b, h, _, d = t.shape
                 if stream not in streams or s == n:
                     raw += t.numel()
                     continue
                 raw += b * h * s * d
                 x = t[:, :, s:]
-                cos = sin = None
-                if stream == "k" and want_rope:
-                    pos = torch.arange(n) if positions is None else torch.as_tensor(positions)
-                    cos, sin = rope(pos)
-                    cos = cos[..., s:, :].to(t.device)[:, None]
-                    sin = sin[..., s:, :].to(t.device)[:, None]
-                    x = unapply_rope(x, cos, sin)
+                r = layer_rope(rope, i) if stream == "k" and want_rope else None
+                pos = None
+                if r is not None:
+                    pos = (torch.arange(first + n) if positions is None else torch.as_tensor(positions))
+                    pos = pos[..., first + s:first + n]
+                    x = r.remove(x, pos)
                 blobs = encode_rows(codec, stream, i, to_numpy(x))
                 nb = sum(len(blob) for row in blobs for blob in row)
                 blob_bytes += nb
                 bits += 8 * nb
                 y = torch.from_numpy(decode_rows(codec, stream, i, blobs, n - s, d)).to(t.device)
-                if cos is not None:
-                    y = apply_rope(y, cos.float(), sin.float())
+                if r is not None:
+                    y = r.apply(y, pos)
                 t[:, :, s:] = y.to(t.dtype)
     bits += RAW_BITS * raw
     return {

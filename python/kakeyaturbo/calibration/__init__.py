@@ -2,8 +2,8 @@
 codecs fitted from it. Data flows one way through the modules:
 
 - `corpus`: the calibration text (split by document, disjoint from evaluation text) and windows;
-- `collect`: statistics gathered from a model (torch): moments by forward hooks, the
-  sensitivity by gradients at the cached rows;
+- `collect`: statistics gathered from a model of any family (torch), seen through the attention
+  interface before RoPE: moments, and the sensitivity by gradients at the cached rows;
 - `stats`: :class:`AttentionStats` and :class:`Sensitivity`, stored as safetensors + JSON;
 - `gather`: the statistics a recipe needs, from its files, the cache, or collected;
 - `allocation`: integer water-filling of the bits over components, heads, layers, streams;

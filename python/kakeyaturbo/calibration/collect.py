@@ -1,165 +1,238 @@
-"""Statistics collected from a model (torch): forward hooks on the attention projections for
-the moments (`collect`), and gradients at the cached rows for the sensitivity
-(`collect_sensitivity`)."""
+"""Statistics collected from a model (torch), for any decoder family: every layer's queries, keys
+and values are seen as the model hands them to attention (after any q/k norm, after RoPE;
+:class:`kakeyaturbo.families.AttentionCapture`) and RoPE is removed with the layer's own rotary
+module, so the statistics are those of what goes into RoPE. `collect` gathers the moments (and
+the attention weights the model computes anyway), `collect_sensitivity` the gradients at the
+cached rows."""
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, UnsupportedModelError
 from .stats import AttentionStats, Sensitivity
+
+# `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
+# fit, allocation and statistics store run on numpy alone.
+
+#: Where the statistics are taken (recorded in their meta, part of the calibration cache key).
+CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, v as cached"
 
 
 def attention_modules(model: Any) -> List[Any]:
-    """The self-attention modules of a Llama/Qwen2-style model, in layer order."""
-    try:
-        layers = model.model.layers
-    except AttributeError as e:
-        raise InvalidParameterError("calibration needs a decoder with model.model.layers") from e
-    out = []
-    for i, layer in enumerate(layers):
-        a = getattr(layer, "self_attn", None)
-        if a is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise InvalidParameterError(f"layer {i} has no Llama/Qwen2-style self_attn")
-        if hasattr(a, "k_norm") or hasattr(a, "q_norm"):
-            raise InvalidParameterError(
-                f"layer {i} normalises q/k after the projection (Qwen3-style); not supported")
-        out.append(a)
-    return out
+    """The self-attention modules of a decoder, in layer order (one per layer, or
+    UnsupportedModelError naming the model type)."""
+    from ..families import attention_modules as _attention_modules
+    from ..families import describe
+
+    layout = describe(model)
+    mods = _attention_modules(model)
+    if sorted(mods) != list(range(layout.num_layers)):
+        raise InvalidParameterError(
+            f"model type {layout.model_type!r}: attention modules found for layers {sorted(mods)}, "
+            f"expected 0 .. {layout.num_layers - 1}")
+    return [mods[i] for i in range(layout.num_layers)]
 
 
-@dataclass
-class _Acc:
-    n: float = 0.0
-    s1: Optional[np.ndarray] = None
-    s2: Optional[np.ndarray] = None
-    samples: List[np.ndarray] = field(default_factory=list)
+class _Moments:
+    """Weighted first and second moments of rows, per (layer, kv-head), accumulated in float64
+    torch (batched over the heads of a layer), and the sampled rows."""
 
-    def add(self, x: np.ndarray, w: Optional[np.ndarray] = None) -> None:
-        x = x.astype(np.float64)
+    def __init__(self, layers: int, heads: int, d: int) -> None:
+        import torch
+
+        self.n = torch.zeros((layers, heads), dtype=torch.float64)
+        self.s1 = torch.zeros((layers, heads, d), dtype=torch.float64)
+        self.s2 = torch.zeros((layers, heads, d, d), dtype=torch.float64)
+        self.samples: List[List[List[np.ndarray]]] = [[[] for _ in range(heads)] for _ in range(layers)]
+
+    def add(self, layer: int, x: Any, w: Any = None) -> None:
+        """``x [heads, n, d]`` float64 rows, ``w [heads, n]`` their weights (None: 1)."""
+        import torch
+
         if w is None:
-            self.n += x.shape[0]
-            s1, s2 = x.sum(axis=0), x.T @ x
+            self.n[layer] += x.shape[1]
+            self.s1[layer] += x.sum(dim=1)
+            self.s2[layer] += torch.bmm(x.transpose(1, 2), x)
         else:
-            self.n += float(w.sum())
-            s1, s2 = w @ x, (x * w[:, None]).T @ x
-        self.s1 = s1 if self.s1 is None else self.s1 + s1
-        self.s2 = s2 if self.s2 is None else self.s2 + s2
+            self.n[layer] += w.sum(dim=1)
+            xw = x * w[..., None]
+            self.s1[layer] += xw.sum(dim=1)
+            self.s2[layer] += torch.bmm(xw.transpose(1, 2), x)
 
     def moments(self) -> Tuple[np.ndarray, np.ndarray]:
-        assert self.s1 is not None and self.s2 is not None and self.n > 0
-        mean = self.s1 / self.n
-        return mean, self.s2 / self.n - np.outer(mean, mean)
+        """``(mean [L, H, d], covariance [L, H, d, d])``."""
+        mean = self.s1 / self.n[..., None]
+        cov = self.s2 / self.n[..., None, None] - mean[..., :, None] * mean[..., None, :]
+        return mean.numpy(), cov.numpy()
+
+    def stacked_samples(self, d: int) -> np.ndarray:
+        return np.stack([np.stack([np.concatenate(a) if a else np.zeros((0, d), np.float32)
+                                   for a in row]) for row in self.samples]).astype(np.float32)
+
+
+def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
+    from ..families import describe
+
+    layout = describe(model)
+    rope = layout.require_rope()
+    hq, hkv, d = layout.uniform_heads()
+    return rope, layout.num_layers, hq, hkv, d
+
+
+def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
+    """``x [1, H, T, D]`` after RoPE -> float64 before it."""
+    from ..families.capture import positions as call_positions
+
+    r = rope.layer(layer)
+    x = x.detach().double()
+    return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
+
+
+def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any], n_sink: int,
+                 chunk: int = 64) -> Tuple[Any, Any]:
+    """Sums of squared attention probabilities of one layer and window, as the model's attention
+    computes the probabilities (its ``scaling``, ``softcap`` and the layer's mask: causal,
+    sliding window): ``wq [kv_heads, group, T]`` (``sum_{j >= n_sink} p_ij^2`` per query) and
+    ``wk [kv_heads, T]`` (``sum_i p_ij^2`` over the queries of the GQA group, per key), float64.
+
+    ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
+    positions); ``mask`` as the model's attention implementation gets it (None, or not 4-D as
+    flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
+    attended; float: added; keys after a query are masked in all of them). Computed in
+    float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
+    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed; the
+    attention output itself comes from the model's own implementation. A family whose
+    probabilities hold more than this (attention sinks) is refused rather than mis-weighed."""
+    import torch
+
+    if getattr(module, "sinks", None) is not None:
+        mt = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise UnsupportedModelError(
+            f"model type {mt!r}: attention sinks change the probabilities the statistics are "
+            "weighted by; use weighting='uniform' for this model")
+    _, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scaling = kwargs.get("scaling")
+    scaling = float(d ** -0.5 if scaling is None else scaling)
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    qf = q[0].detach().float().reshape(hkv, group, t, d)
+    kt = k[0].detach().float().transpose(1, 2)  # [hkv, d, t]
+    wq = torch.empty((hkv, group, t), dtype=torch.float64)
+    wk = torch.zeros((hkv, t), dtype=torch.float64)
+    pos = torch.arange(t)
+    for a in range(0, t, chunk):
+        b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
+        logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is None or mask.ndim != 4:  # causal (and the layer's window) by position
+            hidden = pos[None, :b] > pos[a:b, None]
+            if window:
+                hidden |= pos[None, :b] <= pos[a:b, None] - window
+            logits.masked_fill_(hidden, float("-inf"))
+        elif mask.dtype == torch.bool:
+            logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
+        else:
+            logits += mask[0, 0, a:b, :b].float()
+        p2 = torch.softmax(logits, dim=-1).square_()
+        wq[:, :, a:b] = p2[..., n_sink:].sum(dim=-1)
+        wk[:, :b] += p2.sum(dim=(1, 2))
+    return wq, wk
 
 
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
             meta: Optional[Dict[str, Any]] = None) -> AttentionStats:
-    """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats`.
-    ``samples`` rows per (layer, kv-head) are drawn uniformly (seeded) from the positions
-    ``>= n_sink`` of all windows.
+    """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats` of its
+    queries, keys and values before RoPE (after q/k norms where the family has them). ``samples``
+    rows per (layer, kv-head) are drawn uniformly (seeded) from the positions ``>= n_sink`` of all
+    windows.
 
     ``weighting="attention"`` weighs what the errors cost: key and value ``j`` by
     ``sum_i p_ij^2`` and query ``i`` by ``sum_{j >= n_sink} p_ij^2`` (``p`` the attention
-    probabilities of the GQA group), since an error ``e_j`` reaches the output of query ``i``
-    through ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens
-    that draw attention are often atypical; unweighted moments (``"uniform"``) let the bits go
-    to the bulk of tokens that hardly matter.
+    probabilities of the GQA group, as the model computes them: sliding windows, softcapping;
+    :func:`attention_p2`), since an error ``e_j`` reaches the output of query ``i`` through
+    ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens that draw
+    attention are often atypical; unweighted moments (``"uniform"``) let the bits go to the bulk
+    of tokens that hardly matter. The attention itself runs through the model's own
+    implementation; one forward pass per window.
+
+    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed or
+    whose layers differ in shape, InvalidParameterError on a bad ``weighting``.
     """
     import torch
 
+    from ..families import AttentionCapture, output_projection
+
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
-
-    cfg = model.config
-    attn = attention_modules(model)
-    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    rope, n_layers, hq, hkv, d = _shapes(model)
     group = hq // hkv
-    q2 = np.zeros((n_layers, hkv, d, d))
-    q_count = np.zeros((n_layers, hkv))
-    k_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
-    v_acc = [[_Acc() for _ in range(hkv)] for _ in range(n_layers)]
+    q2 = torch.zeros((n_layers, hkv, d, d), dtype=torch.float64)
+    q_count = torch.zeros((n_layers, hkv), dtype=torch.float64)
+    k_acc, v_acc = _Moments(n_layers, hkv, d), _Moments(n_layers, hkv, d)
     rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
     total = rows_per_window * len(windows)
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
-    captured: Dict[Tuple[str, int], np.ndarray] = {}
+    sel: List[int] = []
 
-    def hook(kind: str, i: int) -> Callable[..., None]:
-        def f(_m: Any, _inp: Any, out: Any) -> None:
-            captured[(kind, i)] = out[0].detach().double().numpy()
-        return f
+    def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
+                attend: Any) -> Tuple[Any, Any]:
+        out = attend(q, k, v)
+        t = q.shape[2]
+        qp = _pre_rope(rope, i, q, kwargs)[0].reshape(hkv, group * t, d)
+        if weighting == "attention":
+            wq, wk_t = attention_p2(module, q, k, mask, kwargs, n_sink)
+            wq = wq.reshape(hkv, group * t)  # per query
+            wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
+        else:
+            wq = torch.ones((hkv, group * t), dtype=torch.float64)
+            wk = None
+        q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
+        q_count[i] += wq.sum(dim=1)
+        for acc, x in ((k_acc, _pre_rope(rope, i, k, kwargs)), (v_acc, v.detach().double())):
+            x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
+            acc.add(i, x, wk)
+            if sel:
+                for h in range(hkv):
+                    acc.samples[i][h].append(x[h, sel].numpy().astype(np.float32))
+        return out
 
-    handles = []
-    for i, a in enumerate(attn):
-        for kind, mod in (("q", a.q_proj), ("k", a.k_proj), ("v", a.v_proj)):
-            handles.append(mod.register_forward_hook(hook(kind, i)))
-    attn_impl = getattr(model.config, "_attn_implementation", None)
-    if weighting == "attention":
-        model.set_attn_implementation("eager")  # the only one that returns the probabilities
-    try:
-        with torch.no_grad():
-            for w_i, w in enumerate(progress(windows)):
-                captured.clear()
-                out = model(input_ids=torch.tensor([list(w)]), use_cache=False,
-                            output_attentions=weighting == "attention")
-                t = len(w)
-                sel = [p - w_i * rows_per_window for p in pick
-                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-                for i in range(n_layers):
-                    q = captured[("q", i)].reshape(t, hkv, group, d)
-                    if weighting == "attention":
-                        p2 = out.attentions[i][0].double().numpy().reshape(hkv, group, t, t) ** 2
-                        wq = p2[..., n_sink:].sum(axis=-1)  # [hkv, group, t] per query
-                        wk = p2.sum(axis=(1, 2))[:, n_sink:]  # [hkv, t - n_sink] per key
-                    else:
-                        wq = np.ones((hkv, group, t))
-                        wk = None
-                    q2[i] += np.einsum("hgt,thga,thgb->hab", wq, q, q)
-                    q_count[i] += wq.sum(axis=(1, 2))
-                    for kind, acc in (("k", k_acc), ("v", v_acc)):
-                        x = captured[(kind, i)].reshape(t, hkv, d)[n_sink:]
-                        for h in range(hkv):
-                            acc[i][h].add(x[:, h], None if wk is None else wk[h])
-                            if sel:
-                                acc[i][h].samples.append(x[sel, h].astype(np.float32))
-    finally:
-        for h in handles:
-            h.remove()
-        if weighting == "attention" and attn_impl is not None:
-            model.set_attn_implementation(attn_impl)
+    cap = AttentionCapture(model, handler)
+    with torch.no_grad(), cap:
+        for w_i, w in enumerate(progress(windows)):
+            sel[:] = [p - w_i * rows_per_window for p in pick
+                      if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
+            model(input_ids=torch.tensor([list(w)]), use_cache=False)
+            if w_i == 0:
+                cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))
-    for i, a in enumerate(attn):
-        w_o = a.o_proj.weight.detach().double().numpy()  # [hidden, hq * d]
+    for i, a in sorted(cap.seen.items()):
+        w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
         for h in range(hkv):
             for g in range(group):
                 blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
                 o_gram[i, h] += blk.T @ blk
-    km, kc, vm, vc = (np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)),
-                      np.zeros((n_layers, hkv, d)), np.zeros((n_layers, hkv, d, d)))
-    for i in range(n_layers):
-        for h in range(hkv):
-            km[i, h], kc[i, h] = k_acc[i][h].moments()
-            vm[i, h], vc[i, h] = v_acc[i][h].moments()
-
-    def stack(acc: List[List[_Acc]]) -> np.ndarray:
-        return np.stack([np.stack([np.concatenate(a.samples) if a.samples else np.zeros((0, d), np.float32)
-                                   for a in row]) for row in acc]).astype(np.float32)
+    km, kc = k_acc.moments()
+    vm, vc = v_acc.moments()
 
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 tokens=sum(len(w) for w in windows), layers=n_layers, q_heads=hq, kv_heads=hkv,
                 head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
-                weighting=weighting, hooks="pre-RoPE q_proj/k_proj/v_proj outputs")
-    q2 /= np.maximum(q_count, 1e-300)[:, :, None, None]
-    return AttentionStats(meta=info, q2=q2, k_mean=km, k_cov=kc, v_mean=vm,
-                          v_cov=vc, o_gram=o_gram, k_samples=stack(k_acc), v_samples=stack(v_acc))
+                weighting=weighting, hooks=CAPTURE_POINT)
+    q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
+    return AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm,
+                          v_cov=vc, o_gram=o_gram, k_samples=k_acc.stacked_samples(d),
+                          v_samples=v_acc.stacked_samples(d))
 
 
 def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
@@ -170,60 +243,66 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
     1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
     and their next-token NLL is the loss. The gradients are taken at the cached rows of every
-    layer's ``k_proj`` and ``v_proj`` outputs (forward hooks, so keys are seen before RoPE, as
-    the calibrated codecs code them; positions ``< n_sink`` left out, they stay uncompressed).
-    Each cached row is made an independent input, as in a cache (an error in one layer's
-    cached rows does not reach the other layers' cached rows, which were filled before it),
-    while the fed tokens stay differentiable through every layer."""
+    layer's keys and values as attention receives them (after RoPE) and carried back through the
+    layer's RoPE (its transpose), so they are those of the keys the calibrated codecs code
+    (before RoPE, after any k norm); positions ``< n_sink`` are left out, they stay
+    uncompressed. Each cached row is made an independent input, as in a cache (an error in one
+    layer's cached rows does not reach the other layers' cached rows, which were filled before
+    it), while the fed tokens stay differentiable through every layer."""
     import torch
 
-    attn = attention_modules(model)
-    cfg = model.config
-    n_layers, hq, hkv = len(attn), cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    from ..families import AttentionCapture
+    from ..families.capture import positions as call_positions
+
+    rope, n_layers, hq, hkv, d = _shapes(model)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
     fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
-    captured: Dict[Tuple[str, int], Any] = {}
+    leaves: Dict[Tuple[str, int], Any] = {}
+    where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows
     ctx = 0
 
-    def hook(kind: str, i: int) -> Callable[..., Any]:
-        def f(_m: Any, _inp: Any, out: Any) -> Any:
-            cached = out[:, :ctx].detach().requires_grad_(True)
-            captured[(kind, i)] = cached
-            return torch.cat([cached, out[:, ctx:]], dim=1)
-        return f
+    def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
+                attend: Any) -> Tuple[Any, Any]:
+        where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
+        parts = []
+        for s, x in (("k", k), ("v", v)):
+            cached = x[:, :, :ctx].detach().requires_grad_(True)
+            leaves[(s, i)] = cached
+            parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
+        return attend(q, parts[0], parts[1])
 
-    handles = [mod.register_forward_hook(hook(kind, i))
-               for i, a in enumerate(attn) for kind, mod in (("k", a.k_proj), ("v", a.v_proj))]
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
+    cap = AttentionCapture(model, handler)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), cap:
             for w in progress(windows):
-                captured.clear()
+                leaves.clear()
                 ids = torch.tensor([list(w)])
                 t = len(w)
                 ctx = t - score - 1
                 logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
                 nll = -torch.log_softmax(logits.double(), dim=-1).gather(
                     1, ids[0, ctx + 1:, None]).sum()
+                cap.check(n_layers)
                 keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
-                grads = torch.autograd.grad(nll, [captured[key] for key in keys])
+                grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
-                    g = g[0, n_sink:].double().reshape(-1, hkv, d)
-                    fisher[s][i] += torch.einsum("tha,thb->hab", g, g).numpy()
+                    r = rope.layer(i)
+                    if s == "k" and r is not None:
+                        g = r.transpose(g.double(), where[i])
+                    g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
+                    fisher[s][i] += torch.bmm(g.transpose(1, 2), g).numpy()
     finally:
-        for h in handles:
-            h.remove()
         for p in trainable:
             p.requires_grad_(True)
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 score=score, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
-                hooks="gradients at pre-RoPE k_proj/v_proj outputs")
+                hooks=f"gradients at the cached rows; {CAPTURE_POINT}")
     n = max(len(windows), 1)
     return Sensitivity(meta=info, k=fisher["k"] / n, v=fisher["v"] / n)

@@ -15,6 +15,10 @@ from .stats import AttentionStats, Sensitivity
 
 Progress = Callable[[Iterable[Any]], Iterable[Any]]
 
+#: Part of every cache key: statistics made by another collection method are not reused. "c2":
+#: taken through the attention interface (after q/k norms, RoPE removed per layer), issue 13.
+COLLECTION = "c2"
+
 
 def _key(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> str:
     mp, tp = Path(model_path), Path(text_path)
@@ -22,19 +26,30 @@ def _key(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | st
     return f"{mp.stem}-{size}-{tp.stem}"
 
 
+def _dtype_part(dtype: str) -> str:
+    name = str(dtype).replace("torch.", "")
+    return "" if name == "float32" else f"-{name}"
+
+
+def model_dtype(model: Any) -> str:
+    """The dtype name of a loaded model's weights (``"float32"``, ``"bfloat16"``, ...)."""
+    p = next(iter(model.parameters()), None)
+    return "float32" if p is None else str(p.dtype).replace("torch.", "")
+
+
 def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
-               settings: CalibrationSettings) -> Path:
-    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings)."""
+               settings: CalibrationSettings, dtype: str = "float32") -> Path:
+    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings, dtype)."""
     key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
-           f"{settings.weighting}")
+           f"{settings.weighting}{_dtype_part(dtype)}-{COLLECTION}")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
 def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
-                     settings: CalibrationSettings, n_sink: int) -> Path:
-    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings)."""
+                     settings: CalibrationSettings, n_sink: int, dtype: str = "float32") -> Path:
+    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings, dtype)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
-           f"score{settings.score}-sink{n_sink}-sensitivity")
+           f"score{settings.score}-sink{n_sink}{_dtype_part(dtype)}-{COLLECTION}-sensitivity")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
@@ -49,7 +64,7 @@ def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
     cached file for this model, text and settings, collected (and cached) when missing."""
     if settings.path:
         return AttentionStats.load(settings.path)
-    path = stats_path(model_path, text_path, settings)
+    path = stats_path(model_path, text_path, settings, model_dtype(model))
     if path.exists():
         return AttentionStats.load(path)
     wins = calibration_windows(tok, text_path, settings.windows, settings.window)
@@ -67,7 +82,7 @@ def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str
     gathered (and cached) on the calibration split when missing."""
     if settings.sensitivity_path:
         return Sensitivity.load(settings.sensitivity_path)
-    path = sensitivity_path(model_path, text_path, settings, n_sink)
+    path = sensitivity_path(model_path, text_path, settings, n_sink, model_dtype(model))
     if path.exists():
         return Sensitivity.load(path)
     wins = calibration_windows(tok, text_path, settings.sensitivity_windows, settings.window)

@@ -4,6 +4,7 @@ compare with the uncompressed run on the same windows."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from dataclasses import dataclass, field, replace
@@ -13,8 +14,9 @@ import numpy as np
 import torch
 
 from ..cache import codec_for, compress_cache
-from ..cache.rope import rope_for
+from ..cache.prefix import held_span, sink_rows
 from ..errors import InvalidParameterError
+from ..families import describe
 from ..recipes import Recipe
 from . import baselines, metrics
 
@@ -86,44 +88,41 @@ def _forward(model: Any, ids: Any, cache: Any = None) -> Tuple[Any, Any]:
     return out.logits, new if new is not None else out.past_key_values
 
 
-def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Method,
-                    rope: Any = None) -> Tuple[int, int]:
-    """Sets every layer of `cache` to the method's reconstruction of the snapshot
-    (`keys0`/`values0`, each [1, kv_heads, T, D]); returns (bits, elements) over all layers.
-    `rope` (`kakeyaturbo.cache.rope.rope_for(model)`) is needed by codecs that code keys without RoPE."""
+def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, int]:
+    """Replaces, in place, every layer of a filled `cache` by the method's reconstruction;
+    returns (bits, elements) over all layers, elements as the layers hold them (a sliding-window
+    layer its last window - 1 tokens). `rope` (`kakeyaturbo.cache.rope.rope_for(model)`) is
+    needed by codecs that code keys without RoPE."""
     if method.codec is not None:
-        for layer, k0, v0 in zip(cache.layers, keys0, values0):
-            layer.keys, layer.values = k0.clone(), v0.clone()
         stats = compress_cache(cache, method.codec, n_sink=method.n_sink, boundary=method.boundary,
                                streams=method.streams, rope=rope)
         return stats["bits"], stats["elements"]
 
     bits = elems = 0
-    for i, (k0, v0) in enumerate(zip(keys0, values0)):
-        layer = cache.layers[i]
-        if i in method.boundary:
-            layer.keys, layer.values = k0.clone(), v0.clone()
-            bits += 16 * (k0.numel() + v0.numel())
-        else:
-            out = []
-            for stream, t in (("k", k0), ("v", v0)):
-                if stream not in method.streams:
-                    out.append(t.clone())
-                    bits += 16 * t.numel()
-                    continue
-                heads = []
-                s = min(method.n_sink, t.shape[2])
-                for h in range(t.shape[1]):
-                    x = np.ascontiguousarray(t[0, h].numpy(), dtype=np.float32)
-                    y = x.copy()
-                    bits += 16 * s * x.shape[1]
-                    if s < x.shape[0]:
-                        y[s:], b = method.quantise(stream, np.ascontiguousarray(x[s:]))
-                        bits += b
-                    heads.append(torch.from_numpy(y))
-                out.append(torch.stack(heads)[None].to(t.dtype))
-            layer.keys, layer.values = out
+    for i, layer in enumerate(cache.layers):
+        k0, v0 = layer.keys, layer.values
+        if k0 is None or k0.numel() == 0:
+            continue
         elems += k0.numel() + v0.numel()
+        if i in method.boundary:
+            bits += 16 * (k0.numel() + v0.numel())
+            continue
+        first, held = held_span(layer)
+        s = sink_rows(method.n_sink, first, held)
+        for stream, t in (("k", k0), ("v", v0)):
+            if stream not in method.streams:
+                bits += 16 * t.numel()
+                continue
+            heads = []
+            for h in range(t.shape[1]):
+                x = np.ascontiguousarray(t[0, h].float().numpy(), dtype=np.float32)
+                y = x.copy()
+                bits += 16 * s * x.shape[1]
+                if s < x.shape[0]:
+                    y[s:], b = method.quantise(stream, np.ascontiguousarray(x[s:]))
+                    bits += b
+                heads.append(torch.from_numpy(y))
+            t.copy_(torch.stack(heads)[None].to(t.dtype))
     return bits, elems
 
 
@@ -145,23 +144,22 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
     ref = Scores()
     per = {m.name: Scores() for m in methods}
     rope = None
-    if any(getattr(m.codec, "pre_rope_keys", False) for m in methods):
-        rope = rope_for(model)
+    if any(getattr(m.codec, "pre_rope_keys", False) and "k" in m.streams for m in methods):
+        rope = describe(model).require_rope()
     with torch.no_grad():
         for w in progress(windows):
             ids = torch.tensor([list(w)])
             cont, target = ids[:, ctx:-1], ids[0, ctx + 1:]
-            _, cache = _forward(model, ids[:, :ctx])
-            keys0 = [layer.keys.clone() for layer in cache.layers]
-            values0 = [layer.values.clone() for layer in cache.layers]
+            _, prefilled = _forward(model, ids[:, :ctx])
 
             def score(method: "Method | None") -> np.ndarray:
-                for layer, k0, v0 in zip(cache.layers, keys0, values0):
-                    layer.keys, layer.values = k0.clone(), v0.clone()
+                # Every method starts from its own copy of the whole prefilled cache: a
+                # sliding-window layer's state is more than its keys and values.
+                cache = copy.deepcopy(prefilled)
                 bits = elems = 0
                 t0 = time.perf_counter()
                 if method is not None:
-                    bits, elems = compress_prefix(cache, keys0, values0, method, rope)
+                    bits, elems = compress_prefix(cache, method, rope)
                 logits, _ = _forward(model, cont, cache)
                 s = per[method.name] if method is not None else ref
                 s.seconds += time.perf_counter() - t0

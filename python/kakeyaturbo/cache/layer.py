@@ -1,0 +1,390 @@
+"""One attention layer of the generation cache (:class:`KakeyaLayer`): sink rows, sealed blocks
+held as codec bytes and raw staging rows, for a full-attention or a sliding-window layer."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import InvalidParameterError
+from ..families.rope import LayerRope
+from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
+
+
+class Positions:
+    """The RoPE position of every token the cache saw, ``int32 [batch, T]``, shared by all
+    layers (kept only when the codec codes keys without RoPE). ``pending`` holds the
+    ``position_ids`` of the forward call in progress when the model's own forward gave them
+    (families whose attention does not forward them to the cache: GPT-NeoX)."""
+
+    def __init__(self) -> None:
+        self.pos: Optional[torch.Tensor] = None
+        self.pending: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return 0 if self.pos is None else self.pos.shape[1]
+
+    def record(self, start: int, q: int, batch: int, position_ids: Optional[torch.Tensor]) -> None:
+        """Tokens ``start .. start+q`` of a layer's update; the first layer to see them records them."""
+        have = len(self)
+        if start + q <= have:
+            return
+        if start != have:
+            raise RuntimeError(f"positions recorded up to {have}, a layer appends at {start}")
+        if position_ids is None and isinstance(self.pending, torch.Tensor) and self.pending.shape[-1] == q:
+            position_ids = self.pending
+        if position_ids is None:
+            new = torch.arange(start, start + q, dtype=torch.int32)[None].expand(batch, q)
+        else:
+            new = position_ids.detach().to("cpu", torch.int32).expand(batch, q)
+        self.pos = new.clone() if self.pos is None else torch.cat([self.pos, new], dim=1)
+
+    def get(self, start: int, n: int) -> torch.Tensor:
+        assert self.pos is not None and start + n <= len(self)
+        return self.pos[:, start:start + n]
+
+    def nbytes(self) -> int:
+        return 0 if self.pos is None else self.pos.numel() * self.pos.element_size()
+
+    def select(self, idx: torch.Tensor) -> None:
+        if self.pos is not None:
+            self.pos = self.pos.index_select(0, idx.to("cpu"))
+
+    def crop(self, length: int) -> None:
+        if self.pos is not None:
+            self.pos = self.pos[:, :length].clone()
+
+    def reset(self) -> None:
+        self.pos = None
+        self.pending = None
+
+
+def position_ids(kwargs: Dict[str, Any], q: int) -> Optional[torch.Tensor]:
+    """``position_ids`` ``[1 or batch, q]`` as the attention module forwards them to ``update``
+    (most families pass ``kwargs=kwargs``), or None."""
+    for d in (kwargs, kwargs.get("kwargs"), kwargs.get("cache_kwargs")):
+        if isinstance(d, dict):
+            p = d.get("position_ids")
+            if isinstance(p, torch.Tensor) and p.ndim == 2 and p.shape[-1] == q:
+                return p
+    return None
+
+
+class _Stream:
+    """One stream (K or V) of one layer: ``sink`` rows, sealed ``blocks`` (blobs
+    ``[batch][head]``, each starting at the token position in ``starts``) and ``staging`` rows
+    from ``staging_start``; raw rows are ``[B, H, n, D]`` in the storage dtype. The sink holds
+    positions ``sink_start ..`` (``< n_sink``)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        empty = like[..., :0, :].detach()
+        self.sink = empty.clone()
+        self.sink_start = 0
+        self.staging = empty.clone()
+        self.staging_start = 0
+        self.blocks: List[List[List[bytes]]] = []
+        self.starts: List[int] = []
+        self.decoded: List[torch.Tensor] = []  # keep_decoded only, one per block
+
+    def first(self) -> int:
+        """The position of the first row held."""
+        if self.sink.shape[-2]:
+            return self.sink_start
+        return self.starts[0] if self.starts else self.staging_start
+
+
+class KakeyaLayer(CacheLayerMixin):
+    """One attention layer of a :class:`~kakeyaturbo.cache.KakeyaCache`.
+
+    Tokens ``0 .. n_sink-1`` stay raw (the sink); after them every full block of ``block_size``
+    tokens of a compressed stream is sealed: coded per batch row and kv-head into one blob each
+    and held only as bytes; the partial block stays raw (staging). A stream not in ``streams``
+    (and every stream of a boundary layer) is never sealed.
+
+    ``window`` (a sliding-window layer: a query at position ``p`` sees keys ``p - window + 1 ..
+    p``): the layer behaves as transformers' ``DynamicSlidingWindowLayer`` towards attention
+    (``update`` returns the last ``window - 1`` tokens before the call plus the call's tokens,
+    ``get_mask_sizes`` says so, ``get_seq_length`` counts every token seen) and keeps only what
+    the window still needs: sink rows and sealed blocks that fell out of it are dropped, and rows
+    that leave the window before a block fills are never coded.
+    """
+
+    is_sliding = False
+    # Cropping into a sealed block reads it back through the codec, so a rollback past a block
+    # boundary is not exact for a lossy codec.
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, index: int, codec: StreamCodec, *, block_size: int, n_sink: int,
+                 streams: Sequence[str], rope: Optional[LayerRope] = None,
+                 positions: Optional[Positions] = None, keep_decoded: bool = False,
+                 window: Optional[int] = None) -> None:
+        # CacheLayerMixin.__init__ is not called: it assigns self.keys / self.values, which are
+        # read-only views here (the layer never holds its full K/V as tensors).
+        self.is_initialized = False
+        self.index = index
+        self.codec = codec
+        self.block_size = block_size
+        self.n_sink = n_sink
+        self.streams = tuple(streams)
+        self.keep_decoded = keep_decoded
+        self.window = window
+        self.is_sliding = window is not None
+        # A layer that applies no RoPE (rope None with a pre-RoPE codec) hands keys over as they are.
+        self.pre_rope = wants_rope(codec, self.streams) and rope is not None
+        if self.pre_rope and positions is None:
+            raise InvalidParameterError(f"{codec!r} codes keys without RoPE: the layer needs positions")
+        self.rope = rope
+        self.positions = positions
+        self.seen = 0
+        self._s: Dict[str, _Stream] = {}
+
+    def __repr__(self) -> str:
+        kind = f", window={self.window}" if self.window is not None else ""
+        return (f"KakeyaLayer({self.index}, streams={self.streams}{kind}, seq={self.get_seq_length()}, "
+                f"sealed={self.num_sealed()})")
+
+    # --- transformers' layer API ------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._s = {"k": _Stream(key_states), "v": _Stream(value_states)}
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Appends ``[B, H, q, D]`` keys and values; returns the K and V attention reads: every
+        token of a full-attention layer, the last ``window - 1`` tokens before this call plus its
+        own of a sliding one.
+
+        The tokens of this call come back exactly as given (they attend to each other at full
+        precision, as in a serving engine's current chunk); tokens of earlier calls come back
+        as stored: sink and staging raw, sealed blocks decoded.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.seen
+        q = key_states.shape[-2]
+        if self.positions is not None:
+            self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
+        visible = self._visible(start) + q
+        out_k = torch.cat(self._parts("k") + [key_states], dim=-2)[..., -visible:, :]
+        out_v = torch.cat(self._parts("v") + [value_states], dim=-2)[..., -visible:, :]
+        self.seen += q
+        for name, x in (("k", key_states), ("v", value_states)):
+            self._append(name, x.detach(), start)
+        return out_k, out_v
+
+    def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
+        return self._visible(self.seen) + query_length, self.seen - self._visible(self.seen)
+
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    def reset(self) -> None:
+        self._s = {}
+        self.seen = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (a non-positive count, as in transformers).
+
+        Inside staging this is exact; reaching into a sealed block decodes it back into staging
+        (lossy for a lossy codec). A sliding layer that already dropped tokens cannot roll back
+        (as transformers' ``DynamicSlidingWindowLayer``): RuntimeError."""
+        if tokens_to_remove > 0:
+            raise InvalidParameterError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
+        r = -tokens_to_remove
+        if r == 0 or not self.is_initialized:
+            return
+        if self.window is not None and self.seen >= self.window:
+            raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
+                               "window: it cannot be cropped")
+        r = min(r, self.seen)
+        self.seen -= r
+        for name in STREAMS:
+            st = self._s[name]
+            while st.starts and st.starts[-1] >= self.seen:
+                self._unseal_last(name)
+            if st.starts and st.staging_start > self.seen:
+                self._unseal_last(name)
+            keep = max(self.seen - st.staging_start, 0)
+            st.staging = st.staging[..., :keep, :].clone()
+            if self.seen < st.sink_start + st.sink.shape[-2]:
+                st.sink = st.sink[..., :max(self.seen - st.sink_start, 0), :].clone()
+                st.staging_start = self.seen if not st.starts else st.staging_start
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self._batch())[indices.to("cpu")])
+
+    def offload(self) -> None:
+        """Not supported: sealed blocks are host bytes already."""
+        raise NotImplementedError("KakeyaCache does not offload")
+
+    prefetch = offload
+
+    # --- views and accounting ---------------------------------------------------------------
+
+    @property
+    def keys(self) -> Optional[torch.Tensor]:
+        """The keys ``[B, H, T, D]`` the layer holds as attention reads them (sealed blocks
+        decoded; a sliding layer: its last ``window - 1`` tokens, as transformers' layer holds)."""
+        return self._held("k") if self.is_initialized else None
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:
+        """The values ``[B, H, T, D]`` (see :attr:`keys`)."""
+        return self._held("v") if self.is_initialized else None
+
+    def num_sealed(self) -> int:
+        """Sealed blocks held by the first compressed stream (0 for a boundary layer)."""
+        return max((len(st.blocks) for st in self._s.values()), default=0)
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes held, by kind: ``blobs``, ``sink``, ``staging``, ``decoded`` (keep_decoded)."""
+        out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0}
+        if not self.is_initialized:
+            return out
+        for st in self._s.values():
+            out["blobs"] += sum(len(b) for blk in st.blocks for row in blk for b in row)
+            out["sink"] += _tensor_bytes(st.sink)
+            out["staging"] += _tensor_bytes(st.staging)
+            out["decoded"] += sum(_tensor_bytes(t) for t in st.decoded)
+        return out
+
+    def nbytes_uncompressed(self) -> int:
+        """What transformers' layer would hold for the same tokens (a ``DynamicLayer``, or the
+        last ``window - 1`` tokens of a ``DynamicSlidingWindowLayer``), at the storage dtype."""
+        if not self.is_initialized:
+            return 0
+        n = self._visible(self.seen)
+        total = 0
+        for st in self._s.values():
+            b, h, _, d = st.staging.shape
+            total += b * h * n * d * st.staging.element_size()
+        return total
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _visible(self, seen: int) -> int:
+        """Tokens before position ``seen`` that the next query still sees."""
+        return seen if self.window is None else min(seen, self.window - 1)
+
+    def _batch(self) -> int:
+        return self._s["k"].staging.shape[0]
+
+    def _select(self, idx: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        rows = idx.to("cpu").tolist()
+        for st in self._s.values():
+            dev = st.staging.device
+            st.sink = st.sink.index_select(0, idx.to(dev))
+            st.staging = st.staging.index_select(0, idx.to(dev))
+            # Sealed blocks move as bytes: no re-coding, so beam search stays exact.
+            st.blocks = [[blk[b] for b in rows] for blk in st.blocks]
+            st.decoded = [t.index_select(0, idx.to(t.device)) for t in st.decoded]
+
+    def _append(self, name: str, x: torch.Tensor, start: int) -> None:
+        """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging; then
+        a sliding layer drops what left its window, and full blocks are sealed."""
+        st = self._s[name]
+        if not st.staging.shape[-2] and not st.starts:
+            st.staging_start = start
+        if name in self.streams:
+            room = self.n_sink - (st.sink_start + st.sink.shape[-2])
+            if room > 0 and not st.blocks and st.staging.shape[-2] == 0:
+                st.sink = torch.cat([st.sink, x[..., :room, :]], dim=-2)
+                x = x[..., room:, :]
+                st.staging_start = st.sink_start + st.sink.shape[-2]
+        st.staging = torch.cat([st.staging, x], dim=-2)
+        if self.window is not None:
+            self._drop(name, self.seen - self._visible(self.seen))
+        if name in self.streams:
+            while st.staging.shape[-2] >= self.block_size:
+                self._seal(name)
+
+    def _drop(self, name: str, lo: int) -> None:
+        """Drops what a sliding layer holds before position ``lo`` (no later query sees it):
+        sink rows, whole sealed blocks, staging rows; a block straddling ``lo`` stays whole."""
+        st = self._s[name]
+        if st.sink.shape[-2] and st.sink_start < lo:
+            cut = min(lo - st.sink_start, st.sink.shape[-2])
+            st.sink = st.sink[..., cut:, :].clone()
+            st.sink_start += cut
+        while st.starts and st.starts[0] + self.block_size <= lo:
+            st.blocks.pop(0)
+            st.starts.pop(0)
+            if st.decoded:
+                st.decoded.pop(0)
+        if not st.starts and st.staging_start < lo:
+            cut = min(lo - st.staging_start, st.staging.shape[-2])
+            st.staging = st.staging[..., cut:, :].clone()
+            st.staging_start += cut
+
+    def _rope_args(self, start: int, n: int) -> torch.Tensor:
+        assert self.positions is not None
+        return self.positions.get(start, n)
+
+    def _seal(self, name: str) -> None:
+        st = self._s[name]
+        start = st.staging_start
+        rows = st.staging[..., :self.block_size, :]
+        st.staging = st.staging[..., self.block_size:, :].clone()
+        st.staging_start = start + self.block_size
+        if name == "k" and self.pre_rope:
+            assert self.rope is not None
+            rows = self.rope.remove(rows, self._rope_args(start, self.block_size))
+        st.blocks.append(encode_rows(self.codec, name, self.index, to_numpy(rows)))
+        st.starts.append(start)
+        if self.keep_decoded:
+            st.decoded.append(self._block(name, len(st.blocks) - 1))
+
+    def _unseal_last(self, name: str) -> None:
+        """The last sealed block decoded back into staging (crop)."""
+        st = self._s[name]
+        dec = self._block(name, len(st.blocks) - 1)
+        st.staging = torch.cat([dec, st.staging], dim=-2)
+        st.staging_start = st.starts.pop()
+        st.blocks.pop()
+        if st.decoded:
+            st.decoded.pop()
+
+    def _block(self, name: str, j: int) -> torch.Tensor:
+        """Sealed block ``j`` decoded: ``[B, H, block_size, D]`` in the storage dtype."""
+        st = self._s[name]
+        if j < len(st.decoded):
+            return st.decoded[j]
+        ref = st.staging
+        y = torch.from_numpy(
+            decode_rows(self.codec, name, self.index, st.blocks[j], self.block_size, ref.shape[-1])
+        ).to(self.device)
+        if name == "k" and self.pre_rope:
+            assert self.rope is not None
+            y = self.rope.apply(y, self._rope_args(st.starts[j], self.block_size))
+        return y.to(ref.dtype)
+
+    def _parts(self, name: str) -> List[torch.Tensor]:
+        st = self._s[name]
+        return [st.sink] + [self._block(name, j) for j in range(len(st.blocks))] + [st.staging]
+
+    def _held(self, name: str) -> torch.Tensor:
+        full = torch.cat(self._parts(name), dim=-2)
+        return full[..., full.shape[-2] - self._visible(self.seen):, :]
+
+
+def _tensor_bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

@@ -1,0 +1,36 @@
+"""What each decoder family transformers ships needs from the cache, found on the loaded model
+(needs torch and transformers: the ``eval`` extra).
+
+- `layout`: :func:`describe`, a model per layer (full or sliding-window attention, heads, the
+  RoPE of its keys) and :class:`~kakeyaturbo.errors.UnsupportedModelError` for what cannot work;
+- `rope`: RoPE as the families apply it (pairings, partial rotary, per-layer-type rotary
+  modules), its exact inverse and transpose;
+- `capture`: :class:`AttentionCapture`, every layer's queries, keys and values as the model
+  hands them to attention (after q/k norms and RoPE), through transformers' AttentionInterface.
+
+It sits above `calibration` and `cache` in the one-way flow: both need it (the statistics are
+taken before RoPE, the cache removes and re-applies RoPE and rolls sliding windows).
+"""
+
+from ..errors import UnsupportedModelError
+from .capture import AttentionCapture
+from .layout import LayerSpec, ModelLayout, attention_modules, describe, output_projection, rope_for
+from .rope import LayerRope, ModelRope, apply_rope, rope_transpose, rotate_half, unapply_rope
+
+
+__all__ = [
+    "AttentionCapture",
+    "LayerRope",
+    "LayerSpec",
+    "ModelLayout",
+    "ModelRope",
+    "UnsupportedModelError",
+    "apply_rope",
+    "attention_modules",
+    "describe",
+    "output_projection",
+    "rope_for",
+    "rope_transpose",
+    "rotate_half",
+    "unapply_rope",
+]

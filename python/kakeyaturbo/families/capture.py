@@ -1,0 +1,142 @@
+"""Seeing every attention layer of a model at work, family-agnostically: a function registered in
+transformers' ``AttentionInterface`` receives each layer's queries, keys and values exactly as
+the model hands them to attention (after any q/k norm and after RoPE; keys and values as the
+cache holds them), lets a handler look at or replace them, and runs the model's own attention.
+
+transformers looks the attention function up by name in the config at every call, so
+:class:`AttentionCapture` registers one name (:data:`NAME`), points the model at it while open
+and restores the model's own implementation on exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ..errors import UnsupportedModelError
+from .layout import model_type
+
+#: The implementation name the capture registers in transformers' attention interfaces.
+NAME = "kakeyaturbo_capture"
+
+#: ``handler(layer, module, query, key, value, mask, kwargs, attend) -> (output, weights)``:
+#: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]`` as the model passes them;
+#: ``attend(query, key, value)`` runs the model's own attention (with the mask and keyword
+#: arguments of this call) and returns ``(output, weights)``; ``weights`` are the attention
+#: probabilities ``[B, Hq, T, T]`` when the capture was opened with ``weights=True``.
+Handler = Callable[..., Tuple[Any, Any]]
+
+_active: Optional["AttentionCapture"] = None
+
+
+def _dispatch(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+              **kwargs: Any) -> Tuple[Any, Any]:
+    cap = _active
+    if cap is None:
+        raise RuntimeError(f"attention implementation {NAME!r} called outside an AttentionCapture")
+    return cap._call(module, query, key, value, attention_mask, kwargs)
+
+
+def _eager(module: Any) -> Callable[..., Tuple[Any, Any]]:
+    """The eager attention of the module's own modeling file (it honours softcapping, sinks and
+    whatever else that family adds), else transformers' generic one."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if callable(fn):
+        return fn
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+class AttentionCapture:
+    """While open (``with AttentionCapture(model, handler): model(...)``), every attention layer
+    of ``model`` calls ``handler`` (see :data:`Handler`).
+
+    ``weights=True`` runs each layer's attention through its family's eager function (the only
+    one that returns the probabilities); otherwise through the implementation the model was
+    configured with (``sdpa``, ``eager``, ...), with that implementation's mask. On exit the
+    model's implementation is restored, and :meth:`check` raises UnsupportedModelError when
+    layers never called the handler (a model that does not route attention through the
+    interface).
+    """
+
+    def __init__(self, model: Any, handler: Handler, *, weights: bool = False) -> None:
+        self.model = model
+        self.handler = handler
+        self.weights = bool(weights)
+        self.seen: Dict[int, Any] = {}
+        self._orig: Optional[str] = None
+        self._delegate: Dict[type, Callable[..., Tuple[Any, Any]]] = {}
+
+    def __enter__(self) -> "AttentionCapture":
+        global _active
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+        if _active is not None:
+            raise RuntimeError("an AttentionCapture is already open")
+        self._orig = self.model.config._attn_implementation
+        orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
+        mask = "eager" if self.weights else orig
+        AttentionInterface.register(NAME, _dispatch)
+        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask])
+        self._use_eager = self.weights or orig == "eager"
+        _active = self
+        try:
+            self.model.set_attn_implementation(NAME)
+        except Exception:
+            _active = None
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _active
+        _active = None
+        if self._orig is not None:
+            self.model.set_attn_implementation(self._orig)
+
+    def _function(self, module: Any) -> Callable[..., Tuple[Any, Any]]:
+        fn = self._delegate.get(type(module))
+        if fn is None:
+            if self._use_eager:
+                fn = _eager(module)
+            else:
+                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+                fn = ALL_ATTENTION_FUNCTIONS.get_interface(self._orig, _eager(module))
+            self._delegate[type(module)] = fn
+        return fn
+
+    def _call(self, module: Any, query: Any, key: Any, value: Any, mask: Any,
+              kwargs: Dict[str, Any]) -> Tuple[Any, Any]:
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            raise UnsupportedModelError(
+                f"model type {model_type(self.model)!r}: attention module {type(module).__name__} has no layer_idx")
+        self.seen[layer] = module
+        fn = self._function(module)
+
+        def attend(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
+            return fn(module, q, k, v, mask, **kwargs)
+
+        return self.handler(layer, module, query, key, value, mask, kwargs, attend)
+
+    def check(self, num_layers: int) -> None:
+        """UnsupportedModelError unless every layer ``0 .. num_layers - 1`` called the handler."""
+        missing = sorted(set(range(num_layers)) - set(self.seen))
+        if missing:
+            raise UnsupportedModelError(
+                f"model type {model_type(self.model)!r}: layers {missing} did not run their attention "
+                "through transformers' AttentionInterface, so their queries, keys and values cannot be "
+                "seen")
+
+
+def positions(kwargs: Dict[str, Any], batch: int, t: int) -> Any:
+    """The RoPE positions ``[batch or 1, t]`` of a call's rows: the ``position_ids`` the model
+    forwarded, else ``0 .. t-1`` (a forward without cache over a fresh sequence)."""
+    import torch
+
+    p = kwargs.get("position_ids")
+    if isinstance(p, torch.Tensor) and p.ndim == 2 and p.shape[-1] == t:
+        return p
+    return torch.arange(t)[None]

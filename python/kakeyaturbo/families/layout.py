@@ -1,0 +1,261 @@
+"""What a loaded decoder looks like to the cache, per layer: attention kind (full or sliding
+window), head counts, the RoPE its keys carry; and what cannot work, refused up front with a
+typed error naming the model type and the reason."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import UnsupportedModelError
+from .rope import LayerRope, ModelRope, detect_style
+
+#: Cache layer types whose K/V rows are the keys and values of one token each, as
+#: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
+#: ``window - 1`` tokens of a sliding-window layer.
+KV_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+#: Names of the attention output projection (``[hidden, q_heads * head_dim]``), by family.
+_OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer: ``kind`` ``"full"`` or ``"sliding"`` (a query at position ``p`` sees
+    keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), head counts
+    and ``head_dim`` of its cached rows."""
+
+    index: int
+    kind: str
+    window: Optional[int]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.kind == "sliding"
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A loaded model as :func:`describe` found it: ``model_type``, one :class:`LayerSpec` per
+    layer, and the RoPE of each layer's keys (``rope``; None with ``rope_error`` saying why the
+    rotation cannot be recomputed from the positions)."""
+
+    model_type: str
+    layers: Tuple[LayerSpec, ...]
+    rope: Optional[ModelRope]
+    rope_error: Optional[str]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def sliding(self) -> Tuple[bool, ...]:
+        return tuple(s.is_sliding for s in self.layers)
+
+    def require_rope(self) -> ModelRope:
+        """The RoPE of every layer; UnsupportedModelError (naming the model type and the reason)
+        when the keys' rotation cannot be removed and re-applied from the positions alone."""
+        if self.rope is None:
+            raise UnsupportedModelError(
+                f"model type {self.model_type!r}: keys without RoPE are not available: {self.rope_error}")
+        return self.rope
+
+    def uniform_heads(self) -> Tuple[int, int, int]:
+        """``(q_heads, kv_heads, head_dim)`` shared by every layer (calibration statistics are
+        stacked over layers); UnsupportedModelError when layers differ."""
+        shapes = {(s.q_heads, s.kv_heads, s.head_dim) for s in self.layers}
+        if len(shapes) != 1:
+            raise UnsupportedModelError(
+                f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)}")
+        return next(iter(shapes))
+
+
+def text_config(model: Any) -> Any:
+    """The decoder's config (the text config of a multimodal model)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model (it has no config)")
+    get = getattr(cfg, "get_text_config", None)
+    return get(decoder=True) if callable(get) else cfg
+
+
+def model_type(model: Any) -> str:
+    """The ``model_type`` of the decoder's config (the family), else the class name."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg = text_config(model)
+    return str(getattr(cfg, "model_type", None) or type(model).__name__)
+
+
+def _refuse(mt: str, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"model type {mt!r}: {reason}")
+
+
+def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    n = int(cfg.num_hidden_layers)
+    try:
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    except Exception:  # configs without per-layer configs: one type for all
+        window = getattr(cfg, "sliding_window", None)
+        types = ["sliding_attention" if window else "full_attention"] * n
+        kwargs = [{"sliding_window": window} if window else {} for _ in range(n)]
+    types, kwargs = list(types)[:n], list(kwargs)[:n]
+    if len(types) != n:
+        raise _refuse(mt, f"{len(types)} layer types for {n} layers")
+    return types, kwargs
+
+
+def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
+    """Refuses what does not keep one standard K/V row per token and head."""
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise _refuse(mt, "encoder-decoder models keep a cross-attention cache; only decoders are supported")
+    bad = sorted(set(types) - set(KV_LAYER_TYPES))
+    if bad:
+        why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)",
+               "dummy": "layers that share another layer's cache or hold none",
+               "linear_attention": "linear-attention / recurrent state, not K/V rows",
+               "conv": "convolution state, not K/V rows"}
+        reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
+        raise _refuse(mt, f"not a standard K/V cache: {reasons}")
+    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "qk_rope_head_dim", None):
+        raise _refuse(mt, "multi-head latent attention: keys join a rotated and an unrotated part of "
+                          "different widths; not a standard K/V cache")
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        raise _refuse(mt, "layers share another layer's K/V cache")
+    if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
+        raise _refuse(mt, "bidirectional attention: not a causal decoder")
+
+
+def attention_modules(model: Any) -> Dict[int, Any]:
+    """The attention modules of a decoder by ``layer_idx`` (modules named ``*Attention`` with a
+    ``layer_idx``)."""
+    out: Dict[int, Any] = {}
+    for mod in model.modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and type(mod).__name__.endswith("Attention") and idx not in out:
+            out[idx] = mod
+    return out
+
+
+def output_projection(module: Any, q_heads: int, head_dim: int) -> Any:
+    """The linear map from the concatenated attention heads to the hidden state (``o_proj``,
+    GPT-NeoX's ``dense``, ...); its weight is ``[hidden, q_heads * head_dim]``."""
+    for name in _OUTPUT_PROJECTIONS:
+        lin = getattr(module, name, None)
+        w = getattr(lin, "weight", None)
+        if w is not None and w.ndim == 2 and w.shape[1] == q_heads * head_dim:
+            return lin
+    raise _refuse(getattr(getattr(module, "config", None), "model_type", type(module).__name__),
+                  f"no output projection among {_OUTPUT_PROJECTIONS} of {type(module).__name__}")
+
+
+def _rotary_module(model: Any) -> Any:
+    base = getattr(model, "base_model", model)
+    for owner in (base, getattr(base, "language_model", None), getattr(model, "model", None), model):
+        mod = getattr(owner, "rotary_emb", None) if owner is not None else None
+        if mod is not None:
+            return mod
+    return None
+
+
+def _apply_fn(model: Any) -> Any:
+    """The modeling module's own ``apply_rotary_pos_emb`` (the oracle of the pairing)."""
+    mods = [type(m).__module__ for m in attention_modules(model).values()][:1] + [type(model).__module__]
+    for name in mods:
+        fn = getattr(sys.modules.get(name), "apply_rotary_pos_emb", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _mentions_rotary(model: Any) -> bool:
+    """Whether the modeling modules of the model or its attention define anything rotary."""
+    names = {type(m).__module__ for m in attention_modules(model).values()} | {type(model).__module__}
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is None or any("rotary" in a.lower() or "rope" in a.lower() for a in vars(mod)):
+            return True
+    return False
+
+
+def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Optional[ModelRope], Optional[str]]:
+    module = _rotary_module(model)
+    if module is None:
+        if not _mentions_rotary(model):  # positions by other means (GPT-2): keys carry no rotation
+            return ModelRope([None] * len(types)), None
+        return None, "no rotary embedding module (model.model.rotary_emb) to recompute the rotation from"
+    try:
+        per_type = "layer_type" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        per_type = False
+    rope_type = getattr(module, "rope_type", "default")
+    uses = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
+    apply_fn = _apply_fn(model)
+    styles: Dict[Optional[str], str] = {}
+    layers: List[Optional[LayerRope]] = []
+    for i, lt in enumerate(types):
+        if isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]:
+            layers.append(None)
+            continue
+        key = lt if per_type else None
+        rt = rope_type.get(lt) if isinstance(rope_type, dict) else rope_type
+        if not isinstance(rt, str):
+            return None, f"no rope type for layer type {lt!r}"
+        if "dynamic" in rt or rt == "longrope":
+            return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
+                          "forward call, so the rotation a cached key received is not a function of its "
+                          "position alone")
+        if key not in styles:
+            if apply_fn is None:
+                return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
+            style = detect_style(apply_fn, LayerRope(module, key, "half"), head_dim)
+            if style is None:
+                return None, ("its apply_rotary_pos_emb pairs channels in a way kakeyaturbo does not "
+                              "reproduce bit for bit (neither rotate_half nor interleaved)")
+            styles[key] = style
+        layers.append(LayerRope(module, key, styles[key]))
+    return ModelRope(layers), None
+
+
+def describe(model: Any) -> ModelLayout:
+    """The :class:`ModelLayout` of a loaded transformers decoder.
+
+    Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
+    and the reason when its cache is not one K/V row per token and head (encoder-decoders,
+    chunked attention, linear attention or recurrent state, shared KV layers, multi-head latent
+    attention). A RoPE that cannot be recomputed from positions alone (``dynamic``,
+    ``longrope``, an unknown pairing) is not refused here but recorded in ``rope_error``:
+    only codecs that code keys without RoPE need it (:meth:`ModelLayout.require_rope`).
+    """
+    cfg = text_config(model)
+    mt = model_type(model)
+    if not hasattr(cfg, "num_hidden_layers"):
+        raise _refuse(mt, "no num_hidden_layers in its config: not a transformers decoder")
+    types, kwargs = _layer_types(cfg, mt)
+    _check_kv(model, cfg, mt, types)
+    hq = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
+    specs = []
+    for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        window = kw.get("sliding_window") if lt == "sliding_attention" else None
+        if lt == "sliding_attention" and not (isinstance(window, int) and window >= 1):
+            raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
+        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d))
+    rope, err = _rope(model, cfg, types, d)
+    return ModelLayout(mt, tuple(specs), rope, err)
+
+
+def rope_for(model: Any) -> ModelRope:
+    """The :class:`~kakeyaturbo.families.rope.ModelRope` of a model's keys: ``describe(model)
+    .require_rope()``. Raises UnsupportedModelError as :func:`describe` does, and when the
+    keys' rotation is not a function of the position alone."""
+    return describe(model).require_rope()

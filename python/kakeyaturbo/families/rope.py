@@ -1,0 +1,259 @@
+"""Rotary position embedding (RoPE) as transformers' decoder families apply it: the rotation,
+its exact inverse and its transpose, and the rotation of one layer of a loaded model.
+
+transformers applies RoPE as ``x * cos + rot(x) * sin`` to the first ``rot_dim`` channels of a
+head (all of them unless the rotary is partial: Phi-3, GPT-NeoX), with ``cos``/``sin`` of shape
+``[batch, T, rot_dim]`` from the model's rotary module, already scaled by the rope type's
+``attention_scaling``. ``rot`` turns every pair of channels by 90 degrees; the families differ in
+which channels pair up:
+
+- ``"half"`` (Llama, Mistral, Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX, ...): channel ``i`` with
+  ``i + rot_dim/2``, ``rot(x) = cat(-x2, x1)`` (``rotate_half``), cos/sin ``cat(f, f)``;
+- ``"interleaved"`` (Cohere): channel ``2i`` with ``2i + 1``, cos/sin repeated per pair.
+
+Both channels of a pair share one angle, so per pair the map is ``s * R(theta)`` (``s`` the
+scaling) and ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)`` inverts it exactly; without the
+division it is the transpose ``s * R(theta)^T``, which carries a gradient taken after RoPE back
+to the rows before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+#: The pairings of channels that :func:`apply_rope` knows (see the module docstring).
+STYLES = ("half", "interleaved")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x2, x1)`` along the last axis, ``x1``/``x2`` its two halves (the ``"half"`` pairing)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """``(-x1, x0, -x3, x2, ...)`` along the last axis (the ``"interleaved"`` pairing)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotate(x: torch.Tensor, style: str) -> torch.Tensor:
+    if style == "half":
+        return rotate_half(x)
+    if style == "interleaved":
+        return rotate_interleaved(x)
+    raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    rot = cos.shape[-1]
+    if rot % 2 or rot > x.shape[-1]:
+        raise ValueError(f"rotary dim {rot} must be even and <= head_dim {x.shape[-1]}")
+    return rot
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
+    """RoPE as the model's attention applies it: ``x * cos + rot(x) * sin`` on the first
+    ``rot_dim`` channels; the rest pass through (partial rotary).
+
+    ``x``: ``[..., T, D]``; ``cos``/``sin``: ``[..., T, rot_dim]``, broadcastable against ``x``
+    (for ``x`` of shape ``[batch, heads, T, D]`` pass ``cos[:, None]``). The arithmetic follows
+    torch's type promotion of ``x`` and ``cos``; with both float32 the result is bit-identical to
+    what the model computes (checked per family in ``tests/cache/test_families.py``).
+    """
+    rot = _check(x, cos, sin)
+    if rot == x.shape[-1]:
+        return (x * cos) + (_rotate(x, style) * sin)
+    xr = x[..., :rot]
+    out = (xr * cos) + (_rotate(xr, style) * sin)
+    return torch.cat((out, x[..., rot:].to(out.dtype)), dim=-1)
+
+
+def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
+    """The exact inverse of :func:`apply_rope`: ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)``.
+
+    Same shapes as :func:`apply_rope`. Computed in float64 (the division makes it exact for rope
+    types that scale cos and sin, and it absorbs the rounding of float32 cos/sin whose squares do
+    not sum to exactly 1); returned in the promoted dtype of ``x`` and ``cos``.
+    """
+    rot = _check(x, cos, sin)
+    out_dtype = torch.promote_types(x.dtype, cos.dtype)
+    c, s = cos.double(), sin.double()
+    xr = x[..., :rot].double()
+    y = ((xr * c) - (_rotate(xr, style) * s)) / (c * c + s * s)
+    if rot < x.shape[-1]:
+        y = torch.cat((y, x[..., rot:].double()), dim=-1)
+    return y.to(out_dtype)
+
+
+def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
+    """The transpose of :func:`apply_rope` as a linear map, ``g * cos - rot(g) * sin`` (the
+    channels past ``rot_dim`` pass through): a gradient with respect to the rows after RoPE,
+    carried back to the rows before it. Computed in float64, returned in ``g``'s dtype."""
+    rot = _check(g, cos, sin)
+    c, s = cos.double(), sin.double()
+    gr = g[..., :rot].double()
+    y = (gr * c) - (_rotate(gr, style) * s)
+    if rot < g.shape[-1]:
+        y = torch.cat((y, g[..., rot:].double()), dim=-1)
+    return y.to(g.dtype)
+
+
+class LayerRope:
+    """The RoPE of one attention layer of a loaded model.
+
+    ``module``: the model's rotary module; ``layer_type``: passed to it when it serves several
+    layer types (Gemma 3: a local and a global base frequency), else None; ``style``: the
+    pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`.
+
+    Calling it with integer positions ``[T]`` or ``[batch, T]`` gives float32 ``cos``/``sin``
+    ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model, so that
+    :meth:`apply` reproduces the model's cached keys bit for bit.
+    """
+
+    def __init__(self, module: Any, layer_type: Optional[str], style: str) -> None:
+        if style not in STYLES:
+            raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
+        self.module = module
+        self.layer_type = layer_type
+        self.style = style
+        inv = getattr(module, "inv_freq", None)
+        if layer_type is not None:
+            inv = getattr(module, f"{layer_type}_inv_freq", inv)
+        self.device = inv.device if isinstance(inv, torch.Tensor) else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
+        return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r})"
+
+    def same_as(self, other: "Optional[LayerRope]") -> bool:
+        """Whether ``other`` rotates exactly as this one does."""
+        return (isinstance(other, LayerRope) and other.module is self.module
+                and other.layer_type == self.layer_type and other.style == self.style)
+
+    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.as_tensor(positions, device=self.device).long()
+        if pos.ndim == 1:
+            pos = pos[None]
+        if pos.ndim != 2:
+            raise ValueError(f"positions must be [T] or [batch, T], got shape {tuple(pos.shape)}")
+        # The module reads only the dtype and device of its first argument.
+        probe = torch.empty(0, dtype=torch.float32, device=self.device)
+        kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
+        with torch.no_grad():
+            cos, sin = self.module(probe, pos, **kw)
+        return cos, sin
+
+    def _cs(self, positions: Any, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self(positions)
+        return cos.to(like.device)[:, None], sin.to(like.device)[:, None]
+
+    def apply(self, x: torch.Tensor, positions: Any) -> torch.Tensor:
+        """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``)."""
+        return apply_rope(x, *self._cs(positions, x), style=self.style)
+
+    def remove(self, x: torch.Tensor, positions: Any) -> torch.Tensor:
+        """The inverse of :meth:`apply` (float64 inside, ``x``'s dtype promoted with float32 out)."""
+        return unapply_rope(x, *self._cs(positions, x), style=self.style)
+
+    def transpose(self, g: torch.Tensor, positions: Any) -> torch.Tensor:
+        """A gradient at the rows after RoPE carried back to the rows before it."""
+        return rope_transpose(g, *self._cs(positions, g), style=self.style)
+
+
+class FnRope(LayerRope):
+    """A :class:`LayerRope` from a plain ``positions -> (cos, sin)`` callable (the form
+    :func:`rope_for` returned before per-layer RoPE), with the ``"half"`` pairing unless told."""
+
+    def __init__(self, fn: Any, style: str = "half") -> None:
+        if style not in STYLES:
+            raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
+        self.module = fn
+        self.layer_type = None
+        self.style = style
+        self.device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"FnRope({self.module!r}, style={self.style!r})"
+
+    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.module(positions)
+        return cos.float(), sin.float()
+
+
+def layer_rope(rope: Any, layer: int) -> Optional[LayerRope]:
+    """The rotation of ``layer`` from what callers pass as ``rope``: a :class:`ModelRope` (per
+    layer; None for a layer without RoPE), one :class:`LayerRope` for every layer, a plain
+    ``positions -> (cos, sin)`` callable (every layer, ``"half"`` pairing), or None."""
+    if rope is None or isinstance(rope, LayerRope):
+        return rope
+    if isinstance(rope, ModelRope):
+        return rope.layer(layer)
+    if callable(rope):
+        return FnRope(rope)
+    raise TypeError(f"rope must be a ModelRope, a LayerRope or a positions -> (cos, sin) callable, "
+                    f"got {type(rope).__name__}")
+
+
+class ModelRope:
+    """The RoPE of every layer of a model: ``layers[i]`` a :class:`LayerRope`, or None for a layer
+    that applies none (SmolLM3's NoPE layers). Called with positions, it gives the cos/sin that
+    every layer shares, and raises ValueError where layers differ (Gemma 3): use
+    :meth:`layer` there."""
+
+    def __init__(self, layers: Sequence[Optional[LayerRope]]) -> None:
+        self.layers = tuple(layers)
+
+    def __repr__(self) -> str:
+        return f"ModelRope({list(self.layers)!r})"
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, i: int) -> Optional[LayerRope]:
+        return self.layers[i]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer applies the same rotation."""
+        first = self.layers[0] if self.layers else None
+        return first is not None and all(first.same_as(r) for r in self.layers[1:])
+
+    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not self.uniform:
+            raise ValueError("the layers of this model rotate differently (per-layer-type RoPE or NoPE "
+                             "layers): take the cos/sin of one layer with .layer(i)")
+        assert self.layers[0] is not None
+        return self.layers[0](positions)
+
+
+def detect_style(apply_fn: Any, rope: LayerRope, head_dim: int) -> Optional[str]:
+    """The pairing under which :func:`apply_rope` reproduces ``apply_fn(q, k, cos, sin)`` (a
+    modeling module's ``apply_rotary_pos_emb``) bit for bit on random rows with ``rope``'s
+    cos/sin, or None when neither does (or the function does not take those arguments).
+
+    Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
+    itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
+    attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
+    channels)."""
+    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
+    cos, sin = rope(pos)
+    widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
+    for width in widths:
+        x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
+        x = x.to(cos.device)
+        try:
+            with torch.no_grad():
+                out = apply_fn(x, x.clone(), cos, sin)
+        except Exception:  # a different signature or convention: not one we can reproduce
+            continue
+        if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
+            continue
+        for style in STYLES:
+            mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
+            if mine.shape == out[1].shape and torch.equal(mine, out[1]):
+                return style
+    return None

@@ -1,0 +1,90 @@
+"""Tiny random-weight decoders of every family the cache supports, built from a transformers config
+(no download), with what sets each apart: sliding windows (8 tokens, so prompts cross them),
+q/k norms, MQA, head_dim 256, per-layer-type RoPE, partial rotary, interleaved RoPE, NoPE layers,
+attention softcapping."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+import transformers as T
+
+VOCAB, WINDOW = 97, 8
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+               num_attention_heads=4, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+
+
+def _make(cfg_cls: Any, model_cls: Any, **kw: Any) -> Any:
+    torch.manual_seed(0)
+    return model_cls(cfg_cls(**dict(_COMMON, **kw))).eval()
+
+
+#: family -> (builder, what differs), the table of the README's "Model families".
+FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
+    "llama": (lambda: _make(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2, head_dim=16,
+                            rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}),
+              "GQA, llama3-scaled RoPE"),
+    "mistral": (lambda: _make(T.MistralConfig, T.MistralForCausalLM, num_key_value_heads=2, head_dim=16,
+                              sliding_window=WINDOW),
+                "sliding window on every layer"),
+    "qwen2": (lambda: _make(T.Qwen2Config, T.Qwen2ForCausalLM, num_key_value_heads=2,
+                            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+              "biased q/k/v, sliding window from layer 1"),
+    "qwen3": (lambda: _make(T.Qwen3Config, T.Qwen3ForCausalLM, num_key_value_heads=2, head_dim=16,
+                            rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                             "original_max_position_embeddings": 128}),
+              "q/k RMSNorm per head before RoPE, yarn RoPE (scaled cos/sin)"),
+    "gemma2": (lambda: _make(T.Gemma2Config, T.Gemma2ForCausalLM, num_key_value_heads=1, head_dim=256,
+                             sliding_window=WINDOW),
+               "MQA, head_dim 256, interleaved sliding/global layers, attention softcapping"),
+    "gemma3_text": (lambda: _make(T.Gemma3TextConfig, T.Gemma3ForCausalLM, num_key_value_heads=1,
+                                  head_dim=32, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters={
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                         "rope_theta": 1000000.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+                    "q/k norm, MQA, sliding/global layers with their own RoPE (linear-scaled global)"),
+    "phi3": (lambda: _make(T.Phi3Config, T.Phi3ForCausalLM, num_key_value_heads=2, partial_rotary_factor=0.5),
+             "fused qkv, partial rotary (half of each head)"),
+    "olmo2": (lambda: _make(T.Olmo2Config, T.Olmo2ForCausalLM, num_key_value_heads=2),
+              "q/k RMSNorm over the whole projection before the head reshape"),
+    "gpt_neox": (lambda: _make(T.GPTNeoXConfig, T.GPTNeoXForCausalLM, rotary_pct=0.25),
+                 "fused qkv, partial rotary (a quarter), no position_ids to the cache"),
+    "cohere": (lambda: _make(T.CohereConfig, T.CohereForCausalLM, num_key_value_heads=2),
+               "interleaved RoPE pairs"),
+    "smollm3": (lambda: _make(T.SmolLM3Config, T.SmolLM3ForCausalLM, num_key_value_heads=2,
+                              no_rope_layers=[1, 0, 1]),
+                "NoPE layers (no RoPE on layer 1)"),
+    "phi": (lambda: _make(T.PhiConfig, T.PhiForCausalLM, num_key_value_heads=2, partial_rotary_factor=0.5),
+            "partial rotary split off by the attention before RoPE, q/k layer norms off"),
+    "gpt2": (lambda: _make(T.GPT2Config, T.GPT2LMHeadModel, n_embd=64, n_layer=3, n_head=4, n_positions=256),
+             "learned absolute positions: keys carry no rotation"),
+}
+
+
+def build(name: str) -> Any:
+    return FAMILIES[name][0]()
+
+
+def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Patches the family's own ``apply_rotary_pos_emb`` to record, per call (one per layer that
+    applies RoPE, in layer order), ``(q, k)`` going in and ``cos, sin``."""
+    mod = sys.modules[type(model).__module__]
+    calls: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    orig = getattr(mod, "apply_rotary_pos_emb", None)
+    if orig is None:  # a family without RoPE
+        return calls
+
+    def spy(q: Any, k: Any, cos: Any, sin: Any, *a: Any, **kw: Any) -> Any:
+        calls.append((q.detach().clone(), k.detach().clone(), cos, sin))
+        return orig(q, k, cos, sin, *a, **kw)  # type: ignore[misc]
+
+    monkeypatch.setattr(mod, "apply_rotary_pos_emb", spy)
+    return calls

@@ -1,0 +1,299 @@
+"""Every family the cache supports, on tiny random-weight models (``families.py``; no download):
+RoPE re-applied bit for bit against the model's own cache and removed to float rounding; the
+identity codec exact through the evaluation with every layer coded, across sliding windows;
+a calibrated recipe calibrated, coded and generating; KakeyaCache generation token for token
+as DynamicCache's, past the sliding window; what cannot work refused up front."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
+from kakeyaturbo.cache.prefix import held_span  # noqa: E402
+from kakeyaturbo.calibration.collect import attention_p2  # noqa: E402
+from kakeyaturbo.eval import harness  # noqa: E402
+from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
+
+from .conftest import cache_kw, forward  # noqa: E402
+from .families import FAMILIES, VOCAB, WINDOW, build, rope_calls  # noqa: E402
+
+NAMES = sorted(FAMILIES)
+T_PROMPT = 21  # > WINDOW: every sliding layer has rolled
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def family(request):
+    return request.param, build(request.param)
+
+
+def _ids(batch: int = 1, t: int = T_PROMPT, seed: int = 1):
+    return torch.randint(3, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, cache, n: int = 16):
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+                         **{cache_kw(model): cache})
+    return out.sequences, torch.stack(out.logits)
+
+
+def _rope_layers(layout):
+    return [i for i in range(layout.num_layers) if layout.rope.layer(i) is not None]
+
+
+def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
+    """The family's own pre-RoPE keys (recorded inside its apply_rotary_pos_emb: after any k
+    norm) with RoPE applied by the cache's LayerRope equal the keys in the model's cache bit
+    for bit (a sliding layer: the rows it still holds); removal recovers them to float32
+    rounding, and the cos/sin are the ones the model used."""
+    name, model = family
+    layout = describe(model)
+    calls = rope_calls(model, monkeypatch)
+    cache = transformers.DynamicCache(config=model.config)
+    forward(model, _ids(batch=2), cache)
+    layers = _rope_layers(layout)
+    assert len(calls) == len(layers)
+    worst = 0.0
+    for i, (_, k_pre, cos, sin) in zip(layers, calls):
+        r = layout.rope.layer(i)
+        first, held = held_span(cache.layers[i])
+        assert held == (T_PROMPT if not layout.layers[i].is_sliding else WINDOW - 1)
+        pos = torch.arange(first, first + held)
+        # Phi splits off the rotated channels before RoPE: only they are recorded.
+        want = cache.layers[i].keys[..., :k_pre.shape[-1]]
+        assert torch.equal(r.apply(k_pre[:, :, first:], pos), want), f"{name} layer {i}"
+        c, s = r(torch.arange(T_PROMPT))
+        assert torch.equal(c, cos.float()) and torch.equal(s, sin.float())
+        back = r.remove(want, pos)
+        err = float((back - k_pre[:, :, first:]).abs().max() / k_pre.abs().max())
+        worst = max(worst, err)
+    assert worst < 1e-6, f"{name}: removal error {worst:.2e} of the largest key entry"
+    for i in set(range(layout.num_layers)) - set(layers):  # NoPE layers: keys cached as they are
+        assert layout.rope.layer(i) is None
+
+
+def test_identity_codec_is_exact_through_the_eval(family) -> None:
+    """Every layer coded by the plain identity codec: dppl exactly 0, across sliding windows
+    (ctx 20 > window 8); with keys coded without RoPE the deviation stays at float rounding;
+    elements are counted as the cache holds them."""
+    name, model = family
+    g = np.random.default_rng(0)
+    ctx, n_eval = 20, 6
+    wins = [list(g.integers(3, VOCAB, ctx + n_eval + 1)) for _ in range(2)]
+    methods = harness.baseline_methods(["identity"]) + [
+        harness.Method("exact", harness._no_quantise, kind="codec", codec=IdentityCodec()),
+        harness.Method("exact-pre", harness._no_quantise, kind="codec", n_sink=1,
+                       codec=IdentityCodec(pre_rope_keys=True)),
+    ]
+    res = harness.evaluate(model, wins, ctx, methods)
+    for m in ("identity", "exact"):
+        assert (res[m]["dppl"], res[m]["top1"], res[m]["kl"]) == (0.0, 1.0, 0.0), (name, m, res[m])
+    pre = res["exact-pre"]
+    assert abs(pre["dppl"]) < 1e-5 and pre["top1"] == 1.0 and pre["kl"] < 1e-9, (name, pre)
+    layout = describe(model)
+    cache = transformers.DynamicCache(config=model.config)
+    forward(model, _ids(t=ctx), cache)
+    got = compress_cache(cache, IdentityCodec())
+    d = layout.layers[0].head_dim
+    held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]
+    assert got["elements"] == sum(2 * s.kv_heads * n * d for s, n in zip(layout.layers, held))
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_kakeya_cache_generates_as_dynamic_cache(family, pre_rope) -> None:
+    """KakeyaCache with an identity codec, blocks of 4 and 2 sink tokens: the same tokens as
+    DynamicCache (logits bit-equal when keys keep their RoPE), from a prompt longer than the
+    window and through 16 more tokens; sliding layers hold what DynamicSlidingWindowLayer holds
+    and keep no sealed block that fell out of the window."""
+    name, model = family
+    ids = _ids()
+    ref = transformers.DynamicCache(config=model.config)
+    ref_seq, ref_logits = _generate(model, ids, ref)
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=pre_rope), model=model, block_size=4, n_sink=2)
+    seq, logits = _generate(model, ids, cache)
+    assert torch.equal(seq, ref_seq), name
+    if pre_rope:
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    else:
+        assert torch.equal(logits, ref_logits), name
+    assert cache.is_sliding == ref.is_sliding
+    for i, (a, b) in enumerate(zip(cache.layers, ref.layers)):
+        assert a.get_seq_length() == b.get_seq_length()
+        assert a.keys.shape == b.keys.shape and a.get_mask_sizes(1) == b.get_mask_sizes(1)
+        if not pre_rope:
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        if a.is_sliding:  # blocks of 4 overlapping the last WINDOW - 1 positions, no sink
+            assert a.num_sealed() <= (WINDOW - 1 + 3) // 4 + 1 and a._s["k"].sink.shape[-2] == 0
+    assert cache.nbytes_uncompressed() == sum(
+        t.numel() * t.element_size() for layer in ref.layers for t in (layer.keys, layer.values))
+
+
+def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -> None:
+    """Statistics are those of the keys and queries that enter RoPE (after any q/k norm); a
+    calibrated recipe is fitted from them, codes the prefix in the evaluation and generates."""
+    name, model = family
+    layout = describe(model)
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 24)) for _ in range(3)]
+    calls = rope_calls(model, monkeypatch)
+    stats = calibration.collect(model, wins, n_sink=1, samples=8, weighting="uniform")
+    monkeypatch.undo()
+    hq, hkv, d = layout.uniform_heads()
+    nl = len(_rope_layers(layout))
+    if nl == 0:  # no RoPE anywhere (GPT-2): the statistics are those of the cached keys
+        i = layout.num_layers - 1
+        ks = []
+        for w in wins:
+            cache = transformers.DynamicCache(config=model.config)
+            forward(model, torch.tensor([w]), cache)
+            ks.append(cache.layers[i].keys[:, :, 1:])
+        k = torch.cat(ks, dim=2)[0].double()
+        np.testing.assert_allclose(stats.k_mean[i], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+    else:
+        i = _rope_layers(layout)[-1]
+        calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
+        q = torch.cat([c[0] for c in calls[nl - 1::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
+        k = torch.cat([c[1][:, :, 1:] for c in calls[nl - 1::nl]], dim=2)[0].double()
+        w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
+        np.testing.assert_allclose(stats.k_mean[i, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+        qg = q.reshape(hkv, hq // hkv * q.shape[1], w)
+        want_q2 = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
+        np.testing.assert_allclose(stats.q2[i, :, :w, :w], want_q2, rtol=1e-5,
+                                   atol=1e-6 * np.abs(want_q2).max())
+    stats = calibration.collect(model, wins, n_sink=1, samples=8)  # attention-weighted
+    sens = calibration.collect_sensitivity(model, wins, n_sink=1, score=6)
+    assert np.abs(sens.k).max() > 0 and np.abs(sens.v).max() > 0
+    rec = recipes.load("calibrated-4bit")
+    m = harness.codec_method(rec, layout.num_layers, stats=stats, sensitivity=sens)
+    ev = [list(w) + list(w[:7]) for w in wins]  # ctx 24 + 6 + 1
+    res = harness.evaluate(model, ev, 24, [m])[m.name]
+    assert 2.0 < res["bits_per_element"] < 10.0 and np.isfinite(res["kl"]) and res["kl"] > 0
+    cache = KakeyaCache(m.codec, model=model, block_size=4, n_sink=1)
+    seq, logits = _generate(model, _ids(), cache, n=6)
+    assert seq.shape == (1, T_PROMPT + 6) and torch.isfinite(logits).all()
+    assert max(layer.num_sealed() for layer in cache.layers) >= 1
+
+
+def test_attention_weights_as_the_model_computes_them(family) -> None:
+    """The squared attention probabilities the statistics are weighted by equal those of the
+    family's own eager attention (scaling, softcapping, sliding-window masks), whether the mask
+    arrives as eager's additive floats or as the model's own implementation's (sdpa: booleans,
+    or None for plain causal)."""
+    name, model = family
+    ids = _ids(t=T_PROMPT)
+    got = {}
+
+    def run(weights: bool):
+        def handler(i, module, q, k, v, mask, kwargs, attend):
+            out = attend(q, k, v)
+            wq, wk = attention_p2(module, q, k, mask, kwargs, n_sink=1)
+            if weights:  # eager's own probabilities
+                p2 = out[1][0].double().square().reshape(wq.shape[0], wq.shape[1], *out[1].shape[-2:])
+                torch.testing.assert_close(wq, p2[..., 1:].sum(-1), rtol=1e-5, atol=1e-7)
+                torch.testing.assert_close(wk, p2.sum(dim=(1, 2)), rtol=1e-5, atol=1e-7)
+            got.setdefault(weights, []).append((wq, wk))
+            return out
+
+        with torch.no_grad(), AttentionCapture(model, handler, weights=weights) as cap:
+            model(input_ids=ids, use_cache=False)
+        cap.check(describe(model).num_layers)
+
+    before = model.config._attn_implementation
+    run(True)
+    run(False)
+    assert model.config._attn_implementation == before
+    for (a, b), (c, d) in zip(got[True], got[False]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(b, d, rtol=1e-5, atol=1e-7)
+
+
+def test_refused_up_front_with_the_model_type_and_reason() -> None:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    for rope, why in (({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "'dynamic'"),
+                      ({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                        "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}, "'longrope'")):
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_parameters=rope, **common)).eval()
+        for call in (lambda: KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m),
+                     lambda: calibration.collect(m, [[1, 2, 3, 4]], samples=2),
+                     lambda: harness.evaluate(m, [[1] * 8], 4, [harness.Method(
+                         "x", harness._no_quantise, kind="codec", codec=IdentityCodec(pre_rope_keys=True))])):
+            with pytest.raises(kt.UnsupportedModelError, match=f"'llama'.*{why}"):
+                call()
+        KakeyaCache(IdentityCodec(), model=m)  # keys kept with their RoPE: nothing to refuse
+    chunked = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_chunk_size=8, num_local_experts=1, pad_token_id=0)
+    m4 = transformers.Llama4ForCausalLM(chunked).eval()
+    with pytest.raises(kt.UnsupportedModelError, match="llama4.*chunked attention"):
+        KakeyaCache(IdentityCodec(), model=m4)
+    with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
+        describe(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gpt_neox", "gemma3_text"])
+def test_left_padded_batch_codec_sees_the_keys_before_rope(name, monkeypatch) -> None:
+    """Left padding shifts the RoPE positions per row. GPT-NeoX does not pass position_ids to
+    the cache (the cache takes them from the model's forward call); Gemma 3 rotates its layer
+    types differently. Either way the codec must see each row's keys before RoPE."""
+    from .conftest import Spy
+
+    model = build(name)
+    ids = _ids(batch=2, t=19)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    calls = rope_calls(model, monkeypatch)
+    spy = Spy(pre_rope_keys=True)
+    cache = KakeyaCache(spy, model=model, block_size=4, n_sink=1)
+    n0 = len(calls)  # describe's probes of the function
+    seq, _ = _generate(model, ids, cache, n=4)
+    full = next(s.index for s in describe(model).layers if not s.is_sliding)
+    k_pre = calls[n0 + full][1]  # the first full-attention layer in the prefill
+    ref, _ = _generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    assert torch.equal(seq, ref)
+    sealed = [x for s, layer, h, x in spy.seen if s == "k" and layer == full and h == 0]
+    for b in range(2):  # the first sealed block (positions 1 .. 4) of each row, in batch order
+        np.testing.assert_allclose(sealed[b], k_pre[b, 0, 1:5].numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3_text"])
+def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
+    """compress_cache keeps sink rows only in layers that still hold position 0, codes the rest
+    of what each layer holds, and counts both as held; a sliding KakeyaLayer cannot be cropped
+    once it dropped tokens, as DynamicSlidingWindowLayer."""
+    from .conftest import Zero
+
+    model = build(name)
+    layout = describe(model)
+    for t in (WINDOW - 2, T_PROMPT):  # within the window, then past it
+        cache = transformers.DynamicCache(config=model.config)
+        forward(model, _ids(t=t), cache)
+        before = [layer.keys.clone() for layer in cache.layers]
+        got = compress_cache(cache, Zero(), n_sink=2)
+        raw = 0
+        for spec, layer, k0 in zip(layout.layers, cache.layers, before):
+            first, held = held_span(layer)
+            sink = 2 if first == 0 else 0
+            assert first == (max(t - WINDOW + 1, 0) if spec.is_sliding else 0)
+            assert torch.equal(layer.keys[:, :, :sink], k0[:, :, :sink])
+            assert torch.count_nonzero(layer.keys[:, :, sink:]) == 0
+            raw += 2 * spec.kv_heads * sink * spec.head_dim
+        assert got["raw_elements"] == raw
+        assert got["elements"] == sum(2 * s.kv_heads * held_span(layer)[1] * s.head_dim
+                                      for s, layer in zip(layout.layers, cache.layers))
+    kc = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=2)
+    forward(model, _ids(t=WINDOW - 3), kc)
+    kc.crop(-2)  # nothing dropped yet: exact
+    assert kc.get_seq_length() == WINDOW - 5
+    forward(model, _ids(t=T_PROMPT), kc)
+    with pytest.raises(RuntimeError, match="sliding-window"):
+        kc.crop(-1)
