@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
+# Triton reads TRITON_INTERPRET when a kernel module is first imported, and not only the kernel
+# tests import Triton (transformers' quantized caches import hqq, which imports triton): set it
+# here, before any test module is collected, wherever no CUDA device runs the kernels.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+except ModuleNotFoundError:  # the torch-dependent test modules skip themselves
+    pass
+
+import numpy as np  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 
