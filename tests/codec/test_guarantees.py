@@ -263,11 +263,12 @@ def test_parts_scalars_are_range_checked(key: str, value: int) -> None:
         kt.decode_block_from_parts(dict(parts, **{key: value}))
 
 
-@pytest.mark.xfail(strict=True, reason="the Python wrapper converts with int(): lead to pass it "
-                   "through unchanged; the binding raises TypeError (test_every_error_is_typed)")
 def test_public_calibrated_codec_refuses_a_float_seed() -> None:
-    with pytest.raises(TypeError):
+    # 1.7 was truncated to 1 by int() in the Python wrapper; now refused there (and in the binding).
+    with pytest.raises(TypeError, match="rotation_seed must be an int"):
         kt.CalibratedCodec(M, A, S, SP, B, rotation_seed=1.7)
+    with pytest.raises(kt.InvalidParameterError, match="rotation_seed"):
+        kt.CalibratedCodec(M, A, S, SP, B, rotation_seed=-1)
 
 
 # ---- 6. threads ----------------------------------------------------------------------------
@@ -306,10 +307,18 @@ def test_thread_counts_do_not_pile_up_os_threads() -> None:
 def test_messages_name_the_parameter_and_its_range() -> None:
     with pytest.raises(kt.InvalidParameterError, match=r"bit_width must be in 1\.\.=4, got 1606"):
         kt.roundtrip_layer(X, bit_width=2**200)
-    with pytest.raises(kt.InvalidParameterError, match="analysis has 4 rows but bits has 3"):
+    with pytest.raises(kt.InvalidParameterError, match=r"bits must have shape \(4,\) to match analysis"):
         kt.CalibratedCodec(M, A, S, SP, B[:3])
-    with pytest.raises(kt.InvalidParameterError, match="spread must hold 4 values"):
+    with pytest.raises(kt.InvalidParameterError, match=r"spread must have shape \(4,\)"):
         kt.CalibratedCodec(M, A, S, SP[:3], B)
+    # The binding checks (and words) the same for callers of the extension itself.
+    f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+    with pytest.raises(kt.InvalidParameterError, match="analysis has 4 rows but bits has 3"):
+        kt._core.CalibratedCodec(f32(M), f32(A), f32(S), f32(SP), np.asarray(B[:3], np.uint8),
+                                 0xCAFEBABE, "mse", True, None, None)
+    with pytest.raises(kt.InvalidParameterError, match="spread must hold 4 values"):
+        kt._core.CalibratedCodec(f32(M), f32(A), f32(S), f32(SP[:3]), np.asarray(B, np.uint8),
+                                 0xCAFEBABE, "mse", True, None, None)
     parts = kt.encode_block_codes(X)
     with pytest.raises(kt.InvalidParameterError, match=r'parts\["bit_width"\] must be in 1\.\.=4, got 9'):
         kt.decode_block_from_parts(dict(parts, bit_width=9))
