@@ -73,7 +73,13 @@ def codec_bytes() -> Dict[str, Any]:
     for name in names:
         rec = recipes.load(name)
         if rec.mode == "calibrated":
-            codec: Any = calibrate.ModelCodec(stats, rec, sensitivity=sens)
+            st, se = stats, sens
+            if getattr(rec, "key_rope", "before") != "before":  # statistics taken after RoPE
+                import dataclasses
+
+                st = dataclasses.replace(stats, meta={**stats.meta, "rope": rec.key_rope})
+                se = dataclasses.replace(sens, meta={**sens.meta, "rope": rec.key_rope})
+            codec: Any = calibrate.ModelCodec(st, rec, sensitivity=se)
             extra = {"model_bytes": codec.model_bytes}
         else:
             codec = BlockCodec(rec)

@@ -81,17 +81,18 @@ def _calibrate(args: argparse.Namespace) -> int:
         sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
     meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
     wins = calibration_windows(tok, text_path, args.windows, args.window)
-    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
-                            samples=args.samples, progress=_progress("calibration"), meta=meta)
-    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings, dtype)
+    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
+                    samples=args.samples, progress=_progress("calibration"), meta=meta)
+    out = (Path(args.out) if args.out
+           else stats_path(model_path, text_path, settings, dtype, args.rope))
     for p in stats.save(out):
         print(f"wrote {p}", file=sys.stderr)
     if args.sensitivity_windows > 0:
         wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
-                                           progress=_progress("sensitivity"), meta=meta)
+        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
+                                   progress=_progress("sensitivity"), meta=meta)
         sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                sensitivity_path(model_path, text_path, settings, args.n_sink, dtype))
+                sensitivity_path(model_path, text_path, settings, args.n_sink, dtype, args.rope))
         for p in sens.save(sout):
             print(f"wrote {p}", file=sys.stderr)
     return 0
@@ -128,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--window", type=int, default=1024)
     c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")
     c.add_argument("--weighting", choices=("attention", "uniform"), default="attention")
+    c.add_argument("--rope", choices=("before", "after"), default="before",
+                   help="take keys and queries before RoPE (recipes with [k] rope = 'before', the "
+                        "default) or after it (rope = 'after')")
     c.add_argument("--samples", type=int, default=512, help="rows kept per (layer, kv-head)")
     c.add_argument("--sensitivity-windows", type=int, default=16,
                    help="windows for the model's sensitivity (gradients; 0: skip it)")

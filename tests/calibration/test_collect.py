@@ -191,3 +191,42 @@ def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
     wins = [list(w) + list(w[:10]) for w in windows]
     res = harness.evaluate(model, wins, 30, [m])
     assert 3.0 < res[m.name]["bits_per_element"] < 8.0
+
+
+def test_statistics_after_rope_are_those_of_the_cached_keys(tiny) -> None:
+    """rope='after': the keys' moments are those of the keys the cache holds (RoPE applied), the
+    values' are unchanged, and codecs fitted from them code keys as the cache holds them."""
+    model, windows = tiny
+    before = calibration.collect(model, windows, n_sink=1, samples=0, weighting="uniform")
+    after = calibration.collect(model, windows, n_sink=1, samples=0, weighting="uniform",
+                                rope="after")
+    assert after.meta["rope"] == "after" and before.meta["rope"] == "before"
+    cached = []
+    with torch.no_grad():
+        for w in windows:
+            cache = transformers.DynamicCache(config=model.config)
+            model(input_ids=torch.tensor([w]), cache=cache, use_cache=True)
+            cached.append(cache.layers[1].keys[0, :, 1:].double().numpy())  # [HKV, T-1, D]
+    k = np.concatenate(cached, axis=1)
+    np.testing.assert_allclose(after.k_mean[1], k.mean(axis=1), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(after.v_cov, before.v_cov, rtol=1e-12, atol=1e-15)
+    assert not np.allclose(after.k_mean, before.k_mean, rtol=1e-3)
+    with pytest.raises(kt.InvalidParameterError, match="rope"):
+        calibration.collect(model, windows, rope="middle")
+    rec = recipes.Recipe(name="a", mode="calibrated", k={"rope": "after", "bits": 4},
+                         v={"bits": 4}, n_sink=1)
+    assert rec.key_rope == "after"
+    codec = calibration.ModelCodec(after, rec)
+    assert not codec.pre_rope_keys
+    with pytest.raises(kt.InvalidParameterError, match="codes keys after RoPE"):
+        calibration.ModelCodec(before, rec)
+    with pytest.raises(kt.InvalidParameterError, match="keys only"):
+        recipes.Recipe(name="b", mode="calibrated", v={"rope": "after"})
+    sens = calibration.collect_sensitivity(model, windows[:1], n_sink=1, score=8, rope="after")
+    assert sens.meta["rope"] == "after"
+    srec = recipes.Recipe(name="s", mode="calibrated", n_sink=1,
+                          k={"rope": "after", "whiten": "fisher", "allocation": "sensitivity"},
+                          v={"whiten": "fisher", "allocation": "sensitivity"})
+    m = harness.codec_method(srec, 2, stats=after, sensitivity=sens)
+    res = harness.evaluate(model, [list(w) + [1] * 9 for w in windows[:1]], 30, [m])
+    assert res["kakeyaturbo:s"]["bits_per_element"] < 8

@@ -146,10 +146,19 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     return wq, wk
 
 
+ROPE_SIDES = ("before", "after")
+
+
+def _side(rope: str) -> str:
+    if rope not in ROPE_SIDES:
+        raise InvalidParameterError(f"rope must be 'before' or 'after', got {rope!r}")
+    return rope
+
+
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
-            meta: Optional[Dict[str, Any]] = None) -> AttentionStats:
+            meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> AttentionStats:
     """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats` of its
     queries, keys and values before RoPE (after q/k norms where the family has them). ``samples``
     rows per (layer, kv-head) are drawn uniformly (seeded) from the positions ``>= n_sink`` of all
@@ -164,8 +173,12 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     of tokens that hardly matter. The attention itself runs through the model's own
     implementation; one forward pass per window.
 
+    ``rope="after"`` takes the queries, keys and their samples as attention receives them,
+    RoPE applied (for codecs that code keys the way the cache holds them, so that attention can
+    be computed from the codes; values are the same either way).
+
     Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed or
-    whose layers differ in shape, InvalidParameterError on a bad ``weighting``.
+    whose layers differ in shape, InvalidParameterError on a bad ``weighting`` or ``rope``.
     """
     import torch
 
@@ -173,8 +186,13 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
+    side = _side(rope)
     rope, n_layers, hq, hkv, d = _shapes(model)
     group = hq // hkv
+
+    def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
+        return _pre_rope(rope, i, x, kwargs) if side == "before" else x.detach().double()
+
     q2 = torch.zeros((n_layers, hkv, d, d), dtype=torch.float64)
     q_count = torch.zeros((n_layers, hkv), dtype=torch.float64)
     k_acc, v_acc = _Moments(n_layers, hkv, d), _Moments(n_layers, hkv, d)
@@ -188,7 +206,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                 attend: Any) -> Tuple[Any, Any]:
         out = attend(q, k, v)
         t = q.shape[2]
-        qp = _pre_rope(rope, i, q, kwargs)[0].reshape(hkv, group * t, d)
+        qp = domain(i, q, kwargs)[0].reshape(hkv, group * t, d)
         if weighting == "attention":
             wq, wk_t = attention_p2(module, q, k, mask, kwargs, n_sink)
             wq = wq.reshape(hkv, group * t)  # per query
@@ -198,7 +216,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             wk = None
         q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
         q_count[i] += wq.sum(dim=1)
-        for acc, x in ((k_acc, _pre_rope(rope, i, k, kwargs)), (v_acc, v.detach().double())):
+        for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
             x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
             acc.add(i, x, wk)
             if sel:
@@ -228,7 +246,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 tokens=sum(len(w) for w in windows), layers=n_layers, q_heads=hq, kv_heads=hkv,
                 head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
-                weighting=weighting, hooks=CAPTURE_POINT)
+                weighting=weighting, hooks=CAPTURE_POINT, rope=side)
     q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
     return AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm,
                           v_cov=vc, o_gram=o_gram, k_samples=k_acc.stacked_samples(d),
@@ -238,7 +256,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
                         score: int = 64,
                         progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
-                        meta: Optional[Dict[str, Any]] = None) -> Sensitivity:
+                        meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> Sensitivity:
     """Runs ``model`` over ``windows`` (token id lists) with gradients and gathers its
     :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
     1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
@@ -248,12 +266,15 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     (before RoPE, after any k norm); positions ``< n_sink`` are left out, they stay
     uncompressed. Each cached row is made an independent input, as in a cache (an error in one
     layer's cached rows does not reach the other layers' cached rows, which were filled before
-    it), while the fed tokens stay differentiable through every layer."""
+    it), while the fed tokens stay differentiable through every layer. ``rope="after"`` keeps
+    the keys' gradients as attention receives the keys (RoPE applied), for codecs that code them
+    that way."""
     import torch
 
     from ..families import AttentionCapture
     from ..families.capture import positions as call_positions
 
+    side = _side(rope)
     rope, n_layers, hq, hkv, d = _shapes(model)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
@@ -292,7 +313,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                 grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
                     r = rope.layer(i)
-                    if s == "k" and r is not None:
+                    if s == "k" and r is not None and side == "before":
                         g = r.transpose(g.double(), where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
                     fisher[s][i] += torch.bmm(g.transpose(1, 2), g).numpy()
@@ -303,6 +324,6 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                 score=score, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
-                hooks=f"gradients at the cached rows; {CAPTURE_POINT}")
+                hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
     n = max(len(windows), 1)
     return Sensitivity(meta=info, k=fisher["k"] / n, v=fisher["v"] / n)

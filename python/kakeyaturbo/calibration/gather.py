@@ -37,19 +37,27 @@ def model_dtype(model: Any) -> str:
     return "float32" if p is None else str(p.dtype).replace("torch.", "")
 
 
+def _rope_part(rope: str) -> str:
+    return "" if rope == "before" else f"-rope{rope}"
+
+
 def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
-               settings: CalibrationSettings, dtype: str = "float32") -> Path:
-    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings, dtype)."""
+               settings: CalibrationSettings, dtype: str = "float32", rope: str = "before") -> Path:
+    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings, dtype,
+    side of RoPE the keys are taken on)."""
     key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
-           f"{settings.weighting}{_dtype_part(dtype)}-{COLLECTION}")
+           f"{settings.weighting}{_dtype_part(dtype)}{_rope_part(rope)}-{COLLECTION}")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
 def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
-                     settings: CalibrationSettings, n_sink: int, dtype: str = "float32") -> Path:
-    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings, dtype)."""
+                     settings: CalibrationSettings, n_sink: int, dtype: str = "float32",
+                     rope: str = "before") -> Path:
+    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings, dtype,
+    side of RoPE)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
-           f"score{settings.score}-sink{n_sink}{_dtype_part(dtype)}-{COLLECTION}-sensitivity")
+           f"score{settings.score}-sink{n_sink}{_dtype_part(dtype)}{_rope_part(rope)}-"
+           f"{COLLECTION}-sensitivity")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
@@ -59,35 +67,37 @@ def _meta(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | s
 
 def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                  text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
-                 n_sink: int = 1, progress: Progress = lambda it: it) -> AttentionStats:
+                 n_sink: int = 1, progress: Progress = lambda it: it,
+                 rope: str = "before") -> AttentionStats:
     """The statistics a recipe's ``[calibration]`` asks for: its ``path`` if given, else the
     cached file for this model, text and settings, collected (and cached) when missing."""
     if settings.path:
         return AttentionStats.load(settings.path)
-    path = stats_path(model_path, text_path, settings, model_dtype(model))
+    path = stats_path(model_path, text_path, settings, model_dtype(model), rope)
     if path.exists():
         return AttentionStats.load(path)
     wins = calibration_windows(tok, text_path, settings.windows, settings.window)
     stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, progress=progress,
-                    meta=_meta(model_path, text_path))
+                    meta=_meta(model_path, text_path), rope=rope)
     stats.save(path)
     return stats
 
 
 def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                        text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
-                       n_sink: int = 1, progress: Progress = lambda it: it) -> Sensitivity:
+                       n_sink: int = 1, progress: Progress = lambda it: it,
+                       rope: str = "before") -> Sensitivity:
     """The :class:`Sensitivity` a recipe's ``[calibration]`` asks for: its
     ``sensitivity_path`` if given, else the cached file for this model, text and settings,
     gathered (and cached) on the calibration split when missing."""
     if settings.sensitivity_path:
         return Sensitivity.load(settings.sensitivity_path)
-    path = sensitivity_path(model_path, text_path, settings, n_sink, model_dtype(model))
+    path = sensitivity_path(model_path, text_path, settings, n_sink, model_dtype(model), rope)
     if path.exists():
         return Sensitivity.load(path)
     wins = calibration_windows(tok, text_path, settings.sensitivity_windows, settings.window)
     sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
-                               progress=progress, meta=_meta(model_path, text_path))
+                               progress=progress, meta=_meta(model_path, text_path), rope=rope)
     sens.save(path)
     return sens
 
@@ -102,10 +112,11 @@ def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[st
     if recipe.mode != "calibrated":
         return None, None
     n_sink = max(recipe.n_sink, 1)
+    rope = recipe.key_rope
     stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
-                         progress=progress("calibration"))
+                         progress=progress("calibration"), rope=rope)
     sens = None
     if recipe.needs_sensitivity:
         sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
-                                  n_sink=n_sink, progress=progress("sensitivity"))
+                                  n_sink=n_sink, progress=progress("sensitivity"), rope=rope)
     return stats, sens

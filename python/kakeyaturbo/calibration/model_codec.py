@@ -27,7 +27,7 @@ class ModelCodec:
     cannot be factored.
     """
 
-    pre_rope_keys = True
+    pre_rope_keys: bool
 
     def __init__(self, stats: AttentionStats, recipe: Recipe, *, threads: Optional[int] = None,
                  sensitivity: Optional[Sensitivity] = None) -> None:
@@ -45,6 +45,15 @@ class ModelCodec:
             raise InvalidParameterError(
                 f"sensitivity of shape {sensitivity.k.shape} (layers, kv-heads, D, D) does not "
                 f"match the statistics' {stats.q2.shape}")
+        rope = recipe.key_rope
+        for what, obj in (("statistics", stats), ("sensitivity", sensitivity)):
+            have = (getattr(obj, "meta", None) or {}).get("rope", "before") if obj is not None else rope
+            if have != rope:
+                raise InvalidParameterError(
+                    f"recipe {recipe.name!r} codes keys {rope} RoPE but the {what} were taken "
+                    f"{have} it: collect them with rope={rope!r}")
+        #: Keys are handed to the codec without RoPE (the cache removes it and puts it back).
+        self.pre_rope_keys = rope == "before"
         self.recipe = recipe
         self.threads = _checks.threads(threads)
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}

@@ -94,10 +94,14 @@ class CalibratedStream:
     #: ``sensitivity`` (one water-filling over every layer, kv-head and stream that asks for
     #: it, each component weighed by the measured sensitivity of the loss to it).
     allocation: str = "per-head"
+    #: Keys only: code them ``before`` RoPE (the cache removes it and puts it back) or ``after``
+    #: it (as the cache holds them: attention can then be computed from the codes).
+    rope: str = "before"
 
     WHITEN = ("none", "query", "output", "fisher")
     TABLES = ("gaussian", "calibrated")
     ALLOCATION = ("per-head", "global", "sensitivity")
+    ROPE = ("before", "after")
 
     def checked(self, stream: str) -> "CalibratedStream":
         """The same settings with every value checked (raises TypeError/InvalidParameterError)."""
@@ -109,6 +113,9 @@ class CalibratedStream:
             raise InvalidParameterError("whiten = 'query' applies to keys only")
         if whiten == "output" and stream != "v":
             raise InvalidParameterError("whiten = 'output' applies to values only")
+        rope = _checks.choice(self.rope, "rope", self.ROPE)
+        if rope != "before" and stream != "k":
+            raise InvalidParameterError("rope applies to keys only (values carry no RoPE)")
         thr = self.outlier_threshold
         return CalibratedStream(
             bits=bits, whiten=whiten, center=_checks.boolean(self.center, "center"),
@@ -117,7 +124,7 @@ class CalibratedStream:
             rotation_seed=_checks.seed(self.rotation_seed),
             max_bits=_checks.integer(self.max_bits, "max_bits", 1, 8),
             tables=_checks.choice(self.tables, "tables", self.TABLES),
-            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION))
+            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION), rope=rope)
 
 
 @dataclass(frozen=True)
@@ -260,6 +267,12 @@ class Recipe:
         (:class:`kakeyaturbo.calibration.Sensitivity`) besides its attention statistics."""
         return any(st.allocation == "sensitivity" or st.whiten == "fisher"
                    for _, st in self.calibrated_streams())
+
+    @property
+    def key_rope(self) -> str:
+        """Which side of RoPE a calibrated recipe codes its keys on (``"before"`` when keys are
+        not compressed or the recipe is per-block)."""
+        return next((st.rope for s, st in self.calibrated_streams() if s == "k"), "before")
 
     def calibrated_streams(self) -> List[Tuple[str, CalibratedStream]]:
         """``(name, settings)`` of every compressed stream of a calibrated recipe."""
