@@ -48,7 +48,7 @@ def _eval(args: argparse.Namespace) -> int:
     calibrations: Dict[Any, Any] = {}  # recipes with the same calibration settings share it
     for name in (r for r in args.recipes.split(",") if r):
         rec = recipes.load(name)
-        key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
+        key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if rec.mode == "calibrated" and key not in calibrations:
             calibrations[key] = for_recipe(rec, m, tok, model_path, text_path,
                                                   progress=_progress)
