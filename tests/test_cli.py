@@ -117,3 +117,25 @@ def test_dtype_choices() -> None:
     assert model.resolve_dtype("bfloat16", "nowhere") == "bfloat16"
     with pytest.raises(ValueError, match="dtype"):
         model.resolve_dtype("half", "nowhere")
+
+
+def test_recipes_on_both_sides_of_rope_get_their_own_statistics(tiny_model_dir, tmp_path,
+                                                                 cache_dir) -> None:
+    """Two calibrated recipes with the same [calibration] but keys on either side of RoPE must
+    not share statistics (they did: the second was refused for the first's statistics)."""
+    text = tiny_model_dir / "text.txt"
+    common = ["--model", str(tiny_model_dir), "--text", str(text)]
+    recipes_ = []
+    for side in ("before", "after"):
+        body = (f'name = "{side}"\nmode = "calibrated"\nn_sink = 1\n[calibration]\nwindows = 2\n'
+                f'window = 96\n[k]\nbits = 3.9\nrope = "{side}"\n[v]\nbits = 3.9\n')
+        (tmp_path / f"{side}.toml").write_text(body)
+        recipes_.append(str(tmp_path / f"{side}.toml"))
+    out = tmp_path / "out"
+    assert cli.main(["eval", *common, "--windows", "1", "--ctx", "64", "--n-eval", "8",
+                     "--recipes", ",".join(recipes_), "--baselines", "identity",
+                     "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["methods"]
+    assert {"kakeyaturbo:before", "kakeyaturbo:after"} <= set(res)
+    made = sorted(p.name for p in (cache_dir / "calibration").glob("*.safetensors"))
+    assert len(made) == 2 and sum("ropeafter" in n for n in made) == 1, made
