@@ -20,6 +20,7 @@ Prints a table and writes ``bench-out/attention-<model>.json`` / ``.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -31,10 +32,11 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import torch
 
-from kakeyaturbo import __version__, calibrate, recipes
+from kakeyaturbo import __version__, assets, calibration, recipes
 from kakeyaturbo.eval import baselines, data
 from kakeyaturbo.eval import model as model_mod
-from kakeyaturbo.rope import apply_rope, rope_for, unapply_rope
+from kakeyaturbo.cache import codec_for
+from kakeyaturbo.cache.rope import apply_rope, rope_for
 
 Coder = Callable[[str, int, int, np.ndarray], Tuple[np.ndarray, int]]
 
@@ -42,7 +44,7 @@ Coder = Callable[[str, int, int, np.ndarray], Tuple[np.ndarray, int]]
 def capture(model: Any, ids: List[int]) -> Dict[Tuple[str, int], np.ndarray]:
     """Pre-RoPE q, k, v of every layer: float64 ``[T, heads, D]``."""
     out: Dict[Tuple[str, int], np.ndarray] = {}
-    attn = calibrate.attention_modules(model)
+    attn = calibration.attention_modules(model)
     d = attn[0].head_dim
     hooks = []
     for i, a in enumerate(attn):
@@ -119,24 +121,19 @@ def main() -> int:
                          "is this attention error)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    model_path = (data.hard_case_model() if args.model == "hard-case"
-                  else Path(args.model) if args.model else data.default_model())
-    text = data.default_text()
+    model_path = (assets.hard_case_model() if args.model == "hard-case"
+                  else Path(args.model) if args.model else assets.default_model())
+    text = assets.default_text()
     model, tok = model_mod.load(model_path)
-    _, ev = data.split(data.load_articles(text))
-    ids: List[int] = []
-    for t in ev:
-        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False))
-        if len(ids) >= args.windows * args.ctx:
-            break
-    wins = data.windows(ids, args.ctx, args.windows, model_mod.bos_id(tok))
+    wins = data.evaluation_windows(tok, text, args.windows, args.ctx)
     coders: Dict[str, Tuple[Coder, bool]] = {}
     bit_list = [float(b) for b in args.bits.split(",")]
     for b in bit_list:
         rec = recipes.load(args.recipe)
-        rec = recipes.Recipe(**{**rec.__dict__, "name": f"calibrated {b:g}",
-                                "k": {**rec.k, "bits": b}, "v": {**rec.v, "bits": b}})
-        mc = calibrate.model_codec_for(rec, model, tok, model_path, text)
+        rec = dataclasses.replace(rec, name=f"calibrated {b:g}", k=dataclasses.replace(rec.k, bits=b),
+                                  v=dataclasses.replace(rec.v, bits=b))
+        stats, sens = calibration.for_recipe(rec, model, tok, model_path, text)
+        mc = codec_for(rec, stats=stats, sensitivity=sens)
 
         def coder(s: str, layer: int, h: int, x: np.ndarray, mc: Any = mc) -> Tuple[np.ndarray, int]:
             blob = mc.encode(s, layer, h, x)

@@ -22,9 +22,9 @@ from typing import Any, List
 import torch
 import transformers
 
-from kakeyaturbo import calibrate, recipes
-from kakeyaturbo.cache import BlockCodec, KakeyaCache
-from kakeyaturbo.eval import data
+from kakeyaturbo import assets, calibration, recipes
+from kakeyaturbo.cache import KakeyaCache, codec_for
+from kakeyaturbo.calibration import corpus
 from kakeyaturbo.eval import model as model_mod
 
 
@@ -37,11 +37,11 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    model_path = (data.hard_case_model() if args.model == "hard-case"
-                  else Path(args.model) if args.model else data.default_model())
-    text_path = data.default_text()
+    model_path = (assets.hard_case_model() if args.model == "hard-case"
+                  else Path(args.model) if args.model else assets.default_model())
+    text_path = assets.default_text()
     model, tok = model_mod.load(model_path)
-    _, ev = data.split(data.load_articles(text_path))
+    _, ev = corpus.split(corpus.load_articles(text_path))
     text = ""
     for t in ev:
         text += t + "\n\n"
@@ -64,10 +64,8 @@ def main() -> int:
     rows: List[dict] = []
     for name in args.recipes.split(","):
         rec = recipes.load(name)
-        if rec.mode == "calibrated":
-            codec: Any = calibrate.model_codec_for(rec, model, tok, model_path, text_path)
-        else:
-            codec = BlockCodec(rec)
+        stats, sens = calibration.for_recipe(rec, model, tok, model_path, text_path)
+        codec = codec_for(rec, stats=stats, sensitivity=sens)
         cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,
                             boundary=rec.boundary(model.config.num_hidden_layers),
                             streams=rec.streams)

@@ -3,12 +3,12 @@
     bash benches/gpu_run.sh OUT_DIR          # on the GPU machine: install dist/*.whl, run this
     python benches/gpu_bench.py --out OUT_DIR [--workers 8] [--budget-s 280] [--dry-run]
 
-1. Parity: the full fuzz of ``tests/kernels/parity.py`` (over 1,000 blocks in 150 groups)
-   and of ``tests/kernels/parity_calibrated.py`` (the calibrated mode, 1,000 heads in 125
-   groups), the torch reference and the kernels each against the Rust codec, spread over
-   worker processes (Rust fits and float64 checks use the CPU cores, the kernels the GPU, and
-   the workers compile Triton specialisations in parallel through Triton's shared disk
-   cache). The two fuzzes share the fuzz budget equally.
+1. Parity: the full fuzz of ``tests/kernels/perblock/parity.py`` (over 1,000 blocks in 150
+   groups) and of ``tests/kernels/calibrated/parity.py`` (the calibrated mode, 1,000 heads in
+   125 groups), run by ``tests/kernels/harness.py``: the torch reference and the kernels each
+   against the Rust codec, spread over worker processes (Rust fits and float64 checks use the
+   CPU cores, the kernels the GPU, and the workers compile Triton specialisations in parallel
+   through Triton's shared disk cache). The two fuzzes share the fuzz budget equally.
 2. Timing of a realistic layer: 8 kv heads x 8192 tokens x head_dim 128, bfloat16, blocks of
    512 rows (128 blocks), skeletons fitted per block by the Rust codec, in two settings: K (the
    predecessor's K recipe: inner_product, 3 bits, randomized PCA, k = 16, outliers T = 2.0) and V
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # tests/kernels/parity.py, the fuzz, as the package "kernels"
+sys.path.insert(0, str(REPO / "tests"))  # tests/kernels/, the parity harness, as the package "kernels"
 
 
 
@@ -99,10 +99,10 @@ TINY = Layer(2, 1024, 64, 512)
 def fuzz_module(mode: str) -> Any:
     """The parity module of a mode: ``blocks`` (the per-block mode) or ``calibrated``."""
     if mode == "calibrated":
-        from kernels import parity_calibrated
+        from kernels.calibrated import parity as calibrated_parity
 
-        return parity_calibrated
-    from kernels import parity
+        return calibrated_parity
+    from kernels.perblock import parity
 
     return parity
 
@@ -111,6 +111,7 @@ def fuzz_worker(gids: Sequence[int], full: bool, device: str, threads: int,
                 mode: str = "blocks") -> List[Dict[str, Any]]:
     """Runs groups ``gids`` of a mode's fuzz through the reference and the kernels."""
     import torch
+    from kernels import harness
 
     parity = fuzz_module(mode)
     torch.set_num_threads(threads)
@@ -128,17 +129,11 @@ def fuzz_worker(gids: Sequence[int], full: bool, device: str, threads: int,
             try:
                 r = run(prep, device)
             except Exception as e:  # noqa: BLE001
-                msg = str(e) if isinstance(e, parity.ParityError) else traceback.format_exc(limit=4)
+                msg = str(e) if isinstance(e, harness.ParityError) else traceback.format_exc(limit=4)
                 out.append({"label": group.label, "impl": impl, "error": msg,
                             "seconds": time.perf_counter() - t0})
                 continue
-            out.append({
-                "label": r.label, "impl": r.impl, "error": None, "blocks": r.blocks,
-                "compared": r.compared, "nears": [str(n) for n in r.nears],
-                "near_violations": r.near_violations(), "undetermined_rows": r.undetermined_rows,
-                "cascaded_rows": r.cascaded_rows, "max_decode_error": r.max_decode_error,
-                "d_effs": getattr(r, "d_effs", None) or getattr(r, "ms", []), "seconds": r.seconds,
-            })
+            out.append(r.summary())
     return out
 
 
@@ -229,11 +224,12 @@ def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
 
     import kakeyaturbo as kt
     from kakeyaturbo import kernels as K
-    from kakeyaturbo import reference as ref
-    from kernels import parity
+    from kakeyaturbo.reference import perblock as ref
+    from kernels import harness
+    from kernels.perblock import parity
 
     bench = timer(dry_run)
-    x = parity.kv_layer(layer.heads, layer.tokens, layer.dim)
+    x = harness.kv_layer(layer.heads, layer.tokens, layer.dim)
     flat = x.reshape(-1, layer.dim)
     nb, bs = layer.blocks, layer.block
     xg = torch.from_numpy(x).to(device=device, dtype=torch.bfloat16)
@@ -329,11 +325,12 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
     import torch
 
     from kakeyaturbo import kernels as K
-    from kakeyaturbo import reference_calibrated as rc
-    from kernels import parity, parity_calibrated
+    from kakeyaturbo.reference import calibrated as rc
+    from kernels import harness
+    from kernels.calibrated import parity as calibrated_parity
 
     bench = timer(dry_run)
-    x = parity.kv_layer(layer.heads, layer.tokens, layer.dim)
+    x = harness.kv_layer(layer.heads, layer.tokens, layer.dim)
     xg = torch.from_numpy(x).to(device=device, dtype=torch.bfloat16)
     rows: List[Dict[str, Any]] = []
     checks: Dict[str, Any] = {}
@@ -353,12 +350,12 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
         full = K.encode_calibrated(xg, batch, intermediates=True)
         for key in ("codes", "scale_bits", "scale_exp", "outlier_ptr", "outlier_pos", "outlier_bits"):
             if key in codes and not torch.equal(codes[key], full[key]):
-                raise parity.ParityError(f"{name}: {key} depends on the intermediates flag")
+                raise harness.ParityError(f"{name}: {key} depends on the intermediates flag")
         nears, undetermined = [], 0
         ns = [layer.tokens] * layer.heads
         for i, c in enumerate(codecs):
             ours = K.head_parts(full, batch, ns, i)
-            res = parity_calibrated.compare_head(x[i], c, cals[i], c.encode_parts(x[i]), ours,
+            res = calibrated_parity.compare_head(x[i], c, cals[i], c.encode_parts(x[i]), ours,
                                                  f"{name} head {i}")
             nears += [str(n) for n in res.nears]
             undetermined += res.undetermined_values

@@ -30,3 +30,39 @@ def kv_like(n: int, d: int, seed: int = 0, decay: float = 0.85) -> np.ndarray:
 @pytest.fixture
 def kv() -> np.ndarray:
     return kv_like(600, 32)
+
+
+def _tiny_text(paragraphs: int = 400, seed: int = 0) -> str:
+    """Paragraphs of made-up words, separated by blank lines (a stand-in corpus)."""
+    g = np.random.default_rng(seed)
+    words = ["".join(g.choice(list("abcdefghijklmnopqrstuvwxyz"), size=g.integers(2, 8)))
+             for _ in range(300)]
+    return "\n\n".join(" ".join(g.choice(words, size=g.integers(20, 60)))
+                       for _ in range(paragraphs)) + "\n"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight Llama and a byte-level BPE tokenizer trained on a made-up corpus, saved
+    as a transformers checkpoint directory (safetensors), plus that corpus as ``text.txt``:
+    what ``kakeyaturbo eval --model DIR --text FILE`` takes, built without a download."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+
+    out = tmp_path_factory.mktemp("tiny-model")
+    text = _tiny_text()
+    (out / "text.txt").write_text(text, encoding="utf-8")
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(text.split("\n\n"), vocab_size=320, min_frequency=2,
+                            special_tokens=["<s>", "</s>"], show_progress=False)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>",
+                                               eos_token="</s>")
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    return out

@@ -122,7 +122,7 @@ def eval_figures() -> Dict[str, Any]:
     import torch
     import transformers
 
-    from kakeyaturbo import calibrate, recipes
+    from kakeyaturbo import recipes
     from kakeyaturbo.eval import harness
 
     torch.manual_seed(0)

@@ -1,7 +1,10 @@
 """kakeyaturbo: a KV-cache codec for LLM inference (Rust core, Python API)."""
 
-from ._api import (
+from ._core import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__
+from .codec import (
     DEFAULTS,
+    CalibratedCodec,
+    check_params,
     centroids_gaussian,
     decode_block_from_parts,
     decode_layer,
@@ -17,8 +20,6 @@ from ._api import (
     wht_rows,
     wht_sign_pattern,
 )
-from ._calibrated import CalibratedCodec
-from ._core import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__
 from .errors import (
     CorruptDataError,
     InternalError,
@@ -36,6 +37,7 @@ __all__ = [
     "FORMAT_VERSION",
     "__version__",
     "centroids_gaussian",
+    "check_params",
     "decode_block_from_parts",
     "decode_layer",
     "encode_block_codes",

@@ -13,6 +13,7 @@ __all__ = [
     "CalibratedCodec",
     "FORMAT_VERSION",
     "centroids_gaussian",
+    "check_params",
     "decode_block_from_parts",
     "decode_layer",
     "encode_block_codes",
@@ -86,6 +87,7 @@ def encode_layer(
 ) -> bytes: ...
 def decode_layer(data: bytes, threads: Optional[int] = None) -> npt.NDArray[np.float32]: ...
 def inspect_layer(data: bytes) -> Dict[str, Any]: ...
+def check_params(params: Dict[str, Any]) -> Dict[str, Any]: ...
 def encode_block_codes(
     array: npt.NDArray[np.float32],
     params: Dict[str, Any],

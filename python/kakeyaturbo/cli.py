@@ -9,18 +9,21 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import assets, recipes
+from .calibration import (calibration_windows, collect, collect_sensitivity, for_recipe,
+                          sensitivity_path, stats_path)
+from .eval import data, model, report
+
 DEFAULT_BASELINES = "identity,bf16,fp8_e4m3,int4,kivi2,turboquant3,turboquant4"
 DEFAULT_RECIPES = "calibrated-4bit,calibrated-3bit,balanced,max-compression,predecessor"
 
 
 def _model_and_text(args: argparse.Namespace) -> Tuple[Path, Path]:
-    from .eval import data
-
     if args.model == "hard-case":
-        model_path = data.hard_case_model()
+        model_path = assets.hard_case_model()
     else:
-        model_path = Path(args.model) if args.model else data.default_model()
-    text_path = Path(args.text) if args.text else data.default_text()
+        model_path = Path(args.model) if args.model else assets.default_model()
+    text_path = Path(args.text) if args.text else assets.default_text()
     return model_path, text_path
 
 
@@ -31,44 +34,25 @@ def _progress(desc: str) -> Any:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from . import calibrate, recipes
-    from .eval import data, harness, model, report
+    from .eval import harness  # torch
 
     model_path, text_path = _model_and_text(args)
     print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
     m, tok = model.load(model_path)
-    _, eval_texts = data.split(data.load_articles(text_path))
-    need = args.windows * (args.ctx + args.n_eval + 1)
-    ids: List[int] = []
-    for t in eval_texts:
-        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False))
-        if len(ids) >= need:
-            break
-    wins = data.windows(ids, args.ctx + args.n_eval + 1, args.windows, model.bos_id(tok))
+    wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
     if len(wins) < args.windows:
         print(f"text holds only {len(wins)} windows", file=sys.stderr)
     layers = m.config.num_hidden_layers
     methods = harness.baseline_methods([b for b in args.baselines.split(",") if b])
-    stats: Dict[str, Any] = {}
+    calibrations: Dict[Any, Any] = {}  # recipes with the same calibration settings share it
     for name in (r for r in args.recipes.split(",") if r):
         rec = recipes.load(name)
-        st = None
-        if rec.mode == "calibrated":
-            key = str(sorted(rec.calibration.items())) + f"sink{rec.n_sink}"
-            if key not in stats:
-                stats[key] = calibrate.cached_stats(m, tok, model_path, text_path, rec.calibration,
-                                                    n_sink=max(rec.n_sink, 1),
-                                                    progress=_progress("calibration"))
-            st = stats[key]
-        sens = None
-        if rec.needs_sensitivity:
-            key = "sensitivity" + str(sorted(rec.calibration.items())) + f"sink{rec.n_sink}"
-            if key not in stats:
-                stats[key] = calibrate.cached_sensitivity(
-                    m, tok, model_path, text_path, rec.calibration, n_sink=max(rec.n_sink, 1),
-                    progress=_progress("sensitivity"))
-            sens = stats[key]
-        methods.append(harness.codec_method(rec, layers, stats=st, sensitivity=sens))
+        key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
+        if rec.mode == "calibrated" and key not in calibrations:
+            calibrations[key] = for_recipe(rec, m, tok, model_path, text_path,
+                                                  progress=_progress)
+        stats, sens = calibrations.get(key, (None, None))
+        methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
         if args.attribute:
             methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
@@ -86,38 +70,32 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from . import calibrate
-    from .eval import model
-
     model_path, text_path = _model_and_text(args)
     print(f"model {model_path}\ntext  {text_path} (calibration split)", file=sys.stderr)
     m, tok = model.load(model_path)
-    wins = calibrate.calibration_windows(tok, text_path, args.windows, args.window)
-    stats = calibrate.collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
-                              samples=args.samples, progress=_progress("calibration"),
-                              meta={"model": model_path.name, "text": text_path.name,
-                                    "split": "calibration"})
-    out = Path(args.out) if args.out else calibrate.stats_path(
-        model_path, text_path, {"windows": args.windows, "window": args.window,
-                                "weighting": args.weighting})
+    settings = recipes.CalibrationSettings(
+        windows=args.windows, window=args.window, weighting=args.weighting,
+        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
+    meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
+    wins = calibration_windows(tok, text_path, args.windows, args.window)
+    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
+                            samples=args.samples, progress=_progress("calibration"), meta=meta)
+    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings)
     for p in stats.save(out):
         print(f"wrote {p}", file=sys.stderr)
     if args.sensitivity_windows > 0:
-        settings = {"sensitivity_windows": args.sensitivity_windows, "window": args.window,
-                    "score": args.score}
-        wins = calibrate.calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = calibrate.collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
-                                             progress=_progress("sensitivity"),
-                                             meta={"model": model_path.name, "text": text_path.name,
-                                                   "split": "calibration"})
+        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
+        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
+                                           progress=_progress("sensitivity"), meta=meta)
         sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                calibrate.sensitivity_path(model_path, text_path, settings, args.n_sink))
+                sensitivity_path(model_path, text_path, settings, args.n_sink))
         for p in sens.save(sout):
             print(f"wrote {p}", file=sys.stderr)
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``kakeyaturbo eval`` and ``kakeyaturbo calibrate``."""
     ap = argparse.ArgumentParser(prog="kakeyaturbo")
     sub = ap.add_subparsers(dest="command", required=True)
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
@@ -150,7 +128,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="tokens at the end of each sensitivity window that are scored")
     c.add_argument("--out", help="output .safetensors (default: the cache eval looks in); the "
                    "sensitivity goes beside it as <stem>-sensitivity.safetensors")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
     return _eval(args) if args.command == "eval" else _calibrate(args)
 
 

@@ -1,48 +1,24 @@
-"""The calibration / evaluation split and the windows."""
+"""Evaluation windows come from the evaluation split only."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from kakeyaturbo.eval import data
+pytest.importorskip("transformers")
+
+from kakeyaturbo.calibration import corpus  # noqa: E402
+from kakeyaturbo.eval import data, model  # noqa: E402
 
 
-def test_split_is_disjoint_stable_and_near_its_share() -> None:
-    articles = {f"Title {i}": f"text of article {i}" for i in range(4000)}
-    calib, evalu = data.split(articles)
-    assert not set(calib) & set(evalu)
-    assert len(calib) + len(evalu) == 4000
-    assert abs(len(calib) / 4000 - data.CALIBRATION_SHARE) < 0.03
-    # Independent of insertion order.
-    rev = dict(reversed(list(articles.items())))
-    assert data.split(rev) == (calib, evalu)
-
-
-def test_load_articles_json_and_text(tmp_path) -> None:
-    p = tmp_path / "a.json"
-    p.write_text(json.dumps({"A": {"extract": "alpha"}, "B": {"extract": "beta"}}))
-    assert data.load_articles(p) == {"A": "alpha", "B": "beta"}
-    t = tmp_path / "a.txt"
-    t.write_text("one\n\ntwo\n\n\nthree")
-    assert list(data.load_articles(t).values()) == ["one", "two", "three"]
-
-
-def test_windows() -> None:
-    ids = list(range(100))
-    w = data.windows(ids, 10, 5, bos=-1)
-    assert len(w) == 5 and all(len(x) == 10 and x[0] == -1 for x in w)
-    assert w[1][1:] == list(range(9, 18))
-    assert len(data.windows(ids, 30, 10, bos=None)) == 3
-
-
-def test_missing_package_is_a_clear_error() -> None:
-    with pytest.raises(FileNotFoundError, match="not installed"):
-        data.package_file("surely_not_installed_pkg_x", "f")
-
-
-def test_shipped_text_split() -> None:
-    calib, evalu = data.split(data.load_articles(data.default_text()))
-    assert len(calib) > 1000 and len(evalu) > 5000
-    assert not set(calib) & set(evalu)
+def test_evaluation_windows_never_see_calibration_text(tiny_model_dir) -> None:
+    _, tok = model.load(tiny_model_dir)
+    text = tiny_model_dir / "text.txt"
+    wins = data.evaluation_windows(tok, text, 3, 50)
+    assert len(wins) == 3 and all(len(w) == 50 and w[0] == tok.bos_token_id for w in wins)
+    calib, evalu = corpus.split(corpus.load_articles(text))
+    # The first window starts with the first evaluation paragraph's tokens.
+    first = tok.encode(evalu[0] + "\n\n", add_special_tokens=False)
+    assert wins[0][1:1 + min(len(first), 49)] == first[:49]
+    cal = corpus.calibration_windows(tok, text, 2, 50)
+    assert cal[0][1:] != wins[0][1:]
+    assert len(data.evaluation_windows(tok, text, 10_000, 50)) < 10_000  # the text runs out

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import recipes  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
 
 CTX, N_EVAL = 48, 8
@@ -30,12 +31,21 @@ def tiny():
 def test_identity_is_exact_and_methods_are_counted(tiny) -> None:
     model, windows = tiny
     methods = harness.baseline_methods(["identity", "fp8_e4m3", "turboquant3"])
+    # An exact codec through the codec path on EVERY layer (no boundary layer): the whole
+    # prefix is encoded, decoded and written back, and nothing may change.
+    methods.append(harness.Method("kakeyaturbo:exact", harness._no_quantise, kind="codec",
+                                  codec=IdentityCodec()))
     methods.append(harness.codec_method(recipes.load("predecessor"), 3))
     res = harness.evaluate(model, windows, CTX, methods)
     ident = res["identity"]
     assert ident["dppl"] == 0.0 and ident["top1"] == 1.0 and ident["kl"] == 0.0
     assert ident["verdict"] == "ACCEPT" and ident["tokens"] == 3 * N_EVAL
     assert ident["bits_per_element"] == 16.0
+    exact = res["kakeyaturbo:exact"]
+    assert exact["boundary_layers"] == []
+    assert exact["dppl"] == 0.0 and exact["top1"] == 1.0 and exact["kl"] == 0.0
+    # float32 rows plus a 4-byte header per (layer, stream, kv-head) blob.
+    assert exact["bits_per_element"] == pytest.approx(32 + 3 * 2 * 2 * 32 / (3 * 2 * 2 * CTX * 16))
     assert res["fp8_e4m3"]["bits_per_element"] == pytest.approx(8 + 16 / 16)
     assert res["turboquant3"]["bits_per_element"] == pytest.approx(3 + 16 / 16)
     codec = res["kakeyaturbo:predecessor"]

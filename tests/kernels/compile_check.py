@@ -28,19 +28,18 @@ from triton.compiler import ASTSource  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
-from kakeyaturbo.kernels import cal_decode, cal_gain, cal_quantize, cal_rms  # noqa: E402
-from kakeyaturbo.kernels import decode, pack, project, quantize, residual  # noqa: E402
+from kakeyaturbo.kernels import calibrated, perblock  # noqa: E402
 
 KERNELS = [
-    (project, "_project_assign_kernel"),
-    (residual, "_residual_kernel"),
-    (quantize, "_quantize_kernel"),
-    (pack, "_pack_kernel"),
-    (decode, "_decode_kernel"),
-    (cal_rms, "_rms_kernel"),
-    (cal_quantize, "_quantize_kernel"),
-    (cal_gain, "_gain_kernel"),
-    (cal_decode, "_decode_kernel"),
+    (perblock.project, "_project_assign_kernel"),
+    (perblock.residual, "_residual_kernel"),
+    (perblock.quantize, "_quantize_kernel"),
+    (perblock.pack, "_pack_kernel"),
+    (perblock.decode, "_decode_kernel"),
+    (calibrated.rms, "_rms_kernel"),
+    (calibrated.quantize, "_quantize_kernel"),
+    (calibrated.gain, "_gain_kernel"),
+    (calibrated.decode, "_decode_kernel"),
 ]
 TYPES = {
     torch.float32: "fp32",

@@ -23,7 +23,7 @@ if not CUDA:
 DEVICE = "cuda" if CUDA else "cpu"
 FULL_FUZZ = os.environ.get("KAKEYATURBO_FULL_FUZZ", "0") == "1"
 
-#: GroupResult objects of the parity tests of this session.
+#: harness.GroupResult objects of the parity tests of this session.
 RESULTS: List[Any] = []
 
 
@@ -31,10 +31,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not RESULTS:
         return
     tr = terminalreporter
-    blocks = sum(r.blocks for r in RESULTS)
+    blocks = sum(r.cases for r in RESULTS)
     nears = [n for r in RESULTS for n in r.nears]
     und = sum(r.undetermined_rows for r in RESULTS)
-    rows = sum(r.compared.get("seg_id", r.compared.get("rows", 0)) for r in RESULTS)
+    rows = sum(r.rows for r in RESULTS)
     tr.section("kakeyaturbo kernel parity")
     tr.write_line(
         f"{len(RESULTS)} group runs, {blocks} block / head comparisons on {DEVICE}; "

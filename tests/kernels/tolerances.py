@@ -21,7 +21,7 @@ of the compared values of one kind may sit that close to a threshold (at least o
 and group is allowed; they must stay rare); fp16 roundings have their own, larger, share.
 Decoded tensors: ``max |a - b| / max |b|`` per block, with both decoders fed the same codes.
 
-Calibrated mode (``parity_calibrated.py``), per row ``i`` and component ``j``:
+Calibrated mode (``calibrated/parity.py``), per row ``i`` and component ``j``:
 
 - ``u = A' (x - mean)``, ``A'_j = analysis_j / spread_j``: ``|error| <= cal_u * |x_i - mean|
   * |A'_j|`` (the terms' magnitude by Cauchy-Schwarz; ``x - mean`` is formed identically).

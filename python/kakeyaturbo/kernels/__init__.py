@@ -1,8 +1,10 @@
 """Triton GPU kernels of the codec: stages 2-5 and the decode, batched over blocks and heads.
 
-They live inside the package so that the wheel ships them with no extra build step. The Rust
-codec is their oracle (``tests/kernels/`` fuzzes both these kernels and
-:mod:`kakeyaturbo.reference` against it).
+They live inside the package so that the wheel ships them with no extra build step, one
+subpackage per mode: :mod:`~kakeyaturbo.kernels.perblock` and
+:mod:`~kakeyaturbo.kernels.calibrated`, over the launch helpers and @triton.jit building blocks
+of ``_common.py``. The Rust codec is their oracle (``tests/kernels/`` fuzzes both these kernels
+and their torch mirrors in :mod:`kakeyaturbo.reference` against it).
 Needs torch and triton; set ``TRITON_INTERPRET=1`` before importing to run on the CPU.
 
 Typical use (per-block mode, skeletons fitted by the Rust codec)::
@@ -19,13 +21,25 @@ Calibrated mode (one calibration per head, e.g. every kv-head of a layer's K str
     k_hat = decode_calibrated(codes, batch, out_dtype=torch.bfloat16)
 """
 
-from ._utils import is_interpreter, poison_outputs
-from .cal_batch import CalibrationBatch, head_parts, stack_calibrated_parts, stack_calibrations
-from .cal_decode import decode_calibrated
-from .calibrated import encode_calibrated, outlier_capacity
-from .decode import decode_blocks
-from .encode import compact_outliers, encode_blocks
-from .skeleton import SkeletonBatch, block_parts, stack_codes, stack_skeletons
+from ._common import is_interpreter, poison_outputs
+from .calibrated import (
+    CalibrationBatch,
+    decode_calibrated,
+    encode_calibrated,
+    head_parts,
+    outlier_capacity,
+    stack_calibrated_parts,
+    stack_calibrations,
+)
+from .perblock import (
+    SkeletonBatch,
+    block_parts,
+    compact_outliers,
+    decode_blocks,
+    encode_blocks,
+    stack_codes,
+    stack_skeletons,
+)
 
 __all__ = [
     "CalibrationBatch",

@@ -1,0 +1,200 @@
+"""What the cache asks of a codec, the codecs it ships, and the ONE place a recipe becomes a codec.
+
+- :class:`StreamCodec`, the small protocol every codec mode implements: ``encode`` one
+  (stream, layer, kv-head) slice of float32 ``[T, D]`` rows into bytes and ``decode`` them back.
+- :class:`BlockCodec` runs a per-block recipe; :class:`~kakeyaturbo.calibration.ModelCodec`
+  (from statistics) a calibrated one; :class:`IdentityCodec` stores raw float32 (exact; for
+  tests and as a reference). :func:`codec_for` picks and builds the right one for a recipe.
+- Helpers shared by the prefix compression and the generation cache: blobs of a
+  ``[B, H, T, D]`` tensor and back, stream and boundary checks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..calibration import AttentionStats, ModelCodec, Sensitivity
+from ..codec import _checks, perblock
+from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError
+from ..recipes import Recipe
+
+__all__ = ["STREAMS", "RAW_BITS", "StreamCodec", "IdentityCodec", "BlockCodec", "codec_for"]
+
+STREAMS = ("k", "v")
+
+#: Bits charged per element that is kept uncompressed (bf16, whatever the cache's dtype).
+RAW_BITS = 16
+
+
+class StreamCodec(Protocol):
+    """What the cache asks of a codec. One call codes one (stream, layer, kv-head) slice.
+
+    ``pre_rope_keys``: True when keys must be handed to :meth:`encode` without RoPE (and come
+    back from :meth:`decode` without it); values never carry RoPE.
+    """
+
+    pre_rope_keys: bool
+
+    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
+        """``stream`` is ``"k"`` or ``"v"``; ``x`` is C-contiguous float32 ``[T, D]``, ``T >= 1``."""
+        ...
+
+    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
+        """The float32 ``[T, D]`` rows that :meth:`encode` turned into ``blob``."""
+        ...
+
+
+def check_stream(stream: str) -> str:
+    """``stream`` if it is ``"k"`` or ``"v"``; else TypeError / InvalidParameterError."""
+    return _checks.choice(stream, "stream", STREAMS)
+
+
+class IdentityCodec:
+    """Stores the rows as raw little-endian float32 after a 4-byte ``D`` header; decodes exactly."""
+
+    def __init__(self, *, pre_rope_keys: bool = False) -> None:
+        self.pre_rope_keys = bool(pre_rope_keys)
+
+    def __repr__(self) -> str:
+        return f"IdentityCodec(pre_rope_keys={self.pre_rope_keys})"
+
+    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
+        check_stream(stream)
+        x = np.asarray(x)
+        if x.ndim != 2:
+            raise InvalidInputError(f"x must be [T, D], got shape {x.shape}")
+        return struct.pack("<I", x.shape[1]) + np.ascontiguousarray(x, dtype="<f4").tobytes()
+
+    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
+        check_stream(stream)
+        blob = _checks.buffer(blob)
+        d = struct.unpack_from("<I", blob)[0] if len(blob) >= 4 else 0
+        if d == 0 or (len(blob) - 4) % (4 * d):
+            raise CorruptDataError(f"not an IdentityCodec blob ({len(blob)} bytes)")
+        return np.frombuffer(blob, dtype="<f4", offset=4).reshape(-1, d).astype(np.float32)
+
+
+class BlockCodec:
+    """A recipe's per-block codec: ``encode_layer(x, **recipe.k)`` for keys, ``recipe.v`` for values.
+
+    Each call makes one self-describing container (FORMAT.md), so a blob decodes on its own.
+    ``pre_rope_keys``: code the keys without RoPE (the cache removes and re-applies it).
+    ``threads``: passed to ``encode_layer``/``decode_layer`` (None: all cores).
+    The recipe's ``boundary_layers``, ``n_sink`` and ``streams`` are cache settings, not codec
+    ones: :meth:`KakeyaCache.from_recipe` and :func:`compress_cache` take them.
+    """
+
+    def __init__(self, recipe: Recipe, *, pre_rope_keys: bool = False, threads: Optional[int] = None) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
+        if recipe.mode != "block":
+            raise InvalidParameterError(f"recipe {recipe.name!r} is {recipe.mode}, not per-block: "
+                                        "use codec_for(recipe, stats=...)")
+        # The recipe's parameters were checked when it was made.
+        self.recipe = recipe
+        self.pre_rope_keys = _checks.boolean(pre_rope_keys, "pre_rope_keys")
+        self.threads = _checks.threads(threads)
+
+    def __repr__(self) -> str:
+        return f"BlockCodec({self.recipe.name!r}, pre_rope_keys={self.pre_rope_keys})"
+
+    def params(self, stream: str) -> Dict[str, Any]:
+        """The codec keyword arguments of ``stream``."""
+        return dict(self.recipe.k if check_stream(stream) == "k" else self.recipe.v)
+
+    def encode(self, stream: str, layer: int, head: int, x: np.ndarray) -> bytes:
+        return perblock.encode_layer(x, threads=self.threads, **self.params(stream))
+
+    def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
+        check_stream(stream)
+        return perblock.decode_layer(blob, threads=self.threads)
+
+
+def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
+              sensitivity: Optional[Sensitivity] = None, threads: Optional[int] = None,
+              pre_rope_keys: bool = False) -> StreamCodec:
+    """The codec of a recipe: a :class:`BlockCodec` for a per-block recipe (``pre_rope_keys``:
+    code its keys without RoPE), a :class:`~kakeyaturbo.calibration.ModelCodec` fitted from
+    ``stats`` (and ``sensitivity`` where the recipe asks) for a calibrated one (keys always
+    without RoPE, as calibrated). ``threads``: for the core (None: all cores). The statistics
+    of a model come from :func:`kakeyaturbo.calibration.for_recipe`."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
+    if recipe.mode == "block":
+        return BlockCodec(recipe, pre_rope_keys=pre_rope_keys, threads=threads)
+    if stats is None:
+        raise InvalidParameterError(
+            f"recipe {recipe.name!r} is calibrated: give its statistics "
+            "(kakeyaturbo.calibration.for_recipe or AttentionStats.load)")
+    return ModelCodec(stats, recipe, threads=threads, sensitivity=sensitivity)
+
+
+def check_streams(streams: Sequence[str]) -> Tuple[str, ...]:
+    """The stream names as a tuple (a single name allowed), each checked."""
+    if isinstance(streams, str):
+        streams = (streams,)
+    out = tuple(streams)
+    for s in out:
+        check_stream(s)
+    return out
+
+
+def boundary_layers(boundary: Sequence[int], num_layers: Optional[int]) -> FrozenSet[int]:
+    """Layer indices, negative ones counted from the end (needs ``num_layers``); out of range dropped."""
+    out = set()
+    for i in boundary:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"boundary layers must be ints, got {i!r}")
+        i = int(i)
+        if i < 0:
+            if num_layers is None:
+                raise InvalidParameterError(
+                    f"boundary layer {i} counts from the end: give the model or num_layers"
+                )
+            i += num_layers
+        if i >= 0 and (num_layers is None or i < num_layers):
+            out.add(i)
+    return frozenset(out)
+
+
+def wants_rope(codec: StreamCodec, streams: Sequence[str]) -> bool:
+    """Whether keys are compressed by a codec that codes them without RoPE."""
+    return bool(getattr(codec, "pre_rope_keys", False)) and "k" in streams
+
+
+def encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> List[List[bytes]]:
+    """Blobs ``[batch][head]`` of float32 ``x [B, H, T, D]``."""
+    out = []
+    for b in range(x.shape[0]):
+        row = []
+        for h in range(x.shape[1]):
+            blob = codec.encode(stream, layer, h, np.ascontiguousarray(x[b, h]))
+            if not isinstance(blob, (bytes, bytearray)):
+                raise TypeError(f"{codec!r}.encode must return bytes, got {type(blob).__name__}")
+            row.append(bytes(blob))
+        out.append(row)
+    return out
+
+
+def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
+    """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``."""
+    y = np.empty((len(blobs), len(blobs[0]) if blobs else 0, t, d), dtype=np.float32)
+    for b, row in enumerate(blobs):
+        for h, blob in enumerate(row):
+            r = np.asarray(codec.decode(stream, layer, h, blob))
+            if r.shape != (t, d):
+                raise InvalidParameterError(
+                    f"{codec!r}.decode returned shape {r.shape} for stream {stream!r}, layer {layer}, "
+                    f"head {h}; expected {(t, d)}"
+                )
+            y[b, h] = r
+    return y
+
+
+def to_numpy(x: torch.Tensor) -> np.ndarray:
+    """A C-contiguous float32 numpy copy of a tensor on any device."""
+    return x.detach().to("cpu", torch.float32).contiguous().numpy()

@@ -1,0 +1,71 @@
+"""Calibration: what a model's attention looks like on calibration text, and the calibrated
+codecs fitted from it. Data flows one way through the modules:
+
+- `corpus`: the calibration text (split by document, disjoint from evaluation text) and windows;
+- `collect`: statistics gathered from a model (torch): moments by forward hooks, the
+  sensitivity by gradients at the cached rows;
+- `stats`: :class:`AttentionStats` and :class:`Sensitivity`, stored as safetensors + JSON;
+- `gather`: the statistics a recipe needs, from its files, the cache, or collected;
+- `allocation`: integer water-filling of the bits over components, heads, layers, streams;
+- `fit`: whitening, the spectrum of each head (once), bases, spreads, Lloyd-Max tables;
+- `model_codec`: :class:`ModelCodec`, the calibrated codecs of a whole model for one recipe.
+"""
+
+from .allocation import LLOYD_MAX_MSE, allocate_bits, global_allocation, row_budget, water_fill_rates
+from .collect import attention_modules, collect, collect_sensitivity
+from .corpus import calibration_windows
+from .fit import (
+    RIDGE,
+    HeadSpectrum,
+    StreamFit,
+    fit_codec,
+    fit_spectrum,
+    fit_stream,
+    fit_tables,
+    head_spectrum,
+    lloyd_max,
+    sensitivity_weights,
+    spectrum,
+    stream_inputs,
+    weighted_spectrum,
+    weighted_variances,
+    whitening_factor,
+)
+from .gather import cached_sensitivity, cached_stats, for_recipe, sensitivity_path, stats_path
+from .model_codec import ModelCodec
+from .stats import AttentionStats, Sensitivity
+
+__all__ = [
+    "LLOYD_MAX_MSE",
+    "RIDGE",
+    "AttentionStats",
+    "HeadSpectrum",
+    "ModelCodec",
+    "Sensitivity",
+    "StreamFit",
+    "allocate_bits",
+    "attention_modules",
+    "cached_sensitivity",
+    "cached_stats",
+    "calibration_windows",
+    "collect",
+    "collect_sensitivity",
+    "fit_codec",
+    "fit_spectrum",
+    "fit_stream",
+    "fit_tables",
+    "for_recipe",
+    "global_allocation",
+    "head_spectrum",
+    "lloyd_max",
+    "row_budget",
+    "sensitivity_path",
+    "sensitivity_weights",
+    "spectrum",
+    "stats_path",
+    "stream_inputs",
+    "water_fill_rates",
+    "weighted_spectrum",
+    "weighted_variances",
+    "whitening_factor",
+]

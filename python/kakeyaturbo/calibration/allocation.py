@@ -1,0 +1,136 @@
+"""Bit allocation: integer reverse water-filling of a row's bits over the components of one
+head (`allocate_bits`), its Gaussian closed form (`water_fill_rates`), and one water-filling
+pooled over many heads, layers and streams (`global_allocation`)."""
+
+from __future__ import annotations
+
+import heapq
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import InvalidParameterError
+
+#: N(0, 1) Lloyd-Max distortion at 0..8 bits (0 bits: the variance itself).
+LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.00064424,
+                 0.00016348, 0.000041185)
+
+
+def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
+                  distortion: Sequence[float] = LLOYD_MAX_MSE) -> np.ndarray:
+    """Integer reverse water-filling: ``budget`` bits over components of the given variances,
+    at most ``max_bits`` each, minimising ``sum_j var_j * distortion[b_j]``.
+
+    ``distortion`` must be convex and decreasing in the bits (the Lloyd-Max errors are), so
+    handing out one bit at a time to the component whose error falls most is optimal. Ties go
+    to the lower index. Returns int64 bits, non-increasing when the variances are.
+    """
+    lam = np.asarray(variances, dtype=np.float64)
+    if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
+        raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
+    if budget < 0 or max_bits < 0 or max_bits >= len(distortion):
+        raise InvalidParameterError(f"need budget >= 0 and 0 <= max_bits < {len(distortion)}")
+    bits = np.zeros(len(lam), dtype=np.int64)
+    heap = [(-(v * (distortion[0] - distortion[1])), j) for j, v in enumerate(lam) if max_bits > 0]
+    heapq.heapify(heap)
+    for _ in range(min(budget, max_bits * len(lam))):
+        gain, j = heapq.heappop(heap)
+        if gain >= 0:  # nothing left to gain: zero-variance components get no bits
+            break
+        bits[j] += 1
+        b = bits[j]
+        if b < max_bits:
+            heapq.heappush(heap, (-(lam[j] * (distortion[b] - distortion[b + 1])), j))
+    return bits
+
+
+def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarray, float]:
+    """The closed form of reverse water-filling for Gaussian components: rates
+    ``R_j = max(0, log2(var_j / theta) / 2)`` summing to ``rate``; returns (rates, theta)."""
+    lam = np.asarray(variances, dtype=np.float64)
+    pos = lam[lam > 0]
+    if rate <= 0 or len(pos) == 0:
+        return np.zeros(len(lam)), float(lam.max(initial=0.0))
+    lo, hi = np.log2(pos.min()) - 2 * rate - 1, np.log2(pos.max())
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        r = np.maximum(0.0, 0.5 * (np.log2(np.maximum(lam, 1e-300)) - mid)).sum()
+        lo, hi = (mid, hi) if r > rate else (lo, mid)
+    theta = 2.0 ** ((lo + hi) / 2)
+    return np.maximum(0.0, 0.5 * np.log2(np.maximum(lam, 1e-300) / theta)), float(theta)
+
+
+def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
+    """Index bits per row for a target of all-in bits per element: the target times D, less
+    the 16-bit scale, rounded down to whole bytes (rows are byte-aligned)."""
+    b = int(np.floor(bits_per_element * d + 1e-9)) - (16 if norm else 0)
+    return max(0, b // 8 * 8)
+
+
+def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int) -> Tuple[float, np.ndarray]:
+    """``n`` more bits for one head's components, one at a time where the error falls most:
+    (the fall in ``sum_j sp_j * mse(b_j)``, the new bits); ``-inf`` if they do not fit."""
+    lm = np.asarray(LLOYD_MAX_MSE)
+    b = b.copy()
+    gain = 0.0
+    for _ in range(n):
+        room = b < max_bits
+        if not np.any(room):
+            return -np.inf, b
+        g = np.where(room, sp * (lm[b] - lm[np.minimum(b + 1, len(lm) - 1)]), -np.inf)
+        j = int(np.argmax(g))
+        gain += float(g[j])
+        b[j] += 1
+    return gain, b
+
+
+def _take_bits(sp: np.ndarray, b: np.ndarray, n: int) -> Tuple[float, np.ndarray]:
+    """``n`` bits taken back from one head's components, one at a time where the error rises
+    least: (the rise, the new bits)."""
+    lm = np.asarray(LLOYD_MAX_MSE)
+    b = b.copy()
+    loss = 0.0
+    for _ in range(n):
+        have = b > 0
+        c = np.where(have, sp * (lm[np.maximum(b - 1, 0)] - lm[b]), np.inf)
+        j = int(np.argmin(c))
+        loss += float(c[j])
+        b[j] -= 1
+    return loss, b
+
+
+def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
+                      max_bits: int = 8) -> List[np.ndarray]:
+    """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
+    (whitened or weighted) variances are largest, whichever head they belong to; then each
+    head's row is trimmed to whole bytes by taking back its least useful bits, and the bytes
+    so freed go back, one byte at a time, to the head whose error falls most with it (so the
+    total never exceeds the pooled budget, and every head keeps at least one byte)."""
+    sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
+    total = int(sum(row_budgets))
+    bits = allocate_bits(np.concatenate(sps), total, max_bits)
+    out, at = [], 0
+    for sp in sps:
+        b = bits[at:at + len(sp)]
+        at += len(sp)
+        b = _take_bits(sp, b, int(b.sum()) % 8)[1]  # whole bytes
+        if b.sum() == 0:  # every head keeps at least one byte of codes
+            b = _add_bits(sp, b, min(8, max_bits * len(b)), max_bits)[1]
+        out.append(b)
+    left = total - sum(int(b.sum()) for b in out)
+    while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
+        asks = [_take_bits(sp, b, 8) if b.sum() >= 16 else (np.inf, b) for sp, b in zip(sps, out)]
+        worst = int(np.argmin([c for c, _ in asks]))
+        if not np.isfinite(asks[worst][0]):
+            raise InvalidParameterError("the pooled budget cannot give every head one byte")
+        out[worst] = asks[worst][1]
+        left += 8
+    offers = [_add_bits(sp, b, 8, max_bits) for sp, b in zip(sps, out)] if left >= 8 else []
+    while left >= 8:
+        best = int(np.argmax([g for g, _ in offers]))
+        if not np.isfinite(offers[best][0]) or offers[best][0] <= 0:
+            break
+        out[best] = offers[best][1]
+        offers[best] = _add_bits(sps[best], out[best], 8, max_bits)
+        left -= 8
+    return out

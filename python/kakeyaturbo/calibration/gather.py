@@ -1,0 +1,96 @@
+"""The statistics a calibrated recipe needs, for a loaded model: from the file the recipe names,
+from the cache, or collected on the calibration split of a text (and then cached)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+from .. import assets
+from ..recipes import CalibrationSettings, Recipe
+from .collect import collect, collect_sensitivity
+from .corpus import calibration_windows
+from .stats import AttentionStats, Sensitivity
+
+Progress = Callable[[Iterable[Any]], Iterable[Any]]
+
+
+def _key(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> str:
+    mp, tp = Path(model_path), Path(text_path)
+    size = mp.stat().st_size if mp.is_file() else 0
+    return f"{mp.stem}-{size}-{tp.stem}"
+
+
+def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
+               settings: CalibrationSettings) -> Path:
+    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings)."""
+    key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
+           f"{settings.weighting}")
+    return assets.CACHE / "calibration" / f"{key}.safetensors"
+
+
+def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
+                     settings: CalibrationSettings, n_sink: int) -> Path:
+    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings)."""
+    key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
+           f"score{settings.score}-sink{n_sink}-sensitivity")
+    return assets.CACHE / "calibration" / f"{key}.safetensors"
+
+
+def _meta(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> dict:
+    return {"model": Path(model_path).name, "text": Path(text_path).name, "split": "calibration"}
+
+
+def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                 text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
+                 n_sink: int = 1, progress: Progress = lambda it: it) -> AttentionStats:
+    """The statistics a recipe's ``[calibration]`` asks for: its ``path`` if given, else the
+    cached file for this model, text and settings, collected (and cached) when missing."""
+    if settings.path:
+        return AttentionStats.load(settings.path)
+    path = stats_path(model_path, text_path, settings)
+    if path.exists():
+        return AttentionStats.load(path)
+    wins = calibration_windows(tok, text_path, settings.windows, settings.window)
+    stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, progress=progress,
+                    meta=_meta(model_path, text_path))
+    stats.save(path)
+    return stats
+
+
+def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                       text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
+                       n_sink: int = 1, progress: Progress = lambda it: it) -> Sensitivity:
+    """The :class:`Sensitivity` a recipe's ``[calibration]`` asks for: its
+    ``sensitivity_path`` if given, else the cached file for this model, text and settings,
+    gathered (and cached) on the calibration split when missing."""
+    if settings.sensitivity_path:
+        return Sensitivity.load(settings.sensitivity_path)
+    path = sensitivity_path(model_path, text_path, settings, n_sink)
+    if path.exists():
+        return Sensitivity.load(path)
+    wins = calibration_windows(tok, text_path, settings.sensitivity_windows, settings.window)
+    sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
+                               progress=progress, meta=_meta(model_path, text_path))
+    sens.save(path)
+    return sens
+
+
+def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+               text_path: "os.PathLike[str] | str", *,
+               progress: Callable[[str], Progress] = lambda _desc: lambda it: it
+               ) -> Tuple[Optional[AttentionStats], Optional[Sensitivity]]:
+    """``(stats, sensitivity)`` of a recipe for a loaded model, each from its file, the cache or
+    the calibration split of ``text_path`` (``progress(description)`` wraps the windows);
+    ``(None, None)`` for a per-block recipe, no sensitivity where the recipe needs none."""
+    if recipe.mode != "calibrated":
+        return None, None
+    n_sink = max(recipe.n_sink, 1)
+    stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
+                         progress=progress("calibration"))
+    sens = None
+    if recipe.needs_sensitivity:
+        sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
+                                  n_sink=n_sink, progress=progress("sensitivity"))
+    return stats, sens

@@ -1,0 +1,149 @@
+"""Calibration statistics and their store: per (layer, kv-head) moments of a model's attention
+(:class:`AttentionStats`) and its measured sensitivity (:class:`Sensitivity`), each saved as
+safetensors with a JSON sidecar, checked (shapes, finiteness) whenever they are made or loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+
+import numpy as np
+
+from ..errors import CorruptDataError, InvalidParameterError
+
+_S = TypeVar("_S", bound="_Stored")
+
+
+class _Stored:
+    """Arrays (``ARRAYS``) saved as safetensors with a JSON sidecar holding ``meta``; ``KIND``
+    names the file in errors."""
+
+    ARRAYS: Tuple[str, ...] = ()
+    KIND = "file"
+    meta: Dict[str, Any]
+
+    def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
+        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
+        from safetensors.numpy import save_file
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
+        side = p.with_name(p.name + ".json")
+        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return p, side
+
+    @classmethod
+    def load(cls: Type[_S], path: "os.PathLike[str] | str") -> _S:
+        """Reads what :meth:`save` wrote and checks it. Raises InvalidParameterError when a file
+        is missing, CorruptDataError (naming the file and what is wrong) when it is unreadable,
+        lacks an array or holds arrays of the wrong shape or non-finite values."""
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        side = p.with_name(p.name + ".json")
+        for f in (p, side):
+            if not f.is_file():
+                raise InvalidParameterError(f"{cls.KIND} file {str(f)!r} does not exist")
+        try:
+            arrays = load_file(str(p))
+            meta = json.loads(side.read_text(encoding="utf-8"))
+        except Exception as e:  # safetensors raises its own error type on garbage
+            raise CorruptDataError(f"cannot read {cls.KIND} {str(p)!r}: {e}") from e
+        if not isinstance(meta, dict):
+            raise CorruptDataError(f"{cls.KIND} sidecar {str(side)!r} must hold a JSON object")
+        missing = [k for k in cls.ARRAYS if k not in arrays]
+        if missing:
+            raise CorruptDataError(f"{cls.KIND} {str(p)!r} lacks the arrays {missing}")
+        try:
+            return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
+        except InvalidParameterError as e:
+            raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
+
+
+def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtype: Any) -> np.ndarray:
+    """``a`` as ``dtype``, with ``shape`` (None: any size) and finite values."""
+    arr = np.asarray(a)
+    if arr.dtype.kind not in "fiu":
+        raise InvalidParameterError(f"{owner} {name!r} must be numeric, got dtype {arr.dtype}")
+    arr = arr.astype(dtype, copy=False)
+    if arr.ndim != len(shape) or any(w is not None and g != w for g, w in zip(arr.shape, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise InvalidParameterError(f"{owner} {name!r} must have shape {want}, got {list(arr.shape)}")
+    if not np.all(np.isfinite(arr)):
+        raise InvalidParameterError(f"{owner} {name!r} holds NaN or inf")
+    return arr
+
+
+@dataclass
+class AttentionStats(_Stored):
+    """Per (layer, kv-head) statistics of a model's attention, pre-RoPE. Arrays are float64
+    ``[L, H_kv, ...]``; ``*_samples`` float32 ``[L, H_kv, S, D]``."""
+
+    meta: Dict[str, Any]
+    q2: np.ndarray
+    k_mean: np.ndarray
+    k_cov: np.ndarray
+    v_mean: np.ndarray
+    v_cov: np.ndarray
+    o_gram: np.ndarray
+    k_samples: np.ndarray
+    v_samples: np.ndarray
+
+    ARRAYS = ("q2", "k_mean", "k_cov", "v_mean", "v_cov", "o_gram", "k_samples", "v_samples")
+    KIND = "calibration"
+
+    def __post_init__(self) -> None:
+        """Checks that every array agrees on (layers, kv-heads, head_dim) and is finite;
+        raises InvalidParameterError naming the array."""
+        q2 = np.asarray(self.q2)
+        if q2.ndim != 4:
+            raise InvalidParameterError(
+                f"calibration 'q2' must be [layers, kv_heads, D, D], got shape {list(q2.shape)}")
+        n, h, d = q2.shape[0], q2.shape[1], q2.shape[2]
+        f64 = np.float64
+        for name, shape, dtype in (("q2", (n, h, d, d), f64), ("k_mean", (n, h, d), f64),
+                                   ("k_cov", (n, h, d, d), f64), ("v_mean", (n, h, d), f64),
+                                   ("v_cov", (n, h, d, d), f64), ("o_gram", (n, h, d, d), f64),
+                                   ("k_samples", (n, h, None, d), np.float32),
+                                   ("v_samples", (n, h, None, d), np.float32)):
+            setattr(self, name, _check("calibration", name, getattr(self, name), shape, dtype))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.q2.shape[0])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.q2.shape[1])
+
+
+@dataclass
+class Sensitivity(_Stored):
+    """How much a model's loss reacts to errors in its cached keys and values: per (layer,
+    kv-head) the second moment ``sum_t g_t g_t^T`` of the gradient of the loss with respect to
+    each cached pre-RoPE key (``k``) and value (``v``) row, float64 ``[L, H_kv, D, D]``, summed
+    over the cached positions and averaged over windows (an empirical Fisher). To second order
+    an error ``e_t`` in row ``t`` raises the loss by ``e_t^T F e_t / 2``, so ``F`` weighs every
+    coded component by what it costs the model."""
+
+    meta: Dict[str, Any]
+    k: np.ndarray
+    v: np.ndarray
+
+    ARRAYS = ("k", "v")
+    KIND = "sensitivity"
+
+    def __post_init__(self) -> None:
+        k = np.asarray(self.k)
+        if k.ndim != 4 or k.shape[2] != k.shape[3]:
+            raise InvalidParameterError(
+                f"sensitivity 'k' must be [layers, kv_heads, D, D], got shape {list(k.shape)}")
+        for name in self.ARRAYS:
+            setattr(self, name, _check("sensitivity", name, getattr(self, name), k.shape, np.float64))
+
+    def of(self, stream: str) -> np.ndarray:
+        return self.k if stream == "k" else self.v

@@ -1,0 +1,127 @@
+"""Argument checks of the public codec functions, written once.
+
+The rule everywhere: a value of the wrong type is a ``TypeError`` naming the argument and what
+it got; a value of the right type outside its range is an ``InvalidParameterError`` (or
+``InvalidInputError`` for data) naming the argument and the range. The Rust core checks again
+(it trusts nothing it is handed); these checks exist so that the message names the Python
+argument and no conversion (float to int, huge int to u64) happens silently.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import InvalidInputError, InvalidParameterError
+
+#: Largest 64-bit seed.
+MAX_SEED = 2**64 - 1
+
+
+def _type(v: Any) -> str:
+    return type(v).__name__
+
+
+def matrix(array: Any, name: str = "array") -> np.ndarray:
+    """A C-contiguous float32 ``[N, D]`` view of ``array`` (copied once if not contiguous)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of float32, got {_type(array)}")
+    if array.dtype != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {array.dtype}")
+    if array.ndim != 2:
+        raise InvalidInputError(f"{name} must be 2-D [N, D], got shape {array.shape}")
+    return np.ascontiguousarray(array)
+
+
+def weights(w: Any, n: int) -> Optional[np.ndarray]:
+    """Per-row weights as contiguous float32 ``[n]``, or None."""
+    if w is None:
+        return None
+    a = np.asarray(w)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"weights must be numeric, got dtype {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if a.ndim != 1 or a.shape[0] != n:
+        raise InvalidInputError(f"weights must have shape ({n},), got {a.shape}")
+    return a
+
+
+def integer(v: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """A Python or numpy integer (not a bool, not a float) within ``[lo, hi]``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_type(v)} {v!r}")
+    i = int(v)
+    if (lo is not None and i < lo) or (hi is not None and i > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}" if lo is not None else f"<= {hi}"
+        raise InvalidParameterError(f"{name} must be {rng}, got {i}")
+    return i
+
+
+def seed(v: Any, name: str = "rotation_seed") -> int:
+    """A 64-bit unsigned seed."""
+    return integer(v, name, 0, MAX_SEED)
+
+
+def threads(t: Any) -> Optional[int]:
+    """None (all cores) or a thread count >= 1."""
+    return None if t is None else integer(t, "threads", 1)
+
+
+def real(v: Any, name: str, *, positive: bool = False) -> float:
+    """A finite real number (int or float, not a bool or a string); ``> 0`` if ``positive``."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {_type(v)} {v!r}")
+    f = float(v)
+    if not np.isfinite(f) or (positive and f <= 0):
+        raise InvalidParameterError(f"{name} must be finite{' and > 0' if positive else ''}, got {f}")
+    return f
+
+
+def boolean(v: Any, name: str) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {_type(v)} {v!r}")
+    return bool(v)
+
+
+def choice(v: Any, name: str, options: Sequence[str]) -> str:
+    """One of ``options`` (a str)."""
+    if not isinstance(v, str):
+        raise TypeError(f"{name} must be a str, one of {list(options)}, got {_type(v)} {v!r}")
+    if v not in options:
+        raise InvalidParameterError(f"{name} must be one of {list(options)}, got {v!r}")
+    return v
+
+
+def mapping(v: Any, name: str) -> Mapping[Any, Any]:
+    if not isinstance(v, Mapping):
+        raise TypeError(f"{name} must be a dict, got {_type(v)}")
+    return v
+
+
+def buffer(data: Any) -> bytes:
+    """Bytes of a bytes-like argument."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise TypeError(f"data must be bytes-like, got {_type(data)}")
+
+
+def vector(v: Any, name: str, dtype: Any) -> np.ndarray:
+    """A numeric 1-D array, converted to ``dtype`` once."""
+    a = np.asarray(v)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise InvalidParameterError(f"{name} must be 1-D, got shape {a.shape}")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def table(v: Any, name: str) -> np.ndarray:
+    """A numeric 2-D ``[m, D]`` array as contiguous float32."""
+    a = np.asarray(v)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
+    if a.ndim != 2:
+        raise InvalidParameterError(f"{name} must be 2-D [m, D], got shape {a.shape}")
+    return np.ascontiguousarray(a, dtype=np.float32)

@@ -1,0 +1,134 @@
+"""The calibrated mode: a codec object holding one model-level calibration (see FORMAT.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .. import _core
+from ..errors import InvalidParameterError
+from . import _checks
+
+DEFAULT_ROTATION_SEED = 0xCAFEBABE
+METRICS = ("mse", "inner_product", "ip", "linf")
+
+
+class CalibratedCodec:
+    """Codes rows of one stream of one (layer, kv-head) against a model-level calibration.
+
+    ``mean [D]``, ``analysis [m, D]``, ``synthesis [m, D]``, ``spread [m] > 0`` and
+    ``bits [m]`` in 1..8 (components allocated 0 bits are left out; they decode as the mean).
+    Coefficients are ``u = (analysis / spread) (x - mean)``; each run of equal bits is cut into
+    power-of-two sub-bands rotated by a seeded normalised Hadamard transform; ``norm`` stores
+    one fp16 scale per row (the rms of ``u``); Lloyd-Max at ``bits[j]`` bits (the N(0, 1)
+    table, or ``centroids[b]``); ``|z| > outlier_threshold`` is kept as fp16. Decode:
+    ``x = mean + (u * spread) @ synthesis``. Arrays are converted to float32 (``bits`` to
+    uint8) once, here. Raises InvalidParameterError for an unusable calibration.
+    """
+
+    def __init__(self, mean: Any, analysis: Any, synthesis: Any, spread: Any, bits: Any, *,
+                 rotation_seed: int = DEFAULT_ROTATION_SEED, metric: str = "mse", norm: bool = True,
+                 outlier_threshold: Optional[float] = None,
+                 centroids: Optional[Mapping[int, Any]] = None) -> None:
+        b = np.asarray(bits)
+        if b.dtype.kind not in "iu":
+            raise TypeError(f"bits must be integers, got dtype {b.dtype}")
+        if b.size and (b.min() < 1 or b.max() > 8):
+            raise InvalidParameterError("bits must be in 1..8 (leave 0-bit components out)")
+        mean_ = _checks.vector(mean, "mean", np.float32)
+        a_, s_ = _checks.table(analysis, "analysis"), _checks.table(synthesis, "synthesis")
+        spread_, bits_ = _checks.vector(spread, "spread", np.float32), _checks.vector(b, "bits", np.uint8)
+        m, d = a_.shape
+        for name, got, want in (("mean", mean_.shape, (d,)), ("synthesis", s_.shape, (m, d)),
+                                ("spread", spread_.shape, (m,)), ("bits", bits_.shape, (m,))):
+            if got != want:
+                raise InvalidParameterError(
+                    f"{name} must have shape {want} to match analysis [m={m}, D={d}], got {got}")
+        seed = _checks.seed(rotation_seed)
+        metric = _checks.choice(metric, "metric", METRICS)
+        norm = _checks.boolean(norm, "norm")
+        threshold = (None if outlier_threshold is None
+                     else _checks.real(outlier_threshold, "outlier_threshold", positive=True))
+        tables = None
+        if centroids is not None:
+            tables = [(_checks.integer(k, "a centroids key (bit width)", 1, 8),
+                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64)])
+                      for k, v in _checks.mapping(centroids, "centroids").items()]
+        self._c = _core.CalibratedCodec(mean_, a_, s_, spread_, bits_, seed, metric, norm,
+                                        threshold, tables)
+        self.metric = metric
+        self.norm = norm
+        self.rotation_seed = seed
+        self.outlier_threshold = threshold
+
+    @property
+    def d(self) -> int:
+        return self._c.d
+
+    @property
+    def m(self) -> int:
+        """Number of coded components."""
+        return self._c.m
+
+    @property
+    def fingerprint(self) -> int:
+        """64-bit hash of the calibration; every container records it and decode checks it."""
+        return self._c.fingerprint
+
+    @property
+    def model_bytes(self) -> int:
+        """Bytes of the calibration itself (stored once per model, not per token)."""
+        return self._c.model_bytes
+
+    @property
+    def row_bits(self) -> int:
+        """Bits of one row's indices (the sum of ``bits``)."""
+        return self._c.row_bits
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes a row's indices occupy (rows start on byte boundaries)."""
+        return self._c.row_bytes
+
+    @property
+    def bands(self) -> "list[Tuple[int, int, int]]":
+        """``(offset, width, bits)`` of every rotated sub-band."""
+        return self._c.bands
+
+    def canonical_bytes(self) -> bytes:
+        """The calibration's canonical bytes (what ``fingerprint`` hashes, ``model_bytes`` long)."""
+        return self._c.canonical_bytes()
+
+    def encode(self, array: np.ndarray, *, threads: Optional[int] = None) -> bytes:
+        """Encodes float32 ``[n, D]`` rows into a calibrated container (bytes)."""
+        return self._c.encode(_checks.matrix(array), _checks.threads(threads))
+
+    def decode(self, data: Any, *, threads: Optional[int] = None) -> np.ndarray:
+        """Decodes a container of this calibration into float32 ``[n, D]``. Raises
+        CorruptDataError for damaged bytes, InvalidParameterError for another calibration's."""
+        return self._c.decode(_checks.buffer(data), _checks.threads(threads))
+
+    def roundtrip(self, array: np.ndarray, *, threads: Optional[int] = None
+                  ) -> Tuple[np.ndarray, Dict[str, Any]]:
+        """Encode + decode; returns ``(decoded, report)`` (bytes by part, errors, timings)."""
+        return self._c.roundtrip(_checks.matrix(array), _checks.threads(threads))
+
+    def encode_parts(self, array: np.ndarray) -> Dict[str, Any]:
+        """Every intermediate of an encode by name: ``z [n, m]`` (scaled rotated coordinates),
+        ``g [n]`` (the scale divided by), ``indices [n, m] uint8``, ``codes`` (packed rows),
+        ``scale``/``scale_exp``/``scale_bits`` (with ``norm``), ``outlier_pos [k] int64`` (flat
+        ``row * m + j``), ``outlier_val``/``outlier_bits``."""
+        return self._c.encode_parts(_checks.matrix(array))
+
+    def decode_parts(self, parts: Dict[str, Any]) -> np.ndarray:
+        """Decodes a parts dict as :meth:`encode_parts` returns it."""
+        return self._c.decode_parts(dict(_checks.mapping(parts, "parts")))
+
+    def inspect(self, data: Any) -> Dict[str, Any]:
+        """Header fields and byte counts of a container of this calibration."""
+        return self._c.inspect(_checks.buffer(data))
+
+    def __repr__(self) -> str:
+        return (f"CalibratedCodec(d={self.d}, m={self.m}, row_bits={self.row_bits}, "
+                f"fingerprint={self.fingerprint:016x})")

@@ -1,0 +1,162 @@
+"""The per-block mode: a layer tensor cut into blocks, each with its own PCA, k-means and codes.
+
+Every function checks its arguments (`_checks`, the names against :data:`DEFAULTS`) and makes
+one call into the Rust core (`kakeyaturbo._core`), which releases the GIL.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import _core
+from ..errors import InvalidParameterError
+from . import _checks
+
+#: Every codec keyword argument and its default. The one table the names are checked against.
+DEFAULTS: Dict[str, Any] = {
+    "metric": "mse",
+    "block_size": 512,
+    "bit_width": 3,
+    "variance_ratio": 0.95,
+    "k": 16,
+    "rotation_seed": 0xCAFEBABE,
+    "kmeans_max_iter": 32,
+    "pca_method": "exact",
+    "rsvd_target_rank": None,
+    "rsvd_oversample": 8,
+    "rsvd_power_iters": 2,
+    "skeleton_dtype": "fp16",
+    "rank_cap": None,
+    "exact_rank_cap": None,
+    "centroids": None,
+    "centroids_file": None,
+    "outlier_threshold": None,
+    "share_basis": False,
+}
+
+#: Keyword arguments that are not codec parameters.
+_EXTRA = ("weights", "threads")
+
+
+def params(fn: Optional[str], kwargs: Dict[str, Any],
+           allowed_extra: Tuple[str, ...] = _EXTRA) -> Dict[str, Any]:
+    """Every codec parameter of a call to ``fn`` (None: not a call, e.g. a recipe table), with
+    defaults filled in, aliases resolved, a ``centroids_file`` read. Unknown names raise
+    ``TypeError`` with the closest valid one; values are checked by the core when it parses
+    them (:func:`check_params` does it now)."""
+    unknown = [k for k in kwargs if k not in DEFAULTS and k not in allowed_extra]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(DEFAULTS) + list(allowed_extra), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if fn is None:
+            raise TypeError(f"unknown parameter {name!r}{hint}")
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}{hint}")
+    p = {k: kwargs.get(k, v) for k, v in DEFAULTS.items()}
+    rc, erc = p.pop("rank_cap"), p.pop("exact_rank_cap")
+    if rc is not None and erc is not None and rc != erc:
+        raise InvalidParameterError(
+            f"rank_cap={rc} and its alias exact_rank_cap={erc} disagree"
+        )
+    p["rank_cap"] = rc if rc is not None else erc
+    path = p.pop("centroids_file")
+    if path is not None:
+        if p["centroids"] is not None:
+            raise InvalidParameterError("give centroids or centroids_file, not both")
+        p["centroids"] = load_centroids(path)
+    if p["centroids"] is not None:
+        c = np.asarray(p["centroids"])
+        if c.dtype.kind not in "fiu":
+            raise TypeError(f"centroids must be numbers, got dtype {c.dtype}")
+        if c.ndim != 1:
+            raise InvalidParameterError(f"centroids must be 1-D, got shape {c.shape}")
+        p["centroids"] = [float(v) for v in c.astype(np.float64)]
+    return p
+
+
+def check_params(kwargs: Dict[str, Any], fn: Optional[str] = "check_params") -> Dict[str, Any]:
+    """Checks codec keyword arguments without coding anything, exactly as :func:`encode_layer`
+    would (names here, types and ranges in the core); returns them with the defaults filled in.
+    Raises TypeError or InvalidParameterError."""
+    p = params(fn, kwargs, allowed_extra=())
+    _core.check_params(p)
+    return p
+
+
+def load_centroids(path: "os.PathLike[str] | str") -> np.ndarray:
+    """Reads a centroid table: a ``.npy`` array, or JSON (a list, or an object whose
+    ``"centroids"`` entry is a list)."""
+    path = os.fspath(path)
+    try:
+        if path.endswith(".npy"):
+            table = np.load(path, allow_pickle=False)
+        else:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if isinstance(data, dict):
+                data = data.get("centroids")
+            table = np.asarray(data, dtype=np.float64)
+    except (OSError, ValueError) as e:
+        raise InvalidParameterError(f"cannot read centroids_file {path!r}: {e}") from e
+    if table.ndim != 1 or table.size == 0:
+        raise InvalidParameterError(f"centroids_file {path!r} does not hold a 1-D table")
+    return table.astype(np.float64)
+
+
+def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[str, Any]]:
+    """Encodes and decodes a layer tensor; returns ``(decoded, report)``.
+
+    ``array``: float32 ``[N, D]``. Returns a float32 ``[N, D]`` array (every row, the tail
+    included) and a report dict (see the README's API table).
+    Raises TypeError (wrong dtype, unknown keyword), InvalidInputError, InvalidParameterError.
+    """
+    p = params("roundtrip_layer", kwargs)
+    x = _checks.matrix(array)
+    return _core.roundtrip_layer(
+        x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
+    )
+
+
+def encode_layer(array: np.ndarray, **kwargs: Any) -> bytes:
+    """Encodes a float32 ``[N, D]`` tensor into a self-describing container (bytes)."""
+    p = params("encode_layer", kwargs)
+    x = _checks.matrix(array)
+    return _core.encode_layer(
+        x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
+    )
+
+
+def decode_layer(data: Any, *, threads: Optional[int] = None) -> np.ndarray:
+    """Decodes a container into float32 ``[N, D]``. Raises CorruptDataError (truncated or
+    corrupted bytes) or UnsupportedVersionError (a newer format)."""
+    return _core.decode_layer(_checks.buffer(data), _checks.threads(threads))
+
+
+def inspect_layer(data: Any) -> Dict[str, Any]:
+    """Parameters, shape and byte breakdown of a container, without decoding it."""
+    return _core.inspect_layer(_checks.buffer(data))
+
+
+def encode_block_codes(array: np.ndarray, **kwargs: Any) -> Dict[str, Any]:
+    """Encodes ``array`` (float32 ``[n, D]``) as ONE block and returns its named parts.
+
+    Skeleton: ``mean [D]``, ``basis [d_eff, D]``, ``centers [k, d_eff]`` (the stored, rounded
+    values), ``d_eff``, ``k``, ``bands``, ``wht_len``. Codes: ``seg_id [n] int32``, ``t``/``norm``
+    ``[n] float32`` (stored values) with their fp16 ``*_bits`` and shared ``*_exp``,
+    ``residual_packed`` (bytes), ``residual_codes [n, d_eff] uint8``, ``outlier_pos [m] int64``
+    (flat ``row * d_eff + col``), ``outlier_val [m] float32``, ``outlier_bits [m] uint16``.
+    ``block_size`` and ``share_basis`` do not apply to a single block and are ignored.
+    """
+    p = params("encode_block_codes", kwargs, allowed_extra=("weights",))
+    x = _checks.matrix(array)
+    return _core.encode_block_codes(x, p, _checks.weights(kwargs.get("weights"), x.shape[0]))
+
+
+def decode_block_from_parts(parts: Dict[str, Any]) -> np.ndarray:
+    """Decodes the parts dict of :func:`encode_block_codes` into float32 ``[n, D]``."""
+    return _core.decode_block_from_parts(dict(_checks.mapping(parts, "parts")))

@@ -1,0 +1,234 @@
+"""Helpers shared by the kernel files of both modes: interpreter detection, output allocation
+(with NaN poisoning for the parity tests), sizes, row counts, the batched outlier lists (their
+row table, and their conversion from and to parts dicts), and the @triton.jit building blocks
+every kernel that touches the format uses (fp16 with a shared exponent, the band-limited
+Hadamard butterfly)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Dict, Iterator, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_POISON = False
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), which
+    must be set before triton is first imported."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Within this context every buffer the kernels allocate (outputs and scratch) starts as
+    NaN (floats) or all-ones bits (integers), so an element a kernel forgot to write cannot
+    look right. For tests; it costs one fill per buffer."""
+    global _POISON
+    old, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = old
+
+
+def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, or a poisoned buffer inside :func:`poison_outputs`."""
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if _POISON:
+        if dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(-1 if dtype.is_signed else torch.iinfo(dtype).max)
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A one-element stand-in for the pointer argument of a disabled branch (never read or
+    written). It has the real buffer's dtype, so the disabled and the enabled setting share one
+    compiled kernel; cached, so it costs no allocation per call."""
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def next_pow2(v: int) -> int:
+    """Smallest power of two >= max(v, 1)."""
+    return 1 << max(int(v) - 1, 0).bit_length()
+
+
+def ceil_log2(v: int) -> int:
+    return max(int(v) - 1, 0).bit_length()
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+RowsLike = Union[None, Sequence[int], torch.Tensor]
+
+
+def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.Tensor:
+    """Row counts as int32 ``[B]`` on ``device``. Host sequences are range-checked (1..N);
+    a tensor is trusted (checking it would read the device)."""
+    if rows is None:
+        return torch.full((b,), n, dtype=torch.int32, device=device)
+    if isinstance(rows, torch.Tensor):
+        if rows.shape != (b,) or rows.dtype != torch.int32:
+            raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
+        check_device("rows", rows, device)
+        return rows
+    vals = [int(v) for v in rows]
+    if len(vals) != b or any(not 1 <= v <= n for v in vals):
+        raise ValueError(f"rows must hold {b} counts in 1..{n}, got {vals}")
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def row_starts(codes: Mapping[str, torch.Tensor], d_eff: torch.Tensor, n: int, w: int) -> torch.Tensor:
+    """int64 ``[B, N + 1]``: index into ``outlier_pos`` of the first outlier of each row (and
+    of the end of the block), found on device by binary search of the sorted lists; ``w``
+    bounds every ``d_eff``."""
+    ptr, pos = codes["outlier_ptr"], codes["outlier_pos"]
+    b = d_eff.shape[0]
+    # One sorted key over all blocks: block * stride + position, stride > any n * d_eff.
+    stride = n * w + 1
+    blk = torch.repeat_interleave(torch.arange(b, device=pos.device), ptr.diff(), output_size=pos.numel())
+    key = blk * stride + pos
+    query = torch.arange(b, device=pos.device)[:, None] * stride + torch.arange(
+        n + 1, device=pos.device
+    )[None, :] * d_eff[:, None].to(torch.int64)
+    return torch.searchsorted(key, query.reshape(-1)).reshape(b, n + 1)
+
+
+def f16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of fp16 bit patterns (uint16)."""
+    return bits.view(np.float16).astype(np.float32)
+
+
+def outlier_parts(codes: Mapping[str, torch.Tensor], i: int) -> Dict[str, np.ndarray]:
+    """Entry ``i`` of batched outlier lists (``outlier_ptr [B + 1]``, ``outlier_pos``,
+    ``outlier_bits``) as a parts dict's ``outlier_pos`` int64, ``outlier_bits`` uint16 and
+    ``outlier_val`` float32 (numpy)."""
+    lo, hi = (int(v) for v in codes["outlier_ptr"][i : i + 2])
+    bits = codes["outlier_bits"][lo:hi].cpu().numpy().view(np.uint16)
+    return {
+        "outlier_pos": codes["outlier_pos"][lo:hi].cpu().numpy().astype(np.int64),
+        "outlier_bits": bits,
+        "outlier_val": f16_values(bits),
+    }
+
+
+def stack_outliers(parts_list: Sequence[Mapping[str, Any]], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The outlier lists of parts dicts batched on ``device``: ``outlier_ptr`` int64 ``[B + 1]``
+    (case ``i`` owns entries ``outlier_ptr[i]:outlier_ptr[i+1]``), ``outlier_pos`` int64 and
+    ``outlier_bits`` int16 (fp16 bit patterns)."""
+    pos = [np.asarray(p["outlier_pos"], np.int64) for p in parts_list]
+    bits = [np.asarray(p["outlier_bits"]).view(np.uint16) for p in parts_list]
+    ptr = np.zeros(len(pos) + 1, np.int64)
+    ptr[1:] = np.cumsum([a.size for a in pos])
+    return {
+        "outlier_ptr": torch.from_numpy(ptr).to(device),
+        "outlier_pos": torch.from_numpy(np.concatenate(pos)).to(device),
+        "outlier_bits": torch.from_numpy(np.concatenate(bits).view(np.int16)).to(device),
+    }
+
+
+@triton.jit
+def pow2(e):
+    """``2**e`` as f32 for int32 ``e`` in [-126, 127], exact: built from the exponent bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def shared_exponent(max_abs):
+    """Smallest ``e`` in [-126, 127] with ``max_abs * 2**-e <= 2**15`` (0 for zero or non-finite
+    input), read exactly from the float's bits (``f16.rs::shared_exponent``)."""
+    bits = max_abs.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    # A normal value is 1.m * 2**(biased-127): ceil(log2) is biased-126, or biased-127 for an
+    # exact power of two (m = 0). Subnormals give e < -126 and are clamped.
+    e = biased - 141 - ((bits & 0x7FFFFF) == 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 127)
+    return tl.where((max_abs > 0) & (biased < 255), e, 0)
+
+
+@triton.jit
+def to_scaled_f16(v, e):
+    """fp16 bits (int16) of ``v * 2**-e``, round to nearest even; ``2**-e`` is a normal f32 for
+    every exponent a finite f32 maximum produces, so the product is exact."""
+    return (v * pow2(-e)).to(tl.float16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def from_scaled_f16(h, e):
+    """The stored value ``f32(h) * 2**e`` of fp16 bits ``h`` (int16)."""
+    return h.to(tl.float16, bitcast=True).to(tl.float32) * pow2(e)
+
+
+@triton.jit
+def residual_tile(c_ptr, centers_ptr, seg, t_hat, row_off, rmask, cols, W: tl.constexpr):
+    """``r = c - t^ centre_seg`` for a tile of rows of the ``c`` scratch (``[*, W]``), with the
+    stored ``t^``: a product then a difference, two roundings as in Rust (the launchers disable
+    fp fusion, so no fma). ``centers_ptr`` points at the block's ``[KP, W]`` centres."""
+    cen = tl.load(centers_ptr + seg[:, None] * W + cols[None, :])
+    c = tl.load(c_ptr + row_off[:, None] * W + cols[None, :], mask=rmask[:, None], other=0.0)
+    return c - t_hat[:, None] * cen
+
+
+@triton.jit
+def block_absmax(ptr, n, RB: tl.constexpr):
+    """``max |ptr[0:n]|`` (f32). Each program of a block reduces the same per-row values the
+    previous launch wrote (a few KB, cached): no atomics, no zero-filled buffer, deterministic."""
+    m = tl.zeros((RB,), tl.float32)
+    for s in range(0, n, RB):
+        i = s + tl.arange(0, RB)
+        m = tl.maximum(m, tl.abs(tl.load(ptr + i, mask=i < n, other=0.0)))
+    return tl.max(m, 0)
+
+
+@triton.jit
+def band_live(d_eff, cols):
+    """``d_eff ^ j`` for coordinates ``j < d_eff`` and 0 beyond. The bands are the binary
+    digits of ``d_eff``, largest first, so each is an aligned block and the band of ``j`` has
+    the width of the highest set bit of ``d_eff ^ j``."""
+    return tl.where(cols < d_eff, d_eff ^ cols, 0)
+
+
+@triton.jit
+def band_width(live, LOG_W: tl.constexpr):
+    """Width ``W_b`` of the band of each coordinate (the highest set bit of ``live``; 1 where
+    ``live`` is 0, i.e. padding)."""
+    wb = tl.full(live.shape, 1, tl.int32)
+    for lvl in tl.static_range(1, LOG_W + 1):
+        wb = tl.where(live >= (1 << lvl), 1 << lvl, wb)
+    return wb
+
+
+@triton.jit
+def band_hadamard(x, live, BN: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """Unnormalised Hadamard transform of each band of the rows of ``x`` (``[BN, W]`` f32).
+
+    The radix-2 butterfly of ``wht.rs`` in its order, ``h = 1, 2, 4, ...: (a, b) -> (a + b,
+    a - b)``, over the whole padded row; level ``h`` is kept only where the band is wider than
+    ``h`` (``live >= 2h``), which is exactly each band's own transform since bands are aligned
+    and a pair (j, j ^ h) always lies in one band."""
+    for lvl in tl.static_range(LOG_W):
+        v = tl.reshape(x, (BN, W // (2 << lvl), 2, 1 << lvl))
+        v = tl.permute(v, (0, 1, 3, 2))
+        a, b = tl.split(v)
+        v = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        x = tl.where(live >= (2 << lvl), tl.reshape(v, (BN, W)), x)
+    return x
+
+
+@triton.jit
+def band_factor(d_eff, wb):
+    """``f_b = sqrt(d_eff / W_b)`` in f32 with IEEE division and square root, as in Rust."""
+    return tl.math.sqrt_rn(tl.math.div_rn(d_eff.to(tl.float32) + tl.zeros(wb.shape, tl.float32),
+                                          wb.to(tl.float32)))

@@ -1,0 +1,88 @@
+"""Tiny random-weight Llama and Qwen2 models (no download) and helpers shared by the cache tests."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kakeyaturbo.cache import (  # noqa: E402
+    IdentityCodec,
+)
+
+VOCAB, LAYERS, KV_HEADS = 97, 3, 2
+
+
+def build(kind: str, head_dim: int = 16):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=128,
+                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
+                  max_position_embeddings=512)
+    if kind == "qwen2":  # q/k/v projections with bias
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(head_dim=head_dim, **common)).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    return build("qwen2")
+
+
+@pytest.fixture(scope="module")
+def llama32():
+    return build("llama", head_dim=32)
+
+
+def cache_kw(model) -> str:
+    """transformers 5.24 renamed `past_key_values=` to `cache=`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate(model, ids, cache, n: int = 24, **kw):
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+                         **{cache_kw(model): cache}, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def forward(model, ids, cache):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=True, **{cache_kw(model): cache}).logits
+
+
+def prompt(batch: int = 1, t: int = 21, seed: int = 1):
+    return torch.randint(0, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+class Spy(IdentityCodec):
+    """An exact codec that records what it is handed."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.seen = []
+
+    def encode(self, stream, layer, head, x):
+        self.seen.append((stream, layer, head, x.copy()))
+        return super().encode(stream, layer, head, x)
+
+
+class Zero(IdentityCodec):
+    """Decodes every row to zero (to make the effect of coding visible)."""
+
+    def decode(self, stream, layer, head, blob):
+        return np.zeros_like(super().decode(stream, layer, head, blob))
+
+
+def filled(model, batch: int = 1, t: int = 40):
+    cache = transformers.DynamicCache(config=model.config)
+    forward(model, prompt(batch=batch, t=t), cache)
+    return cache, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]

@@ -1,0 +1,62 @@
+"""The codecs the cache ships and the one place a recipe becomes a codec (codec_for)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import BlockCodec, IdentityCodec, codec_for  # noqa: E402
+
+
+def _stats(layers: int = 2, heads: int = 1, d: int = 16):
+    g = np.random.default_rng(0)
+    a = g.standard_normal((layers, heads, d, d))
+    spd = np.einsum("lhij,lhkj->lhik", a, a) / d + np.eye(d)
+    stats = calibration.AttentionStats(
+        meta={}, q2=spd, k_mean=np.zeros((layers, heads, d)), k_cov=spd,
+        v_mean=np.zeros((layers, heads, d)), v_cov=spd, o_gram=spd,
+        k_samples=np.zeros((layers, heads, 0, d), np.float32),
+        v_samples=np.zeros((layers, heads, 0, d), np.float32))
+    return stats, calibration.Sensitivity(meta={}, k=spd * 1e-3, v=spd * 1e-3)
+
+
+def test_codec_for_picks_the_mode() -> None:
+    block = codec_for(recipes.load("balanced"), threads=1, pre_rope_keys=True)
+    assert isinstance(block, BlockCodec) and block.pre_rope_keys and block.threads == 1
+    stats, sens = _stats()
+    cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
+    assert isinstance(cal, calibration.ModelCodec) and cal.pre_rope_keys
+    x = np.random.default_rng(1).standard_normal((40, 16)).astype(np.float32)
+    for codec in (block, cal):
+        for s in ("k", "v"):
+            y = codec.decode(s, 1, 0, codec.encode(s, 1, 0, x))
+            assert y.shape == x.shape and np.isfinite(y).all()
+    with pytest.raises(kt.InvalidParameterError, match="statistics"):
+        codec_for(recipes.load("calibrated-3bit"))
+    with pytest.raises(kt.InvalidParameterError, match="Sensitivity"):
+        codec_for(recipes.load("calibrated-3bit"), stats=stats)
+    with pytest.raises(TypeError, match="Recipe"):
+        codec_for("balanced")  # type: ignore[arg-type]
+    with pytest.raises(kt.InvalidParameterError, match="not per-block"):
+        BlockCodec(recipes.load("calibrated-4bit"))
+    with pytest.raises(kt.InvalidParameterError, match="kv-head 3"):
+        cal.encode("k", 0, 3, x)
+
+
+def test_identity_codec_is_exact_and_refuses_other_bytes() -> None:
+    c = IdentityCodec()
+    x = np.random.default_rng(2).standard_normal((5, 8)).astype(np.float32)
+    assert np.array_equal(c.decode("v", 0, 0, c.encode("v", 0, 0, x)), x)
+    blob = c.encode("k", 0, 0, x)
+    for bad in (b"", b"\x00\x00\x00\x00", blob[:-1], b"\x08\x00"):
+        with pytest.raises(kt.CorruptDataError):
+            c.decode("k", 0, 0, bad)
+    with pytest.raises(kt.InvalidParameterError, match="stream"):
+        c.encode("q", 0, 0, x)
+    with pytest.raises(TypeError):
+        c.decode("k", 0, 0, "text")  # type: ignore[arg-type]

@@ -1,0 +1,105 @@
+"""The calibrated codec: container round trips and byte counts, custom tables, bad input,
+other calibrations' containers, determinism across threads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kakeyaturbo as kt
+from kakeyaturbo import calibration
+
+D = 32
+
+
+def _data(n: int = 2000, d: int = D, seed: int = 0):
+    g = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(g.standard_normal((d, d)))
+    lam = 2.0 * 0.85 ** np.arange(d)
+    x = (g.standard_normal((n, d)) * np.sqrt(lam)) @ q.T + 0.3
+    return x.astype(np.float32), q, lam
+
+
+def _codec(bpe: float = 3.0, **kw) -> tuple:
+    x, _, _ = _data()
+    fit = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), bpe)
+    return fit.codec(**kw), x, fit
+
+
+def test_container_round_trip_and_bytes() -> None:
+    c, x, fit = _codec(3.0, outlier_threshold=3.0, metric="inner_product")
+    y, r = c.roundtrip(x)
+    blob = c.encode(x)
+    assert np.array_equal(c.decode(blob), y)
+    assert len(blob) == r["compressed_bytes"]
+    assert r["code_bytes"] == x.shape[0] * c.row_bytes
+    assert c.row_bits == int(fit.bits.sum()) and c.row_bits <= 3 * D - 16
+    n = x.shape[0]
+    assert r["scale_bytes"] == 1 + 2 * n  # shared exponent + one fp16 per row
+    per_row = 8 * (r["code_bytes"] + r["scale_bytes"] - 1) / n
+    assert per_row <= 3.0 * D
+    assert r["bits_per_element"] == pytest.approx(8 * r["compressed_bytes"] / x.size)
+    info = c.inspect(blob)
+    assert info["fingerprint"] == c.fingerprint and info["num_vecs"] == x.shape[0]
+    assert c.model_bytes == len(c.canonical_bytes())
+    parts = c.encode_parts(x)
+    assert np.array_equal(c.decode_parts(parts), y)
+    assert parts["indices"].shape == (x.shape[0], c.m)
+
+
+
+def test_custom_tables_and_lloyd_fit() -> None:
+    z = np.random.default_rng(4).laplace(size=20000)
+    t = calibration.lloyd_max(z, 3)
+    assert len(t) == 8 and np.all(np.diff(t) > 0)
+    gauss = kt.centroids_gaussian(3)
+    assert t[-1] > gauss[-1]  # heavier tails than N(0, 1) spread the outer levels
+    c, x, fit = _codec(3.0)
+    widths = sorted(set(int(b) for b in fit.bits))
+    c2 = fit.codec(centroids={b: kt.centroids_gaussian(b) * 1.01 for b in widths})
+    assert c2.fingerprint != c.fingerprint
+    assert not np.array_equal(c2.decode(c2.encode(x)), c.decode(c.encode(x)))
+
+
+
+def test_bad_input_and_other_calibrations() -> None:
+    c, x, fit = _codec(3.0)
+    with pytest.raises(TypeError):
+        c.encode(x.astype(np.float64))
+    bad = x.copy()
+    bad[3, 4] = np.nan
+    with pytest.raises(kt.InvalidInputError):
+        c.encode(bad)
+    with pytest.raises(kt.InvalidInputError):
+        c.encode(x[:, :5].copy())
+    with pytest.raises(kt.InvalidInputError):
+        c.encode(np.zeros((0, D), np.float32))
+    blob = c.encode(x[:100])
+    with pytest.raises(kt.CorruptDataError):
+        c.decode(blob[:-3])
+    flipped = bytearray(blob)
+    flipped[60] ^= 1
+    with pytest.raises(kt.CorruptDataError):
+        c.decode(bytes(flipped))
+    with pytest.raises(kt.CorruptDataError):
+        c.decode(kt.encode_layer(x[:100]))
+    other = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
+    with pytest.raises(kt.InvalidParameterError, match="different calibration"):
+        other.decode(blob)
+    with pytest.raises(kt.InvalidParameterError):
+        fit.codec(metric="inner_product", norm=False)
+    with pytest.raises(kt.InvalidParameterError):
+        kt.CalibratedCodec(fit.mean, fit.analysis, fit.synthesis, -fit.spread, fit.bits)
+    with pytest.raises(kt.InvalidParameterError):
+        kt.CalibratedCodec(fit.mean, fit.analysis, fit.synthesis, fit.spread, fit.bits * 0)
+    with pytest.raises(kt.InvalidParameterError, match="synthesis must have shape"):
+        kt.CalibratedCodec(fit.mean, fit.analysis, fit.synthesis[:, :3], fit.spread, fit.bits)
+    with pytest.raises(kt.InvalidParameterError, match="bits must have shape"):
+        kt.CalibratedCodec(fit.mean, fit.analysis, fit.synthesis, fit.spread, fit.bits[1:])
+
+
+
+def test_deterministic_across_threads() -> None:
+    c, x, _ = _codec(3.0, outlier_threshold=2.5)
+    big = np.tile(x, (3, 1))
+    assert c.encode(big, threads=1) == c.encode(big, threads=2)
