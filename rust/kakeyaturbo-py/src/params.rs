@@ -168,7 +168,10 @@ pub fn to_dict<'py>(py: Python<'py>, p: &CodecParams) -> PyResult<Bound<'py, PyD
 /// Checks a dict of codec keyword arguments without coding anything: parses and validates
 /// them as `encode_layer` would, and returns the complete parameters (defaults filled in).
 #[pyfunction]
-pub fn check_params<'py>(py: Python<'py>, params: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyDict>> {
+pub fn check_params<'py>(
+    py: Python<'py>,
+    params: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyDict>> {
     let p = parse(py, params)?;
     crate::errors::run(py, || p.validate().map(|_| ()))?;
     to_dict(py, &p)
