@@ -2,7 +2,7 @@
 //! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon, and their
 //! combination in a fixed order (so the result is the same at any thread count).
 
-use super::kernel::{centroid_at, Portable, Tile, TILE};
+use super::kernel::{centroid_at, Portable, Scratch, Tile, TILE};
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
 use super::store::LayerCodes;
 use crate::error::{input, param, Result};
@@ -536,22 +536,25 @@ fn code_part<K: Tile>(
     let (kt, vt) = (ks.tables(), vs.tables());
     let (mk, mv, qr) = (kt.m, vt.m, cx.qr());
     let b = bh / cx.kv_heads;
-    let mut tile_k = vec![0f32; mk * TILE];
-    let mut tile_v = vec![0f32; mv * TILE];
+    let mut scratch = Scratch::new(kt, vt);
     let (mut gk, mut gv) = ([0f32; TILE], [0f32; TILE]);
-    let mut words = vec![0u32; 16 * (kt.words.max(vt.words) + 1)];
     let mut s = vec![0f32; qr * TILE];
     let mut add = vec![0f32; cx.n_q * TILE];
     let mut acc = vec![0f32; qr * mv * 16];
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
-    for &(bi, row0, rows, pos0) in tiles {
+    for (ti, &(bi, row0, rows, pos0)) in tiles.iter().enumerate() {
         if !cx.visibility(b, pos0, rows, &mut add) {
             continue;
         }
+        // The next tile's bytes start loading while this one computes.
+        if let Some(&(nb, nr0, nrows, _)) = tiles.get(ti + 1) {
+            ks.blocks()[nb].prefetch(nr0, nrows, kt.row_bytes);
+            vs.blocks()[nb].prefetch(nr0, nrows, vt.row_bytes);
+        }
         let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
-        k.decode(kt, kb, row0, rows, &mut tile_k, &mut gk, &mut words);
-        k.dot(&tile_k, mk, &prep.w, qr, &mut s);
+        k.scales(kb, row0, rows, &mut gk);
+        k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, &mut scratch);
         let lo = (row0 * mk) as u32;
         let hi = ((row0 + rows) * mk) as u32;
         for o in kb.first_outlier_from(lo)..kb.outliers {
@@ -588,13 +591,13 @@ fn code_part<K: Tile>(
         if !any {
             continue;
         }
-        k.decode(vt, vb, row0, rows, &mut tile_v, &mut gv, &mut words);
+        k.scales(vb, row0, rows, &mut gv);
         for r in 0..qr {
             for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gv) {
                 *v *= g;
             }
         }
-        k.accumulate(&tile_v, mv, &s, qr, &mut acc);
+        k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, &mut scratch);
         let lo = (row0 * mv) as u32;
         let hi = ((row0 + rows) * mv) as u32;
         for o in vb.first_outlier_from(lo)..vb.outliers {

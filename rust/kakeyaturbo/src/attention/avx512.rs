@@ -1,16 +1,18 @@
-//! The tile operations with AVX-512 intrinsics (F, BW, VL, VBMI2; x86_64), computing the
-//! bits of [`super::kernel::Portable`].
+//! The tile operations with AVX-512 intrinsics (F, BW, VL, VBMI; x86_64), computing the bits
+//! of [`super::kernel::Portable`].
 //!
-//! Decode: per 16 rows, one gather per 32-bit word of the packed rows (all rows share the
-//! layout, so word `w` of 16 rows is one gather at stride `row_bytes`), then per component one
-//! funnel shift of its word pair (`vpshrdvd`), a mask, and a look-up: a permute of the
-//! centroid table held in one register (up to 4 bits) or two (5 bits), a gather from the table
-//! otherwise. Dot products and value sums: register-blocked fused multiply-adds, up to 6
-//! query rows x 64 rows at a time.
+//! Unpacking: the calibration's components are cut into groups of up to 8 whose bits lie in
+//! one 64-bit window of a row ([`super::tables::Group`]). Per group and 16 rows: two gathers of
+//! the rows' windows (one row layout, so a fixed stride), one `vpmultishiftqb` each that pulls
+//! every component's bits to its own byte, a mask, and one `vpermt2b` per 4 components that
+//! turns rows-by-components into components-by-rows bytes. Per component and 16 rows then:
+//! widen 16 index bytes and look the centroids up (a permute of the table held in one, two or
+//! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
+//! fused multiply-adds with every query row: the centroids are never stored.
 
-use super::kernel::{Tile, TILE};
+use super::kernel::{Scratch, Tile, TILE};
 use super::store::SealedBlock;
-use super::tables::{Lookup, StreamTables};
+use super::tables::{Component, Lookup, StreamTables};
 use std::arch::x86_64::*;
 
 /// Whether this CPU runs the AVX-512 kernel.
@@ -18,7 +20,7 @@ pub fn available() -> bool {
     is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512vbmi2")
+        && is_x86_feature_detected!("avx512vbmi")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c")
 }
@@ -27,137 +29,100 @@ pub fn available() -> bool {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx512;
 
+/// Query rows per register block: 6 x 4 accumulators of 16 lanes.
+const NR: usize = 6;
+
 impl Tile for Avx512 {
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn decode(
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
+        // SAFETY: only reached through `attend::run_task_avx512`, which `available` guards.
+        unsafe { scales(b, row0, rows, g) }
+    }
+
+    #[inline(always)]
+    fn dot(
         self,
         t: &StreamTables,
         b: &SealedBlock,
         row0: usize,
         rows: usize,
-        tile: &mut [f32],
-        g: &mut [f32; TILE],
-        words: &mut [u32],
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
     ) {
-        // SAFETY: only reached through `attend::run_task_avx512`, which `available` guards.
-        unsafe { decode(t, b, row0, rows, tile, g, words) }
-    }
-
-    #[inline(always)]
-    fn dot(self, tile: &[f32], m: usize, w: &[f32], qr: usize, dot: &mut [f32]) {
-        assert!(tile.len() >= m * TILE && w.len() >= qr * m && dot.len() >= qr * TILE);
-        let mut r0 = 0;
-        while r0 < qr {
-            let nr = (qr - r0).min(6);
-            // SAFETY: as above; the sizes were checked.
-            unsafe {
+        assert!(w.len() >= qr * t.m && dot.len() >= qr * TILE);
+        // SAFETY: as above; `unpack` checks what it reads, the sizes were checked.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            let mut r0 = 0;
+            while r0 < qr {
+                let nr = (qr - r0).min(NR);
                 match nr {
-                    1 => dot_rows::<1>(tile, m, w, r0, dot),
-                    2 => dot_rows::<2>(tile, m, w, r0, dot),
-                    3 => dot_rows::<3>(tile, m, w, r0, dot),
-                    4 => dot_rows::<4>(tile, m, w, r0, dot),
-                    5 => dot_rows::<5>(tile, m, w, r0, dot),
-                    _ => dot_rows::<6>(tile, m, w, r0, dot),
+                    1 => dot_rows::<1>(t, &s.bytes, w, r0, dot),
+                    2 => dot_rows::<2>(t, &s.bytes, w, r0, dot),
+                    3 => dot_rows::<3>(t, &s.bytes, w, r0, dot),
+                    4 => dot_rows::<4>(t, &s.bytes, w, r0, dot),
+                    5 => dot_rows::<5>(t, &s.bytes, w, r0, dot),
+                    _ => dot_rows::<6>(t, &s.bytes, w, r0, dot),
                 }
+                r0 += nr;
             }
-            r0 += nr;
         }
     }
 
     #[inline(always)]
-    fn accumulate(self, tile: &[f32], m: usize, pg: &[f32], qr: usize, acc: &mut [f32]) {
-        assert!(tile.len() >= m * TILE && pg.len() >= qr * TILE && acc.len() >= qr * m * 16);
-        let mut r0 = 0;
-        while r0 < qr {
-            let nr = (qr - r0).min(6);
-            // SAFETY: as above; the sizes were checked.
-            unsafe {
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        assert!(pg.len() >= qr * TILE && acc.len() >= qr * t.m * 16);
+        // SAFETY: as above.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            let mut r0 = 0;
+            while r0 < qr {
+                let nr = (qr - r0).min(NR);
                 match nr {
-                    1 => acc_rows::<1>(tile, m, pg, r0, acc),
-                    2 => acc_rows::<2>(tile, m, pg, r0, acc),
-                    3 => acc_rows::<3>(tile, m, pg, r0, acc),
-                    4 => acc_rows::<4>(tile, m, pg, r0, acc),
-                    5 => acc_rows::<5>(tile, m, pg, r0, acc),
-                    _ => acc_rows::<6>(tile, m, pg, r0, acc),
+                    1 => acc_rows::<1>(t, &s.bytes, pg, r0, acc),
+                    2 => acc_rows::<2>(t, &s.bytes, pg, r0, acc),
+                    3 => acc_rows::<3>(t, &s.bytes, pg, r0, acc),
+                    4 => acc_rows::<4>(t, &s.bytes, pg, r0, acc),
+                    5 => acc_rows::<5>(t, &s.bytes, pg, r0, acc),
+                    _ => acc_rows::<6>(t, &s.bytes, pg, r0, acc),
                 }
+                r0 += nr;
             }
-            r0 += nr;
         }
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn decode(
-    t: &StreamTables,
-    b: &SealedBlock,
-    row0: usize,
-    rows: usize,
-    tile: &mut [f32],
-    g: &mut [f32; TILE],
-    words: &mut [u32],
-) {
-    let (rb, nw, m) = (t.row_bytes, t.words, t.m);
-    let blob = b.blob();
+/// Lanes `0 .. n` set.
+#[inline(always)]
+fn lanes(n: usize) -> u16 {
+    if n >= 16 {
+        0xFFFF
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
+unsafe fn scales(b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
     assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
-    assert!(tile.len() >= m * TILE && words.len() >= 16 * (nw + 1));
-    // Word `w` of row `r` is read as 4 bytes at `codes_at + r rb + 4 w`: the last word of a
-    // row may reach up to 3 bytes past the row, never past the container (its 4-byte checksum
-    // follows the codes). Checked here for the rows of this tile.
-    let last = b.codes_at + (row0 + rows - 1) * rb + 4 * nw;
-    assert!(last <= blob.len() && 16 * rb < i32::MAX as usize / 2);
-    let iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    let stride = _mm512_mullo_epi32(iota, _mm512_set1_epi32(rb as i32));
-    let wp = words.as_mut_ptr() as *mut i32;
-    _mm512_storeu_si512(wp.add(16 * nw) as *mut _, _mm512_setzero_si512());
-    let lut = t.lut.as_ptr();
+    let blob = b.blob();
     for grp in 0..TILE / 16 {
         let first = grp * 16;
-        let out = tile.as_mut_ptr().add(first);
-        if first >= rows {
-            for (j, c) in t.comps.iter().enumerate() {
-                _mm512_storeu_ps(
-                    out.add(j * TILE),
-                    _mm512_set1_ps(*lut.add(c.table as usize)),
-                );
-            }
-            _mm512_storeu_ps(g.as_mut_ptr().add(first), _mm512_setzero_ps());
-            continue;
-        }
-        let valid = (rows - first).min(16);
-        let live: __mmask16 = if valid == 16 {
-            0xFFFF
-        } else {
-            (1u16 << valid) - 1
-        };
-        let base = blob.as_ptr().add(b.codes_at + (row0 + first) * rb);
-        for w in 0..nw {
-            let v = _mm512_mask_i32gather_epi32::<1>(
-                _mm512_setzero_si512(),
-                live,
-                stride,
-                base.add(4 * w) as *const i32,
-            );
-            _mm512_storeu_si512(wp.add(16 * w) as *mut _, v);
-        }
-        for (j, c) in t.comps.iter().enumerate() {
-            let w = c.word as usize;
-            let lo = _mm512_loadu_si512(wp.add(16 * w) as *const _);
-            let hi = _mm512_loadu_si512(wp.add(16 * w + 16) as *const _);
-            let x = _mm512_shrdv_epi32(lo, hi, _mm512_set1_epi32(c.shift as i32));
-            let code = _mm512_and_si512(x, _mm512_set1_epi32(c.mask as i32));
-            let tab = lut.add(c.table as usize);
-            let val = match c.lookup {
-                Lookup::Perm16 => _mm512_permutexvar_ps(code, _mm512_loadu_ps(tab)),
-                Lookup::Perm32 => {
-                    _mm512_permutex2var_ps(_mm512_loadu_ps(tab), code, _mm512_loadu_ps(tab.add(16)))
-                }
-                Lookup::Gather => _mm512_i32gather_ps::<4>(code, tab),
-            };
-            _mm512_storeu_ps(out.add(j * TILE), val);
-        }
-        let gv = match b.scales_at {
+        let live = lanes(rows.saturating_sub(first));
+        let v = match b.scales_at {
+            // A masked load reads nothing outside the live lanes (rows of this block).
             Some(at) => {
                 let h = _mm256_maskz_loadu_epi16(
                     live,
@@ -168,26 +133,151 @@ unsafe fn decode(
             }
             None => _mm512_maskz_mov_ps(live, _mm512_set1_ps(1.0)),
         };
-        _mm512_storeu_ps(g.as_mut_ptr().add(first), gv);
+        _mm512_storeu_ps(g.as_mut_ptr().add(first), v);
     }
 }
 
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn dot_rows<const NR: usize>(tile: &[f32], m: usize, w: &[f32], r0: usize, dot: &mut [f32]) {
-    let mut acc = [[_mm512_setzero_ps(); 4]; NR];
-    let tp = tile.as_ptr();
+/// The index bytes of the tile's rows, components-by-rows: `bytes[(rg * slots + slot) * 16 +
+/// l]` = the index of the component in `slot` of row `16 rg + l` (0 past `rows`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn unpack(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s: &mut Scratch) {
+    let rb = t.row_bytes;
+    let slots = 8 * t.groups.len();
+    assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
+    assert!(s.bytes.len() >= slots * TILE && 8 * rb < i32::MAX as usize);
+    let blob = b.blob();
+    // Rows whose every window lies inside the container are gathered; the last row or two of
+    // a block (whose windows may reach past its last byte) are filled one by one.
+    let safe = match blob.len().checked_sub(b.codes_at + t.window_end) {
+        Some(room) => (room / rb + 1).min(b.n),
+        None => 0,
+    };
+    let idx8 = _mm256_mullo_epi32(
+        _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+        _mm256_set1_epi32(rb as i32),
+    );
+    // Row-major [row][8] bytes of two registers (rows 0-7 and 8-15) to component-major
+    // [component][16 rows], components 0-3 and 4-7.
+    let mut ia = [0u8; 64];
+    let mut ib = [0u8; 64];
+    for i in 0..4 {
+        for r in 0..16 {
+            let src = |c: usize| {
+                if r < 8 {
+                    r * 8 + c
+                } else {
+                    64 + (r - 8) * 8 + c
+                }
+            };
+            ia[i * 16 + r] = src(i) as u8;
+            ib[i * 16 + r] = src(i + 4) as u8;
+        }
+    }
+    let (ia, ib) = (
+        _mm512_loadu_si512(ia.as_ptr() as *const _),
+        _mm512_loadu_si512(ib.as_ptr() as *const _),
+    );
+    let out = s.bytes.as_mut_ptr();
+    for rg in 0..TILE / 16 {
+        let first = row0 + 16 * rg;
+        let live = rows.saturating_sub(16 * rg).min(16);
+        let gathered = live.min(safe.saturating_sub(first.min(safe)));
+        let (k0, k1) = (
+            lanes(gathered) as u8,
+            (lanes(gathered.saturating_sub(8))) as u8,
+        );
+        let base = blob.as_ptr().add(b.codes_at + first * rb);
+        for (gi, grp) in t.groups.iter().enumerate() {
+            let p = base.add(grp.byte as usize) as *const i64;
+            let lo = _mm512_mask_i32gather_epi64::<1>(_mm512_setzero_si512(), k0, idx8, p);
+            let hi = _mm512_mask_i32gather_epi64::<1>(
+                _mm512_setzero_si512(),
+                k1,
+                idx8,
+                p.cast::<u8>().add(8 * rb).cast(),
+            );
+            let ctrl = _mm512_set1_epi64(grp.ctrl as i64);
+            let mask = _mm512_set1_epi64(grp.mask as i64);
+            let lo = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, lo), mask);
+            let hi = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, hi), mask);
+            let dst = out.add((rg * slots + 8 * gi) * 16);
+            _mm512_storeu_si512(dst as *mut _, _mm512_permutex2var_epi8(lo, ia, hi));
+            _mm512_storeu_si512(dst.add(64) as *mut _, _mm512_permutex2var_epi8(lo, ib, hi));
+        }
+        // Live rows that were not gathered (windows past the container's end).
+        for l in gathered..live {
+            let row = b.row(first + l, rb);
+            for c in &t.comps {
+                let at = 4 * c.word as usize;
+                let mut le = [0u8; 8];
+                let end = (at + 8).min(rb);
+                le[..end - at].copy_from_slice(&row[at..end]);
+                let code = (u64::from_le_bytes(le) >> c.shift) as u32 & c.mask;
+                *out.add((rg * slots + c.slot as usize) * 16 + l) = code as u8;
+            }
+        }
+    }
+}
+
+/// The centroid tables of a component, loaded once per tile.
+struct Table {
+    t: [__m512; 4],
+    p: *const f32,
+}
+
+#[inline(always)]
+unsafe fn table(t: &StreamTables, c: &Component) -> Table {
+    let p = t.lut.as_ptr().add(c.table as usize);
+    let z = _mm512_setzero_ps();
+    let t = match c.lookup {
+        Lookup::Perm16 => [_mm512_loadu_ps(p), z, z, z],
+        Lookup::Perm32 => [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)), z, z],
+        Lookup::Perm64 => [
+            _mm512_loadu_ps(p),
+            _mm512_loadu_ps(p.add(16)),
+            _mm512_loadu_ps(p.add(32)),
+            _mm512_loadu_ps(p.add(48)),
+        ],
+        Lookup::Gather => [z; 4],
+    };
+    Table { t, p }
+}
+
+/// The centroids of 16 rows of a component from their index bytes.
+#[inline(always)]
+unsafe fn look_up(kind: Lookup, tab: &Table, bytes: *const u8) -> __m512 {
+    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes as *const __m128i));
+    match kind {
+        Lookup::Perm16 => _mm512_permutexvar_ps(idx, tab.t[0]),
+        Lookup::Perm32 => _mm512_permutex2var_ps(tab.t[0], idx, tab.t[1]),
+        Lookup::Perm64 => {
+            let lo = _mm512_permutex2var_ps(tab.t[0], idx, tab.t[1]);
+            let hi = _mm512_permutex2var_ps(tab.t[2], idx, tab.t[3]);
+            _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), lo, hi)
+        }
+        Lookup::Gather => _mm512_i32gather_ps::<4>(idx, tab.p),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn dot_rows<const N: usize>(
+    t: &StreamTables,
+    bytes: &[u8],
+    w: &[f32],
+    r0: usize,
+    dot: &mut [f32],
+) {
+    let m = t.m;
+    let slots = 8 * t.groups.len();
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
     let wp = w.as_ptr().add(r0 * m);
-    for j in 0..m {
-        let v = [
-            _mm512_loadu_ps(tp.add(j * TILE)),
-            _mm512_loadu_ps(tp.add(j * TILE + 16)),
-            _mm512_loadu_ps(tp.add(j * TILE + 32)),
-            _mm512_loadu_ps(tp.add(j * TILE + 48)),
-        ];
-        for (rr, a) in acc.iter_mut().enumerate() {
-            let wb = _mm512_set1_ps(*wp.add(rr * m + j));
-            for k in 0..4 {
-                a[k] = _mm512_fmadd_ps(wb, v[k], a[k]);
+    let bp = bytes.as_ptr();
+    for (j, c) in t.comps.iter().enumerate() {
+        let tab = table(t, c);
+        for rg in 0..4 {
+            let v = look_up(c.lookup, &tab, bp.add((rg * slots + c.slot as usize) * 16));
+            for (rr, a) in acc.iter_mut().enumerate() {
+                a[rg] = _mm512_fmadd_ps(_mm512_set1_ps(*wp.add(rr * m + j)), v, a[rg]);
             }
         }
     }
@@ -199,30 +289,31 @@ unsafe fn dot_rows<const NR: usize>(tile: &[f32], m: usize, w: &[f32], r0: usize
     }
 }
 
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn acc_rows<const NR: usize>(
-    tile: &[f32],
-    m: usize,
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn acc_rows<const N: usize>(
+    t: &StreamTables,
+    bytes: &[u8],
     pg: &[f32],
     r0: usize,
     acc: &mut [f32],
 ) {
+    let m = t.m;
+    let slots = 8 * t.groups.len();
     let pp = pg.as_ptr().add(r0 * TILE);
-    let mut p = [[_mm512_setzero_ps(); 4]; NR];
+    let mut p = [[_mm512_setzero_ps(); 4]; N];
     for (rr, x) in p.iter_mut().enumerate() {
         for (k, v) in x.iter_mut().enumerate() {
             *v = _mm512_loadu_ps(pp.add(rr * TILE + 16 * k));
         }
     }
-    let tp = tile.as_ptr();
+    let bp = bytes.as_ptr();
     let ap = acc.as_mut_ptr();
-    for j in 0..m {
-        let v = [
-            _mm512_loadu_ps(tp.add(j * TILE)),
-            _mm512_loadu_ps(tp.add(j * TILE + 16)),
-            _mm512_loadu_ps(tp.add(j * TILE + 32)),
-            _mm512_loadu_ps(tp.add(j * TILE + 48)),
-        ];
+    for (j, c) in t.comps.iter().enumerate() {
+        let tab = table(t, c);
+        let mut v = [_mm512_setzero_ps(); 4];
+        for (rg, x) in v.iter_mut().enumerate() {
+            *x = look_up(c.lookup, &tab, bp.add((rg * slots + c.slot as usize) * 16));
+        }
         for (rr, x) in p.iter().enumerate() {
             let at = ap.add(((r0 + rr) * m + j) * 16);
             let mut a = _mm512_loadu_ps(at);

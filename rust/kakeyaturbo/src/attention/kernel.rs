@@ -3,10 +3,9 @@
 //! (F, BW, VL, VBMI2), [`super::avx512::Avx512`]. Both follow one fixed order of IEEE
 //! operations (`mod.rs`, "Arithmetic"), so results never depend on the instruction set.
 //!
-//! Layouts: a decoded tile is component-major, `tile[j * 64 + t]` = the centroid of component
-//! `j` of row `t` (rows past the tile's count hold component `j`'s centroid 0 and scale 0);
-//! per query row `r`, scores and weights are `[r * 64 + t]`; the lane-wise code-domain sums
-//! are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of every tile.
+//! Layouts: per query row `r`, scores and weights are `[r * 64 + t]`; the lane-wise
+//! code-domain sums are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of
+//! every tile. Rows past a tile's count read as component `j`'s centroid 0 with scale 0.
 
 use super::store::SealedBlock;
 use super::tables::StreamTables;
@@ -14,50 +13,73 @@ use super::tables::StreamTables;
 /// Rows per tile.
 pub const TILE: usize = 64;
 
-/// The per-tile operations an instruction set provides.
+/// Per-piece scratch of the tile operations, sized for the larger of two calibrations.
+pub(crate) struct Scratch {
+    pub tile: Vec<f32>,
+    pub words: Vec<u32>,
+    pub bytes: Vec<u8>,
+}
+
+impl Scratch {
+    pub fn new(a: &StreamTables, b: &StreamTables) -> Self {
+        let m = a.m.max(b.m);
+        let words = a.words.max(b.words) + 1;
+        let slots = 8 * a.groups.len().max(b.groups.len());
+        Self {
+            tile: vec![0f32; m * TILE],
+            words: vec![0u32; words],
+            bytes: vec![0u8; slots * TILE],
+        }
+    }
+}
+
+/// The per-tile operations an instruction set provides. Rows `row0 .. row0 + rows` of a
+/// block (`1 <= rows <= 64`); row `t` of the tile is lane `t`.
 pub(crate) trait Tile: Copy + Send + Sync {
-    /// Decodes rows `row0 .. row0 + rows` (`rows <= 64`) of a block: centroids into `tile`
-    /// (`m * 64`), scales into `g` (0 past `rows`); `words` is scratch of at least
-    /// `16 * (t.words + 1)` entries.
+    /// The rows' scales into `g` (0 past `rows`).
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]);
+    /// `dot[r * 64 + t] = sum_j w[r * m + j] c_tj`, a fused multiply-add chain over `j` from 0,
+    /// for `qr` query rows (`c_tj` = component `j`'s centroid 0 past `rows`).
     #[allow(clippy::too_many_arguments)]
-    fn decode(
+    fn dot(
         self,
         t: &StreamTables,
         b: &SealedBlock,
         row0: usize,
         rows: usize,
-        tile: &mut [f32],
-        g: &mut [f32; TILE],
-        words: &mut [u32],
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
     );
-    /// `dot[r * 64 + t] = sum_j w[r * m + j] tile[j * 64 + t]`, a fused multiply-add chain
-    /// over `j` from 0, for `qr` query rows.
-    fn dot(self, tile: &[f32], m: usize, w: &[f32], qr: usize, dot: &mut [f32]);
-    /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], tile[j * 64 + 16 k + l], acc)`
-    /// for `k = 0..4` in order.
-    fn accumulate(self, tile: &[f32], m: usize, pg: &[f32], qr: usize, acc: &mut [f32]);
+    /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
+    /// `k = 0..4` in order.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    );
 }
 
 /// The definition, in plain Rust.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Portable;
 
-impl Tile for Portable {
+impl Portable {
+    /// The centroids of the rows, component-major: `tile[j * 64 + t]`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn decode(
-        self,
-        t: &StreamTables,
-        b: &SealedBlock,
-        row0: usize,
-        rows: usize,
-        tile: &mut [f32],
-        g: &mut [f32; TILE],
-        words: &mut [u32],
-    ) {
+    fn decode(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s: &mut Scratch) {
         let rb = t.row_bytes;
-        let words = &mut words[..t.words + 1];
+        let words = &mut s.words[..t.words + 1];
         words.fill(0);
+        let tile = &mut s.tile;
         for r in 0..TILE {
             if r < rows {
                 let row = b.row(row0 + r, rb);
@@ -72,24 +94,43 @@ impl Tile for Portable {
                     let code = (pair >> c.shift) as u32 & c.mask;
                     tile[j * TILE + r] = t.lut[(c.table + code) as usize];
                 }
-                g[r] = b.scale(row0 + r);
             } else {
                 for (j, c) in t.comps.iter().enumerate() {
                     tile[j * TILE + r] = t.lut[c.table as usize];
                 }
-                g[r] = 0.0;
             }
+        }
+    }
+}
+
+impl Tile for Portable {
+    #[inline(always)]
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
+        for (r, x) in g.iter_mut().enumerate() {
+            *x = if r < rows { b.scale(row0 + r) } else { 0.0 };
         }
     }
 
     #[inline(always)]
-    fn dot(self, tile: &[f32], m: usize, w: &[f32], qr: usize, dot: &mut [f32]) {
+    fn dot(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        let m = t.m;
         for r in 0..qr {
             let d = &mut dot[r * TILE..(r + 1) * TILE];
             d.fill(0.0);
             for j in 0..m {
                 let wj = w[r * m + j];
-                for (o, &v) in d.iter_mut().zip(&tile[j * TILE..(j + 1) * TILE]) {
+                for (o, &v) in d.iter_mut().zip(&s.tile[j * TILE..(j + 1) * TILE]) {
                     *o = wj.mul_add(v, *o);
                 }
             }
@@ -97,12 +138,24 @@ impl Tile for Portable {
     }
 
     #[inline(always)]
-    fn accumulate(self, tile: &[f32], m: usize, pg: &[f32], qr: usize, acc: &mut [f32]) {
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        let m = t.m;
         for r in 0..qr {
             let p = &pg[r * TILE..(r + 1) * TILE];
             for j in 0..m {
                 let a = &mut acc[(r * m + j) * 16..(r * m + j + 1) * 16];
-                let v = &tile[j * TILE..(j + 1) * TILE];
+                let v = &s.tile[j * TILE..(j + 1) * TILE];
                 for k in 0..4 {
                     for l in 0..16 {
                         a[l] = p[16 * k + l].mul_add(v[16 * k + l], a[l]);

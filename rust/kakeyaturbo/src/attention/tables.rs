@@ -11,7 +11,18 @@ use crate::wht;
 pub(crate) enum Lookup {
     Perm16,
     Perm32,
+    Perm64,
     Gather,
+}
+
+/// Up to 8 consecutive components whose bits lie in the 64 bits from byte `byte` of a row:
+/// one multishift of that window extracts all of them (`ctrl` byte `i` = the bit offset of
+/// component `first + i` in the window, `mask` byte `i` its width's mask; unused bytes 0).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Group {
+    pub byte: u32,
+    pub ctrl: u64,
+    pub mask: u64,
 }
 
 /// One coded component: its index occupies bits `[32 word + shift, + bits)` of its row read
@@ -23,6 +34,8 @@ pub(crate) struct Component {
     pub mask: u32,
     pub table: u32,
     pub lookup: Lookup,
+    /// Byte slot of the component's index in the unpacked layout: `8 * group + position`.
+    pub slot: u32,
 }
 
 /// The tables of one calibration (one stream of one (layer, kv-head)) that attention reads.
@@ -35,6 +48,10 @@ pub struct StreamTables {
     /// u32 words that cover a row's bits: `ceil(row_bits / 32)`.
     pub(crate) words: usize,
     pub(crate) comps: Vec<Component>,
+    pub(crate) groups: Vec<Group>,
+    /// The largest `byte + 8` over the groups: a row's windows read this many bytes from its
+    /// start.
+    pub(crate) window_end: usize,
     /// Centroid tables of every bit width in use, each at a multiple of 16 entries and padded
     /// to at least 16 entries (32 for 5 bits), so that a SIMD look-up never reads past it.
     pub(crate) lut: Vec<f32>,
@@ -57,7 +74,8 @@ impl StreamTables {
             let q = codec
                 .quantizer(b)
                 .expect("a quantiser exists for every bit width in use");
-            let pad = (1usize << b).max(16).max(if b == 5 { 32 } else { 0 });
+            // Tables read whole by a SIMD look-up hold at least 16 entries.
+            let pad = (1usize << b).max(16);
             table_at[b as usize] = lut.len() as u32;
             let start = lut.len();
             lut.extend_from_slice(q.centroids());
@@ -76,19 +94,57 @@ impl StreamTables {
                     lookup: match b {
                         1..=4 => Lookup::Perm16,
                         5 => Lookup::Perm32,
+                        6 => Lookup::Perm64,
                         _ => Lookup::Gather,
                     },
+                    slot: 0,
                 };
                 bit += b as usize;
                 c
             })
+            .collect::<Vec<Component>>();
+        let mut comps = comps;
+        let mut groups = Vec::new();
+        let mut j0 = 0;
+        let starts: Vec<usize> = comps
+            .iter()
+            .map(|c| 32 * c.word as usize + c.shift as usize)
             .collect();
+        let at = |j: usize| starts[j];
+        while j0 < comps.len() {
+            let byte = at(j0) / 8;
+            let (mut ctrl, mut mask, mut k) = (0u64, 0u64, 0);
+            while j0 + k < comps.len() && k < 8 {
+                let j = j0 + k;
+                let off = at(j) - 8 * byte;
+                if off + codec.bits[j] as usize > 64 {
+                    break;
+                }
+                ctrl |= (off as u64) << (8 * k);
+                mask |= (comps[j].mask as u64) << (8 * k);
+                comps[j].slot = (8 * groups.len() + k) as u32;
+                k += 1;
+            }
+            groups.push(Group {
+                byte: byte as u32,
+                ctrl,
+                mask,
+            });
+            j0 += k;
+        }
+        let window_end = groups
+            .iter()
+            .map(|g| g.byte as usize + 8)
+            .max()
+            .unwrap_or(0);
         Self {
             d: codec.d,
             m: codec.m,
             row_bytes: codec.row_bytes(),
             words: codec.row_bits().div_ceil(32),
             comps,
+            groups,
+            window_end,
             lut,
             bands: codec.bands().to_vec(),
             signs: codec.signs().to_vec(),
@@ -205,6 +261,12 @@ mod tests {
             }
         }
         assert_eq!(t.comps[2].lookup, Lookup::Perm32);
+        assert_eq!(t.comps[1].lookup, Lookup::Perm64);
+        // Groups: 8 + 6 + 5 + 5 + 4 + 3 + 3 + 2 bits from bit 0 fit one window; 1 + 1 the next.
+        assert_eq!(t.groups.len(), 2);
+        assert_eq!(t.groups[1].byte, 36 / 8);
+        let slots: Vec<u32> = t.comps.iter().map(|c| c.slot).collect();
+        assert_eq!(slots, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
         assert_eq!(t.comps[0].lookup, Lookup::Gather);
         assert_eq!(t.comps[9].lookup, Lookup::Perm16);
     }
