@@ -113,14 +113,14 @@ pub fn attend_with(
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p)?;
     let preps: Vec<Prep> = (0..cx.batch * cx.kv_heads)
         .into_par_iter()
-        .map(|bh| cx.prep(bh))
+        .map(|bh| prep(&cx, bh))
         .collect();
     let tasks = cx.tasks();
     let parts: Vec<Part> = tasks
         .par_iter()
         .map(|t| run_task(isa, &cx, &preps[t.bh], t))
         .collect();
-    Ok(cx.combine(&tasks, &parts))
+    Ok(combine(&cx, &tasks, &parts))
 }
 
 /// The checked inputs of one call.
@@ -306,6 +306,7 @@ impl<'a> Ctx<'a> {
         self.group * self.n_q
     }
 
+    #[inline(always)]
     fn prep(&self, bh: usize) -> Prep {
         let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
         let t = self.codes.k_store(bh).tables();
@@ -409,6 +410,7 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    #[inline(always)]
     fn combine(&self, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
         let (qr, dv, n_q) = (self.qr(), self.dv, self.n_q);
         let mut out = vec![0f32; self.batch * self.q_heads * n_q * dv];
@@ -467,6 +469,18 @@ impl<'a> Ctx<'a> {
         }
         AttentionOutput { out, lse }
     }
+}
+
+// The queries' transforms and the final combination and synthesis, compiled for FMA where the
+// CPU has it (`mul_add` is otherwise a library call; the result is the same).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
+fn prep(cx: &Ctx<'_>, bh: usize) -> Prep {
+    cx.prep(bh)
+}
+
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
+fn combine(cx: &Ctx<'_>, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
+    cx.combine(tasks, parts)
 }
 
 fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part {

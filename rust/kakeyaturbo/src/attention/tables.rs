@@ -57,8 +57,9 @@ pub struct StreamTables {
     pub(crate) lut: Vec<f32>,
     pub(crate) bands: Vec<Band>,
     pub(crate) signs: Vec<f32>,
-    /// `S'` (`m x D`) and the mean (`D`).
+    /// `S'` (`m x D`), its transpose (`D x m`, for the query transform) and the mean (`D`).
     pub(crate) synthesis: Vec<f32>,
+    pub(crate) synthesis_t: Vec<f32>,
     pub(crate) mean: Vec<f32>,
 }
 
@@ -149,6 +150,11 @@ impl StreamTables {
             bands: codec.bands().to_vec(),
             signs: codec.signs().to_vec(),
             synthesis: codec.synthesis_scaled().to_vec(),
+            synthesis_t: (0..codec.d)
+                .flat_map(|d| {
+                    (0..codec.m).map(move |j| codec.synthesis_scaled()[j * codec.d + d])
+                })
+                .collect(),
             mean: codec.mean.clone(),
             codec: codec.clone(),
         }
@@ -177,7 +183,10 @@ impl StreamTables {
     /// Moves a (scaled) query into the code domain: returns `q . mean` and writes `w` (`m`)
     /// with `q . x = q . mean + g * sum_j w_j c_j` for every row `x` of scale `g` and centroids
     /// `c`. `w` = per sub-band `r * H(s * (S' q))` (H is symmetric, so the band rotation moves
-    /// onto the query). Sums are sequential fused multiply-adds in index order.
+    /// onto the query). Sums are sequential fused multiply-adds in index order (each `S' q`
+    /// entry over the dimensions in order; the loop runs over the dimensions outside so that it
+    /// vectorises over the components).
+    #[inline(always)]
     pub fn query_weights(&self, q: &[f32], w: &mut [f32]) -> f32 {
         debug_assert_eq!(q.len(), self.d);
         debug_assert_eq!(w.len(), self.m);
@@ -185,11 +194,11 @@ impl StreamTables {
             .iter()
             .zip(&self.mean)
             .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
-        for (wj, row) in w.iter_mut().zip(self.synthesis.chunks_exact(self.d)) {
-            *wj = q
-                .iter()
-                .zip(row)
-                .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
+        w.fill(0.0);
+        for (&qd, col) in q.iter().zip(self.synthesis_t.chunks_exact(self.m)) {
+            for (wj, &s) in w.iter_mut().zip(col) {
+                *wj = qd.mul_add(s, *wj);
+            }
         }
         for band in &self.bands {
             let seg = &mut w[band.offset..band.offset + band.width];
@@ -207,6 +216,7 @@ impl StreamTables {
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
     /// `pc = sum_t p_t`, writes `out` (`D`) `= sum_t p_t x_t = pc * mean + sum_j u_j S'_j`,
     /// `u` = per sub-band `s * H(r * a)` (the decode's inverse rotation, once for all rows).
+    #[inline(always)]
     pub fn synthesize(&self, a: &mut [f32], pc: f32, out: &mut [f32]) {
         debug_assert_eq!(a.len(), self.m);
         debug_assert_eq!(out.len(), self.d);
