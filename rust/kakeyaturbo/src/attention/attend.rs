@@ -2,15 +2,15 @@
 //! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon, and their
 //! combination in a fixed order (so the result is the same at any thread count).
 
-use super::kernel::{centroid_at, Portable, Scratch, Tile, TILE};
+use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
 use super::store::LayerCodes;
 use crate::error::{input, param, Result};
 use rayon::prelude::*;
 
-/// Tiles per piece of work over the codes (2,048 rows): fixed, so that the pieces, and hence
+/// Tiles per piece of work over the codes (512 rows): fixed, so that the pieces, and hence
 /// the result, do not depend on the thread count.
-pub const SPLIT_TILES: usize = 32;
+pub const SPLIT_TILES: usize = 8;
 
 /// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
 /// then the additive mask; a query sees only positions at or before its own and, with a
@@ -118,7 +118,10 @@ pub fn attend_with(
     let tasks = cx.tasks();
     let parts: Vec<Part> = tasks
         .par_iter()
-        .map(|t| run_task(isa, &cx, &preps[t.bh], t))
+        .map_init(
+            || Scratch::for_layer(codes),
+            |s, t| run_task(isa, &cx, &preps[t.bh], t, s),
+        )
         .collect();
     Ok(combine(&cx, &tasks, &parts))
 }
@@ -483,30 +486,30 @@ fn combine(cx: &Ctx<'_>, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
     cx.combine(tasks, parts)
 }
 
-fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part {
+fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `attend_with` runs the AVX-512 kernel only where the CPU has its features.
-        Isa::Avx512 => unsafe { run_task_avx512(cx, prep, t) },
-        _ => run_task_portable(cx, prep, t),
+        Isa::Avx512 => unsafe { run_task_avx512(cx, prep, t, s) },
+        _ => run_task_portable(cx, prep, t, s),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,bmi2")]
-unsafe fn run_task_avx512(cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part {
-    run_task_generic(super::avx512::Avx512, cx, prep, t)
+unsafe fn run_task_avx512(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    run_task_generic(super::avx512::Avx512, cx, prep, t, s)
 }
 
 #[multiversion::multiversion(targets("x86_64+avx2+fma+f16c"))]
-fn run_task_portable(cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part {
-    run_task_generic(Portable, cx, prep, t)
+fn run_task_portable(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    run_task_generic(Portable, cx, prep, t, s)
 }
 
 /// One piece of work with the tile operations of `k`; inlined into each instruction set's
 /// entry point so that everything around the tile operations is compiled for it too.
 #[inline(always)]
-fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part {
+fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
     match &t.work {
         Work::Raw {
             src,
@@ -514,7 +517,7 @@ fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task) -> Part 
             rows,
             pos0,
         } => raw_part(cx, prep, t.bh, *src, *row0, *rows, *pos0),
-        Work::Code(tiles) => code_part(k, cx, prep, t.bh, tiles),
+        Work::Code(tiles) => code_part(k, cx, prep, t.bh, tiles, s),
     }
 }
 
@@ -545,30 +548,28 @@ fn code_part<K: Tile>(
     prep: &Prep,
     bh: usize,
     tiles: &[(usize, usize, usize, usize)],
+    scratch: &mut Scratch,
 ) -> Part {
     let (ks, vs) = (cx.codes.k_store(bh), cx.codes.v_store(bh));
     let (kt, vt) = (ks.tables(), vs.tables());
     let (mk, mv, qr) = (kt.m, vt.m, cx.qr());
     let b = bh / cx.kv_heads;
-    let mut scratch = Scratch::new(kt, vt);
     let (mut gk, mut gv) = ([0f32; TILE], [0f32; TILE]);
-    let mut s = vec![0f32; qr * TILE];
-    let mut add = vec![0f32; cx.n_q * TILE];
-    let mut acc = vec![0f32; qr * mv * 16];
+    let mut s = std::mem::take(&mut scratch.scores);
+    let mut add = std::mem::take(&mut scratch.add);
+    let mut acc = std::mem::take(&mut scratch.acc);
+    zeroed(&mut s, qr * TILE);
+    zeroed(&mut add, cx.n_q * TILE);
+    zeroed(&mut acc, qr * mv * 16);
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
-    for (ti, &(bi, row0, rows, pos0)) in tiles.iter().enumerate() {
+    for &(bi, row0, rows, pos0) in tiles {
         if !cx.visibility(b, pos0, rows, &mut add) {
             continue;
         }
-        // The next tile's bytes start loading while this one computes.
-        if let Some(&(nb, nr0, nrows, _)) = tiles.get(ti + 1) {
-            ks.blocks()[nb].prefetch(nr0, nrows, kt.row_bytes);
-            vs.blocks()[nb].prefetch(nr0, nrows, vt.row_bytes);
-        }
         let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
         k.scales(kb, row0, rows, &mut gk);
-        k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, &mut scratch);
+        k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
         let lo = (row0 * mk) as u32;
         let hi = ((row0 + rows) * mk) as u32;
         for o in kb.first_outlier_from(lo)..kb.outliers {
@@ -611,7 +612,7 @@ fn code_part<K: Tile>(
                 *v *= g;
             }
         }
-        k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, &mut scratch);
+        k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, scratch);
         let lo = (row0 * mv) as u32;
         let hi = ((row0 + rows) * mv) as u32;
         for o in vb.first_outlier_from(lo)..vb.outliers {
@@ -632,6 +633,7 @@ fn code_part<K: Tile>(
     for (dst, lanes) in sums.iter_mut().zip(acc.chunks_exact(16)) {
         *dst = hsum16(lanes.try_into().expect("16 lanes"));
     }
+    (scratch.scores, scratch.add, scratch.acc) = (s, add, acc);
     Part {
         code: true,
         mx,

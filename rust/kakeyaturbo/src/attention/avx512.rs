@@ -137,25 +137,72 @@ unsafe fn scales(b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE])
     }
 }
 
+/// The 8 x 8 transpose of qwords: `out[k]` = qword `k` of `w[0..8]`, 24 two-source permutes.
+#[inline(always)]
+unsafe fn transpose8(w: [__m512i; 8]) -> [__m512i; 8] {
+    let ix = |v: [i64; 8]| _mm512_set_epi64(v[7], v[6], v[5], v[4], v[3], v[2], v[1], v[0]);
+    let (a_lo, a_hi) = (
+        ix([0, 8, 1, 9, 2, 10, 3, 11]),
+        ix([4, 12, 5, 13, 6, 14, 7, 15]),
+    );
+    let (b_0, b_1) = (
+        ix([0, 1, 8, 9, 2, 3, 10, 11]),
+        ix([4, 5, 12, 13, 6, 7, 14, 15]),
+    );
+    let (c_0, c_1) = (
+        ix([0, 1, 2, 3, 8, 9, 10, 11]),
+        ix([4, 5, 6, 7, 12, 13, 14, 15]),
+    );
+    let p = _mm512_permutex2var_epi64;
+    // Rows in pairs: [r0 w0, r1 w0, r0 w1, r1 w1, ...] (windows 0-3) and windows 4-7.
+    let a = [
+        p(w[0], a_lo, w[1]),
+        p(w[0], a_hi, w[1]),
+        p(w[2], a_lo, w[3]),
+        p(w[2], a_hi, w[3]),
+        p(w[4], a_lo, w[5]),
+        p(w[4], a_hi, w[5]),
+        p(w[6], a_lo, w[7]),
+        p(w[6], a_hi, w[7]),
+    ];
+    // Rows in fours: windows (0, 1), (2, 3), (4, 5), (6, 7) of rows 0-3, then of rows 4-7.
+    let b = [
+        p(a[0], b_0, a[2]),
+        p(a[0], b_1, a[2]),
+        p(a[1], b_0, a[3]),
+        p(a[1], b_1, a[3]),
+        p(a[4], b_0, a[6]),
+        p(a[4], b_1, a[6]),
+        p(a[5], b_0, a[7]),
+        p(a[5], b_1, a[7]),
+    ];
+    [
+        p(b[0], c_0, b[4]),
+        p(b[0], c_1, b[4]),
+        p(b[1], c_0, b[5]),
+        p(b[1], c_1, b[5]),
+        p(b[2], c_0, b[6]),
+        p(b[2], c_1, b[6]),
+        p(b[3], c_0, b[7]),
+        p(b[3], c_1, b[7]),
+    ]
+}
+
 /// The index bytes of the tile's rows, components-by-rows: `bytes[(rg * slots + slot) * 16 +
 /// l]` = the index of the component in `slot` of row `16 rg + l` (0 past `rows`).
+///
+/// Per 16 rows and batch of groups: each row's bytes of the batch in one masked load (nothing
+/// past the row is read), its windows by one byte permute, the windows of 8 rows transposed
+/// to one register per group, then per group the multishift, the mask, and the byte permutes
+/// to components-by-rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
 unsafe fn unpack(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s: &mut Scratch) {
     let rb = t.row_bytes;
     let slots = 8 * t.groups.len();
     assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
-    assert!(s.bytes.len() >= slots * TILE && 8 * rb < i32::MAX as usize);
+    assert!(s.bytes.len() >= slots * TILE);
     let blob = b.blob();
-    // Rows whose every window lies inside the container are gathered; the last row or two of
-    // a block (whose windows may reach past its last byte) are filled one by one.
-    let safe = match blob.len().checked_sub(b.codes_at + t.window_end) {
-        Some(room) => (room / rb + 1).min(b.n),
-        None => 0,
-    };
-    let idx8 = _mm256_mullo_epi32(
-        _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-        _mm256_set1_epi32(rb as i32),
-    );
+    assert!(b.codes_at + (row0 + rows) * rb <= blob.len());
     // Row-major [row][8] bytes of two registers (rows 0-7 and 8-15) to component-major
     // [component][16 rows], components 0-3 and 4-7.
     let mut ia = [0u8; 64];
@@ -177,43 +224,33 @@ unsafe fn unpack(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s:
         _mm512_loadu_si512(ia.as_ptr() as *const _),
         _mm512_loadu_si512(ib.as_ptr() as *const _),
     );
+    let zero = _mm512_setzero_si512();
     let out = s.bytes.as_mut_ptr();
     for rg in 0..TILE / 16 {
-        let first = row0 + 16 * rg;
         let live = rows.saturating_sub(16 * rg).min(16);
-        let gathered = live.min(safe.saturating_sub(first.min(safe)));
-        let (k0, k1) = (
-            lanes(gathered) as u8,
-            (lanes(gathered.saturating_sub(8))) as u8,
-        );
-        let base = blob.as_ptr().add(b.codes_at + first * rb);
-        for (gi, grp) in t.groups.iter().enumerate() {
-            let p = base.add(grp.byte as usize) as *const i64;
-            let lo = _mm512_mask_i32gather_epi64::<1>(_mm512_setzero_si512(), k0, idx8, p);
-            let hi = _mm512_mask_i32gather_epi64::<1>(
-                _mm512_setzero_si512(),
-                k1,
-                idx8,
-                p.cast::<u8>().add(8 * rb).cast(),
-            );
-            let ctrl = _mm512_set1_epi64(grp.ctrl as i64);
-            let mask = _mm512_set1_epi64(grp.mask as i64);
-            let lo = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, lo), mask);
-            let hi = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, hi), mask);
-            let dst = out.add((rg * slots + 8 * gi) * 16);
-            _mm512_storeu_si512(dst as *mut _, _mm512_permutex2var_epi8(lo, ia, hi));
-            _mm512_storeu_si512(dst.add(64) as *mut _, _mm512_permutex2var_epi8(lo, ib, hi));
-        }
-        // Live rows that were not gathered (windows past the container's end).
-        for l in gathered..live {
-            let row = b.row(first + l, rb);
-            for c in &t.comps {
-                let at = 4 * c.word as usize;
-                let mut le = [0u8; 8];
-                let end = (at + 8).min(rb);
-                le[..end - at].copy_from_slice(&row[at..end]);
-                let code = (u64::from_le_bytes(le) >> c.shift) as u32 & c.mask;
-                *out.add((rg * slots + c.slot as usize) * 16 + l) = code as u8;
+        let base = blob.as_ptr().add(b.codes_at + (row0 + 16 * rg) * rb);
+        for bt in &t.batches {
+            let off = bt.off as usize;
+            let len = (rb - off).min(64);
+            let keep: __mmask64 = if len == 64 { !0 } else { (1u64 << len) - 1 };
+            let perm = _mm512_loadu_si512(bt.perm.as_ptr() as *const _);
+            let mut w = [zero; 16];
+            for (r, x) in w.iter_mut().enumerate().take(live) {
+                let row = _mm512_maskz_loadu_epi8(keep, base.add(r * rb + off) as *const i8);
+                *x = _mm512_permutexvar_epi8(perm, row);
+            }
+            let lo = transpose8([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+            let hi = transpose8([w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]]);
+            for k in 0..bt.groups as usize {
+                let gi = bt.first as usize + k;
+                let grp = &t.groups[gi];
+                let ctrl = _mm512_set1_epi64(grp.ctrl as i64);
+                let mask = _mm512_set1_epi64(grp.mask as i64);
+                let l = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, lo[k]), mask);
+                let h = _mm512_and_si512(_mm512_multishift_epi64_epi8(ctrl, hi[k]), mask);
+                let dst = out.add((rg * slots + 8 * gi) * 16);
+                _mm512_storeu_si512(dst as *mut _, _mm512_permutex2var_epi8(l, ia, h));
+                _mm512_storeu_si512(dst.add(64) as *mut _, _mm512_permutex2var_epi8(l, ib, h));
             }
         }
     }

@@ -7,7 +7,7 @@
 //! code-domain sums are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of
 //! every tile. Rows past a tile's count read as component `j`'s centroid 0 with scale 0.
 
-use super::store::SealedBlock;
+use super::store::{LayerCodes, SealedBlock};
 use super::tables::StreamTables;
 
 /// Rows per tile.
@@ -18,19 +18,39 @@ pub(crate) struct Scratch {
     pub tile: Vec<f32>,
     pub words: Vec<u32>,
     pub bytes: Vec<u8>,
+    /// The pieces' own buffers (scores, visibility, sums), reused between them.
+    pub scores: Vec<f32>,
+    pub add: Vec<f32>,
+    pub acc: Vec<f32>,
 }
 
 impl Scratch {
-    pub fn new(a: &StreamTables, b: &StreamTables) -> Self {
-        let m = a.m.max(b.m);
-        let words = a.words.max(b.words) + 1;
-        let slots = 8 * a.groups.len().max(b.groups.len());
+    /// Scratch for every calibration of a layer (one per worker thread, reused by its pieces).
+    pub fn for_layer(codes: &LayerCodes) -> Self {
+        let (mut m, mut words, mut slots) = (0, 0, 0);
+        for i in 0..codes.kv_heads() {
+            for t in [codes.k_store(i).tables(), codes.v_store(i).tables()] {
+                m = m.max(t.m);
+                words = words.max(t.words + 1);
+                slots = slots.max(8 * t.groups.len());
+            }
+        }
         Self {
             tile: vec![0f32; m * TILE],
             words: vec![0u32; words],
             bytes: vec![0u8; slots * TILE],
+            scores: Vec::new(),
+            add: Vec::new(),
+            acc: Vec::new(),
         }
     }
+}
+
+/// `v` as `n` zeros, keeping its allocation.
+pub(crate) fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
 }
 
 /// The per-tile operations an instruction set provides. Rows `row0 .. row0 + rows` of a

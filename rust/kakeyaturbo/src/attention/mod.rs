@@ -40,9 +40,9 @@
 //!   is [`math::exp_neg`].
 //! - Sealed values: `acc[j][t mod 16] = fma(p_t g_t, c_tj, acc)` over the rows of a tile in
 //!   order (four groups of 16), then each outlier `fma(p_t g_t, value - c_tj, acc)`; raw values
-//!   `acc[d] = fma(p_t, v_td, acc)` row by row.
-//! - Pieces of work: per (batch row, kv-head) the sink rows, the sealed rows in pieces of 32
-//!   tiles (tiles start at each block's first row), the tail rows in pieces of 2,048; each
+//!   `acc[d] = fma(p_t, v_td, acc)` row by row (rows of weight 0 skipped).
+//! - Pieces of work: per (batch row, kv-head) the sink rows, the sealed rows in pieces of 8
+//!   tiles (tiles start at each block's first row), the tail rows in pieces of 512; each
 //!   piece ends with its 16 lanes summed as a tree. Pieces combine in position order with
 //!   factors `exp(M_piece - M)`: `l`, the code-domain sum, its mass `pc` and the raw sum, each
 //!   by `fma`.

@@ -86,31 +86,6 @@ impl SealedBlock {
         Ok(b)
     }
 
-    /// Asks the CPU to start loading the scales and codes of rows `row0 .. row0 + rows`
-    /// (a hint: it changes no result).
-    #[inline(always)]
-    pub(crate) fn prefetch(&self, row0: usize, rows: usize, rb: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let touch = |from: usize, len: usize| {
-                let end = (from + len).min(self.blob.len());
-                let mut at = from;
-                while at < end {
-                    // SAFETY: a prefetch of an address inside the blob; it never faults.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(self.blob.as_ptr().add(at) as *const i8) };
-                    at += 64;
-                }
-            };
-            if let Some(at) = self.scales_at {
-                touch(at + 2 * row0, 2 * rows);
-            }
-            touch(self.codes_at + row0 * rb, rows * rb);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (row0, rows, rb);
-    }
-
     /// The container bytes.
     pub fn bytes(&self) -> &[u8] {
         &self.blob

@@ -15,6 +15,17 @@ pub(crate) enum Lookup {
     Gather,
 }
 
+/// Up to 8 consecutive groups whose windows lie in the 64 bytes from byte `off` of a row: one
+/// masked load of those bytes and one byte permute (`perm`: qword `k` = the window of group
+/// `first + k`) give all their windows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Batch {
+    pub off: u32,
+    pub first: u32,
+    pub groups: u32,
+    pub perm: [u8; 64],
+}
+
 /// Up to 8 consecutive components whose bits lie in the 64 bits from byte `byte` of a row:
 /// one multishift of that window extracts all of them (`ctrl` byte `i` = the bit offset of
 /// component `first + i` in the window, `mask` byte `i` its width's mask; unused bytes 0).
@@ -49,9 +60,7 @@ pub struct StreamTables {
     pub(crate) words: usize,
     pub(crate) comps: Vec<Component>,
     pub(crate) groups: Vec<Group>,
-    /// The largest `byte + 8` over the groups: a row's windows read this many bytes from its
-    /// start.
-    pub(crate) window_end: usize,
+    pub(crate) batches: Vec<Batch>,
     /// Centroid tables of every bit width in use, each at a multiple of 16 entries and padded
     /// to at least 16 entries (32 for 5 bits), so that a SIMD look-up never reads past it.
     pub(crate) lut: Vec<f32>,
@@ -133,11 +142,26 @@ impl StreamTables {
             });
             j0 += k;
         }
-        let window_end = groups
-            .iter()
-            .map(|g| g.byte as usize + 8)
-            .max()
-            .unwrap_or(0);
+        let mut batches = Vec::new();
+        let mut g0 = 0;
+        while g0 < groups.len() {
+            let off = groups[g0].byte;
+            let mut perm = [0u8; 64];
+            let mut k = 0;
+            while g0 + k < groups.len() && k < 8 && groups[g0 + k].byte + 8 <= off + 64 {
+                for i in 0..8 {
+                    perm[8 * k + i] = (groups[g0 + k].byte - off + i as u32) as u8;
+                }
+                k += 1;
+            }
+            batches.push(Batch {
+                off,
+                first: g0 as u32,
+                groups: k as u32,
+                perm,
+            });
+            g0 += k;
+        }
         Self {
             d: codec.d,
             m: codec.m,
@@ -145,15 +169,13 @@ impl StreamTables {
             words: codec.row_bits().div_ceil(32),
             comps,
             groups,
-            window_end,
+            batches,
             lut,
             bands: codec.bands().to_vec(),
             signs: codec.signs().to_vec(),
             synthesis: codec.synthesis_scaled().to_vec(),
             synthesis_t: (0..codec.d)
-                .flat_map(|d| {
-                    (0..codec.m).map(move |j| codec.synthesis_scaled()[j * codec.d + d])
-                })
+                .flat_map(|d| (0..codec.m).map(move |j| codec.synthesis_scaled()[j * codec.d + d]))
                 .collect(),
             mean: codec.mean.clone(),
             codec: codec.clone(),
