@@ -118,6 +118,11 @@ fn lanes(n: usize) -> u16 {
 unsafe fn scales(b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
     assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
     let blob = b.blob();
+    if let Some(at) = b.scales_at {
+        let next = blob.as_ptr().wrapping_add(at + 2 * (row0 + TILE));
+        _mm_prefetch::<_MM_HINT_T0>(next as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64) as *const i8);
+    }
     for grp in 0..TILE / 16 {
         let first = grp * 16;
         let live = lanes(rows.saturating_sub(first));
@@ -229,6 +234,12 @@ unsafe fn unpack(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s:
     for rg in 0..TILE / 16 {
         let live = rows.saturating_sub(16 * rg).min(16);
         let base = blob.as_ptr().add(b.codes_at + (row0 + 16 * rg) * rb);
+        // The rows of the next tile start loading now (a hint; past the block it reads
+        // nothing and never faults). Sealed rows stream from memory at long contexts, and a
+        // masked load that misses stalls the permutes behind it.
+        for r in (0..16 * rb).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(TILE * rb + r) as *const i8);
+        }
         for bt in &t.batches {
             let off = bt.off as usize;
             let len = (rb - off).min(64);
