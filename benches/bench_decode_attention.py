@@ -16,12 +16,14 @@ method sees the same machine:
 - ``decode + SDPA``: today's ``KakeyaCache`` path at 2 threads (every block decoded by the
   Rust decoder, then SDPA fp32), fewer repetitions.
 
-Reported: median ms over the repetitions, speed-up against SDPA fp32 at the same thread
+torch's OpenMP threads are told to sleep when idle (``OMP_WAIT_POLICY=PASSIVE``), so that
+their spinning does not slow whichever method runs next. Reported: median ms over the
+repetitions, speed-up against SDPA fp32 at the same thread
 count, bytes held, and the machine's load average before and after (``os.getloadavg``; 2
 cores here, shared). Writes ``bench-out/decode_attention.json`` and ``.md``.
 
     PYTHONPATH=python python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
-        [--bits 3,4] [--reps 15] [--out bench-out]
+        [--bits 3,4] [--reps 15] [--pause-ms 5] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+# torch's OpenMP threads spin for a while after each parallel region; on 2 cores that took the
+# cores from whatever ran next (a 0.25 ms step measured 2 ms right after SDPA). They sleep
+# instead (set before torch loads its OpenMP runtime).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import kakeyaturbo as kt
-from kakeyaturbo import calibration
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration  # noqa: E402
 
 SHAPES = ((9, 3, 64), (32, 8, 128))
 BLOCK = 512
@@ -69,13 +76,21 @@ def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
     return codes, x[None, :hkv], x[None, hkv:]
 
 
+PAUSE_S = 0.005
+
+
 def median_ms(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, float]:
-    """Median wall time of each function, the functions alternating within each repetition."""
+    """Median wall time of each function, the functions alternating within each repetition,
+    with a pause (``--pause-ms``, default 5) before each call: idle worker threads (rayon's,
+    OpenMP's) spin for a moment after a job, and on 2 cores that slowed whichever method ran
+    right after; with the pause every call starts with its threads asleep, as between the
+    layers of a model."""
     for f in fns.values():
         f()
     times: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
+            time.sleep(PAUSE_S)
             t0 = time.perf_counter()
             f()
             times[k].append((time.perf_counter() - t0) * 1e3)
@@ -159,7 +174,8 @@ def markdown(res: Dict[str, Any]) -> str:
         "# One decode step of attention over the codes vs torch SDPA over the float cache",
         "",
         f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
-        f"median of {res['reps']} repetitions (methods alternating) | load average (1 min) "
+        f"median of {res['reps']} repetitions (methods alternating, {res['pause_ms']:g} ms pause "
+        f"before each call) | load average (1 min) "
         f"{res['load_min']:.2f}..{res['load_max']:.2f}",
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
@@ -185,8 +201,12 @@ def main() -> int:
     ap.add_argument("--tokens", default="2048,8192,32768")
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--pause-ms", type=float, default=5.0,
+                    help="sleep before each timed call (0: back to back, threads kept warm)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
+    global PAUSE_S
+    PAUSE_S = args.pause_ms / 1e3
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -202,7 +222,8 @@ def main() -> int:
         "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
                         "kakeyaturbo": kt.__version__, "python": platform.python_version()},
-        "reps": args.reps, "load_min": min(loads), "load_max": max(loads), "rows": rows,
+        "reps": args.reps, "pause_ms": args.pause_ms, "load_min": min(loads), "load_max": max(loads),
+        "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

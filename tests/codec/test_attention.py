@@ -190,6 +190,8 @@ def test_bad_arguments_are_typed_errors() -> None:
     ]:
         with pytest.raises(err):
             call(**kw)
+    with pytest.raises(kt.NumericalError, match="overflowed float32"):
+        call(q=q / np.abs(q).max() * np.float32(3e38))  # finite, but the scores are not
     bad = q.copy()
     bad[0, 1, 1, 3] = np.nan
     with pytest.raises(kt.InvalidInputError, match="non-finite"):

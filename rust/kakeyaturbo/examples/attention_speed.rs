@@ -147,7 +147,14 @@ fn main() {
     let (mut times, mut cpus) = pool.install(|| {
         let mut times = Vec::new();
         let mut cpus = Vec::new();
+        // KT_PAUSE_MS: sleep before each call (the pool's threads fall asleep, as between the
+        // layers of a model).
+        let pause: u64 = std::env::var("KT_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         for _ in 0..reps {
+            std::thread::sleep(std::time::Duration::from_millis(pause));
             let (t0, c0) = (std::time::Instant::now(), cpu());
             std::hint::black_box(run());
             times.push(t0.elapsed().as_secs_f64() * 1e3);

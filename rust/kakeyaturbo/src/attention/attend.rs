@@ -78,7 +78,8 @@ impl Isa {
 /// domain the keys were coded in; `mask` an optional additive `[B, n_q, T]` (finite or
 /// `-inf`). Sealed scores come from the codes (no key is decoded), raw ones exactly, one
 /// softmax over all; the value sum runs over the codes and is synthesised once per query.
-/// Checks every input; never panics on any.
+/// Checks every input; never panics on any; an output that overflows float32 is
+/// [`crate::Error::Numerical`].
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     codes: &LayerCodes,
@@ -123,7 +124,22 @@ pub fn attend_with(
             |s, t| run_task(isa, &cx, &preps[t.bh], t, s),
         )
         .collect();
-    Ok(combine(&cx, &tasks, &parts))
+    // Finite inputs and codes can still overflow float32 (scores or value sums of keys and
+    // values near its limit): a typed error, never a NaN or a silently dropped position.
+    if parts.iter().any(|p| p.overflow) {
+        return Err(crate::error::Error::Numerical(
+            "attention overflowed float32: a score is beyond its range".into(),
+        ));
+    }
+    let out = combine(&cx, &tasks, &parts);
+    if let Some(i) = out.out.iter().position(|v| !v.is_finite()) {
+        return Err(crate::error::Error::Numerical(format!(
+            "attention overflowed float32 (output value {} at flat index {i}): scores or \
+             value sums beyond its range",
+            out.out[i]
+        )));
+    }
+    Ok(out)
 }
 
 /// The checked inputs of one call.
@@ -185,6 +201,8 @@ struct Task {
 #[derive(Debug)]
 struct Part {
     code: bool,
+    /// A score was NaN or `+inf` (float32 overflow).
+    overflow: bool,
     mx: Vec<f32>,
     l: Vec<f32>,
     acc: Vec<f32>,
@@ -523,9 +541,11 @@ fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut 
 
 /// The online-softmax update of query row `r` with the tile's final scores `s` (64):
 /// returns the factor its sums must be multiplied by (1: unchanged), or None when the tile
-/// shows it nothing; `s` becomes the weights `p`.
+/// shows it nothing; `s` becomes the weights `p`. Sets `overflow` when a score is NaN or
+/// `+inf`.
 #[inline(always)]
-fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32) -> Option<f32> {
+fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool) -> Option<f32> {
+    *overflow |= s.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
     let top = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     if top == f32::NEG_INFINITY {
         s.fill(0.0);
@@ -563,6 +583,7 @@ fn code_part<K: Tile>(
     zeroed(&mut acc, qr * mv * 16);
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
+    let mut overflow = false;
     for &(bi, row0, rows, pos0) in tiles {
         if !cx.visibility(b, pos0, rows, &mut add) {
             continue;
@@ -594,7 +615,7 @@ fn code_part<K: Tile>(
         let mut any = false;
         for r in 0..qr {
             let row = &mut s[r * TILE..(r + 1) * TILE];
-            if let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r]) {
+            if let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) {
                 any = true;
                 if alpha != 1.0 {
                     for v in &mut acc[r * mv * 16..(r + 1) * mv * 16] {
@@ -636,6 +657,7 @@ fn code_part<K: Tile>(
     (scratch.scores, scratch.add, scratch.acc) = (s, add, acc);
     Part {
         code: true,
+        overflow,
         mx,
         l,
         acc: sums,
@@ -684,6 +706,7 @@ fn raw_part(
     let mut acc = vec![0f32; qr * dv];
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
+    let mut overflow = false;
     for t0 in (0..rows).step_by(TILE) {
         let n = TILE.min(rows - t0);
         if !cx.visibility(b, pos0 + t0, n, &mut add) {
@@ -703,7 +726,7 @@ fn raw_part(
         cx.finish_scores(&mut s, &add);
         for r in 0..qr {
             let row = &mut s[r * TILE..(r + 1) * TILE];
-            let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r]) else {
+            let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) else {
                 continue;
             };
             let a = &mut acc[r * dv..(r + 1) * dv];
@@ -723,6 +746,7 @@ fn raw_part(
     }
     Part {
         code: false,
+        overflow,
         mx,
         l,
         acc,

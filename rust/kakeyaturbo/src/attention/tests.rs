@@ -127,7 +127,7 @@ fn build(s: &Spec) -> Case {
     let cal = |stream: u64, h: usize, d: usize| {
         calibration(
             d,
-            s.seed * 31 + stream * 7 + h as u64,
+            s.seed.wrapping_mul(31).wrapping_add(stream * 7 + h as u64),
             s.bmax,
             s.norm,
             s.ip,
@@ -476,6 +476,13 @@ fn bad_inputs_are_typed_errors() {
     ] {
         assert!(call(&c.q, c.hq, 1, 9, None, bad).is_err());
     }
+    // Finite queries whose scores overflow float32: a typed error, not NaN.
+    let top = c.q.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let huge: Vec<f32> = c.q.iter().map(|v| v / top * 3e38).collect();
+    assert!(matches!(
+        call(&huge, c.hq, 1, 9, None, p),
+        Err(crate::Error::Numerical(_))
+    ));
     // Sealed rows that differ across the layer.
     let mut uneven = c.codes.clone();
     uneven.select(&[0]).unwrap();
@@ -504,6 +511,51 @@ fn bad_inputs_are_typed_errors() {
         &p,
     );
     assert!(matches!(e, Err(crate::Error::InvalidInput(_))));
+}
+
+/// A container with `edits` (position, xor) applied and its checksum recomputed, so that the
+/// structure checks, not the checksum, meet the damage.
+fn mutated(blob: &[u8], edits: &[(usize, u8)]) -> Vec<u8> {
+    let mut b = blob.to_vec();
+    let body = b.len() - 4;
+    for &(at, x) in edits {
+        b[at % body] ^= x;
+    }
+    let crc = crc32fast::hash(&b[..body]);
+    b[body..].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    #[test]
+    fn damaged_containers_are_refused_or_attended_without_panic(
+        edits in proptest::collection::vec((any::<usize>(), 1u8..=255), 1..6),
+        which in any::<bool>(),
+    ) {
+        let c = build(&Spec { blocks: vec![70], kv_heads: 1, ..Spec::default() });
+        let (ks, vs) = c.codes.stores(0, 0).unwrap();
+        let (kb, vb) = (ks.blocks()[0].bytes().to_vec(), vs.blocks()[0].bytes().to_vec());
+        let (kb, vb) = if which { (mutated(&kb, &edits), vb) } else { (kb, mutated(&vb, &edits)) };
+        let mut fresh = c.codes.clone();
+        fresh.clear();
+        if fresh.append(0, 0, kb, vb).is_ok() {
+            let o = attend(
+                &fresh,
+                &c.q,
+                c.hq,
+                c.nq,
+                RawRows { k: &c.sink.0, v: &c.sink.1, rows: c.sink.2 },
+                RawRows { k: &c.tail.0, v: &c.tail.1, rows: c.tail.2 },
+                None,
+                &c.params,
+            );
+            // Accepted codes are valid codes: the output is finite (or a typed error).
+            if let Ok(o) = o {
+                prop_assert!(o.out.iter().all(|v| v.is_finite()));
+            }
+        }
+    }
 }
 
 proptest! {
