@@ -1,7 +1,7 @@
 """Decode attention over the codes, second launch: one program per (batch row, kv-head) pair
 combines the pieces' partial softmaxes (rescaled to the largest maximum), synthesises the
 code-domain value sum once per query (``u = s H(r a)`` per sub-band, ``u S' + pc mean``),
-adds the raw rows' sum and divides by the denominator; ``lse = M + log den``."""
+adds the raw rows' sum and divides by the denominator ``l``; ``lse = M + log l``."""
 
 from __future__ import annotations
 
