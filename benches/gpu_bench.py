@@ -31,7 +31,14 @@
    GB/s = bytes of the bf16 layer / time for every row, so rows compare directly;
    ``x copy`` = copy time / time (1.0 = as fast as copying the input once).
    The timed encodes are also checked against Rust block by block / head by head.
-3. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
+3. Decode attention over the calibrated codes (``kakeyaturbo.kernels.decode_attention_triton``):
+   parity with the Rust kernel (``tests/kernels/attention/parity.py``: 80 of its 300 random
+   cases, in this process, within a third of the fuzz budget) and the time of one decode step of one
+   layer (one query token per query head) at T = 8k and 32k for the default model's shape (9
+   query heads, 3 kv-heads, head_dim 64) and a head_dim-128 one (32 / 8), codes at 3 and 4 bits
+   per element water-filled on a decaying spectrum, beside ``torch.nn.functional.
+   scaled_dot_product_attention`` (``enable_gqa``) over the bf16 and the fp32 cache.
+4. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
 
 The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes):
 each fuzz stops taking new groups when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
@@ -389,6 +396,103 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode attention over the codes.
+
+ATTENTION_SHAPES = ((9, 3, 64), (32, 8, 128))
+ATTENTION_TOKENS = (8192, 32768)
+ATTENTION_BITS = (3.0, 4.0)
+
+
+def attention_layer(hq: int, hkv: int, d: int, tokens: int, bits: float, seed: int = 0) -> Any:
+    """A layer's codes: per kv-head a K and a V calibration water-filled at ``bits`` on a
+    decaying spectrum, and ``tokens`` rows of its model in blocks of 512."""
+    import numpy as np
+
+    import kakeyaturbo as kt
+    from kakeyaturbo import calibration
+
+    g = np.random.default_rng(seed)
+    heads = []
+    for _ in range(2 * hkv):
+        q, _ = np.linalg.qr(g.standard_normal((d, d)))
+        lam = 0.9 ** np.arange(d) * g.uniform(0.5, 1.5, d)
+        mean = 0.3 * g.standard_normal(d)
+        heads.append((calibration.fit_stream(mean, (q * lam) @ q.T, bits).codec(), mean, q, lam))
+    codes = kt.LayerCodes([h[0] for h in heads[:hkv]], [h[0] for h in heads[hkv:]])
+    for _ in range(tokens // 512):
+        blobs = [h[0].encode((h[1] + (g.standard_normal((512, d)) * np.sqrt(h[3])) @ h[2].T)
+                             .astype(np.float32)) for h in heads]
+        codes.append_blocks([blobs[:hkv]], [blobs[hkv:]])
+    return codes
+
+
+def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]:
+    """Parity of the Triton decode attention with the Rust kernel, then its timing."""
+    import torch
+    import torch.nn.functional as F
+
+    from kakeyaturbo import kernels as K
+    from kernels.attention import parity as attention_parity
+
+    t0 = time.perf_counter()
+    # 80 of the 300 random cases fit a third of the default budget (each is built and run
+    # through the Rust kernel on the CPU first); `make kernels-fuzz` runs all of them.
+    specs = attention_parity.make_cases(not dry_run)[: 2 if dry_run else 80]
+    results, failures, not_run = [], [], 0
+    for spec in specs:
+        if time.perf_counter() - t0 > budget_s:
+            not_run += 1
+            continue
+        try:
+            results.append(attention_parity.run(spec, device))
+        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+            failures.append(f"seed {spec.seed}: {str(e)[:500]}")
+    fuzz = {"cases": len(specs), "run": len(results) + len(failures), "not_run": not_run,
+            "failures": failures, **attention_parity.summary(results),
+            "seconds": time.perf_counter() - t0, "passed": not failures and not not_run}
+    bench = timer(dry_run)
+    rows: List[Dict[str, Any]] = []
+    shapes = [(2, 1, 16)] if dry_run else ATTENTION_SHAPES
+    for hq, hkv, d in shapes:
+        for tokens in ((1024,) if dry_run else ATTENTION_TOKENS):
+            q = torch.randn(1, hq, 1, d, device=device)
+            for dtype in (torch.bfloat16, torch.float32):
+                k = torch.randn(1, hkv, tokens, d, device=device, dtype=dtype)
+                v = torch.randn_like(k)
+                qq = q.to(dtype)
+                rows.append({"impl": f"torch SDPA ({str(dtype)[6:]} cache, enable_gqa)",
+                             "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": 16 if dtype == torch.bfloat16 else 32,
+                             "ms": bench(lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True))})
+            for bits in ((4.0,) if dry_run else ATTENTION_BITS):
+                codes = attention_layer(hq, hkv, d, tokens, bits)
+                layer = K.stack_layer(codes, device)
+                tail = torch.randn(1, hkv, 1, d, device=device)
+                held = 8 * codes.nbytes / (2 * tokens * hkv * d)
+                rows.append({"impl": "triton attention over the codes", "shape": f"{hq}/{hkv}x{d}",
+                             "T": tokens, "bits": round(held, 2),
+                             "ms": bench(lambda: K.decode_attention_triton(layer, q, tail, tail))})
+    return {"fuzz": fuzz, "rows": rows}
+
+
+def _attention_lines(at: Dict[str, Any]) -> List[str]:
+    fz = at["fuzz"]
+    lines = [
+        "## Decode attention over the codes",
+        "",
+        f"Parity with the Rust kernel: {fz['run']} of {fz['cases']} cases in {fz['seconds']:.0f} s, "
+        f"largest errors out {fz['max_out_error']:.2e}, lse {fz['max_lse_error']:.2e} (limit "
+        f"attention_triton); **{'PASS' if fz['passed'] else 'FAIL'}**",
+        "",
+    ]
+    lines += [f"- failure: {f}" for f in fz["failures"][:20]]
+    lines += ["", "One decode step of one layer (1 query token per head); bits per element held "
+              "(all-in for the codes).", "", "| impl | q/kv heads x D | T | bits | ms |", "|---|---|---|---|---|"]
+    for r in at["rows"]:
+        lines.append(f"| {r['impl']} | {r['shape']} | {r['T']} | {r['bits']} | {r['ms']:.4g} |")
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------
 # Report.
 
 
@@ -443,6 +547,8 @@ def markdown(res: Dict[str, Any]) -> str:
     ]
     for fz in res["fuzz"].values():
         lines += _fuzz_lines(fz)
+    if "attention" in res:
+        lines += _attention_lines(res["attention"])
     lines += [
         f"## Timing: {lay['heads']} heads x {lay['tokens']} tokens x {lay['dim']}, bf16, "
         f"blocks of {lay['block']} (per-block mode), one calibration per head (calibrated mode)",
@@ -491,8 +597,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
         return 2
     layer = TINY if args.dry_run else REAL
-    # The timing needs about two minutes on the GPU; the two fuzzes share the rest equally.
-    share = max(10.0, args.budget_s - 150.0) / 2
+    # The timings need about two and a half minutes on the GPU; the three fuzzes share the
+    # rest equally.
+    share = max(10.0, args.budget_s - 180.0) / 3
     fuzz = {
         mode: run_fuzz(
             full=not args.dry_run,
@@ -505,15 +612,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for mode in ("blocks", "calibrated")
     }
     timing = run_timing(layer, device, args.dry_run)
+    attention = run_attention(device, args.dry_run, share)
     res = {"dry_run": args.dry_run, "environment": environment(device), "fuzz": fuzz, "timing": timing,
-           "seconds": time.perf_counter() - t0}
+           "attention": attention, "seconds": time.perf_counter() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (args.out / "gpu_bench.md").write_text(md)
     print(md)
     print(f"total {res['seconds']:.0f} s; wrote gpu_bench.json and gpu_bench.md under {args.out}")
-    return 0 if all(f["passed"] for f in fuzz.values()) else 1
+    passed = all(f["passed"] for f in fuzz.values()) and attention["fuzz"]["passed"]
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

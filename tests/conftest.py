@@ -19,6 +19,17 @@ import numpy as np  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Without CUDA the Triton kernels run in Triton's CPU interpreter, which has to be chosen before
+# triton is first imported; transformers imports it, so a kernel test collected after a cache
+# test found it too late (tests/kernels/conftest.py sets it again for a run of that folder alone).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+except ModuleNotFoundError:  # no torch: the kernel tests skip themselves
+    pass
+
 settings.register_profile(
     "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

@@ -6,7 +6,8 @@ compiler does not (constexpr rules, layouts, types).
 
 Must run without ``TRITON_INTERPRET`` (it removes it): kernel launches are recorded instead of
 executed, so the pipeline runs on uninitialised buffers; only the launch arguments matter.
-Prints one line per compiled specialisation with its shared memory and compile time.
+Prints one line per compiled specialisation with its shared memory and compile time; exits 1
+when one needs more shared memory than the architecture gives a block (its launch would fail).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
 from kakeyaturbo.kernels import calibrated, perblock  # noqa: E402
+from kakeyaturbo.kernels.attention import combine as attention_combine  # noqa: E402
+from kakeyaturbo.kernels.attention import split as attention_split  # noqa: E402
 
 KERNELS = [
     (perblock.project, "_project_assign_kernel"),
@@ -40,6 +43,8 @@ KERNELS = [
     (calibrated.quantize, "_quantize_kernel"),
     (calibrated.gain, "_gain_kernel"),
     (calibrated.decode, "_decode_kernel"),
+    (attention_split, "_split_kernel"),
+    (attention_combine, "_combine_kernel"),
 ]
 TYPES = {
     torch.float32: "fp32",
@@ -50,6 +55,8 @@ TYPES = {
     torch.int64: "i64",
 }
 Launch = Tuple[Any, Tuple[Any, ...], Dict[str, Any]]
+#: Shared memory a block may use, by architecture (bytes; sm_90: 227 KB).
+SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}
 
 
 class _Recorder:
@@ -129,6 +136,28 @@ def record_launches() -> List[Launch]:
         codes["outlier_pos"] = torch.zeros(3, dtype=torch.int64)
         codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
         K.decode_calibrated(codes, batch, out_dtype=dtype, n=300)
+    # Decode attention over the codes: the default model's shape and a head_dim-128 one, GQA
+    # groups 1..8, n_q up to 4 (QP 16 and 32), odd D, with and without outliers and masks.
+    for spec, bpe in [
+        (dict(kv_heads=3, group=3, d=64), 3.0),
+        (dict(kv_heads=8, group=4, d=128, n_q=4, threshold=2.5, mask=True), 4.0),
+        (dict(kv_heads=1, group=8, d=256, metric="inner_product", norm=True), 4.4),
+        (dict(kv_heads=2, group=1, d=48, norm=False, n_q=2), 2.5),
+    ]:
+        d = spec["d"]
+        x = (g.standard_normal((300, d)) * 0.97 ** np.arange(d)).astype(np.float32)
+        fit = calibrate.fit_stream(x.mean(0), np.cov(x.T), bpe, norm=spec.get("norm", True))
+        codec = fit.codec(metric=spec.get("metric", "mse"), norm=spec.get("norm", True),
+                          outlier_threshold=spec.get("threshold"))
+        hkv, nq = spec["kv_heads"], spec.get("n_q", 1)
+        codes = kt.LayerCodes([codec] * hkv, [codec] * hkv)
+        codes.append_blocks([[codec.encode(x)] * hkv], [[codec.encode(x)] * hkv])
+        layer = K.stack_layer(codes)
+        q = torch.zeros((1, hkv * spec["group"], nq, d))
+        tail = np.zeros((1, hkv, nq + 3, d), np.float32)
+        mask = np.zeros((1, nq, 1 + 300 + nq + 3), np.float32) if spec.get("mask") else None
+        K.decode_attention_triton(layer, q, tail, tail, sink_k=tail[:, :, :1], sink_v=tail[:, :, :1],
+                                  mask=mask, softcap=30.0 if spec.get("mask") else None)
     for mod, name in KERNELS:
         setattr(mod, name, getattr(mod, name).fn)
     return log
@@ -141,6 +170,7 @@ def main(argv: List[str]) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     seen = set()
     total = 0.0
+    too_big = []
     for fn, a, kw in record_launches():
         sig, consts = _signature(fn, a, kw)
         key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())))
@@ -153,8 +183,12 @@ def main(argv: List[str]) -> int:
         dt = time.perf_counter() - t0
         total += dt
         print(f"{fn.__name__} {consts} shared={c.metadata.shared} B, {dt:.1f} s", flush=True)
+        if c.metadata.shared > SHARED_LIMIT.get(args.arch, SHARED_LIMIT[90]):
+            too_big.append(f"{fn.__name__} {consts}: {c.metadata.shared} B")
     print(f"{len(seen)} specialisations compiled for sm_{args.arch} in {total:.0f} s")
-    return 0
+    for t in too_big:
+        print(f"TOO MUCH SHARED MEMORY (the launch would fail): {t}")
+    return 1 if too_big else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The codec, by mode: `perblock` (a fresh skeleton per block of rows), `calibrated` (a basis
-fitted once per model), and the stages' `primitives` (the oracle kernels are checked against).
+fitted once per model) with `attention` over its codes, and the stages' `primitives` (the
+oracle kernels are checked against).
 Each function checks its arguments once (`_checks`) and makes one call into the Rust core."""
 
+from .attention import LayerCodes, decode_attention
 from .calibrated import CalibratedCodec
 from .perblock import (
     DEFAULTS,
@@ -27,8 +29,10 @@ from .primitives import (
 __all__ = [
     "CalibratedCodec",
     "DEFAULTS",
+    "LayerCodes",
     "centroids_gaussian",
     "check_params",
+    "decode_attention",
     "decode_block_from_parts",
     "decode_layer",
     "encode_block_codes",

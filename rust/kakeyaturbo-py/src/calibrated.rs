@@ -347,6 +347,11 @@ fn tables(py: Python<'_>, c: &Bound<'_, PyAny>) -> PyResult<Vec<(u8, Vec<f32>)>>
 }
 
 impl PyCalibratedCodec {
+    /// The core calibration (for the attention binding).
+    pub(crate) fn codec(&self) -> &CalibratedCodec {
+        &self.inner
+    }
+
     fn rows<'a>(
         &self,
         py: Python<'_>,

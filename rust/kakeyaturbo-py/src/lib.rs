@@ -1,6 +1,7 @@
 //! Python binding of the kakeyaturbo codec. One file per exposed part of the core; this file
 //! only lists the exports.
 
+mod attention;
 mod block;
 mod calibrated;
 mod convert;
@@ -22,6 +23,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(params::check_params, m)?)?;
     m.add_function(wrap_pyfunction!(block::encode_block_codes, m)?)?;
     m.add_class::<calibrated::PyCalibratedCodec>()?;
+    m.add_class::<attention::PyLayerCodes>()?;
     m.add(
         "CALIBRATED_FORMAT_VERSION",
         kakeyaturbo::calibrated::VERSION,

@@ -13,6 +13,7 @@
 //! documented limits and input checks; [`threads`] the bounded thread pools; [`error`] the one
 //! error type. `FORMAT.md` specifies the bytes.
 
+pub mod attention;
 pub mod bytes;
 pub mod calibrated;
 pub mod error;

@@ -263,6 +263,11 @@ impl CalibratedCodec {
     pub fn signs(&self) -> &[f32] {
         &self.signs
     }
+    /// `S'_j = synthesis_j * spread_j` (`m x D`, row-major, f32): the matrix every decode and
+    /// the attention over the codes synthesise with.
+    pub fn synthesis_scaled(&self) -> &[f32] {
+        &self.s_scaled
+    }
     pub fn quantizer(&self, bits: u8) -> Option<&Quantizer> {
         self.quantizers.get(bits as usize).and_then(|q| q.as_ref())
     }

@@ -467,8 +467,8 @@ pub fn one(
     let muts: Vec<Mutation> = (0..1 + g.next_u64() % 4)
         .map(|_| Mutation::random(g))
         .collect();
-    let keep_crc = g.next_u64() % 16 == 0;
-    if g.next_u64() % 2 == 0 {
+    let keep_crc = g.next_u64().is_multiple_of(16);
+    if g.next_u64().is_multiple_of(2) {
         let base = &perblock[(g.next_u64() % perblock.len() as u64) as usize];
         check_perblock(&mutate(base, &muts, keep_crc))
     } else {

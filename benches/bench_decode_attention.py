@@ -1,0 +1,238 @@
+"""One decode step of attention, all heads of one layer, over the calibrated codes
+(``kakeyaturbo.decode_attention``, the Rust kernel) against torch's
+``scaled_dot_product_attention`` over the float cache, in the same run.
+
+For each shape (the default model's 9 query / 3 kv-heads at head_dim 64, and 32 / 8 at 128),
+context length T and bits per element: per kv-head a K and a V calibration fitted by
+``calibration.fit_stream`` on a decaying spectrum (water-filled bits; the fp16 row scale
+counted), T rows of their model sealed in blocks of 512, one query token per query head, one
+raw tail row (the query's own). Timed, alternating within each repetition so that every
+method sees the same machine:
+
+- ``codes``: ``decode_attention`` over the codes (threads 1 and 2);
+- ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
+  cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
+  same over a bfloat16 cache;
+- ``decode + SDPA``: today's ``KakeyaCache`` path at 2 threads (every block decoded by the
+  Rust decoder, then SDPA fp32), fewer repetitions.
+
+torch's OpenMP threads are told to sleep when idle (``OMP_WAIT_POLICY=PASSIVE``), so that
+their spinning does not slow whichever method runs next. Reported: median ms over the
+repetitions, speed-up against SDPA fp32 at the same thread
+count, bytes held, and the machine's load average before and after (``os.getloadavg``; 2
+cores here, shared). Writes ``bench-out/decode_attention.json`` and ``.md``.
+
+    PYTHONPATH=python python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
+        [--bits 3,4] [--reps 15] [--pause-ms 5] [--out bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+# torch's OpenMP threads spin for a while after each parallel region; on 2 cores that took the
+# cores from whatever ran next (a 0.25 ms step measured 2 ms right after SDPA). They sleep
+# instead (set before torch loads its OpenMP runtime).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration  # noqa: E402
+
+SHAPES = ((9, 3, 64), (32, 8, 128))
+BLOCK = 512
+
+
+def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
+          ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray]:
+    """Codes of ``tokens`` rows per kv-head (calibrations water-filled at ``bits`` on a decaying
+    spectrum) and the float K and V they code, ``[1, H_kv, T, D]``."""
+    g = np.random.default_rng(seed)
+    heads = []
+    for _ in range(2 * hkv):
+        q, _ = np.linalg.qr(g.standard_normal((d, d)))
+        lam = 0.9 ** np.arange(d) * g.uniform(0.5, 1.5, d)
+        mean = 0.3 * g.standard_normal(d)
+        fit = calibration.fit_stream(mean, (q * lam) @ q.T, bits)
+        heads.append((fit.codec(), mean, q, lam))
+    codes = kt.LayerCodes([h[0] for h in heads[:hkv]], [h[0] for h in heads[hkv:]])
+    x = np.stack([(h[1] + (g.standard_normal((tokens, d)) * np.sqrt(h[3])) @ h[2].T).astype(np.float32)
+                  for h in heads])
+    for start in range(0, tokens, BLOCK):
+        blobs = [h[0].encode(x[i, start:start + BLOCK], threads=1) for i, h in enumerate(heads)]
+        codes.append_blocks([blobs[:hkv]], [blobs[hkv:]])
+    return codes, x[None, :hkv], x[None, hkv:]
+
+
+PAUSE_S = 0.005
+
+
+def median_ms(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, float]:
+    """Median wall time of each function, the functions alternating within each repetition,
+    with a pause (``--pause-ms``, default 5) before each call: idle worker threads (rayon's,
+    OpenMP's) spin for a moment after a job, and on 2 cores that slowed whichever method ran
+    right after; with the pause every call starts with its threads asleep, as between the
+    layers of a model."""
+    for f in fns.values():
+        f()
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            time.sleep(PAUSE_S)
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def with_torch_threads(n: int, f: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        old = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return f()
+        finally:
+            torch.set_num_threads(old)
+
+    return run
+
+
+def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]:
+    rows = []
+    for hq, hkv, d in SHAPES:
+        for t in tokens:
+            for b in bits:
+                codes, k, v = layer(hkv, d, t, b)
+                g = np.random.default_rng(1)
+                q = (g.standard_normal((1, hq, 1, d)) / np.sqrt(d)).astype(np.float32)
+                tail_k = k[:, :, -1:].copy()
+                tail_v = v[:, :, -1:].copy()
+                qt = torch.from_numpy(q)
+                kf, vf = torch.from_numpy(k), torch.from_numpy(v)
+                kb, vb, qb = kf.to(torch.bfloat16), vf.to(torch.bfloat16), qt.to(torch.bfloat16)
+
+                def codes_fn(threads: int) -> Callable[[], Any]:
+                    return lambda: kt.decode_attention(codes, q, tail_k, tail_v, threads=threads)
+
+                def sdpa(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> Callable[[], Any]:
+                    return lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)
+
+                fns = {}
+                for n in (1, 2):
+                    fns[f"codes {n}t"] = codes_fn(n)
+                    fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, kf, vf))
+                    fns[f"SDPA bf16 {n}t"] = with_torch_threads(n, sdpa(qb, kb, vb))
+                load0 = os.getloadavg()
+                ms = median_ms(fns, reps)
+
+                def decode_then_sdpa() -> Any:
+                    ks = [np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
+                                          for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
+                    vs = [np.concatenate([codes.v_codecs[h].decode(codes.blob(0, h, "v", i))
+                                          for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
+                    kk = torch.from_numpy(np.stack(ks)[None])
+                    vv = torch.from_numpy(np.stack(vs)[None])
+                    return F.scaled_dot_product_attention(qt, kk, vv, enable_gqa=True)
+
+                ms.update(median_ms({"decode + SDPA 2t": with_torch_threads(2, decode_then_sdpa)},
+                                    max(3, reps // 5)))
+                load1 = os.getloadavg()
+                # Agreement with SDPA over the decoded cache (the same numbers, another order).
+                ours = kt.decode_attention(codes, q, tail_k, tail_v)
+                dec = decode_then_sdpa().numpy()
+                row = {
+                    "q_heads": hq, "kv_heads": hkv, "head_dim": d, "T": t, "bits_target": b,
+                    "bits_held": 8 * codes.nbytes / (2 * t * hkv * d),
+                    "m_k": [c.m for c in codes.k_codecs], "m_v": [c.m for c in codes.v_codecs],
+                    "codes_bytes": codes.nbytes, "fp32_bytes": 2 * t * hkv * d * 4,
+                    "ms": ms, "load_before": load0, "load_after": load1,
+                    "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
+                }
+                for n in (1, 2):
+                    row[f"speedup_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes {n}t"]
+                rows.append(row)
+                print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
+                      + f" | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
+    return rows
+
+
+def markdown(res: Dict[str, Any]) -> str:
+    env = res["environment"]
+    lines = [
+        "# One decode step of attention over the codes vs torch SDPA over the float cache",
+        "",
+        f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
+        f"median of {res['reps']} repetitions (methods alternating, {res['pause_ms']:g} ms pause "
+        f"before each call) | load average (1 min) "
+        f"{res['load_min']:.2f}..{res['load_max']:.2f}",
+        "",
+        "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
+        "time at the same thread count (> 1: the codes are faster).",
+        "",
+        "| q/kv heads x D | T | bits held | codes 1t | SDPA fp32 1t | x 1t | codes 2t | SDPA fp32 2t "
+        "| x 2t | SDPA bf16 2t | decode + SDPA 2t | MB codes / fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['q_heads']}/{r['kv_heads']}x{r['head_dim']} | {r['T']} | {r['bits_held']:.2f} | "
+            f"{ms['codes 1t']:.3f} | {ms['SDPA fp32 1t']:.3f} | {r['speedup_vs_sdpa_fp32_1t']:.2f} | "
+            f"{ms['codes 2t']:.3f} | {ms['SDPA fp32 2t']:.3f} | {r['speedup_vs_sdpa_fp32_2t']:.2f} | "
+            f"{ms['SDPA bf16 2t']:.3f} | {ms['decode + SDPA 2t']:.1f} | "
+            f"{r['codes_bytes'] / 1e6:.2f} / {r['fp32_bytes'] / 1e6:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="2048,8192,32768")
+    ap.add_argument("--bits", default="3,4")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--pause-ms", type=float, default=5.0,
+                    help="sleep before each timed call (0: back to back, threads kept warm)")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    global PAUSE_S
+    PAUSE_S = args.pause_ms / 1e3
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    rows = run([int(t) for t in args.tokens.split(",")], [float(b) for b in args.bits.split(",")],
+               args.reps)
+    loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
+    res = {
+        "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+                        "kakeyaturbo": kt.__version__, "python": platform.python_version()},
+        "reps": args.reps, "pause_ms": args.pause_ms, "load_min": min(loads), "load_max": max(loads),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_attention.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / "decode_attention.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

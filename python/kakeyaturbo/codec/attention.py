@@ -1,0 +1,206 @@
+"""Attention over the calibrated codes (SPEC section 12, ``rust/kakeyaturbo/src/attention/``).
+
+A layer's sealed K and V blocks are held as their containers (:class:`LayerCodes`, parsed and
+checked once when appended); :func:`decode_attention` computes one attention step of a chunk
+of query tokens from the codes: each sealed key's score is ``q . mean + g sum_j w_j c_j`` with
+``w`` the query moved into the code domain once, the value sum runs in the code domain and is
+synthesised once per query, raw rows (the sink and the tail) are exact, and one softmax covers
+every position. No key or value is decoded.
+
+The queries must be in the domain the keys were coded in (keys coded after RoPE need queries
+after RoPE, raw rows after RoPE); the kernel does not know which.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from .. import _core
+from ..errors import InvalidInputError
+from . import _checks
+from .calibrated import CalibratedCodec
+
+STREAMS = ("k", "v")
+
+
+class LayerCodes:
+    """The sealed K and V codes of one attention layer, per (batch row, kv-head).
+
+    ``k_codecs[h]``, ``v_codecs[h]``: the :class:`~kakeyaturbo.CalibratedCodec` of kv-head
+    ``h``'s keys and values (every K calibration of one ``D_k``, every V calibration of one
+    ``D_v``); ``batch``: batch rows. A block is the K container and the V container
+    (:meth:`CalibratedCodec.encode` bytes) of the same rows; blocks of one (batch row, kv-head)
+    follow each other in position order. Memory is the containers' bytes (:attr:`nbytes`) plus
+    a few offsets per block. Raises InvalidParameterError for calibrations that do not fit
+    together, TypeError for arguments of the wrong type.
+    """
+
+    def __init__(self, k_codecs: Sequence[CalibratedCodec], v_codecs: Sequence[CalibratedCodec],
+                 batch: int = 1) -> None:
+        ks, vs = tuple(k_codecs), tuple(v_codecs)
+        for name, cs in (("k_codecs", ks), ("v_codecs", vs)):
+            for c in cs:
+                if not isinstance(c, CalibratedCodec):
+                    raise TypeError(f"{name} must hold CalibratedCodec objects, got {type(c).__name__}")
+        self.k_codecs, self.v_codecs = ks, vs
+        self._c = _core.LayerCodes([c._c for c in ks], [c._c for c in vs],
+                                   _checks.integer(batch, "batch", 1))
+
+    @property
+    def batch(self) -> int:
+        return self._c.batch
+
+    @property
+    def kv_heads(self) -> int:
+        return self._c.kv_heads
+
+    @property
+    def k_dim(self) -> int:
+        return self._c.k_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self._c.v_dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every container's bytes (a block shared by repeated batch rows after
+        :meth:`select` counts once per row)."""
+        return self._c.nbytes
+
+    def rows(self) -> int:
+        """Sealed rows, the same in every (batch row, kv-head); InvalidInputError otherwise."""
+        return self._c.rows()
+
+    def rows_at(self, b: int, h: int) -> int:
+        """Sealed rows of (batch row ``b``, kv-head ``h``)."""
+        return self._c.rows_at(_checks.integer(b, "b", 0), _checks.integer(h, "h", 0))
+
+    def num_blocks(self, b: int, h: int) -> int:
+        return self._c.num_blocks(_checks.integer(b, "b", 0), _checks.integer(h, "h", 0))
+
+    def append(self, b: int, h: int, k: Any, v: Any) -> None:
+        """Appends one block (K and V containers of the same rows) to (batch row ``b``,
+        kv-head ``h``). Raises CorruptDataError for damaged bytes, InvalidParameterError for
+        another calibration's, InvalidInputError when the two hold different row counts or a
+        scale lies beyond the float32 range; nothing is kept then."""
+        self._c.append(_checks.integer(b, "b", 0), _checks.integer(h, "h", 0),
+                       _checks.buffer(k), _checks.buffer(v))
+
+    def append_blocks(self, k: Sequence[Sequence[Any]], v: Sequence[Sequence[Any]]) -> None:
+        """Appends one block to every (batch row, kv-head): ``k[b][h]``, ``v[b][h]``
+        containers. Nothing is kept unless every one is accepted."""
+        kk = [[_checks.buffer(x) for x in row] for row in k]
+        vv = [[_checks.buffer(x) for x in row] for row in v]
+        self._c.append_blocks(kk, vv)
+
+    def blob(self, b: int, h: int, stream: str, i: int) -> bytes:
+        """The container bytes of block ``i`` of stream ``"k"`` or ``"v"`` of (b, h)."""
+        return self._c.blob(_checks.integer(b, "b", 0), _checks.integer(h, "h", 0),
+                            _checks.choice(stream, "stream", STREAMS), _checks.integer(i, "i", 0))
+
+    def pop_block(self) -> None:
+        """Removes the last block of every (batch row, kv-head)."""
+        self._c.pop_block()
+
+    def select(self, index: Sequence[int]) -> None:
+        """Keeps the batch rows ``index`` in that order (repeats share their blocks), as beam
+        search reorders a cache."""
+        self._c.select([_checks.integer(i, "a batch row", 0) for i in index])
+
+    def clear(self) -> None:
+        self._c.clear()
+
+    def attend(self, q: Any, tail_k: Any, tail_v: Any, **kwargs: Any
+               ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+        """:func:`decode_attention` over these codes."""
+        return decode_attention(self, q, tail_k, tail_v, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self._c)
+
+
+def _array(v: Any, name: str, ndim: int) -> np.ndarray:
+    """A C-contiguous float32 array of ``ndim`` dimensions (numpy, or a CPU torch tensor)."""
+    if not isinstance(v, np.ndarray):
+        try:
+            v = np.asarray(v)
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"{name} must be a float32 numpy array or CPU tensor ({e})") from None
+    if v.dtype != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {v.dtype}")
+    if v.ndim != ndim:
+        raise InvalidInputError(f"{name} must be {ndim}-D, got shape {v.shape}")
+    return np.ascontiguousarray(v)
+
+
+def _mask(mask: Any, batch: int, n_q: int) -> Optional[np.ndarray]:
+    """The additive mask ``[B, n_q, T]`` float32 from an additive or boolean (True: attend) mask
+    of shape ``[B, n_q, T]`` or ``[B, 1, n_q, T]``."""
+    if mask is None:
+        return None
+    m = mask if isinstance(mask, np.ndarray) else np.asarray(mask)
+    if m.ndim == 4:
+        if m.shape[1] != 1:
+            raise InvalidInputError(f"a 4-D mask must be [B, 1, n_q, T], got {m.shape}")
+        m = m[:, 0]
+    if m.ndim != 3 or m.shape[:2] != (batch, n_q):
+        raise InvalidInputError(f"mask must be [B={batch}, n_q={n_q}, T] (or [B, 1, n_q, T]), "
+                                f"got {m.shape}")
+    if m.dtype == np.bool_:
+        return np.where(m, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    if m.dtype != np.float32:
+        raise TypeError(f"mask must be float32 (additive) or bool, got {m.dtype}")
+    return np.ascontiguousarray(m)
+
+
+def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
+                     sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
+                     softcap: Optional[float] = None, window: Optional[int] = None,
+                     mask: Any = None, threads: Optional[int] = None, return_lse: bool = False
+                     ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    """One attention step of a layer over its sealed codes and raw rows.
+
+    Positions: ``sink`` rows ``0 .. S``, the sealed rows ``S .. S + T_c`` (every (batch row,
+    kv-head) of ``codes`` holds ``T_c``), ``tail`` rows ``S + T_c .. T``; the last ``n_q`` tail
+    rows are the query tokens' own, query ``i`` at position ``T - n_q + i``.
+
+    - ``q``: float32 ``[B, H_q, n_q, D_k]``; query head ``h`` reads kv-head
+      ``h // (H_q // H_kv)``. In the domain the keys were coded in.
+    - ``tail_k`` / ``tail_v``: float32 ``[B, H_kv, R, D_k]`` / ``[B, H_kv, R, D_v]``,
+      ``R >= n_q`` (staging rows, then the current chunk).
+    - ``sink_k`` / ``sink_v``: float32 ``[B, H_kv, S, D_k]`` / ``[B, H_kv, S, D_v]`` or None.
+    - ``scale``: scores are ``scale * q . k`` (default ``1 / sqrt(D_k)``); ``softcap``: then
+      ``softcap * tanh(s / softcap)`` (Gemma 2); ``window``: a query sees the last ``window``
+      positions (its own included); causal always.
+    - ``mask``: additive float32 (finite or ``-inf``) or boolean (True: attend) ``[B, n_q, T]``
+      or ``[B, 1, n_q, T]``, added after the softcap.
+    - ``threads``: None (all cores) or a count; the result is the same for every count.
+
+    Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
+    ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
+    denominator (``-inf`` where it sees nothing). Arrays may be numpy or CPU torch tensors.
+    Raises TypeError for a wrong type, InvalidInputError for shapes that do not fit or
+    non-finite values, InvalidParameterError for a bad scale, softcap or window."""
+    if not isinstance(codes, LayerCodes):
+        raise TypeError(f"codes must be a LayerCodes, got {type(codes).__name__}")
+    b, hkv, dk, dv = codes.batch, codes.kv_heads, codes.k_dim, codes.v_dim
+    qa = _array(q, "q", 4)
+    tk, tv = _array(tail_k, "tail_k", 4), _array(tail_v, "tail_v", 4)
+    if (sink_k is None) != (sink_v is None):
+        raise InvalidInputError("pass both sink_k and sink_v, or neither")
+    if sink_k is None:
+        sk = np.zeros((b, hkv, 0, dk), np.float32)
+        sv = np.zeros((b, hkv, 0, dv), np.float32)
+    else:
+        sk, sv = _array(sink_k, "sink_k", 4), _array(sink_v, "sink_v", 4)
+    n_q = qa.shape[2] if qa.ndim == 4 else 0
+    scale_ = 1.0 / math.sqrt(dk) if scale is None else _checks.real(scale, "scale")
+    cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
+    win = None if window is None else _checks.integer(window, "window", 1)
+    out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
+                               _checks.threads(threads))
+    return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

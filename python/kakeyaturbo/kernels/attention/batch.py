@@ -1,0 +1,176 @@
+"""The device layout the attention kernels read: a layer's sealed codes (a
+:class:`kakeyaturbo.LayerCodes`), per stream, stacked over (batch row, kv-head) pairs, beside
+the calibrations of the kv-heads (:class:`~kakeyaturbo.kernels.CalibrationBatch`, slots
+permuted widest sub-band first as the calibrated kernels lay them out).
+
+Per stream and pair ``bh = b * H_kv + h`` (``T_c`` sealed rows, every pair the same):
+
+- ``codes`` uint8 ``[BH, T_c * max_row_bytes]``: row ``t`` at ``t * row_bytes_h`` (the
+  containers' code fields back to back);
+- ``scale_bits`` int16 ``[BH, T_c]`` (fp16 mantissas) and ``scale_exp`` int32 ``[BH, T_c]``
+  (each row's block exponent): 3 bytes a row on the device, as the containers' 2 plus the
+  block's one shared byte;
+- the outliers as the calibrated kernels batch them (``outlier_ptr`` int64 ``[BH + 1]``,
+  ``outlier_pos`` int64 flat ``row * m_h + j`` over the pair's ``T_c`` rows, ``outlier_bits``
+  int16) and ``rstart`` int64 ``[BH, T_c + 1]``, each row's first outlier.
+
+The containers are read here with numpy after ``LayerCodes`` has checked them (checksum,
+sizes, fingerprint) when they were appended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from ...codec.attention import LayerCodes
+from .._common import ceil_log2, placeholder, row_starts
+from ..calibrated.batch import CalibrationBatch, stack_calibrations
+
+#: Bytes of a calibrated container's header (FORMAT.md).
+HEADER = 40
+
+
+def container_fields(blob: bytes) -> Dict[str, Any]:
+    """The fields of a calibrated container (FORMAT.md) as numpy: ``n``, ``m``, ``row_bytes``,
+    ``codes`` uint8 ``[n, row_bytes]``, ``scale_bits`` uint16 ``[n]`` and ``scale_exp`` (with
+    ``norm``), ``outlier_pos`` int64, ``outlier_bits`` uint16. Trusts a container that
+    :class:`LayerCodes` accepted; raises ValueError on one that does not even parse."""
+    b = bytes(blob)
+    if len(b) < HEADER + 4 or b[:4] != b"KKYC":
+        raise ValueError("not a calibrated container")
+    flags, _metric, n, _d, m, rb, _fp, k = struct.unpack_from("<BBQIIIQI", b, 6)
+    at = HEADER
+    out: Dict[str, Any] = {"n": n, "m": m, "row_bytes": rb}
+    if flags & 1:
+        out["scale_exp"] = struct.unpack_from("<b", b, at)[0]
+        out["scale_bits"] = np.frombuffer(b, np.uint16, n, at + 1).copy()
+        at += 1 + 2 * n
+    out["codes"] = np.frombuffer(b, np.uint8, n * rb, at).reshape(n, rb).copy()
+    at += n * rb
+    nb = ceil_log2(n * m)
+    packed = (k * nb + 7) // 8
+    bits = np.unpackbits(np.frombuffer(b, np.uint8, packed, at), bitorder="little")
+    pos = np.zeros(k, np.int64)
+    if nb:
+        fields = bits[: k * nb].reshape(k, nb).astype(np.int64)
+        pos = (fields << np.arange(nb, dtype=np.int64)).sum(axis=1)
+    out["outlier_pos"] = pos
+    out["outlier_bits"] = np.frombuffer(b, np.uint16, k, at + packed).copy()
+    if at + packed + 2 * k + 4 != len(b):
+        raise ValueError("the container's fields do not fill it")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamCodes:
+    """One stream's sealed codes on the device (see the module docstring) and its
+    calibrations (``cal``, ``H_kv`` heads)."""
+
+    cal: CalibrationBatch
+    codes: torch.Tensor
+    scale_bits: torch.Tensor
+    scale_exp: torch.Tensor
+    outlier_ptr: torch.Tensor
+    outlier_pos: torch.Tensor
+    outlier_bits: torch.Tensor
+    rstart: torch.Tensor
+    rows: int
+
+    @property
+    def has_outliers(self) -> bool:
+        return self.outlier_pos.numel() > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBatch:
+    """A layer's sealed K and V codes on one device, for :func:`decode_attention_triton`."""
+
+    k: StreamCodes
+    v: StreamCodes
+    batch: int
+    kv_heads: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.codes.device
+
+
+def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCodes:
+    b, hkv = codes.batch, codes.kv_heads
+    tc = codes.rows()
+    rb_max = cal.max_row_bytes
+    m = [len(x) for x in cal.bits_host]
+    bh = b * hkv
+    packed = np.zeros((bh, max(tc, 1) * rb_max), np.uint8)
+    sbits = np.zeros((bh, max(tc, 1)), np.uint16)
+    sexp = np.zeros((bh, max(tc, 1)), np.int32)
+    pos: List[np.ndarray] = []
+    obits: List[np.ndarray] = []
+    for i in range(bh):
+        bi, h = divmod(i, hkv)
+        at = 0
+        rb = (sum(cal.bits_host[h]) + 7) // 8
+        pos_i, bits_i = [], []
+        for blk in range(codes.num_blocks(bi, h)):
+            f = container_fields(codes.blob(bi, h, stream, blk))
+            n = f["n"]
+            packed[i, at * rb:(at + n) * rb] = f["codes"].reshape(-1)
+            if "scale_bits" in f:
+                sbits[i, at:at + n] = f["scale_bits"]
+                sexp[i, at:at + n] = f["scale_exp"]
+            pos_i.append(f["outlier_pos"] + at * m[h])
+            bits_i.append(f["outlier_bits"])
+            at += n
+        pos.append(np.concatenate(pos_i) if pos_i else np.zeros(0, np.int64))
+        obits.append(np.concatenate(bits_i) if bits_i else np.zeros(0, np.uint16))
+    dev = cal.device
+    ptr = np.zeros(bh + 1, np.int64)
+    ptr[1:] = np.cumsum([p.size for p in pos])
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+    out = dict(outlier_ptr=t(ptr), outlier_pos=t(np.concatenate(pos)),
+               outlier_bits=t(np.concatenate(obits).view(np.int16)))
+    if out["outlier_pos"].numel():
+        m_bh = torch.tensor([m[i % hkv] for i in range(bh)], dtype=torch.int32, device=dev)
+        rstart = row_starts(out, m_bh, tc, max(m))
+    else:
+        rstart = placeholder(torch.int64, dev)
+    return StreamCodes(cal=cal, codes=t(packed), scale_bits=t(sbits.view(np.int16)),
+                       scale_exp=t(sexp), rstart=rstart, rows=tc, **out)
+
+
+def stack_layer(codes: LayerCodes, device: Any = "cpu") -> LayerBatch:
+    """A layer's sealed codes and calibrations on ``device`` (see the module docstring).
+    Raises InvalidInputError (from ``codes.rows()``) when the pairs hold different row counts,
+    ValueError when the kv-heads' calibrations differ in metric, ``norm`` or outlier
+    threshold (one batch per stream)."""
+    kc = stack_calibrations(codes.k_codecs, device)
+    vc = stack_calibrations(codes.v_codecs, device)
+    return LayerBatch(k=_stream(codes, "k", kc), v=_stream(codes, "v", vc), batch=codes.batch,
+                      kv_heads=codes.kv_heads)
+
+
+def raw_rows(sink: Any, tail: Any, batch: int, kv_heads: int, d: int, device: Any
+             ) -> Tuple[torch.Tensor, int]:
+    """The sink rows then the tail rows of every pair as float32 ``[BH, S + R, d]`` on
+    ``device``, and ``S``."""
+    parts = []
+    rows = []
+    for x in (sink, tail):
+        if x is None:
+            rows.append(0)
+            continue
+        a = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+        if a.ndim != 4 or tuple(a.shape[:2]) != (batch, kv_heads) or a.shape[3] != d:
+            raise ValueError(f"raw rows must be [B={batch}, H_kv={kv_heads}, rows, {d}], "
+                             f"got {tuple(a.shape)}")
+        parts.append(a.to(device=device, dtype=torch.float32).reshape(batch * kv_heads, -1, d))
+        rows.append(a.shape[2])
+    return torch.cat(parts, dim=1).contiguous(), rows[0]

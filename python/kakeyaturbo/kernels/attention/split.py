@@ -1,0 +1,271 @@
+"""Decode attention over the codes, first launch: one program per (batch row, kv-head) pair and
+piece of the positions (flash-decoding), each leaving a partial softmax.
+
+A piece of sealed rows moves the pair's queries (``G * n_q`` rows, padded to ``QP``) into the
+K codes' domain once (``w = r H(s S' q)`` per sub-band, ``q . mean``), then per tile of ``BN``
+rows: unpacks the K indices of every slot (its byte and shift, at most two bytes since widths
+are <= 8), looks up the centroids, applies the outliers, scores ``g (w . c) + q . mean``,
+softcap, mask, causal and window rules, the online softmax, and adds ``p g`` times the V
+centroids into a code-domain sum ``[QP, MPV]`` (the synthesis waits for ``combine.py``). The
+last piece of every pair runs over its raw rows (sink, then tail) exactly. Nothing is decoded
+to ``D`` wide rows.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._common import band_hadamard, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
+from ..calibrated.batch import TABLE_LEN, TABLE_ROWS
+from .batch import LayerBatch
+
+_TLEN = tl.constexpr(TABLE_LEN)
+_TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
+
+
+@triton.jit
+def tanh(x):
+    """``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2 |x|)`` (the Rust kernel's formula)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def stream_rows(codes_ptr, PB, sbits_ptr, sexp_ptr, rstart_ptr, opos_ptr, obits_ptr,
+                m_ptr, rb_ptr, col_ptr, bits_ptr, byte_ptr, shift_ptr, cent_ptr,
+                bh, h, rows, rmask, TC, norm, has_out, MP: tl.constexpr):
+    """The centroids ``[BN, MP]`` (slot order, outliers applied, 0 in padding slots and past
+    the rows) and scales ``[BN]`` (0 past the rows) of rows ``rows`` of pair ``bh``, whose
+    kv-head ``h`` gives the calibration."""
+    slots = tl.arange(0, MP)
+    hs = h * MP + slots
+    b = tl.load(bits_ptr + hs)
+    valid = b > 0
+    m2 = rmask[:, None] & valid[None, :]
+    by = tl.load(byte_ptr + hs)
+    sh = tl.load(shift_ptr + hs)
+    rb = tl.load(rb_ptr + h)
+    base = codes_ptr + bh * PB + rows[:, None].to(tl.int64) * rb + by[None, :]
+    lo = tl.load(base, mask=m2, other=0).to(tl.int32)
+    hi = tl.load(base + 1, mask=m2 & (sh + b > 8)[None, :], other=0).to(tl.int32)
+    code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << b) - 1)[None, :]
+    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
+    q = tl.where(m2, q, 0.0)
+    if has_out != 0:
+        m_h = tl.load(m_ptr + h)
+        col = tl.load(col_ptr + hs)
+        start = tl.load(rstart_ptr + bh * (TC + 1) + rows, mask=rmask, other=0)
+        count = tl.load(rstart_ptr + bh * (TC + 1) + rows + 1, mask=rmask, other=0) - start
+        for j in range(0, tl.max(count, 0)):
+            has = j < count
+            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
+            c = p - rows.to(tl.int64) * m_h
+            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            q = tl.where(has[:, None] & (c[:, None] == col[None, :]) & valid[None, :], v[:, None], q)
+    g = tl.where(rmask, 1.0, 0.0)
+    if norm != 0:
+        g = from_scaled_f16(tl.load(sbits_ptr + bh * TC + rows, mask=rmask, other=0),
+                            tl.load(sexp_ptr + bh * TC + rows, mask=rmask, other=0))
+    return q, g
+
+
+@triton.jit
+def finish_scores(s, pos, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap, window, has_mask):
+    """Softcap, then the mask, and ``-inf`` where a query does not see a position (causal,
+    window, past the rows, padding query rows)."""
+    if softcap > 0:
+        s = softcap * tanh(s / softcap)
+    seen = rmask[None, :] & rvalid[:, None] & (pos[None, :] <= qpos[:, None])
+    if window > 0:
+        seen = seen & (qpos[:, None] - pos[None, :] < window)
+    if has_mask != 0:
+        s = s + tl.load(mask_ptr + (b * NQ + i)[:, None] * T + pos[None, :], mask=seen, other=0.0)
+    return tl.where(seen, s, float("-inf"))
+
+
+@triton.jit
+def online_softmax(s, mx, den):
+    """One tile of the online softmax: returns the new maximum, denominator, the weights and
+    the factor the sums so far are multiplied by (rows that have seen nothing stay at
+    ``-inf`` / 0)."""
+    new = tl.maximum(mx, tl.max(s, 1))
+    safe = tl.where(new == float("-inf"), 0.0, new)
+    alpha = tl.exp(mx - safe)
+    p = tl.exp(s - safe[:, None])
+    return new, den * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit(do_not_specialize=["kpb", "vpb", "HKV", "G", "NQ", "TC", "SROWS", "RAW", "T", "DK", "DV",
+                               "NCODE", "NS", "WACC", "scale", "softcap", "window", "has_mask",
+                               "knorm", "vnorm", "kout", "vout"])
+def _split_kernel(
+    q_ptr, rk_ptr, rv_ptr, mask_ptr,
+    kc_ptr, kpb, ksb_ptr, kse_ptr, krs_ptr, kop_ptr, kob_ptr,
+    km_ptr, krb_ptr, kcol_ptr, kbits_ptr, kwidth_ptr, krnorm_ptr, ksigns_ptr, kbyte_ptr, kshift_ptr,
+    kcent_ptr, ksyn_ptr, kmean_ptr,
+    vc_ptr, vpb, vsb_ptr, vse_ptr, vrs_ptr, vop_ptr, vob_ptr,
+    vm_ptr, vrb_ptr, vcol_ptr, vbits_ptr, vbyte_ptr, vshift_ptr, vcent_ptr,
+    pm_ptr, pl_ptr, pacc_ptr,
+    HKV, G, NQ, TC, SROWS, RAW, T, DK, DV, NCODE, NS, WACC,
+    scale, softcap, window, has_mask, knorm, vnorm, kout, vout,
+    QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
+    BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, SPLIT: tl.constexpr, BDC: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    r = tl.arange(0, QP)
+    rvalid = r < G * NQ
+    g = r // NQ
+    i = r % NQ
+    qrow = (b * (HKV * G) + h * G + g) * NQ + i
+    dk = tl.arange(0, BDK)
+    dkm = dk < DK
+    qs = tl.load(q_ptr + qrow[:, None] * DK + dk[None, :], mask=rvalid[:, None] & dkm[None, :], other=0.0)
+    qs = qs * scale
+    qpos = T - NQ + i
+    mx = tl.full((QP,), float("-inf"), tl.float32)
+    den = tl.zeros((QP,), tl.float32)
+    out_at = (bh * NS + sp) * QP + r
+    if sp < NCODE:
+        hk = h * MPK + tl.arange(0, MPK)
+        # S' q and q . mean in chunks of BDC columns (S' is MPK x D: too big for shared memory
+        # at once when both are 256).
+        v = tl.zeros((QP, MPK), tl.float32)
+        qm = tl.zeros((QP,), tl.float32)
+        for d0 in range(0, DK, BDC):
+            dc = d0 + tl.arange(0, BDC)
+            dcm = dc < DK
+            qc = tl.load(q_ptr + qrow[:, None] * DK + dc[None, :], mask=rvalid[:, None] & dcm[None, :],
+                         other=0.0) * scale
+            syn = tl.load(ksyn_ptr + hk[:, None] * DK + dc[None, :], mask=dcm[None, :], other=0.0)
+            v += tl.dot(qc, tl.trans(syn), input_precision="ieee")
+            qm += tl.sum(qc * tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :], 1)
+        v = v * tl.load(ksigns_ptr + hk)[None, :]
+        v = band_hadamard(v, tl.load(kwidth_ptr + hk)[None, :], QP, MPK, LOG_MPK)
+        w = v * tl.load(krnorm_ptr + hk)[None, :]
+        acc = tl.zeros((QP, MPV), tl.float32)
+        lo = sp * SPLIT
+        hi = tl.minimum(lo + SPLIT, TC)
+        for t0 in range(lo, hi, BN):
+            rows = t0 + tl.arange(0, BN)
+            rmask = rows < hi
+            kq, gk = stream_rows(kc_ptr, kpb, ksb_ptr, kse_ptr, krs_ptr, kop_ptr, kob_ptr,
+                                 km_ptr, krb_ptr, kcol_ptr, kbits_ptr, kbyte_ptr, kshift_ptr, kcent_ptr,
+                                 bh, h, rows, rmask, TC, knorm, kout, MPK)
+            s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
+            s = finish_scores(s, SROWS + rows, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap,
+                              window, has_mask)
+            mx, den, p, alpha = online_softmax(s, mx, den)
+            vq, gv = stream_rows(vc_ptr, vpb, vsb_ptr, vse_ptr, vrs_ptr, vop_ptr, vob_ptr,
+                                 vm_ptr, vrb_ptr, vcol_ptr, vbits_ptr, vbyte_ptr, vshift_ptr, vcent_ptr,
+                                 bh, h, rows, rmask, TC, vnorm, vout, MPV)
+            acc = acc * alpha[:, None] + tl.dot(p * gv[None, :], vq, input_precision="ieee")
+        cols = tl.arange(0, MPV)
+        tl.store(pacc_ptr + out_at[:, None] * WACC + cols[None, :], acc)
+    else:
+        dv = tl.arange(0, BDV)
+        dvm = dv < DV
+        acc = tl.zeros((QP, BDV), tl.float32)
+        for t0 in range(0, RAW, BN):
+            rows = t0 + tl.arange(0, BN)
+            rmask = rows < RAW
+            at = bh * RAW + rows
+            kt = tl.load(rk_ptr + at[:, None] * DK + dk[None, :], mask=rmask[:, None] & dkm[None, :], other=0.0)
+            s = tl.dot(qs, tl.trans(kt), input_precision="ieee")
+            pos = tl.where(rows < SROWS, rows, rows + TC)
+            s = finish_scores(s, pos, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap, window,
+                              has_mask)
+            mx, den, p, alpha = online_softmax(s, mx, den)
+            vt = tl.load(rv_ptr + at[:, None] * DV + dv[None, :], mask=rmask[:, None] & dvm[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        tl.store(pacc_ptr + out_at[:, None] * WACC + dv[None, :], acc)
+    tl.store(pm_ptr + out_at, mx)
+    tl.store(pl_ptr + out_at, den)
+
+
+def _settings(tc: int, qp: int, mp: int) -> Dict[str, int]:
+    """Rows per tile and per piece, columns per chunk of the query transform, and warps (the
+    tiles of a dot sit in shared memory: at most 227 KB on sm_90)."""
+    if is_interpreter():
+        return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4}
+    return {"BN": 64 if mp <= 128 and qp <= 32 else 32, "SPLIT": 1024 if tc >= 8192 else 512,
+            "BDC": 64 if mp <= 128 else 32, "num_warps": 4 if mp <= 64 else 8}
+
+
+def query_rows(group: int, n_q: int) -> int:
+    """``QP``: the padded query rows of a pair (``G * n_q``, at least 16 for the dots)."""
+    return max(16, next_pow2(group * n_q))
+
+
+def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw_v: torch.Tensor,
+                    sink_rows: int, mask: Optional[torch.Tensor], scale: float,
+                    softcap: Optional[float], window: Optional[int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The partial softmaxes of every pair and piece, on the layer's device.
+
+    ``q``: float32 ``[B, H_q, n_q, D_k]`` contiguous; ``raw_k`` / ``raw_v``: float32 ``[BH,
+    RAW, D_k]`` / ``[BH, RAW, D_v]`` contiguous, the sink's ``sink_rows`` rows then the tail's;
+    ``mask``: float32 ``[B, n_q, T]`` contiguous or None. Returns ``pm``, ``pl`` float32 ``[BH,
+    NS, QP]`` (maxima, denominators), ``pacc`` float32 ``[BH, NS, QP, max(MPV, BDV)]``
+    (code-domain sums of the ``NS - 1`` pieces of sealed rows in slot order, then the raw
+    rows' sum) and ``NCODE = NS - 1``. Raises ValueError on shapes, dtypes or devices that do
+    not fit."""
+    dev, hkv = layer.device, layer.kv_heads
+    kc, vc = layer.k, layer.v
+    b, dk, dv = layer.batch, kc.cal.dim, vc.cal.dim
+    if q.ndim != 4 or q.shape[0] != b or q.shape[1] % hkv or q.shape[3] != dk or q.dtype != torch.float32:
+        raise ValueError(f"q must be float32 [B={b}, H_q (a multiple of {hkv}), n_q, D_k={dk}], "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    bh, nq = b * hkv, q.shape[2]
+    group = q.shape[1] // hkv
+    raw = raw_k.shape[1]
+    for name, t, d in (("raw_k", raw_k, dk), ("raw_v", raw_v, dv)):
+        if tuple(t.shape) != (bh, raw, d) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [{bh}, {raw}, {d}], got "
+                             f"{t.dtype} {tuple(t.shape)}")
+        check_device(name, t, dev)
+    check_device("q", q, dev)
+    tc = kc.rows
+    total = sink_rows + tc + raw - sink_rows
+    if not 0 <= sink_rows <= raw or raw - sink_rows < nq:
+        raise ValueError(f"{raw} raw rows cannot hold {sink_rows} sink rows and the {nq} query rows")
+    if mask is not None:
+        if tuple(mask.shape) != (b, nq, total) or mask.dtype != torch.float32 or not mask.is_contiguous():
+            raise ValueError(f"mask must be contiguous float32 [{b}, {nq}, {total}], got "
+                             f"{mask.dtype} {tuple(mask.shape)}")
+        check_device("mask", mask, dev)
+    qp = query_rows(group, nq)
+    mpk, mpv = kc.cal.slots, vc.cal.slots
+    shapes = {"QP": qp, "MPK": mpk, "LOG_MPK": max(mpk - 1, 0).bit_length(), "MPV": mpv,
+              "BDK": max(16, next_pow2(dk)), "BDV": max(16, next_pow2(dv))}
+    st = _settings(tc, qp, max(mpk, mpv))
+    ncode = triton.cdiv(tc, st["SPLIT"])
+    ns = ncode + 1
+    wacc = max(mpv, shapes["BDV"])
+    pm = empty((bh, ns, qp), torch.float32, dev)
+    pl = empty((bh, ns, qp), torch.float32, dev)
+    pacc = empty((bh, ns, qp, wacc), torch.float32, dev)
+    f32 = placeholder(torch.float32, dev)
+    _split_kernel[(bh, ns)](
+        q.contiguous(), raw_k, raw_v, f32 if mask is None else mask,
+        kc.codes, kc.codes.shape[1], kc.scale_bits, kc.scale_exp, kc.rstart, kc.outlier_pos,
+        kc.outlier_bits,
+        kc.cal.m, kc.cal.row_bytes, kc.cal.col, kc.cal.bits, kc.cal.width, kc.cal.rnorm, kc.cal.signs,
+        kc.cal.byte, kc.cal.shift, kc.cal.centroids, kc.cal.synthesis, kc.cal.mean,
+        vc.codes, vc.codes.shape[1], vc.scale_bits, vc.scale_exp, vc.rstart, vc.outlier_pos,
+        vc.outlier_bits,
+        vc.cal.m, vc.cal.row_bytes, vc.cal.col, vc.cal.bits, vc.cal.byte, vc.cal.shift, vc.cal.centroids,
+        pm, pl, pacc,
+        hkv, group, nq, tc, sink_rows, raw, total, dk, dv, ncode, ns, wacc,
+        float(scale), float(softcap or 0.0), int(window or 0), int(mask is not None),
+        int(kc.cal.norm), int(vc.cal.norm), int(kc.has_outliers), int(vc.has_outliers),
+        BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"], **shapes,
+    )
+    return pm, pl, pacc, ncode

@@ -1,0 +1,77 @@
+"""The torch reference of attention over the codes: decode every sealed block (through the Rust
+decoder, :meth:`kakeyaturbo.CalibratedCodec.decode`), put the full K and V together with the raw
+rows, and run plain attention in float64 with the same scaling, softcap, causal and sliding
+window rules and mask as :func:`kakeyaturbo.decode_attention`.
+
+It is the definition the kernels (Rust, Triton) are checked against; nothing in it is fast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..codec.attention import LayerCodes, _mask
+
+__all__ = ["decoded_kv", "reference_attention"]
+
+
+def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v: Any
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every position's keys and values, float64 ``[B, H_kv, T, D_k]`` and ``[.., D_v]``: the
+    sink rows, each sealed block decoded, the tail rows (``sink_*`` may be None)."""
+    b, hkv = codes.batch, codes.kv_heads
+    ks, vs = [], []
+    for bi in range(b):
+        kr, vr = [], []
+        for h in range(hkv):
+            k = [] if sink_k is None else [np.asarray(sink_k)[bi, h]]
+            v = [] if sink_v is None else [np.asarray(sink_v)[bi, h]]
+            for i in range(codes.num_blocks(bi, h)):
+                k.append(codes.k_codecs[h].decode(codes.blob(bi, h, "k", i)))
+                v.append(codes.v_codecs[h].decode(codes.blob(bi, h, "v", i)))
+            k.append(np.asarray(tail_k)[bi, h])
+            v.append(np.asarray(tail_v)[bi, h])
+            kr.append(torch.from_numpy(np.concatenate(k).astype(np.float64)))
+            vr.append(torch.from_numpy(np.concatenate(v).astype(np.float64)))
+        ks.append(torch.stack(kr))
+        vs.append(torch.stack(vr))
+    return torch.stack(ks), torch.stack(vs)
+
+
+def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
+                        sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
+                        softcap: Optional[float] = None, window: Optional[int] = None,
+                        mask: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the decoded cache in float64; the arguments of
+    :func:`kakeyaturbo.decode_attention`. Returns ``(out [B, H_q, n_q, D_v], lse [B, H_q,
+    n_q])`` float64 tensors: a query that sees no position has output 0 and lse ``-inf``."""
+    k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v)
+    qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
+    b, hq, nq, dk = qd.shape
+    group = hq // codes.kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    t = k.shape[2]
+    s = (qd @ k.transpose(-1, -2)) * (1.0 / math.sqrt(dk) if scale is None else float(scale))
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    qpos = torch.arange(t - nq, t)[:, None]
+    pos = torch.arange(t)[None, :]
+    seen = pos <= qpos
+    if window is not None:
+        seen &= qpos - pos < window
+    s = s.masked_fill(~seen, float("-inf"))
+    m = _mask(mask, b, nq)
+    if m is not None:
+        s = s + torch.from_numpy(m.astype(np.float64))[:, None]
+    top = s.amax(dim=-1, keepdim=True)
+    none = torch.isinf(top) & (top < 0)
+    p = torch.exp(s - torch.where(none, torch.zeros_like(top), top))
+    den = p.sum(dim=-1, keepdim=True)
+    out = torch.where(none, torch.zeros(()), (p @ v) / torch.where(none, torch.ones_like(den), den))
+    lse = torch.where(none, torch.full_like(top, float("-inf")), top + torch.log(den))[..., 0]
+    return out, lse

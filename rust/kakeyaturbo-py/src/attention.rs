@@ -1,0 +1,291 @@
+//! `LayerCodes`: a layer's sealed K and V codes and one attention step over them.
+
+use crate::calibrated::PyCalibratedCodec;
+use crate::convert;
+use crate::errors::{invalid_input, run, to_py};
+use kakeyaturbo::attention::{attend, AttentionParams, LayerCodes, RawRows, StreamTables};
+use kakeyaturbo::threads::with_threads;
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyTuple};
+use std::sync::Arc;
+
+/// Borrows a C-contiguous float32 array of `ndim` dimensions: its values and shape.
+fn array<'a>(
+    py: Python<'_>,
+    a: &'a PyReadonlyArrayDyn<'_, f32>,
+    name: &str,
+    ndim: usize,
+) -> PyResult<(&'a [f32], Vec<usize>)> {
+    let shape = a.shape().to_vec();
+    if shape.len() != ndim {
+        return Err(invalid_input(
+            py,
+            format!("{name} must be {ndim}-D, got shape {shape:?}"),
+        ));
+    }
+    let s = a
+        .as_slice()
+        .map_err(|_| invalid_input(py, format!("{name} must be C-contiguous")))?;
+    Ok((s, shape))
+}
+
+/// A non-negative index (ints out of range are InvalidParameterError, never OverflowError).
+fn index(py: Python<'_>, v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    convert::int_in(py, v, what, 0, u32::MAX as i128)
+}
+
+/// The sealed K and V codes of one attention layer, per (batch row, kv-head).
+#[pyclass(name = "LayerCodes", module = "kakeyaturbo._core")]
+pub struct PyLayerCodes {
+    inner: LayerCodes,
+}
+
+fn tables(codecs: &[PyRef<'_, PyCalibratedCodec>]) -> Vec<Arc<StreamTables>> {
+    codecs
+        .iter()
+        .map(|c| Arc::new(StreamTables::new(c.codec())))
+        .collect()
+}
+
+#[pymethods]
+impl PyLayerCodes {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        k_codecs: Vec<PyRef<'_, PyCalibratedCodec>>,
+        v_codecs: Vec<PyRef<'_, PyCalibratedCodec>>,
+        batch: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let batch: usize = convert::int_in(py, batch, "batch", 1, 1 << 20)?;
+        let (k, v) = (tables(&k_codecs), tables(&v_codecs));
+        let inner = LayerCodes::new(k, v, batch).map_err(|e| to_py(py, e))?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn batch(&self) -> usize {
+        self.inner.batch()
+    }
+    #[getter]
+    fn kv_heads(&self) -> usize {
+        self.inner.kv_heads()
+    }
+    #[getter]
+    fn k_dim(&self) -> usize {
+        self.inner.k_dim()
+    }
+    #[getter]
+    fn v_dim(&self) -> usize {
+        self.inner.v_dim()
+    }
+    /// Bytes held: every container's bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    /// Sealed rows, the same in every (batch row, kv-head) (else InvalidInputError).
+    fn rows(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.common_rows().map_err(|e| to_py(py, e))
+    }
+
+    fn rows_at(
+        &self,
+        py: Python<'_>,
+        b: &Bound<'_, PyAny>,
+        h: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let (b, h) = (index(py, b, "b")?, index(py, h, "h")?);
+        self.inner.rows(b, h).map_err(|e| to_py(py, e))
+    }
+
+    fn num_blocks(
+        &self,
+        py: Python<'_>,
+        b: &Bound<'_, PyAny>,
+        h: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let (b, h) = (index(py, b, "b")?, index(py, h, "h")?);
+        self.inner.num_blocks(b, h).map_err(|e| to_py(py, e))
+    }
+
+    /// Appends one block to (batch row `b`, kv-head `h`): both containers are parsed and
+    /// checked once, here.
+    fn append(
+        &mut self,
+        py: Python<'_>,
+        b: &Bound<'_, PyAny>,
+        h: &Bound<'_, PyAny>,
+        k: &[u8],
+        v: &[u8],
+    ) -> PyResult<()> {
+        let (b, h) = (index(py, b, "b")?, index(py, h, "h")?);
+        let (k, v) = (k.to_vec(), v.to_vec());
+        let inner = &mut self.inner;
+        run(py, || inner.append(b, h, k, v))
+    }
+
+    /// Appends one block to every (batch row, kv-head): `k[b][h]`, `v[b][h]` (bytes).
+    /// Nothing is kept unless every container is accepted.
+    fn append_blocks(
+        &mut self,
+        py: Python<'_>,
+        k: Vec<Vec<Vec<u8>>>,
+        v: Vec<Vec<Vec<u8>>>,
+    ) -> PyResult<()> {
+        let (batch, heads) = (self.inner.batch(), self.inner.kv_heads());
+        for (name, x) in [("k", &k), ("v", &v)] {
+            if x.len() != batch || x.iter().any(|r| r.len() != heads) {
+                return Err(invalid_input(
+                    py,
+                    format!("{name} must hold [batch={batch}][kv_heads={heads}] containers"),
+                ));
+            }
+        }
+        let mut next = self.inner.clone();
+        run(py, || {
+            for (b, (kr, vr)) in k.into_iter().zip(v).enumerate() {
+                for (h, (kb, vb)) in kr.into_iter().zip(vr).enumerate() {
+                    next.append(b, h, kb, vb)?;
+                }
+            }
+            Ok(())
+        })?;
+        self.inner = next;
+        Ok(())
+    }
+
+    /// The container bytes of block `i` of stream `"k"` or `"v"` of (b, h).
+    fn blob<'py>(
+        &self,
+        py: Python<'py>,
+        b: &Bound<'py, PyAny>,
+        h: &Bound<'py, PyAny>,
+        stream: &str,
+        i: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (b, h, i) = (index(py, b, "b")?, index(py, h, "h")?, index(py, i, "i")?);
+        let x = self.inner.blob(b, h, stream, i).map_err(|e| to_py(py, e))?;
+        Ok(PyBytes::new(py, x))
+    }
+
+    /// Removes the last block of every (batch row, kv-head).
+    fn pop_block(&mut self) {
+        self.inner.pop_block();
+    }
+
+    /// Keeps batch rows `index`, in that order (repeats allowed).
+    fn select(&mut self, py: Python<'_>, index: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        let rows = index
+            .iter()
+            .map(|v| self::index(py, v, "a batch row"))
+            .collect::<PyResult<Vec<usize>>>()?;
+        self.inner.select(&rows).map_err(|e| to_py(py, e))
+    }
+
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+
+    /// One attention step; see `kakeyaturbo.codec.attention.LayerCodes.attend`.
+    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attend<'py>(
+        &self,
+        py: Python<'py>,
+        q: PyReadonlyArrayDyn<'py, f32>,
+        sink_k: PyReadonlyArrayDyn<'py, f32>,
+        sink_v: PyReadonlyArrayDyn<'py, f32>,
+        tail_k: PyReadonlyArrayDyn<'py, f32>,
+        tail_v: PyReadonlyArrayDyn<'py, f32>,
+        mask: Option<PyReadonlyArrayDyn<'py, f32>>,
+        scale: &Bound<'py, PyAny>,
+        softcap: Option<&Bound<'py, PyAny>>,
+        window: Option<&Bound<'py, PyAny>>,
+        threads: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let threads = convert::threads(py, threads)?;
+        let scale = convert::float(py, scale, "scale")? as f32;
+        let softcap = match softcap {
+            Some(c) if !c.is_none() => Some(convert::float(py, c, "softcap")? as f32),
+            _ => None,
+        };
+        let window: Option<usize> = match window {
+            Some(w) if !w.is_none() => Some(convert::int_in(py, w, "window", 1, u32::MAX as i128)?),
+            _ => None,
+        };
+        let (qs, qshape) = array(py, &q, "q", 4)?;
+        let (b, hkv, dk, dv) = (
+            self.inner.batch(),
+            self.inner.kv_heads(),
+            self.inner.k_dim(),
+            self.inner.v_dim(),
+        );
+        if qshape[0] != b || qshape[3] != dk {
+            return Err(invalid_input(
+                py,
+                format!("q must be [B={b}, H_q, n_q, D_k={dk}], got {qshape:?}"),
+            ));
+        }
+        let (hq, nq) = (qshape[1], qshape[2]);
+        let mut raw = Vec::new();
+        for (name, a, d) in [
+            ("sink_k", &sink_k, dk),
+            ("sink_v", &sink_v, dv),
+            ("tail_k", &tail_k, dk),
+            ("tail_v", &tail_v, dv),
+        ] {
+            let (s, shape) = array(py, a, name, 4)?;
+            if shape[0] != b || shape[1] != hkv || shape[3] != d {
+                return Err(invalid_input(
+                    py,
+                    format!("{name} must be [B={b}, H_kv={hkv}, rows, {d}], got {shape:?}"),
+                ));
+            }
+            raw.push((s, shape[2]));
+        }
+        if raw[0].1 != raw[1].1 || raw[2].1 != raw[3].1 {
+            return Err(invalid_input(py, "keys and values must have the same rows"));
+        }
+        let m = match &mask {
+            Some(m) => Some(array(py, m, "mask", 3)?.0),
+            None => None,
+        };
+        let p = AttentionParams {
+            scale,
+            softcap,
+            window,
+        };
+        let inner = &self.inner;
+        let sink = RawRows {
+            k: raw[0].0,
+            v: raw[1].0,
+            rows: raw[0].1,
+        };
+        let tail = RawRows {
+            k: raw[2].0,
+            v: raw[3].0,
+            rows: raw[2].1,
+        };
+        let o = run(py, || {
+            with_threads(threads, || attend(inner, qs, hq, nq, sink, tail, m, &p))?
+        })?;
+        let out: Bound<'py, PyArrayDyn<f32>> =
+            PyArray1::from_vec(py, o.out).reshape(vec![b, hq, nq, dv])?;
+        let lse: Bound<'py, PyArrayDyn<f32>> =
+            PyArray1::from_vec(py, o.lse).reshape(vec![b, hq, nq])?;
+        PyTuple::new(py, [out.into_any(), lse.into_any()])
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "LayerCodes(batch={}, kv_heads={}, k_dim={}, v_dim={}, nbytes={})",
+            self.inner.batch(),
+            self.inner.kv_heads(),
+            self.inner.k_dim(),
+            self.inner.v_dim(),
+            self.inner.nbytes()
+        )
+    }
+}

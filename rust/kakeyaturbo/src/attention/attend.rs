@@ -1,0 +1,754 @@
+//! One attention step of one layer over sealed codes and raw rows: input checks, the split of
+//! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon, and their
+//! combination in a fixed order (so the result is the same at any thread count).
+
+use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
+use super::math::{exp_neg, hsum16, tanh, tile_sum};
+use super::store::LayerCodes;
+use crate::error::{input, param, Result};
+use rayon::prelude::*;
+
+/// Tiles per piece of work over the codes (512 rows): fixed, so that the pieces, and hence
+/// the result, do not depend on the thread count.
+pub const SPLIT_TILES: usize = 8;
+
+/// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
+/// then the additive mask; a query sees only positions at or before its own and, with a
+/// `window`, the last `window` of them (its own included).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+    pub window: Option<usize>,
+}
+
+/// Raw rows of K and V for every (batch row, kv-head): `k` is `[B, H_kv, rows, D_k]`, `v`
+/// `[B, H_kv, rows, D_v]`, row-major float32.
+#[derive(Debug, Clone, Copy)]
+pub struct RawRows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub rows: usize,
+}
+
+impl RawRows<'_> {
+    pub const EMPTY: RawRows<'static> = RawRows {
+        k: &[],
+        v: &[],
+        rows: 0,
+    };
+}
+
+/// The attention output `[B, H_q, n_q, D_v]` and the natural log of each query's softmax
+/// denominator (`-inf` for a query that sees no position; its output is 0), `[B, H_q, n_q]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionOutput {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+}
+
+/// The instruction sets with a kernel of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust (compiled for AVX2 + FMA where the CPU has them).
+    Portable,
+    /// x86_64 with AVX-512 F, BW, VL and VBMI2.
+    Avx512,
+}
+
+impl Isa {
+    /// The fastest one this CPU runs.
+    pub fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::avx512::available() {
+                return Isa::Avx512;
+            }
+        }
+        Isa::Portable
+    }
+}
+
+/// One step of attention of `n_q` query tokens per query head over a layer's positions:
+/// `sink` rows (positions `0 .. S`), the sealed codes (`S .. S + T_c`, every (batch row,
+/// kv-head) holding `T_c` rows), and `tail` rows (`S + T_c .. T`), whose last `n_q` rows are
+/// the queries' own tokens (query `i` sits at position `T - n_q + i`).
+///
+/// `q` is `[B, H_q, n_q, D_k]` (query head `h` reads kv-head `h / (H_q / H_kv)`), in the
+/// domain the keys were coded in; `mask` an optional additive `[B, n_q, T]` (finite or
+/// `-inf`). Sealed scores come from the codes (no key is decoded), raw ones exactly, one
+/// softmax over all; the value sum runs over the codes and is synthesised once per query.
+/// Checks every input; never panics on any; an output that overflows float32 is
+/// [`crate::Error::Numerical`].
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    codes: &LayerCodes,
+    q: &[f32],
+    q_heads: usize,
+    n_q: usize,
+    sink: RawRows<'_>,
+    tail: RawRows<'_>,
+    mask: Option<&[f32]>,
+    p: &AttentionParams,
+) -> Result<AttentionOutput> {
+    attend_with(Isa::best(), codes, q, q_heads, n_q, sink, tail, mask, p)
+}
+
+/// [`attend`] on a given instruction set (which this CPU must run: [`Isa::best`] or
+/// [`Isa::Portable`]). Every instruction set computes the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_with(
+    isa: Isa,
+    codes: &LayerCodes,
+    q: &[f32],
+    q_heads: usize,
+    n_q: usize,
+    sink: RawRows<'_>,
+    tail: RawRows<'_>,
+    mask: Option<&[f32]>,
+    p: &AttentionParams,
+) -> Result<AttentionOutput> {
+    if isa == Isa::Avx512 && Isa::best() != Isa::Avx512 {
+        return param("this CPU does not run the AVX-512 kernel");
+    }
+    let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p)?;
+    let preps: Vec<Prep> = (0..cx.batch * cx.kv_heads)
+        .into_par_iter()
+        .map(|bh| prep(&cx, bh))
+        .collect();
+    let tasks = cx.tasks();
+    let parts: Vec<Part> = tasks
+        .par_iter()
+        .map_init(
+            || Scratch::for_layer(codes),
+            |s, t| run_task(isa, &cx, &preps[t.bh], t, s),
+        )
+        .collect();
+    // Finite inputs and codes can still overflow float32 (scores or value sums of keys and
+    // values near its limit): a typed error, never a NaN or a silently dropped position.
+    if parts.iter().any(|p| p.overflow) {
+        return Err(crate::error::Error::Numerical(
+            "attention overflowed float32: a score is beyond its range".into(),
+        ));
+    }
+    let out = combine(&cx, &tasks, &parts);
+    if let Some(i) = out.out.iter().position(|v| !v.is_finite()) {
+        return Err(crate::error::Error::Numerical(format!(
+            "attention overflowed float32 (output value {} at flat index {i}): scores or \
+             value sums beyond its range",
+            out.out[i]
+        )));
+    }
+    Ok(out)
+}
+
+/// The checked inputs of one call.
+struct Ctx<'a> {
+    codes: &'a LayerCodes,
+    q: &'a [f32],
+    sink: RawRows<'a>,
+    tail: RawRows<'a>,
+    mask: Option<&'a [f32]>,
+    scale: f32,
+    softcap: Option<f32>,
+    window: Option<usize>,
+    batch: usize,
+    kv_heads: usize,
+    q_heads: usize,
+    group: usize,
+    n_q: usize,
+    dk: usize,
+    dv: usize,
+    sealed: usize,
+    total: usize,
+}
+
+/// The queries of one (batch row, kv-head) moved into each domain: `qs` scaled (`qr x D_k`),
+/// `w` and `qm` the code-domain weights and `q . mean` of each query row (`r = g * n_q + i`).
+struct Prep {
+    qs: Vec<f32>,
+    w: Vec<f32>,
+    qm: Vec<f32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    Sink,
+    Tail,
+}
+
+/// A piece of work: raw rows `row0 .. row0 + rows` of one source at positions from `pos0`,
+/// or tiles of codes (block, first row, rows, position).
+#[derive(Debug)]
+enum Work {
+    Raw {
+        src: Source,
+        row0: usize,
+        rows: usize,
+        pos0: usize,
+    },
+    Code(Vec<(usize, usize, usize, usize)>),
+}
+
+#[derive(Debug)]
+struct Task {
+    bh: usize,
+    work: Work,
+}
+
+/// The partial softmax of one piece: per query row its running maximum, denominator and
+/// weighted sum (`m` code-domain values, or `D_v` raw ones).
+#[derive(Debug)]
+struct Part {
+    code: bool,
+    /// A score was NaN or `+inf` (float32 overflow).
+    overflow: bool,
+    mx: Vec<f32>,
+    l: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+fn check_finite(name: &str, v: &[f32]) -> Result<()> {
+    match v.iter().position(|x| !x.is_finite()) {
+        Some(i) => input(format!("{name} holds a non-finite value at flat index {i}")),
+        None => Ok(()),
+    }
+}
+
+fn check_len(name: &str, v: &[f32], dims: &[usize], shape: &str) -> Result<()> {
+    let want = dims
+        .iter()
+        .try_fold(1usize, |a, &b| a.checked_mul(b))
+        .ok_or_else(|| crate::error::Error::InvalidInput(format!("{name}: size overflows")))?;
+    if v.len() != want {
+        return input(format!(
+            "{name} must hold {shape} = {dims:?} = {want} values, got {}",
+            v.len()
+        ));
+    }
+    Ok(())
+}
+
+impl<'a> Ctx<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        codes: &'a LayerCodes,
+        q: &'a [f32],
+        q_heads: usize,
+        n_q: usize,
+        sink: RawRows<'a>,
+        tail: RawRows<'a>,
+        mask: Option<&'a [f32]>,
+        p: &AttentionParams,
+    ) -> Result<Self> {
+        let (batch, kv_heads) = (codes.batch(), codes.kv_heads());
+        let (dk, dv) = (codes.k_dim(), codes.v_dim());
+        if q_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
+            return input(format!(
+                "query heads ({q_heads}) must be a positive multiple of the kv-heads ({kv_heads})"
+            ));
+        }
+        if n_q == 0 {
+            return input("n_q must be >= 1");
+        }
+        check_len("q", q, &[batch, q_heads, n_q, dk], "[B, H_q, n_q, D_k]")?;
+        check_finite("q", q)?;
+        for (name, r) in [("sink", &sink), ("tail", &tail)] {
+            check_len(
+                &format!("{name} keys"),
+                r.k,
+                &[batch, kv_heads, r.rows, dk],
+                "[B, H_kv, rows, D_k]",
+            )?;
+            check_len(
+                &format!("{name} values"),
+                r.v,
+                &[batch, kv_heads, r.rows, dv],
+                "[B, H_kv, rows, D_v]",
+            )?;
+            check_finite(&format!("{name} keys"), r.k)?;
+            check_finite(&format!("{name} values"), r.v)?;
+        }
+        if tail.rows < n_q {
+            return input(format!(
+                "the tail ({} rows) must end with the queries' own {n_q} rows",
+                tail.rows
+            ));
+        }
+        let sealed = codes.common_rows()?;
+        let total = sink
+            .rows
+            .checked_add(sealed)
+            .and_then(|t| t.checked_add(tail.rows))
+            .filter(|&t| t <= u32::MAX as usize)
+            .ok_or_else(|| crate::error::Error::InvalidInput("too many positions".into()))?;
+        if let Some(m) = mask {
+            check_len("mask", m, &[batch, n_q, total], "[B, n_q, T]")?;
+            if let Some(i) = m.iter().position(|&x| x.is_nan() || x == f32::INFINITY) {
+                return input(format!(
+                    "mask values must be finite or -inf; flat index {i} is {}",
+                    m[i]
+                ));
+            }
+        }
+        if !p.scale.is_finite() {
+            return param(format!("scale must be finite, got {}", p.scale));
+        }
+        if let Some(c) = p.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                return param(format!("softcap must be finite and > 0, got {c}"));
+            }
+        }
+        if p.window == Some(0) {
+            return param("window must be >= 1");
+        }
+        Ok(Self {
+            codes,
+            q,
+            sink,
+            tail,
+            mask,
+            scale: p.scale,
+            softcap: p.softcap,
+            window: p.window,
+            batch,
+            kv_heads,
+            q_heads,
+            group: q_heads / kv_heads,
+            n_q,
+            dk,
+            dv,
+            sealed,
+            total,
+        })
+    }
+
+    fn qr(&self) -> usize {
+        self.group * self.n_q
+    }
+
+    #[inline(always)]
+    fn prep(&self, bh: usize) -> Prep {
+        let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
+        let t = self.codes.k_store(bh).tables();
+        let (qr, dk, m) = (self.qr(), self.dk, t.m);
+        let mut qs = vec![0f32; qr * dk];
+        let mut w = vec![0f32; qr * m];
+        let mut qm = vec![0f32; qr];
+        for r in 0..qr {
+            let (g, i) = (r / self.n_q, r % self.n_q);
+            let at = ((b * self.q_heads + h * self.group + g) * self.n_q + i) * dk;
+            let dst = &mut qs[r * dk..(r + 1) * dk];
+            for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dk]) {
+                *o = x * self.scale;
+            }
+            if self.sealed > 0 {
+                qm[r] = t.query_weights(dst, &mut w[r * m..(r + 1) * m]);
+            }
+        }
+        Prep { qs, w, qm }
+    }
+
+    /// The pieces of every (batch row, kv-head), in position order within each.
+    fn tasks(&self) -> Vec<Task> {
+        let mut out = Vec::new();
+        let step = SPLIT_TILES * TILE;
+        for bh in 0..self.batch * self.kv_heads {
+            let raw = |src, rows: usize, pos0: usize, out: &mut Vec<Task>| {
+                for row0 in (0..rows).step_by(step) {
+                    out.push(Task {
+                        bh,
+                        work: Work::Raw {
+                            src,
+                            row0,
+                            rows: step.min(rows - row0),
+                            pos0: pos0 + row0,
+                        },
+                    });
+                }
+            };
+            raw(Source::Sink, self.sink.rows, 0, &mut out);
+            let mut tiles = Vec::new();
+            let mut pos = self.sink.rows;
+            for (bi, blk) in self.codes.k_store(bh).blocks().iter().enumerate() {
+                for row0 in (0..blk.n).step_by(TILE) {
+                    tiles.push((bi, row0, TILE.min(blk.n - row0), pos + row0));
+                }
+                pos += blk.n;
+            }
+            for chunk in tiles.chunks(SPLIT_TILES) {
+                out.push(Task {
+                    bh,
+                    work: Work::Code(chunk.to_vec()),
+                });
+            }
+            raw(
+                Source::Tail,
+                self.tail.rows,
+                self.sink.rows + self.sealed,
+                &mut out,
+            );
+        }
+        out
+    }
+
+    /// `add[i * 64 + t]`: 0 or the mask where query token `i` sees position `pos0 + t`
+    /// (`t < rows`), else `-inf`. Returns whether any position is seen.
+    fn visibility(&self, b: usize, pos0: usize, rows: usize, add: &mut [f32]) -> bool {
+        let mut any = false;
+        for i in 0..self.n_q {
+            let qp = self.total - self.n_q + i;
+            let row = &mut add[i * TILE..(i + 1) * TILE];
+            for (t, a) in row.iter_mut().enumerate() {
+                let pos = pos0 + t;
+                let seen = t < rows && pos <= qp && self.window.is_none_or(|w| qp - pos < w);
+                *a = if seen {
+                    self.mask
+                        .map_or(0.0, |m| m[(b * self.n_q + i) * self.total + pos])
+                } else {
+                    f32::NEG_INFINITY
+                };
+                any |= *a != f32::NEG_INFINITY;
+            }
+        }
+        any
+    }
+
+    /// Softcap and mask on raw scores `s` (`qr x 64`).
+    #[inline(always)]
+    fn finish_scores(&self, s: &mut [f32], add: &[f32]) {
+        for r in 0..self.qr() {
+            let i = r % self.n_q;
+            let row = &mut s[r * TILE..(r + 1) * TILE];
+            if let Some(c) = self.softcap {
+                for v in row.iter_mut() {
+                    *v = c * tanh(*v / c);
+                }
+            }
+            for (v, &a) in row.iter_mut().zip(&add[i * TILE..(i + 1) * TILE]) {
+                *v += a;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn combine(&self, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
+        let (qr, dv, n_q) = (self.qr(), self.dv, self.n_q);
+        let mut out = vec![0f32; self.batch * self.q_heads * n_q * dv];
+        let mut lse = vec![f32::NEG_INFINITY; self.batch * self.q_heads * n_q];
+        let mut start = 0;
+        while start < tasks.len() {
+            let bh = tasks[start].bh;
+            let end = start + tasks[start..].iter().take_while(|t| t.bh == bh).count();
+            let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
+            let vt = self.codes.v_store(bh).tables();
+            let mut a = vec![0f32; vt.m];
+            let mut raw = vec![0f32; dv];
+            let mut o = vec![0f32; dv];
+            for r in 0..qr {
+                let big = parts[start..end]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |x, p| x.max(p.mx[r]));
+                let (mut l, mut pc) = (0f32, 0f32);
+                a.fill(0.0);
+                raw.fill(0.0);
+                let mut any_code = false;
+                for p in &parts[start..end] {
+                    if p.mx[r] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let f = exp_neg(p.mx[r] - big);
+                    l = p.l[r].mul_add(f, l);
+                    if p.code {
+                        any_code = true;
+                        pc = p.l[r].mul_add(f, pc);
+                        for (x, &y) in a.iter_mut().zip(&p.acc[r * vt.m..(r + 1) * vt.m]) {
+                            *x = y.mul_add(f, *x);
+                        }
+                    } else {
+                        for (x, &y) in raw.iter_mut().zip(&p.acc[r * dv..(r + 1) * dv]) {
+                            *x = y.mul_add(f, *x);
+                        }
+                    }
+                }
+                let (g, i) = (r / n_q, r % n_q);
+                let row = (b * self.q_heads + h * self.group + g) * n_q + i;
+                if l == 0.0 {
+                    continue;
+                }
+                if any_code {
+                    vt.synthesize(&mut a, pc, &mut o);
+                } else {
+                    o.fill(0.0);
+                }
+                for ((x, &y), dst) in o.iter().zip(&raw).zip(&mut out[row * dv..(row + 1) * dv]) {
+                    *dst = (x + y) / l;
+                }
+                lse[row] = big + l.ln();
+            }
+            start = end;
+        }
+        AttentionOutput { out, lse }
+    }
+}
+
+// The queries' transforms and the final combination and synthesis, compiled for FMA where the
+// CPU has it (`mul_add` is otherwise a library call; the result is the same).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
+fn prep(cx: &Ctx<'_>, bh: usize) -> Prep {
+    cx.prep(bh)
+}
+
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
+fn combine(cx: &Ctx<'_>, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
+    cx.combine(tasks, parts)
+}
+
+fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `attend_with` runs the AVX-512 kernel only where the CPU has its features.
+        Isa::Avx512 => unsafe { run_task_avx512(cx, prep, t, s) },
+        _ => run_task_portable(cx, prep, t, s),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,bmi2")]
+unsafe fn run_task_avx512(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    run_task_generic(super::avx512::Avx512, cx, prep, t, s)
+}
+
+#[multiversion::multiversion(targets("x86_64+avx2+fma+f16c"))]
+fn run_task_portable(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    run_task_generic(Portable, cx, prep, t, s)
+}
+
+/// One piece of work with the tile operations of `k`; inlined into each instruction set's
+/// entry point so that everything around the tile operations is compiled for it too.
+#[inline(always)]
+fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    match &t.work {
+        Work::Raw {
+            src,
+            row0,
+            rows,
+            pos0,
+        } => raw_part(cx, prep, t.bh, *src, *row0, *rows, *pos0),
+        Work::Code(tiles) => code_part(k, cx, prep, t.bh, tiles, s),
+    }
+}
+
+/// The online-softmax update of query row `r` with the tile's final scores `s` (64):
+/// returns the factor its sums must be multiplied by (1: unchanged), or None when the tile
+/// shows it nothing; `s` becomes the weights `p`. Sets `overflow` when a score is NaN or
+/// `+inf`.
+#[inline(always)]
+fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool) -> Option<f32> {
+    *overflow |= s.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
+    let top = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    if top == f32::NEG_INFINITY {
+        s.fill(0.0);
+        return None;
+    }
+    let new = mx.max(top);
+    let alpha = exp_neg(*mx - new);
+    for v in s.iter_mut() {
+        *v = exp_neg(*v - new);
+    }
+    *l = l.mul_add(alpha, tile_sum(s));
+    *mx = new;
+    Some(alpha)
+}
+
+#[inline(always)]
+fn code_part<K: Tile>(
+    k: K,
+    cx: &Ctx<'_>,
+    prep: &Prep,
+    bh: usize,
+    tiles: &[(usize, usize, usize, usize)],
+    scratch: &mut Scratch,
+) -> Part {
+    let (ks, vs) = (cx.codes.k_store(bh), cx.codes.v_store(bh));
+    let (kt, vt) = (ks.tables(), vs.tables());
+    let (mk, mv, qr) = (kt.m, vt.m, cx.qr());
+    let b = bh / cx.kv_heads;
+    let (mut gk, mut gv) = ([0f32; TILE], [0f32; TILE]);
+    let mut s = std::mem::take(&mut scratch.scores);
+    let mut add = std::mem::take(&mut scratch.add);
+    let mut acc = std::mem::take(&mut scratch.acc);
+    zeroed(&mut s, qr * TILE);
+    zeroed(&mut add, cx.n_q * TILE);
+    zeroed(&mut acc, qr * mv * 16);
+    let mut mx = vec![f32::NEG_INFINITY; qr];
+    let mut l = vec![0f32; qr];
+    let mut overflow = false;
+    for &(bi, row0, rows, pos0) in tiles {
+        if !cx.visibility(b, pos0, rows, &mut add) {
+            continue;
+        }
+        let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
+        k.scales(kb, row0, rows, &mut gk);
+        k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
+        let lo = (row0 * mk) as u32;
+        let hi = ((row0 + rows) * mk) as u32;
+        for o in kb.first_outlier_from(lo)..kb.outliers {
+            let (pos, val) = kb.outlier(o);
+            if pos >= hi {
+                break;
+            }
+            let (row, j) = (pos as usize / mk, pos as usize % mk);
+            let diff = val - centroid_at(kt, kb, row, j);
+            let t = row - row0;
+            for r in 0..qr {
+                s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
+            }
+        }
+        for r in 0..qr {
+            let qm = prep.qm[r];
+            for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
+                *v = g.mul_add(*v, qm);
+            }
+        }
+        cx.finish_scores(&mut s, &add);
+        let mut any = false;
+        for r in 0..qr {
+            let row = &mut s[r * TILE..(r + 1) * TILE];
+            if let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) {
+                any = true;
+                if alpha != 1.0 {
+                    for v in &mut acc[r * mv * 16..(r + 1) * mv * 16] {
+                        *v *= alpha;
+                    }
+                }
+            }
+        }
+        if !any {
+            continue;
+        }
+        k.scales(vb, row0, rows, &mut gv);
+        for r in 0..qr {
+            for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gv) {
+                *v *= g;
+            }
+        }
+        k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, scratch);
+        let lo = (row0 * mv) as u32;
+        let hi = ((row0 + rows) * mv) as u32;
+        for o in vb.first_outlier_from(lo)..vb.outliers {
+            let (pos, val) = vb.outlier(o);
+            if pos >= hi {
+                break;
+            }
+            let (row, j) = (pos as usize / mv, pos as usize % mv);
+            let diff = val - centroid_at(vt, vb, row, j);
+            let t = row - row0;
+            for r in 0..qr {
+                let a = &mut acc[(r * mv + j) * 16 + t % 16];
+                *a = s[r * TILE + t].mul_add(diff, *a);
+            }
+        }
+    }
+    let mut sums = vec![0f32; qr * mv];
+    for (dst, lanes) in sums.iter_mut().zip(acc.chunks_exact(16)) {
+        *dst = hsum16(lanes.try_into().expect("16 lanes"));
+    }
+    (scratch.scores, scratch.add, scratch.acc) = (s, add, acc);
+    Part {
+        code: true,
+        overflow,
+        mx,
+        l,
+        acc: sums,
+    }
+}
+
+/// `q . k` with 16 lane-wise fused multiply-add chains (lane `l` takes the indices `= l mod
+/// 16`, in order), then [`hsum16`].
+#[inline(always)]
+fn raw_dot(q: &[f32], k: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    let (qc, kc) = (q.chunks_exact(16), k.chunks_exact(16));
+    let (qt, kt) = (qc.remainder(), kc.remainder());
+    for (a, b) in qc.zip(kc) {
+        for l in 0..16 {
+            lanes[l] = a[l].mul_add(b[l], lanes[l]);
+        }
+    }
+    for l in 0..qt.len() {
+        lanes[l] = qt[l].mul_add(kt[l], lanes[l]);
+    }
+    hsum16(&lanes)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn raw_part(
+    cx: &Ctx<'_>,
+    prep: &Prep,
+    bh: usize,
+    src: Source,
+    row0: usize,
+    rows: usize,
+    pos0: usize,
+) -> Part {
+    let raw = match src {
+        Source::Sink => cx.sink,
+        Source::Tail => cx.tail,
+    };
+    let (qr, dk, dv) = (cx.qr(), cx.dk, cx.dv);
+    let b = bh / cx.kv_heads;
+    let kk = &raw.k[bh * raw.rows * dk..(bh + 1) * raw.rows * dk];
+    let vv = &raw.v[bh * raw.rows * dv..(bh + 1) * raw.rows * dv];
+    let mut s = vec![0f32; qr * TILE];
+    let mut add = vec![0f32; cx.n_q * TILE];
+    let mut acc = vec![0f32; qr * dv];
+    let mut mx = vec![f32::NEG_INFINITY; qr];
+    let mut l = vec![0f32; qr];
+    let mut overflow = false;
+    for t0 in (0..rows).step_by(TILE) {
+        let n = TILE.min(rows - t0);
+        if !cx.visibility(b, pos0 + t0, n, &mut add) {
+            continue;
+        }
+        for r in 0..qr {
+            let q = &prep.qs[r * dk..(r + 1) * dk];
+            for t in 0..TILE {
+                s[r * TILE + t] = if t < n {
+                    let at = (row0 + t0 + t) * dk;
+                    raw_dot(q, &kk[at..at + dk])
+                } else {
+                    0.0
+                };
+            }
+        }
+        cx.finish_scores(&mut s, &add);
+        for r in 0..qr {
+            let row = &mut s[r * TILE..(r + 1) * TILE];
+            let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) else {
+                continue;
+            };
+            let a = &mut acc[r * dv..(r + 1) * dv];
+            if alpha != 1.0 {
+                a.iter_mut().for_each(|v| *v *= alpha);
+            }
+            for (t, &p) in row[..n].iter().enumerate() {
+                if p == 0.0 {
+                    continue;
+                }
+                let at = (row0 + t0 + t) * dv;
+                for (x, &v) in a.iter_mut().zip(&vv[at..at + dv]) {
+                    *x = p.mul_add(v, *x);
+                }
+            }
+        }
+    }
+    Part {
+        code: false,
+        overflow,
+        mx,
+        l,
+        acc,
+    }
+}

@@ -1,0 +1,200 @@
+//! The inner loops over one tile of 64 rows, in two implementations that compute the same
+//! bits: [`Portable`] (plain Rust, the definition) and, on x86_64 CPUs with AVX-512
+//! (F, BW, VL, VBMI2), [`super::avx512::Avx512`]. Both follow one fixed order of IEEE
+//! operations (`mod.rs`, "Arithmetic"), so results never depend on the instruction set.
+//!
+//! Layouts: per query row `r`, scores and weights are `[r * 64 + t]`; the lane-wise
+//! code-domain sums are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of
+//! every tile. Rows past a tile's count read as component `j`'s centroid 0 with scale 0.
+
+use super::store::{LayerCodes, SealedBlock};
+use super::tables::StreamTables;
+
+/// Rows per tile.
+pub const TILE: usize = 64;
+
+/// Per-piece scratch of the tile operations, sized for the larger of two calibrations.
+pub(crate) struct Scratch {
+    pub tile: Vec<f32>,
+    pub words: Vec<u32>,
+    pub bytes: Vec<u8>,
+    /// The pieces' own buffers (scores, visibility, sums), reused between them.
+    pub scores: Vec<f32>,
+    pub add: Vec<f32>,
+    pub acc: Vec<f32>,
+}
+
+impl Scratch {
+    /// Scratch for every calibration of a layer (one per worker thread, reused by its pieces).
+    pub fn for_layer(codes: &LayerCodes) -> Self {
+        let (mut m, mut words, mut slots) = (0, 0, 0);
+        for i in 0..codes.kv_heads() {
+            for t in [codes.k_store(i).tables(), codes.v_store(i).tables()] {
+                m = m.max(t.m);
+                words = words.max(t.words + 1);
+                slots = slots.max(8 * t.groups.len());
+            }
+        }
+        Self {
+            tile: vec![0f32; m * TILE],
+            words: vec![0u32; words],
+            bytes: vec![0u8; slots * TILE],
+            scores: Vec::new(),
+            add: Vec::new(),
+            acc: Vec::new(),
+        }
+    }
+}
+
+/// `v` as `n` zeros, keeping its allocation.
+pub(crate) fn zeroed(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(n, 0.0);
+    v
+}
+
+/// The per-tile operations an instruction set provides. Rows `row0 .. row0 + rows` of a
+/// block (`1 <= rows <= 64`); row `t` of the tile is lane `t`.
+pub(crate) trait Tile: Copy + Send + Sync {
+    /// The rows' scales into `g` (0 past `rows`).
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]);
+    /// `dot[r * 64 + t] = sum_j w[r * m + j] c_tj`, a fused multiply-add chain over `j` from 0,
+    /// for `qr` query rows (`c_tj` = component `j`'s centroid 0 past `rows`).
+    #[allow(clippy::too_many_arguments)]
+    fn dot(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
+    );
+    /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
+    /// `k = 0..4` in order.
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    );
+}
+
+/// The definition, in plain Rust.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Portable;
+
+impl Portable {
+    /// The centroids of the rows, component-major: `tile[j * 64 + t]`.
+    #[inline(always)]
+    fn decode(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s: &mut Scratch) {
+        let rb = t.row_bytes;
+        let words = &mut s.words[..t.words + 1];
+        words.fill(0);
+        let tile = &mut s.tile;
+        for r in 0..TILE {
+            if r < rows {
+                let row = b.row(row0 + r, rb);
+                for (w, chunk) in words.iter_mut().zip(row.chunks(4)) {
+                    let mut le = [0u8; 4];
+                    le[..chunk.len()].copy_from_slice(chunk);
+                    *w = u32::from_le_bytes(le);
+                }
+                for (j, c) in t.comps.iter().enumerate() {
+                    let w = c.word as usize;
+                    let pair = words[w] as u64 | (words[w + 1] as u64) << 32;
+                    let code = (pair >> c.shift) as u32 & c.mask;
+                    tile[j * TILE + r] = t.lut[(c.table + code) as usize];
+                }
+            } else {
+                for (j, c) in t.comps.iter().enumerate() {
+                    tile[j * TILE + r] = t.lut[c.table as usize];
+                }
+            }
+        }
+    }
+}
+
+impl Tile for Portable {
+    #[inline(always)]
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
+        for (r, x) in g.iter_mut().enumerate() {
+            *x = if r < rows { b.scale(row0 + r) } else { 0.0 };
+        }
+    }
+
+    #[inline(always)]
+    fn dot(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        let m = t.m;
+        for r in 0..qr {
+            let d = &mut dot[r * TILE..(r + 1) * TILE];
+            d.fill(0.0);
+            for j in 0..m {
+                let wj = w[r * m + j];
+                for (o, &v) in d.iter_mut().zip(&s.tile[j * TILE..(j + 1) * TILE]) {
+                    *o = wj.mul_add(v, *o);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        let m = t.m;
+        for r in 0..qr {
+            let p = &pg[r * TILE..(r + 1) * TILE];
+            for j in 0..m {
+                let a = &mut acc[(r * m + j) * 16..(r * m + j + 1) * 16];
+                let v = &s.tile[j * TILE..(j + 1) * TILE];
+                for k in 0..4 {
+                    for l in 0..16 {
+                        a[l] = p[16 * k + l].mul_add(v[16 * k + l], a[l]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Component `j` of row `r` of a block: its centroid (for the outlier corrections).
+#[inline]
+pub(crate) fn centroid_at(t: &StreamTables, b: &SealedBlock, r: usize, j: usize) -> f32 {
+    let c = &t.comps[j];
+    let row = b.row(r, t.row_bytes);
+    let at = 4 * c.word as usize;
+    let mut le = [0u8; 8];
+    let end = (at + 8).min(row.len());
+    le[..end - at].copy_from_slice(&row[at..end]);
+    let code = (u64::from_le_bytes(le) >> c.shift) as u32 & c.mask;
+    t.centroid(j, code)
+}

@@ -1,0 +1,358 @@
+//! What attention over the codes needs from one calibration, derived once: where each
+//! component's index sits in a packed row, the centroid tables laid out for SIMD look-ups, and
+//! the two linear maps that move a query into the code domain and a code-domain sum back out.
+
+use crate::calibrated::{Band, CalibratedCodec};
+use crate::wht;
+
+/// How a component's centroid is looked up: a table of at most 16 entries (one SIMD register),
+/// of 32 (two registers), or more (a gather from memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lookup {
+    Perm16,
+    Perm32,
+    Perm64,
+    Gather,
+}
+
+/// Up to 8 consecutive groups whose windows lie in the 64 bytes from byte `off` of a row: one
+/// masked load of those bytes and one byte permute (`perm`: qword `k` = the window of group
+/// `first + k`) give all their windows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Batch {
+    pub off: u32,
+    pub first: u32,
+    pub groups: u32,
+    pub perm: [u8; 64],
+}
+
+/// Up to 8 consecutive components whose bits lie in the 64 bits from byte `byte` of a row:
+/// one multishift of that window extracts all of them (`ctrl` byte `i` = the bit offset of
+/// component `first + i` in the window, `mask` byte `i` its width's mask; unused bytes 0).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Group {
+    pub byte: u32,
+    pub ctrl: u64,
+    pub mask: u64,
+}
+
+/// One coded component: its index occupies bits `[32 word + shift, + bits)` of its row read
+/// as little-endian u32 words; its centroids start at `lut[table]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Component {
+    pub word: u32,
+    pub shift: u32,
+    pub mask: u32,
+    pub table: u32,
+    pub lookup: Lookup,
+    /// Byte slot of the component's index in the unpacked layout: `8 * group + position`.
+    pub slot: u32,
+}
+
+/// The tables of one calibration (one stream of one (layer, kv-head)) that attention reads.
+#[derive(Debug, Clone)]
+pub struct StreamTables {
+    pub(crate) codec: CalibratedCodec,
+    pub(crate) d: usize,
+    pub(crate) m: usize,
+    pub(crate) row_bytes: usize,
+    /// u32 words that cover a row's bits: `ceil(row_bits / 32)`.
+    pub(crate) words: usize,
+    pub(crate) comps: Vec<Component>,
+    pub(crate) groups: Vec<Group>,
+    pub(crate) batches: Vec<Batch>,
+    /// Centroid tables of every bit width in use, each at a multiple of 16 entries and padded
+    /// to at least 16 entries (32 for 5 bits), so that a SIMD look-up never reads past it.
+    pub(crate) lut: Vec<f32>,
+    pub(crate) bands: Vec<Band>,
+    pub(crate) signs: Vec<f32>,
+    /// `S'` (`m x D`), its transpose (`D x m`, for the query transform) and the mean (`D`).
+    pub(crate) synthesis: Vec<f32>,
+    pub(crate) synthesis_t: Vec<f32>,
+    pub(crate) mean: Vec<f32>,
+}
+
+impl StreamTables {
+    /// Derives the tables of a (validated) calibration.
+    pub fn new(codec: &CalibratedCodec) -> Self {
+        let mut lut: Vec<f32> = Vec::new();
+        let mut table_at = [u32::MAX; 9];
+        for &b in &codec.bits {
+            if table_at[b as usize] != u32::MAX {
+                continue;
+            }
+            let q = codec
+                .quantizer(b)
+                .expect("a quantiser exists for every bit width in use");
+            // Tables read whole by a SIMD look-up hold at least 16 entries.
+            let pad = (1usize << b).max(16);
+            table_at[b as usize] = lut.len() as u32;
+            let start = lut.len();
+            lut.extend_from_slice(q.centroids());
+            lut.resize(start + pad, 0.0);
+        }
+        let mut bit = 0usize;
+        let comps = codec
+            .bits
+            .iter()
+            .map(|&b| {
+                let c = Component {
+                    word: (bit / 32) as u32,
+                    shift: (bit % 32) as u32,
+                    mask: (1u32 << b) - 1,
+                    table: table_at[b as usize],
+                    lookup: match b {
+                        1..=4 => Lookup::Perm16,
+                        5 => Lookup::Perm32,
+                        6 => Lookup::Perm64,
+                        _ => Lookup::Gather,
+                    },
+                    slot: 0,
+                };
+                bit += b as usize;
+                c
+            })
+            .collect::<Vec<Component>>();
+        let mut comps = comps;
+        let mut groups = Vec::new();
+        let mut j0 = 0;
+        let starts: Vec<usize> = comps
+            .iter()
+            .map(|c| 32 * c.word as usize + c.shift as usize)
+            .collect();
+        let at = |j: usize| starts[j];
+        while j0 < comps.len() {
+            let byte = at(j0) / 8;
+            let (mut ctrl, mut mask, mut k) = (0u64, 0u64, 0);
+            while j0 + k < comps.len() && k < 8 {
+                let j = j0 + k;
+                let off = at(j) - 8 * byte;
+                if off + codec.bits[j] as usize > 64 {
+                    break;
+                }
+                ctrl |= (off as u64) << (8 * k);
+                mask |= (comps[j].mask as u64) << (8 * k);
+                comps[j].slot = (8 * groups.len() + k) as u32;
+                k += 1;
+            }
+            groups.push(Group {
+                byte: byte as u32,
+                ctrl,
+                mask,
+            });
+            j0 += k;
+        }
+        let mut batches = Vec::new();
+        let mut g0 = 0;
+        while g0 < groups.len() {
+            let off = groups[g0].byte;
+            let mut perm = [0u8; 64];
+            let mut k = 0;
+            while g0 + k < groups.len() && k < 8 && groups[g0 + k].byte + 8 <= off + 64 {
+                for i in 0..8 {
+                    perm[8 * k + i] = (groups[g0 + k].byte - off + i as u32) as u8;
+                }
+                k += 1;
+            }
+            batches.push(Batch {
+                off,
+                first: g0 as u32,
+                groups: k as u32,
+                perm,
+            });
+            g0 += k;
+        }
+        Self {
+            d: codec.d,
+            m: codec.m,
+            row_bytes: codec.row_bytes(),
+            words: codec.row_bits().div_ceil(32),
+            comps,
+            groups,
+            batches,
+            lut,
+            bands: codec.bands().to_vec(),
+            signs: codec.signs().to_vec(),
+            synthesis: codec.synthesis_scaled().to_vec(),
+            synthesis_t: (0..codec.d)
+                .flat_map(|d| (0..codec.m).map(move |j| codec.synthesis_scaled()[j * codec.d + d]))
+                .collect(),
+            mean: codec.mean.clone(),
+            codec: codec.clone(),
+        }
+    }
+
+    /// Row length `D`.
+    pub fn dim(&self) -> usize {
+        self.d
+    }
+    /// Coded components `m`.
+    pub fn components(&self) -> usize {
+        self.m
+    }
+    /// The calibration these tables come from.
+    pub fn codec(&self) -> &CalibratedCodec {
+        &self.codec
+    }
+
+    /// The centroid of component `j` for index `code` (masked to the component's width).
+    #[inline]
+    pub(crate) fn centroid(&self, j: usize, code: u32) -> f32 {
+        let c = &self.comps[j];
+        self.lut[(c.table + (code & c.mask)) as usize]
+    }
+
+    /// Moves a (scaled) query into the code domain: returns `q . mean` and writes `w` (`m`)
+    /// with `q . x = q . mean + g * sum_j w_j c_j` for every row `x` of scale `g` and centroids
+    /// `c`. `w` = per sub-band `r * H(s * (S' q))` (H is symmetric, so the band rotation moves
+    /// onto the query). Sums are sequential fused multiply-adds in index order (each `S' q`
+    /// entry over the dimensions in order; the loop runs over the dimensions outside so that it
+    /// vectorises over the components).
+    #[inline(always)]
+    pub fn query_weights(&self, q: &[f32], w: &mut [f32]) -> f32 {
+        debug_assert_eq!(q.len(), self.d);
+        debug_assert_eq!(w.len(), self.m);
+        let qm = q
+            .iter()
+            .zip(&self.mean)
+            .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
+        w.fill(0.0);
+        for (&qd, col) in q.iter().zip(self.synthesis_t.chunks_exact(self.m)) {
+            for (wj, &s) in w.iter_mut().zip(col) {
+                *wj = qd.mul_add(s, *wj);
+            }
+        }
+        for band in &self.bands {
+            let seg = &mut w[band.offset..band.offset + band.width];
+            for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
+                *v *= s;
+            }
+            wht::fwht(seg);
+            for v in seg.iter_mut() {
+                *v *= band.norm;
+            }
+        }
+        qm
+    }
+
+    /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
+    /// `pc = sum_t p_t`, writes `out` (`D`) `= sum_t p_t x_t = pc * mean + sum_j u_j S'_j`,
+    /// `u` = per sub-band `s * H(r * a)` (the decode's inverse rotation, once for all rows).
+    #[inline(always)]
+    pub fn synthesize(&self, a: &mut [f32], pc: f32, out: &mut [f32]) {
+        debug_assert_eq!(a.len(), self.m);
+        debug_assert_eq!(out.len(), self.d);
+        for band in &self.bands {
+            let seg = &mut a[band.offset..band.offset + band.width];
+            for v in seg.iter_mut() {
+                *v *= band.norm;
+            }
+            wht::fwht(seg);
+            for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
+                *v *= s;
+            }
+        }
+        out.fill(0.0);
+        for (&u, row) in a.iter().zip(self.synthesis.chunks_exact(self.d)) {
+            for (o, &s) in out.iter_mut().zip(row) {
+                *o = u.mul_add(s, *o);
+            }
+        }
+        for (o, &mu) in out.iter_mut().zip(&self.mean) {
+            *o = pc.mul_add(mu, *o);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calibrated::testutil::{codec, rows};
+    use crate::metric::Metric;
+
+    #[test]
+    fn components_address_their_bits_and_tables() {
+        let c = codec(
+            20,
+            vec![8, 6, 5, 5, 4, 3, 3, 2, 1, 1],
+            true,
+            Metric::Mse,
+            None,
+        );
+        let t = StreamTables::new(&c);
+        assert_eq!(t.words, 38usize.div_ceil(32));
+        let shifts: Vec<(u32, u32)> = t.comps.iter().map(|c| (c.word, c.shift)).collect();
+        assert_eq!(shifts[..4], [(0, 0), (0, 8), (0, 14), (0, 19)]);
+        assert_eq!(shifts[4..7], [(0, 24), (0, 28), (0, 31)]);
+        assert_eq!(shifts[7..], [(1, 2), (1, 4), (1, 5)]);
+        for (j, comp) in t.comps.iter().enumerate() {
+            assert_eq!(comp.table % 16, 0);
+            let q = c.quantizer(c.bits[j]).unwrap();
+            for (code, &v) in q.centroids().iter().enumerate() {
+                assert_eq!(t.centroid(j, code as u32), v);
+            }
+        }
+        assert_eq!(t.comps[2].lookup, Lookup::Perm32);
+        assert_eq!(t.comps[1].lookup, Lookup::Perm64);
+        // Groups: 8 + 6 + 5 + 5 + 4 + 3 + 3 + 2 bits from bit 0 fit one window; 1 + 1 the next.
+        assert_eq!(t.groups.len(), 2);
+        assert_eq!(t.groups[1].byte, 36 / 8);
+        let slots: Vec<u32> = t.comps.iter().map(|c| c.slot).collect();
+        assert_eq!(slots, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(t.comps[0].lookup, Lookup::Gather);
+        assert_eq!(t.comps[9].lookup, Lookup::Perm16);
+    }
+
+    #[test]
+    fn query_weights_and_synthesis_match_the_decode() {
+        // q . x for decoded rows equals q . mean + g sum_j w_j c_j; sum_t p_t x_t equals the
+        // synthesis of the code-domain sum.
+        let c = codec(
+            24,
+            vec![5, 5, 4, 4, 4, 3, 3, 3, 2, 2, 1],
+            true,
+            Metric::Mse,
+            None,
+        );
+        let t = StreamTables::new(&c);
+        let x = rows(&c, 40, 3);
+        let codes = c.encode(&x, 40).unwrap();
+        let y = c.decode(&codes).unwrap();
+        let idx = c.unpack(&codes).unwrap();
+        let g = codes.scale.as_ref().unwrap().decode();
+        let q: Vec<f32> = (0..24).map(|i| ((i * 7 % 11) as f32 - 5.0) * 0.3).collect();
+        let mut w = vec![0f32; c.m];
+        let qm = t.query_weights(&q, &mut w);
+        let p: Vec<f32> = (0..40).map(|i| 1.0 / (1.0 + i as f32)).collect();
+        let mut a = vec![0f32; c.m];
+        for r in 0..40 {
+            let exact: f64 = q
+                .iter()
+                .zip(&y[r * 24..(r + 1) * 24])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let vals: Vec<f32> = (0..c.m)
+                .map(|j| t.centroid(j, idx[r * c.m + j] as u32))
+                .collect();
+            let dot: f64 = w
+                .iter()
+                .zip(&vals)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let got = qm as f64 + g[r] as f64 * dot;
+            assert!(
+                (got - exact).abs() < 1e-4 * (1.0 + exact.abs()),
+                "{got} vs {exact}"
+            );
+            for (aj, v) in a.iter_mut().zip(&vals) {
+                *aj += p[r] * g[r] * v;
+            }
+        }
+        let mut out = vec![0f32; 24];
+        t.synthesize(&mut a, p.iter().sum(), &mut out);
+        for d in 0..24 {
+            let exact: f64 = (0..40).map(|r| p[r] as f64 * y[r * 24 + d] as f64).sum();
+            assert!((out[d] as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()));
+        }
+    }
+}

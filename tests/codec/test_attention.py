@@ -1,0 +1,217 @@
+"""Attention over the calibrated codes (``kakeyaturbo.decode_attention``) against attention over
+the decoded cache in float64 (``kakeyaturbo.reference.attention``), under the limits of
+``tests/kernels/tolerances.py``; the layer store's API; every bad argument a typed error."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kakeyaturbo as kt
+
+torch = pytest.importorskip("torch")
+
+from kakeyaturbo.reference.attention import reference_attention  # noqa: E402
+from kernels.tolerances import TOLERANCES as TOL  # noqa: E402
+
+from .attention_cases import AttentionMismatch, Spec, build, compare, magnitudes, spec_from  # noqa: E402
+
+
+def check(s: Spec, **extra) -> None:
+    c = build(s)
+    got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call(), **extra)
+    want = reference_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+    s_mag, v_mag = magnitudes(c)
+    compare(f"{s}", got, (want[0].numpy(), want[1].numpy()), s_mag, v_mag,
+            TOL["attention_out"], TOL["attention_lse"])
+
+
+#: The brief's grid, cut to CI size: sealed rows from none to several blocks (partial tiles,
+#: a 1-row block), GQA groups 1..8, D 64/128/256, n_q 1..4, every metric with norm on and off,
+#: outliers, custom tables, softcap, windows that cut into the sealed rows, both mask kinds.
+GRID = [
+    Spec(seed=1, blocks=(), sink=0, tail=3, n_q=3, group=1),
+    Spec(seed=2, blocks=(512,), group=8, n_q=1, metric="inner_product", threshold=2.5),
+    Spec(seed=3, blocks=(300, 1, 77), dk=128, dv=128, group=4, n_q=2, norm=False, tables=True),
+    Spec(seed=4, blocks=(512, 200), dk=256, dv=256, kv_heads=1, group=2, n_q=4,
+         metric="linf", norm=False, threshold=1.0, softcap=20.0),
+    Spec(seed=5, batch=2, blocks=(129, 63), group=5, n_q=2, window=100, mask="additive"),
+    Spec(seed=6, blocks=(640,), dk=128, dv=64, group=3, n_q=3, window=700, mask="bool",
+         threshold=3.0, softcap=5.0, q_scale=20.0),
+    Spec(seed=7, blocks=(64, 64, 64), kv_heads=3, group=3, n_q=1, sink=4, tail=1,
+         metric="inner_product", tables=True),
+]
+
+
+@pytest.mark.parametrize("spec", GRID, ids=lambda s: f"seed{s.seed}")
+def test_matches_the_decoded_attention(spec: Spec) -> None:
+    check(spec)
+
+
+@given(seed=st.integers(0, 2**31 - 1))
+def test_random_layers_match(seed: int) -> None:
+    g = np.random.default_rng(seed)
+    check(spec_from(g, seed, dims=(1, 7, 16, 33, 64, 80), max_block=300))
+
+
+def test_failures_name_the_error_and_the_index() -> None:
+    c = build(GRID[1])
+    want = reference_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+    out, lse = (x.numpy().copy() for x in want)
+    out[0, 3, 0, 7] += 1.0
+    with pytest.raises(AttentionMismatch, match=r"out error .* first at \[0, 3, 0, 7\]"):
+        compare("x", (out, lse), (want[0].numpy(), want[1].numpy()), 1.0, 1.0, 1e-6, 1e-6)
+
+
+def test_thread_counts_give_the_same_bits() -> None:
+    c = build(Spec(seed=11, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=2))
+    runs = [kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, threads=t, return_lse=True, **c.call())
+            for t in (1, 2, None)]
+    for out, lse in runs[1:]:
+        assert np.array_equal(out, runs[0][0]) and np.array_equal(lse, runs[0][1])
+
+
+def test_a_query_that_sees_nothing_gives_zero() -> None:
+    c = build(Spec(seed=12, n_q=2))
+    mask = np.zeros((1, 2, c.spec.total), np.float32)
+    mask[:, 1] = -np.inf
+    out, lse = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, sink_k=c.sink_k,
+                                   sink_v=c.sink_v, mask=mask, return_lse=True)
+    assert np.all(out[:, :, 1] == 0) and np.all(np.isneginf(lse[:, :, 1]))
+    assert np.all(np.isfinite(lse[:, :, 0]))
+
+
+def test_torch_tensors_and_boolean_masks() -> None:
+    c = build(Spec(seed=13, n_q=2, mask="bool"))
+    m = c.kwargs["mask"]
+    additive = np.where(m, 0.0, -np.inf).astype(np.float32)
+    a = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, sink_k=c.sink_k, sink_v=c.sink_v,
+                            mask=m)
+    b = kt.decode_attention(c.codes, torch.from_numpy(c.q), torch.from_numpy(c.tail_k),
+                            torch.from_numpy(c.tail_v), sink_k=torch.from_numpy(c.sink_k),
+                            sink_v=torch.from_numpy(c.sink_v), mask=torch.from_numpy(additive[:, 0]))
+    assert np.array_equal(a, b)
+    # The default scale is 1 / sqrt(D_k); the method is the function.
+    d = c.codes.attend(c.q, c.tail_k, c.tail_v, sink_k=c.sink_k, sink_v=c.sink_v, mask=m,
+                       scale=1 / np.sqrt(c.spec.dk))
+    assert np.array_equal(a, d)
+
+
+def test_layer_codes_hold_the_containers() -> None:
+    c = build(Spec(seed=14, batch=2, blocks=(100, 30)))
+    codes = c.codes
+    assert codes.rows() == 130 and codes.num_blocks(1, 1) == 2 and codes.rows_at(0, 1) == 130
+    total = sum(len(codes.blob(b, h, s, i)) for b, h, s, i in
+                itertools.product(range(2), range(2), "kv", range(2)))
+    assert codes.nbytes == total
+    blob = codes.blob(1, 0, "k", 1)
+    assert codes.k_codecs[0].decode(blob).shape == (30, 64)
+    out = kt.decode_attention(codes, c.q, c.tail_k, c.tail_v, sink_k=c.sink_k, sink_v=c.sink_v)
+    # select: reorder and repeat batch rows; the attention of each row follows it.
+    codes.select([1, 1, 0])
+    sel = [1, 1, 0]
+    out2 = kt.decode_attention(codes, c.q[sel], c.tail_k[sel], c.tail_v[sel],
+                               sink_k=c.sink_k[sel], sink_v=c.sink_v[sel])
+    assert np.array_equal(out2, out[sel])
+    assert codes.batch == 3 and codes.nbytes == total // 2 * 3
+    # append_blocks keeps nothing unless every container is accepted.
+    k = [[codes.blob(b, h, "k", 0) for h in range(2)] for b in range(3)]
+    v = [[codes.blob(b, h, "v", 0) for h in range(2)] for b in range(3)]
+    v[2][1] = v[2][1][:-1]
+    with pytest.raises(kt.CorruptDataError):
+        codes.append_blocks(k, v)
+    assert codes.rows() == 130
+    with pytest.raises(kt.InvalidParameterError):  # kv-head 1's container at kv-head 0
+        codes.append(0, 0, codes.blob(0, 1, "k", 0), codes.blob(0, 1, "v", 0))
+    with pytest.raises(kt.InvalidInputError):  # K and V blocks of different row counts
+        codes.append(0, 0, codes.blob(0, 0, "k", 0), codes.blob(0, 0, "v", 1))
+    codes.append(0, 0, codes.blob(0, 0, "k", 1), codes.blob(0, 0, "v", 1))
+    with pytest.raises(kt.InvalidInputError, match="differ across the layer"):
+        codes.rows()
+    codes.pop_block()
+    assert codes.rows_at(0, 0) == 130 and codes.rows_at(1, 1) == 100
+    codes.clear()
+    assert codes.rows() == 0 and codes.nbytes == 0
+    with pytest.raises(kt.InvalidInputError):
+        codes.blob(0, 0, "k", 0)
+    with pytest.raises(kt.InvalidParameterError):
+        codes.blob(0, 0, "x", 0)
+    with pytest.raises(kt.InvalidParameterError):
+        codes.rows_at(-1, 0)
+
+
+def test_scales_beyond_float32_are_refused_on_append() -> None:
+    # Tiny spreads make the coefficients of ordinary rows overflow float32: the codec codes
+    # them from f64 with scales beyond the float32 range, which attention cannot use.
+    d = 8
+    eye = np.eye(d, dtype=np.float32)
+    codec = kt.CalibratedCodec(np.zeros(d), eye, eye, np.full(d, 1e-30), np.full(d, 3))
+    x = np.full((4, d), 1e9, np.float32)
+    blob = codec.encode(x)
+    codes = kt.LayerCodes([codec], [codec])
+    with pytest.raises(kt.InvalidInputError, match="float32"):
+        codes.append(0, 0, blob, blob)
+
+
+def test_bad_arguments_are_typed_errors() -> None:
+    c = build(Spec(seed=15, n_q=2))
+    codes, q, tk, tv = c.codes, c.q, c.tail_k, c.tail_v
+
+    def call(**kw):
+        args = dict(codes=codes, q=q, tail_k=tk, tail_v=tv)
+        args.update(kw)
+        return kt.decode_attention(args.pop("codes"), args.pop("q"), args.pop("tail_k"),
+                                   args.pop("tail_v"), **args)
+
+    call()
+    for kw, err in [
+        (dict(q=q.astype(np.float64)), TypeError),
+        (dict(q=q[0]), kt.InvalidInputError),
+        (dict(q=q[:, :5]), kt.InvalidInputError),  # H_q not a multiple of H_kv
+        (dict(q=q[..., :10]), kt.InvalidInputError),
+        (dict(tail_k=tk[:, :, :1], tail_v=tv[:, :, :1]), kt.InvalidInputError),  # n_q > rows
+        (dict(tail_v=tv[:, :, :3]), kt.InvalidInputError),
+        (dict(sink_k=tk), kt.InvalidInputError),
+        (dict(scale=float("nan")), kt.InvalidParameterError),
+        (dict(scale="1"), TypeError),
+        (dict(softcap=-1.0), kt.InvalidParameterError),
+        (dict(window=0), kt.InvalidParameterError),
+        (dict(window=1.5), TypeError),
+        (dict(threads=0), kt.InvalidParameterError),
+        (dict(mask=np.zeros((1, 2, 3), np.float32)), kt.InvalidInputError),
+        (dict(mask=np.zeros((1, 2, c.spec.total), np.float64)), TypeError),
+        (dict(mask=np.full((1, 2, c.spec.total), np.inf, np.float32)), kt.InvalidInputError),
+        (dict(codes="x"), TypeError),
+    ]:
+        with pytest.raises(err):
+            call(**kw)
+    with pytest.raises(kt.NumericalError, match="overflowed float32"):
+        call(q=q / np.abs(q).max() * np.float32(3e38))  # finite, but the scores are not
+    bad = q.copy()
+    bad[0, 1, 1, 3] = np.nan
+    with pytest.raises(kt.InvalidInputError, match="non-finite"):
+        call(q=bad)
+    with pytest.raises(TypeError):
+        kt.LayerCodes(["not a codec"], [codes.v_codecs[0]])
+    with pytest.raises(kt.InvalidParameterError):
+        kt.LayerCodes(codes.k_codecs, codes.v_codecs[:1])
+    with pytest.raises(kt.InvalidParameterError):
+        kt.LayerCodes(codes.k_codecs, codes.v_codecs, batch=0)
+
+
+def test_the_grid_covers_the_brief() -> None:
+    specs = GRID
+    assert {s.dk for s in specs} >= {64, 128, 256}
+    assert {s.group for s in specs} >= {1, 8} and {s.n_q for s in specs} == {1, 2, 3, 4}
+    assert {s.metric for s in specs} == {"mse", "inner_product", "linf"}
+    assert {s.norm for s in specs} == {True, False}
+    assert any(s.threshold for s in specs) and any(s.tables for s in specs)
+    assert any(not s.blocks for s in specs) and max(len(s.blocks) for s in specs) >= 3
+    assert any(s.softcap for s in specs) and any(s.window for s in specs)
+    assert {s.mask for s in specs} >= {"additive", "bool"}
+    assert dataclasses.replace(specs[0], seed=0) != specs[0]
