@@ -28,32 +28,45 @@ def test_bad_arguments_exit_with_status_2(capsys) -> None:
 
 
 def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """calibrate --out writes ONE file; a recipe pointing at it, and eval --calibration, use it
+    without gathering anything."""
     text = tiny_model_dir / "text.txt"
-    stats = tmp_path / "stats.safetensors"
+    cal = tmp_path / "cal.safetensors"
     assert cli.main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text),
                      "--windows", "2", "--window", "96", "--sensitivity-windows", "2",
-                     "--score", "16", "--samples", "20", "--out", str(stats)]) == 0
-    sens = tmp_path / "stats-sensitivity.safetensors"
-    assert stats.exists() and sens.exists() and (tmp_path / "stats.safetensors.json").exists()
+                     "--score", "16", "--samples", "20", "--out", str(cal)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["cal.safetensors"]
     recipe = tmp_path / "cal.toml"
     recipe.write_text('name = "cal"\nmode = "calibrated"\nn_sink = 1\n'
-                      '[calibration]\npath = "stats.safetensors"\n'
-                      'sensitivity_path = "stats-sensitivity.safetensors"\nscore = 16\n'
+                      '[calibration]\npath = "cal.safetensors"\nscore = 16\n'
                       '[k]\nbits = 3.9\nwhiten = "fisher"\nallocation = "sensitivity"\n'
                       '[v]\nbits = 3.9\nwhiten = "fisher"\ncenter = false\nallocation = "sensitivity"\n')
     out = tmp_path / "eval-out"
     assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
                      "--ctx", "64", "--n-eval", "8", "--recipes", f"balanced,{recipe}",
-                     "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
+                     "--baselines", "identity,fp8_e4m3,fp8_e4m3+sink", "--peers", "",
+                     "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    assert set(res["methods"]) == {"identity", "fp8_e4m3", "kakeyaturbo:balanced", "kakeyaturbo:cal"}
+    assert set(res["methods"]) == {"identity", "fp8_e4m3", "fp8_e4m3+sink", "kakeyaturbo:balanced",
+                                   "kakeyaturbo:cal"}
     ident = res["methods"]["identity"]
     assert ident["dppl"] == 0.0 and ident["top1"] == 1.0 and ident["tokens"] == 16
-    cal = res["methods"]["kakeyaturbo:cal"]
-    assert cal["bits_per_element"] < 5 and cal["model_bytes"] > 0
+    cal_row = res["methods"]["kakeyaturbo:cal"]
+    assert cal_row["bits_per_element"] < 5 and cal_row["model_bytes"] > 0
+    assert cal_row["kind"] == "codec" and res["methods"]["fp8_e4m3"]["kind"] == "baseline"
     assert res["meta"]["windows"] == 2 and res["meta"]["ctx"] == 64
     assert (out / "results.md").read_text().count("\n| ") >= 5
-    assert not cache_dir.exists()  # the recipe named its statistics: nothing was gathered
+    # The same file through --calibration, for a shipped recipe: the same codec, the same figures.
+    out2 = tmp_path / "eval-2"
+    shipped = tmp_path / "shipped.toml"
+    shipped.write_text(recipe.read_text().replace('name = "cal"', 'name = "cal"')
+                       .replace('path = "cal.safetensors"\n', ""))
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
+                     "--ctx", "64", "--n-eval", "8", "--recipes", str(shipped), "--baselines", "",
+                     "--peers", "", "--calibration", str(cal), "--out", str(out2)]) == 0
+    res2 = json.loads((out2 / "results.json").read_text())
+    assert res2["methods"]["kakeyaturbo:cal"]["kl"] == cal_row["kl"]
+    assert not cache_dir.exists()  # the recipe named its calibration: nothing was gathered
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +101,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
                      "--samples", "20", "--out", str(stats)]) == 0
     recipe = tmp_path / "cal.toml"
     recipe.write_text('name = "cal"\nmode = "calibrated"\nn_sink = 1\n'
-                      '[calibration]\npath = "g.safetensors"\nsensitivity_path = "g-sensitivity.safetensors"\n'
+                      '[calibration]\npath = "g.safetensors"\n'
                       '[k]\nbits = 3.9\nwhiten = "fisher"\nallocation = "sensitivity"\n'
                       '[v]\nbits = 3.9\nwhiten = "fisher"\ncenter = false\nallocation = "sensitivity"\n')
     out = tmp_path / "eval-out"
@@ -97,6 +110,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
                      "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["dtype"] == "bfloat16"
+    assert "quanto-int4" not in res["methods"]  # QuantizedCache takes full-attention models only
     ident = res["methods"]["identity"]
     assert ident["dppl"] == 0.0 and ident["top1"] == 1.0 and ident["kl"] == 0.0
     cal = res["methods"]["kakeyaturbo:cal"]
@@ -105,7 +119,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
     out32 = tmp_path / "eval-32"
     assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--windows", "1",
                      "--ctx", "32", "--n-eval", "4", "--recipes", "", "--baselines", "identity",
-                     "--out", str(out32)]) == 0
+                     "--peers", "", "--out", str(out32)]) == 0
     assert json.loads((out32 / "results.json").read_text())["meta"]["dtype"] == "float32"
 
 

@@ -1,150 +1,261 @@
 """`kakeyaturbo eval` and `kakeyaturbo calibrate`: the EVAL.md protocol on a causal LM and a
-text, with baselines; the calibration statistics of the calibrated mode."""
+text, with baselines and library peers; the calibration of the calibrated mode.
+
+A tool's manners: every argument is checked before anything is loaded (one line naming the
+argument and what was expected, exit status 2); a library error at run time is one line and
+exit status 1; a Python traceback only with ``--debug``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
+import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, NoReturn, Optional, Sequence
 
-from . import assets, recipes
-from .calibration import (calibration_windows, collect, collect_sensitivity, for_recipe,
-                          sensitivity_path, stats_path)
-from .calibration.gather import model_dtype
-from .eval import data, model, report
+from . import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__, assets, recipes
+from ._extras import missing, require
+from .errors import KakeyaError, MissingDependencyError
+from .eval import baselines, peers
+from .eval.model import DTYPES
 
-DEFAULT_BASELINES = "identity,bf16,fp8_e4m3,int4,kivi2,turboquant3,turboquant4"
-DEFAULT_RECIPES = "calibrated-4bit,calibrated-3bit,balanced,max-compression,predecessor"
+DEFAULT_BASELINES = ("identity,fp8_e4m3,fp8_e4m3+sink,int4+sink,kivi2+sink,turboquant3+sink,"
+                     "turboquant4+sink")
+DEFAULT_PEERS = "quanto-int4,quanto-int2,hqq-int4"
+DEFAULT_RECIPES = "calibrated-4bit,calibrated-3bit,balanced"
 
 
-def _model_and_text(args: argparse.Namespace) -> Tuple[Path, Path]:
-    if args.model == "hard-case":
-        model_path = assets.hard_case_model()
+class _Parser(argparse.ArgumentParser):
+    """argparse, failing in one line: ``kakeyaturbo eval: error: argument --windows: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Bad(Exception):
+    """An argument that failed a check after parsing: its flag and what was expected."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {message}")
+
+
+def _count(lo: int, hi: Optional[int] = None) -> Any:
+    """An argparse type: an integer in ``[lo, hi]``."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"expected an integer {want}, got {v}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def _names(s: str) -> List[str]:
+    return [n.strip() for n in s.split(",") if n.strip()]
+
+
+# --- checks, before anything is loaded ------------------------------------------------------
+
+
+def _check_model(arg: Optional[str]) -> None:
+    if arg is None:
+        assets.package_file(assets.MODEL_PACKAGE, assets.MODEL_FILE,
+                            "the default model (SmolLM2-135M; or pass --model PATH)")
+        return
+    if arg == "hard-case":
+        gone = [p for p, _ in assets.HARD_PARTS if not _installed(p)]
+        if gone:
+            cmd = assets.install_command(*(p for p, _ in assets.HARD_PARTS))
+            raise MissingDependencyError(f"the hard-case model is not installed: {cmd}", cmd)
+        return
+    p = Path(arg).expanduser()
+    if not p.exists():
+        raise _Bad("--model", f"no such file or directory: {arg!r} (expected a GGUF file, a "
+                              "checkpoint directory holding config.json, or 'hard-case')")
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise _Bad("--model", f"directory {arg!r} holds no config.json (expected a transformers "
+                              "checkpoint directory or a GGUF file)")
+    if p.is_file() and p.suffix.lower() != ".gguf":
+        raise _Bad("--model", f"file {arg!r} is not a .gguf file (expected a GGUF file or a "
+                              "checkpoint directory)")
+
+
+def _installed(module: str) -> bool:
+    return not missing([module])
+
+
+def _check_text(arg: Optional[str]) -> None:
+    if arg is None:
+        assets.package_file(assets.WIKI_PACKAGE, assets.WIKI_FILE,
+                            "the default text (Wikipedia summaries; or pass --text FILE)")
+        return
+    p = Path(arg).expanduser()
+    if not p.is_file():
+        raise _Bad("--text", f"no such file: {arg!r} (expected a UTF-8 text file or the wiki JSON)")
+
+
+def _check_recipes(arg: str) -> None:
+    for name in _names(arg):
+        try:
+            recipes.load(name)
+        except KakeyaError as e:
+            raise _Bad("--recipes", str(e)) from None
+
+
+def _check_baselines(arg: str) -> None:
+    for name in _names(arg):
+        if not baselines.known(name):
+            raise _Bad("--baselines", f"unknown baseline {name!r}; known: "
+                                      f"{', '.join(baselines.BASELINES)}, each also with '+sink'")
+
+
+def _check_peers(arg: str) -> None:
+    for name in _names(arg):
+        if name not in peers.PEERS:
+            raise _Bad("--peers", f"unknown peer {name!r}; known: {', '.join(peers.PEERS)}")
+
+
+def _check_out_dir(arg: str) -> None:
+    p = Path(arg).expanduser()
+    if p.exists() and not p.is_dir():
+        raise _Bad("--out", f"{arg!r} is a file (expected a directory for results.json, .md and .png)")
+
+
+def _check_calibration_file(flag: str, arg: Optional[str]) -> None:
+    if arg is not None and not Path(arg).expanduser().is_file():
+        raise _Bad(flag, f"no such file: {arg!r} (expected a calibration file written by "
+                         "kakeyaturbo calibrate --out FILE)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every argument of a parsed command line, before anything is loaded: raises ``_Bad``
+    (an argument) or MissingDependencyError (the eval extra, a data package)."""
+    _check_model(args.model)
+    _check_text(args.text)
+    if args.command == "eval":
+        _check_recipes(args.recipes)
+        _check_baselines(args.baselines)
+        _check_peers(args.peers)
+        _check_out_dir(args.out)
+        _check_calibration_file("--calibration", args.calibration)
     else:
-        model_path = Path(args.model) if args.model else assets.default_model()
-    text_path = Path(args.text) if args.text else assets.default_text()
-    return model_path, text_path
+        if args.score + 2 > args.window:
+            raise _Bad("--score", f"expected at most --window - 2 = {args.window - 2} scored tokens, "
+                                  f"got {args.score}")
+        if args.out is not None:
+            p = Path(args.out).expanduser()
+            if p.is_dir():
+                raise _Bad("--out", f"{args.out!r} is a directory (expected the calibration file to write)")
+            if not p.parent.is_dir():
+                raise _Bad("--out", f"directory {str(p.parent)!r} does not exist")
+    require(f"kakeyaturbo {args.command}")
 
 
-def _progress(desc: str) -> Any:
-    from tqdm import tqdm
-
-    return lambda it: tqdm(it, desc=desc, file=sys.stderr)
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from .eval import harness  # torch
-
-    model_path, text_path = _model_and_text(args)
-    print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
-    m, tok = model.load(model_path, args.dtype)
-    wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
-    if len(wins) < args.windows:
-        print(f"text holds only {len(wins)} windows", file=sys.stderr)
-    layers = m.config.num_hidden_layers
-    methods = harness.baseline_methods([b for b in args.baselines.split(",") if b])
-    calibrations: Dict[Any, Any] = {}  # recipes with the same calibration settings share it
-    for name in (r for r in args.recipes.split(",") if r):
-        rec = recipes.load(name)
-        key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
-        if rec.mode == "calibrated" and key not in calibrations:
-            calibrations[key] = for_recipe(rec, m, tok, model_path, text_path,
-                                                  progress=_progress)
-        stats, sens = calibrations.get(key, (None, None))
-        methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
-        if args.attribute:
-            methods += harness.attribution_methods(methods[-1], layers, args.attribute)
-    res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
-    any_m = next(iter(res_methods.values()))
-    res = {
-        "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
-                 "ctx": args.ctx, "n_eval": args.n_eval, "ppl_ref": any_m["ppl_ref"],
-                 "date": datetime.date.today().isoformat(), "layers": layers,
-                 "dtype": model_dtype(m)},
-        "methods": res_methods,
-    }
-    paths = report.write(res, Path(args.out))
-    print(report.markdown(res))
-    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
-    return 0
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    model_path, text_path = _model_and_text(args)
-    print(f"model {model_path}\ntext  {text_path} (calibration split)", file=sys.stderr)
-    m, tok = model.load(model_path, args.dtype)
-    dtype = model_dtype(m)
-    settings = recipes.CalibrationSettings(
-        windows=args.windows, window=args.window, weighting=args.weighting,
-        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
-    meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
-    wins = calibration_windows(tok, text_path, args.windows, args.window)
-    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
-                    samples=args.samples, progress=_progress("calibration"), meta=meta)
-    out = (Path(args.out) if args.out
-           else stats_path(model_path, text_path, settings, dtype, args.rope))
-    for p in stats.save(out):
-        print(f"wrote {p}", file=sys.stderr)
-    if args.sensitivity_windows > 0:
-        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
-                                   progress=_progress("sensitivity"), meta=meta)
-        sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                sensitivity_path(model_path, text_path, settings, args.n_sink, dtype, args.rope))
-        for p in sens.save(sout):
-            print(f"wrote {p}", file=sys.stderr)
-    return 0
+# --- the commands ---------------------------------------------------------------------------
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line: ``kakeyaturbo eval`` and ``kakeyaturbo calibrate``."""
-    ap = argparse.ArgumentParser(prog="kakeyaturbo")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="kakeyaturbo", description="KV-cache codec: evaluation and calibration on a causal LM")
+    ap.add_argument("--version", action="version",
+                    version=f"kakeyaturbo {__version__} (per-block container v{FORMAT_VERSION}, "
+                            f"calibrated container v{CALIBRATED_FORMAT_VERSION})")
+    ap.add_argument("--debug", action="store_true", help="show Python tracebacks of errors")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{eval,calibrate}")
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
                   "(default: the embedded SmolLM2-135M)")
     text_help = "a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)"
     dtype_help = ("weights and cache dtype: auto = as the checkpoint stores it where the CPU computes in "
                   "it (bfloat16 or float32); default float32, in which every published figure was measured")
-    e = sub.add_parser("eval", help="perplexity, top-1 and KL of the codec and baselines on a model")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show Python tracebacks of errors")
+    e = sub.add_parser("eval", parents=[debug],
+                       help="perplexity, top-1 and KL of the codec, baselines and library peers on a model")
     e.add_argument("--model", help=model_help)
     e.add_argument("--text", help=text_help)
-    e.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
-    e.add_argument("--windows", type=int, default=4)
-    e.add_argument("--ctx", type=int, default=512)
-    e.add_argument("--n-eval", type=int, default=64)
+    e.add_argument("--dtype", choices=DTYPES, default="float32", help=dtype_help)
+    e.add_argument("--windows", type=_count(1), default=32)
+    e.add_argument("--ctx", type=_count(1), default=512)
+    e.add_argument("--n-eval", type=_count(1), default=64)
     e.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma-separated recipe names or files")
-    e.add_argument("--baselines", default=DEFAULT_BASELINES)
-    e.add_argument("--attribute", type=int, default=0, metavar="GROUPS",
+    e.add_argument("--baselines", default=DEFAULT_BASELINES,
+                   help="comma-separated numpy baselines; NAME+sink keeps the first token raw "
+                        f"(known: {', '.join(baselines.BASELINES)})")
+    e.add_argument("--peers", default=DEFAULT_PEERS,
+                   help="comma-separated library peers, each run through its own library "
+                        f"(known: {', '.join(peers.PEERS)}; '' for none)")
+    e.add_argument("--calibration", metavar="FILE",
+                   help="a calibration file (kakeyaturbo calibrate --out) for the calibrated recipes, "
+                        "instead of the cache")
+    e.add_argument("--attribute", type=_count(0), default=0, metavar="GROUPS",
                    help="also run every recipe on K only, on V only, and on each of GROUPS "
                         "groups of consecutive layers alone (where the loss comes from)")
     e.add_argument("--out", default="eval-out")
-    c = sub.add_parser("calibrate", help="attention statistics of a model on the calibration split "
-                       "(safetensors + JSON sidecar), for the calibrated mode")
+    c = sub.add_parser("calibrate", parents=[debug],
+                       help="the statistics and sensitivity of a model on the calibration split, "
+                            "for the calibrated mode")
     c.add_argument("--model", help=model_help)
     c.add_argument("--text", help=text_help)
-    c.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
-    c.add_argument("--windows", type=int, default=16)
-    c.add_argument("--window", type=int, default=1024)
-    c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")
+    c.add_argument("--dtype", choices=DTYPES, default="float32", help=dtype_help)
+    c.add_argument("--windows", type=_count(1), default=16)
+    c.add_argument("--window", type=_count(2), default=1024)
+    c.add_argument("--n-sink", type=_count(0), default=1, help="leading tokens left out of K/V statistics")
     c.add_argument("--weighting", choices=("attention", "uniform"), default="attention")
     c.add_argument("--rope", choices=("before", "after"), default="before",
                    help="take keys and queries before RoPE (recipes with [k] rope = 'before', the "
                         "default) or after it (rope = 'after')")
-    c.add_argument("--samples", type=int, default=512, help="rows kept per (layer, kv-head)")
-    c.add_argument("--sensitivity-windows", type=int, default=16,
+    c.add_argument("--samples", type=_count(1), default=512, help="rows kept per (layer, kv-head)")
+    c.add_argument("--sensitivity-windows", type=_count(0), default=16,
                    help="windows for the model's sensitivity (gradients; 0: skip it)")
-    c.add_argument("--score", type=int, default=256,
+    c.add_argument("--score", type=_count(1), default=256,
                    help="tokens at the end of each sensitivity window that are scored")
-    c.add_argument("--out", help="output .safetensors (default: the cache eval looks in); the "
-                   "sensitivity goes beside it as <stem>-sensitivity.safetensors")
+    c.add_argument("--out", metavar="FILE",
+                   help="write ONE self-contained calibration file (safetensors: statistics, "
+                        "sensitivity, the model's fingerprint) for KakeyaCache.from_pretrained, "
+                        "eval --calibration and recipes; default: the cache eval looks in")
     return ap
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
-    return _eval(args) if args.command == "eval" else _calibrate(args)
+def _run(args: argparse.Namespace) -> int:
+    from . import commands  # torch, transformers: after the checks
+
+    return commands.evaluate(args) if args.command == "eval" else commands.calibrate(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command line; returns the exit status (2: a bad argument, 1: an error)."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    debug = getattr(args, "debug", False)
+    prog = f"kakeyaturbo {args.command}"
+    try:
+        check(args)
+    except _Bad as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except MissingDependencyError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # one line unless --debug: the tool's contract
+        if debug:
+            traceback.print_exc()
+        elif isinstance(e, KakeyaError):
+            print(f"{prog}: error: {e}", file=sys.stderr)
+        else:
+            print(f"{prog}: error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+                  file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

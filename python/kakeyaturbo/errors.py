@@ -8,10 +8,12 @@ __all__ = [
     "InvalidInputError",
     "InvalidParameterError",
     "UnsupportedModelError",
+    "ModelMismatchError",
     "CorruptDataError",
     "UnsupportedVersionError",
     "NumericalError",
     "InternalError",
+    "MissingDependencyError",
 ]
 
 
@@ -32,6 +34,12 @@ class UnsupportedModelError(InvalidParameterError):
     be recomputed from positions); the message names the model type and the reason."""
 
 
+class ModelMismatchError(InvalidParameterError):
+    """A file made for another model (a calibration whose fingerprint of the attention weights
+    or whose shapes differ from the model's, a saved prefix of another codec); the message names
+    the file and what differs."""
+
+
 class CorruptDataError(KakeyaError, ValueError):
     """A container is truncated, corrupted or inconsistent."""
 
@@ -46,3 +54,13 @@ class NumericalError(KakeyaError, ArithmeticError):
 
 class InternalError(KakeyaError, RuntimeError):
     """A bug in the codec (a Rust panic, caught before it could abort the interpreter)."""
+
+
+class MissingDependencyError(KakeyaError, ModuleNotFoundError):
+    """An optional part of the library needs a package that is not installed (an extra such as
+    ``eval``, or a data package of EVAL.md); the message and :attr:`install` give the exact
+    command that installs it."""
+
+    def __init__(self, message: str, install: str = "") -> None:
+        super().__init__(message)
+        self.install = install

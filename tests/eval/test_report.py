@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from kakeyaturbo.eval import report
@@ -27,8 +28,35 @@ def test_markdown_rows_are_sorted_by_bits_and_formatted() -> None:
                         "2026-12-03")
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
     assert [r.split(" | ")[0] for r in rows] == ["| identity", "| int4", "| kakeyaturbo:x"]
-    assert rows[0] == ("| identity | 16.00 | 1.00 | +0.10 (-0.20, +0.40) | 96.0 (95.0, 99.0) | "
+    assert rows[0] == ("| identity | numpy | 16.00 | 1.00 | +0.10 (-0.20, +0.40) | 96.0 (95.0, 99.0) | "
                        "0.0012 | ACCEPT |")
+    assert rows[2].startswith("| kakeyaturbo:x | kakeyaturbo | 3.90 |")
+
+
+def test_rows_say_what_ran_them() -> None:
+    res = _result([("quanto-int4", 5.0), ("int4+sink", 4.25), ("kakeyaturbo:x", 3.9)])
+    res["methods"]["quanto-int4"].update(kind="peer", impl="transformers 5.24.0 + optimum-quanto 0.2.7")
+    text = report.markdown(res)
+    assert "| quanto-int4 | transformers 5.24.0 + optimum-quanto 0.2.7 | 5.00 |" in text
+    assert "| int4+sink | numpy | 4.25 |" in text
+    assert "numpy = re-implemented here from the method's published formula" in text
+
+
+def test_plot_labels_do_not_overlap(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    g = np.random.default_rng(3)
+    names = [(f"m{i}", float(b)) for i, b in enumerate(g.uniform(2.5, 5.0, 18))] + [("identity", 16.0)]
+    res = _result(names)
+    for i, r in enumerate(res["methods"].values()):
+        r["dppl"] = float(g.normal(0, 0.01)) if i != 3 else 0.8  # one beyond the clip: drawn at the edge
+        r["kl"] = float(10 ** g.uniform(-3.5, -1.5))
+    boxes = report.plot(res, tmp_path / "p.png")
+    for key in ("kl", "dppl"):
+        b = boxes[key]
+        assert len(b) == len(names)
+        clashes = [(i, j) for i in range(len(b)) for j in range(i) if report._overlaps(b[i], b[j])]
+        assert not clashes, f"{key}: labels {clashes} overlap"
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_write_makes_three_files(tmp_path) -> None:

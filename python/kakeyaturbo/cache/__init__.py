@@ -11,6 +11,10 @@
   and put back after decoding (bit-exact; :mod:`kakeyaturbo.families.rope`).
 """
 
+from .._extras import require
+
+require("kakeyaturbo.cache")  # before torch is imported: name the extra, not the module
+
 from .codecs import BlockCodec, IdentityCodec, StreamCodec, codec_for
 from .generation import KakeyaCache
 from .layer import KakeyaLayer

@@ -16,6 +16,7 @@ from ..families import describe
 from ..recipes import Recipe
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, wants_rope
 from .layer import KakeyaLayer, Positions
+from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
 
 class KakeyaCache(Cache):
@@ -91,6 +92,23 @@ class KakeyaCache(Cache):
         kwargs.setdefault("boundary", recipe.boundary_layers)
         kwargs.setdefault("streams", recipe.streams)
         return cls(BlockCodec(recipe, pre_rope_keys=pre_rope_keys, threads=threads), model=model, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, model: Any, recipe: Any = "calibrated-4bit", *,
+                        calibration: CalibrationLike = None, threads: Optional[int] = None,
+                        **kwargs: Any) -> "KakeyaCache":
+        """The cache of ``recipe`` (a Recipe, a shipped name or a file) for a loaded ``model``:
+        ``KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration="model.kkcal")``.
+        A calibrated recipe's codec is fitted from ``calibration`` (the file ``kakeyaturbo
+        calibrate --out`` wrote for this model, or a :class:`~kakeyaturbo.calibration.Calibration`;
+        default: the recipe's ``[calibration] path``), refused with ModelMismatchError when it was
+        made for another model. The recipe's ``n_sink``, ``boundary_layers`` and ``streams`` apply;
+        other keyword arguments as in the constructor."""
+        codec, rec = codec_for_model(model, recipe, calibration, threads)
+        kwargs.setdefault("n_sink", rec.n_sink)
+        kwargs.setdefault("boundary", rec.boundary_layers)
+        kwargs.setdefault("streams", rec.streams)
+        return cls(codec, model=model, **kwargs)
 
     def _new_layer(self, i: int) -> KakeyaLayer:
         return KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,

@@ -277,6 +277,38 @@ class KakeyaLayer(CacheLayerMixin):
             total += b * h * n * d * st.staging.element_size()
         return total
 
+    # --- persistence (kakeyaturbo.cache.persist) -----------------------------------------------
+
+    def export_state(self) -> Dict[str, Any]:
+        """What the layer holds, as it holds it (no copy, no re-coding): ``seen`` and per stream
+        the raw ``sink`` and ``staging`` rows ``[B, H, n, D]`` with their start positions, and
+        the sealed blocks' blobs ``[block][batch][head]`` with theirs. Empty before the first
+        update."""
+        if not self.is_initialized:
+            return {"seen": 0, "streams": {}}
+        return {"seen": self.seen, "streams": {
+            name: {"sink": st.sink, "sink_start": st.sink_start, "staging": st.staging,
+                   "staging_start": st.staging_start, "blocks": st.blocks, "starts": st.starts}
+            for name, st in self._s.items()}}
+
+    def import_state(self, state: Dict[str, Any]) -> None:
+        """Takes over a state :meth:`export_state` gave (of a layer with the same settings);
+        with ``keep_decoded`` the sealed blocks are decoded once."""
+        streams = state["streams"]
+        if not streams:
+            self.reset()
+            return
+        self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
+        self.seen = int(state["seen"])
+        for name, part in streams.items():
+            st = self._s[name]
+            st.sink, st.sink_start = part["sink"], int(part["sink_start"])
+            st.staging, st.staging_start = part["staging"], int(part["staging_start"])
+            st.blocks, st.starts = [list(b) for b in part["blocks"]], [int(x) for x in part["starts"]]
+            st.decoded = []
+            if self.keep_decoded:
+                st.decoded = [self._block(name, j) for j in range(len(st.blocks))]
+
     # --- internals --------------------------------------------------------------------------
 
     def _visible(self, seen: int) -> int:

@@ -5,6 +5,8 @@ codecs fitted from it. Data flows one way through the modules:
 - `collect`: statistics gathered from a model of any family (torch), seen through the attention
   interface before RoPE: moments, and the sensitivity by gradients at the cached rows;
 - `stats`: :class:`AttentionStats` and :class:`Sensitivity`, stored as safetensors + JSON;
+- `bundle`: :class:`Calibration`, both in ONE file with the model's fingerprint (travels with
+  the model: ``kakeyaturbo calibrate --out``);
 - `gather`: the statistics a recipe needs, from its files, the cache, or collected;
 - `allocation`: integer water-filling of the bits over components, heads, layers, streams;
 - `fit`: whitening, the spectrum of each head (once), bases, spreads, Lloyd-Max tables;
@@ -12,6 +14,7 @@ codecs fitted from it. Data flows one way through the modules:
 """
 
 from .allocation import LLOYD_MAX_MSE, allocate_bits, global_allocation, row_budget, water_fill_rates
+from .bundle import Calibration, fingerprint, is_calibration_file
 from .collect import attention_modules, collect, collect_sensitivity
 from .corpus import calibration_windows
 from .fit import (
@@ -39,6 +42,7 @@ __all__ = [
     "LLOYD_MAX_MSE",
     "RIDGE",
     "AttentionStats",
+    "Calibration",
     "HeadSpectrum",
     "ModelCodec",
     "Sensitivity",
@@ -50,6 +54,7 @@ __all__ = [
     "calibration_windows",
     "collect",
     "collect_sensitivity",
+    "fingerprint",
     "fit_codec",
     "fit_spectrum",
     "fit_stream",
@@ -57,6 +62,7 @@ __all__ = [
     "for_recipe",
     "global_allocation",
     "head_spectrum",
+    "is_calibration_file",
     "lloyd_max",
     "row_budget",
     "sensitivity_path",

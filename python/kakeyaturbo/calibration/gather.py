@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 
 from .. import assets
 from ..recipes import CalibrationSettings, Recipe
+from .bundle import Calibration, is_calibration_file
 from .collect import collect, collect_sensitivity
 from .corpus import calibration_windows
 from .stats import AttentionStats, Sensitivity
@@ -108,9 +109,14 @@ def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[st
                ) -> Tuple[Optional[AttentionStats], Optional[Sensitivity]]:
     """``(stats, sensitivity)`` of a recipe for a loaded model, each from its file, the cache or
     the calibration split of ``text_path`` (``progress(description)`` wraps the windows);
-    ``(None, None)`` for a per-block recipe, no sensitivity where the recipe needs none."""
+    ``(None, None)`` for a per-block recipe, no sensitivity where the recipe needs none. A
+    ``[calibration] path`` naming a calibration file (``kakeyaturbo calibrate --out``) gives
+    both, refused with ModelMismatchError when it was made for another model."""
     if recipe.mode != "calibrated":
         return None, None
+    if recipe.calibration.path and is_calibration_file(recipe.calibration.path):
+        # One file made by `kakeyaturbo calibrate --out`: checked against this model.
+        return Calibration.load(recipe.calibration.path).check_model(model).parts(recipe)
     n_sink = max(recipe.n_sink, 1)
     rope = recipe.key_rope
     stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,

@@ -2,7 +2,12 @@
 
 Each returns ``(decoded, bits)``: the float32 reconstruction and the all-in bits it costs
 (payload plus every scale, zero point and full-precision token). They are the methods people
-use today, written out so that the codec is measured against them in the same harness.
+use today, re-implemented from their published formulas so that the codec is measured against
+them in the same harness (``kakeyaturbo.eval.peers`` runs real libraries instead).
+
+A name with the suffix ``+sink`` (``fp8_e4m3+sink``) is the same quantiser with the first
+token kept raw (counted at 16 bits), as the codec's recipes keep it: the pair of rows
+separates what the attention sink buys from what the quantiser does.
 """
 
 from __future__ import annotations
@@ -118,3 +123,18 @@ BASELINES: Dict[str, Callable[[np.ndarray, str], Quantised]] = {
     "turboquant3": lambda x, s: turboquant(x, 3),
     "turboquant4": lambda x, s: turboquant(x, 4),
 }
+
+#: The suffix of a baseline run with the first token kept raw (``n_sink = 1``).
+SINK_SUFFIX = "+sink"
+
+
+def parse(name: str) -> Tuple[str, int]:
+    """``(base name, n_sink)`` of a baseline name: ``"int4+sink"`` -> ``("int4", 1)``."""
+    if name.endswith(SINK_SUFFIX):
+        return name[: -len(SINK_SUFFIX)], 1
+    return name, 0
+
+
+def known(name: str) -> bool:
+    """Whether ``name`` is a baseline (with or without ``+sink``)."""
+    return parse(name)[0] in BASELINES

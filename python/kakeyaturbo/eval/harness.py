@@ -11,14 +11,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
-import torch
+
+from .._extras import require
+
+require("kakeyaturbo.eval.harness")
+
+import torch  # noqa: E402
 
 from ..cache import codec_for, compress_cache
 from ..cache.prefix import held_span, sink_rows
 from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
-from . import baselines, metrics
+from . import baselines, metrics, peers
 
 #: (stream "k"/"v", one head's [T, D] float32) -> (decoded, all-in bits).
 Quantiser = Callable[[str, np.ndarray], Tuple[np.ndarray, int]]
@@ -29,6 +34,8 @@ class Method:
     name: str
     quantise: Quantiser
     boundary: Sequence[int] = ()
+    #: ``codec`` (kakeyaturbo), ``baseline`` (a numpy re-implementation of a published formula)
+    #: or ``peer`` (a real library run through its own code, :mod:`kakeyaturbo.eval.peers`).
     kind: str = "baseline"
     #: Leading tokens kept uncompressed (the attention sink), counted at 16 bits.
     n_sink: int = 0
@@ -38,6 +45,18 @@ class Method:
     codec: Any = None
     #: Bytes stored once per model (calibrations), reported apart from the per-token bits.
     model_bytes: int = 0
+    #: For a library peer: ``(prefilled DynamicCache, model config) -> (cache, bits, elements)``,
+    #: the library's own cache holding the prefix; scored through it instead of a copy.
+    fill: Any = None
+    #: What runs the method, for the report: ``kakeyaturbo``, ``numpy`` or the library.
+    impl: str = "numpy"
+
+
+def peer_method(name: str) -> Method:
+    """The library peer ``name`` (:data:`kakeyaturbo.eval.peers.PEERS`) as a method."""
+    peer = peers.get(name)
+    return Method(name, _no_quantise, kind="peer", impl=peer.library(),
+                  fill=lambda cache, config, peer=peer: peers.fill(peer, cache, config))
 
 
 def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
@@ -52,7 +71,8 @@ def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None,
     codec = codec_for(recipe, stats=stats, sensitivity=sensitivity)
     model_bytes = int(getattr(codec, "model_bytes", 0))
     return Method(f"kakeyaturbo:{recipe.name}", _no_quantise, recipe.boundary(num_layers), "codec",
-                  recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes)
+                  recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes,
+                  impl="kakeyaturbo")
 
 
 def attribution_methods(method: Method, num_layers: int, groups: int) -> List[Method]:
@@ -70,12 +90,15 @@ def attribution_methods(method: Method, num_layers: int, groups: int) -> List[Me
 
 
 def baseline_methods(names: Sequence[str]) -> List[Method]:
+    """The numpy baselines by name (``NAME+sink``: the first token kept raw, counted at 16 bits)."""
     out = []
     for n in names:
-        if n not in baselines.BASELINES:
-            raise InvalidParameterError(f"unknown baseline {n!r}; known: {', '.join(baselines.BASELINES)}")
-        fn = baselines.BASELINES[n]
-        out.append(Method(n, lambda s, x, fn=fn: fn(x, s)))
+        base, n_sink = baselines.parse(n)
+        if base not in baselines.BASELINES:
+            raise InvalidParameterError(f"unknown baseline {n!r}; known: {', '.join(baselines.BASELINES)} "
+                                        f"(each also with {baselines.SINK_SUFFIX!r})")
+        fn = baselines.BASELINES[base]
+        out.append(Method(n, lambda s, x, fn=fn: fn(x, s), n_sink=n_sink))
     return out
 
 
@@ -153,12 +176,15 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
             _, prefilled = _forward(model, ids[:, :ctx])
 
             def score(method: "Method | None") -> np.ndarray:
-                # Every method starts from its own copy of the whole prefilled cache: a
-                # sliding-window layer's state is more than its keys and values.
-                cache = copy.deepcopy(prefilled)
                 bits = elems = 0
                 t0 = time.perf_counter()
-                if method is not None:
+                if method is not None and method.fill is not None:
+                    cache, bits, elems = method.fill(prefilled, model.config)
+                else:
+                    # Every method starts from its own copy of the whole prefilled cache: a
+                    # sliding-window layer's state is more than its keys and values.
+                    cache = copy.deepcopy(prefilled)
+                if method is not None and method.fill is None:
                     bits, elems = compress_prefix(cache, method, rope)
                 logits, _ = _forward(model, cont, cache)
                 s = per[method.name] if method is not None else ref
@@ -182,7 +208,7 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
         s = per[m.name]
         c = metrics.compare(nll_ref, np.stack(s.nll), np.stack(s.agree), np.stack(s.kl))
         bpe = s.bits / s.elems
-        results[m.name] = dict(c.to_dict(), kind=m.kind, bits_per_element=bpe,
+        results[m.name] = dict(c.to_dict(), kind=m.kind, impl=m.impl, bits_per_element=bpe,
                                ratio_vs_bf16=16.0 / bpe, boundary_layers=list(m.boundary),
                                seconds=s.seconds, model_bytes=m.model_bytes)
     return results

@@ -12,8 +12,12 @@ It sits above `calibration` and `cache` in the one-way flow: both need it (the s
 taken before RoPE, the cache removes and re-applies RoPE and rolls sliding windows).
 """
 
-from ..errors import UnsupportedModelError
-from .capture import AttentionCapture
+from .._extras import require
+
+require("kakeyaturbo.families")
+
+from ..errors import UnsupportedModelError  # noqa: E402
+from .capture import AttentionCapture  # noqa: E402
 from .layout import LayerSpec, ModelLayout, attention_modules, describe, output_projection, rope_for
 from .rope import LayerRope, ModelRope, apply_rope, rope_transpose, rotate_half, unapply_rope
 

@@ -1,0 +1,198 @@
+"""What ``kakeyaturbo eval`` and ``kakeyaturbo calibrate`` do once their arguments passed the
+checks of :mod:`kakeyaturbo.cli` (needs the ``eval`` extra: torch, transformers)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from . import __version__, assets, recipes
+from .calibration import (Calibration, calibration_windows, collect, collect_sensitivity,
+                          for_recipe, sensitivity_path, stats_path)
+from .calibration.gather import model_dtype
+from .errors import InvalidParameterError
+from .eval import data, harness, model, peers, report
+
+#: What the statistics and the sensitivity cost per window against a plain forward pass of it
+#: (`benches/bench_collect.py` on the default model: 9.9 s and 18.8 s against 7.8 s).
+STATS_PER_FORWARD = 1.3
+SENSITIVITY_PER_FORWARD = 2.4
+
+
+def duration(seconds: float) -> str:
+    """``"40 s"`` or ``"3.5 minutes"``."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} minutes"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _progress(desc: str) -> Any:
+    from tqdm import tqdm
+
+    return lambda it: tqdm(it, desc=desc, file=sys.stderr)
+
+
+def _names(s: str) -> List[str]:
+    return [n.strip() for n in s.split(",") if n.strip()]
+
+
+def _model_and_text(args: argparse.Namespace) -> Tuple[Path, Path]:
+    if args.model == "hard-case":
+        model_path = assets.hard_case_model()
+    else:
+        model_path = Path(args.model).expanduser() if args.model else assets.default_model()
+    text_path = Path(args.text).expanduser() if args.text else assets.default_text()
+    return model_path, text_path
+
+
+def forward_seconds(m: Any, tok: Any, text_path: Path, window: int) -> float:
+    """Seconds of one forward pass of a ``window``-token calibration window (the second of two
+    runs: the first warms the allocator and the thread pool)."""
+    import torch
+
+    wins = calibration_windows(tok, text_path, 1, window)
+    ids = torch.tensor(wins[:1])
+    with torch.no_grad():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            m(input_ids=ids)
+            dt = time.perf_counter() - t0
+    return dt
+
+
+def announce_calibration(m: Any, tok: Any, text_path: Path, settings: recipes.CalibrationSettings,
+                         stats: bool, sensitivity: bool) -> None:
+    """Says up front how long gathering the missing statistics and sensitivity will take: a
+    forward pass of one window measured now, times the windows and the measured cost of each
+    kind against a forward pass."""
+    fwd = forward_seconds(m, tok, text_path, settings.window)
+    est = 0.0
+    parts = []
+    if stats:
+        est += STATS_PER_FORWARD * fwd * settings.windows
+        parts.append(f"statistics on {settings.windows} windows")
+    if sensitivity:
+        est += SENSITIVITY_PER_FORWARD * fwd * settings.sensitivity_windows
+        parts.append(f"sensitivity on {settings.sensitivity_windows} windows")
+    _say(f"calibrating once for this model ({' and '.join(parts)} of {settings.window} tokens; "
+         f"a forward pass of one window took {fwd:.2f} s here): about {duration(est)}; "
+         f"cached under {assets.CACHE / 'calibration'}")
+
+
+def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
+                  recs: List[recipes.Recipe]) -> Dict[Any, Any]:
+    """(stats, sensitivity) of every calibrated recipe, keyed by what they depend on."""
+    out: Dict[Any, Any] = {}
+    if args.calibration:
+        cal = Calibration.load(args.calibration).check_model(m)
+        _say(f"calibration {args.calibration} ({cal.library}, made for {cal.model_type} "
+             f"{cal.fingerprint})")
+        for rec in recs:
+            if rec.mode == "calibrated":
+                out[rec.name] = cal.parts(rec)
+        return out
+    dtype = model_dtype(m)
+    for rec in recs:
+        if rec.mode != "calibrated":
+            continue
+        key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
+        if key not in out:
+            s = rec.calibration
+            if not s.path:
+                need_stats = not stats_path(model_path, text_path, s, dtype, rec.key_rope).exists()
+                need_sens = (rec.needs_sensitivity and not s.sensitivity_path and not sensitivity_path(
+                    model_path, text_path, s, max(rec.n_sink, 1), dtype, rec.key_rope).exists())
+                if need_stats or need_sens:
+                    announce_calibration(m, tok, text_path, s, need_stats, need_sens)
+            out[key] = for_recipe(rec, m, tok, model_path, text_path, progress=_progress)
+        out[rec.name] = out[key]
+    return out
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """``kakeyaturbo eval``: the EVAL.md protocol; writes results.json, .md and .png."""
+    t_start = time.perf_counter()
+    model_path, text_path = _model_and_text(args)
+    _say(f"model {model_path}\ntext  {text_path} (evaluation split)")
+    recs = [recipes.load(n) for n in _names(args.recipes)]
+    m, tok = model.load(model_path, args.dtype)
+    wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
+    if not wins:
+        raise InvalidParameterError(
+            f"the evaluation split of {text_path.name} holds no window of {args.ctx + args.n_eval + 1} tokens")
+    if len(wins) < args.windows:
+        _say(f"text holds only {len(wins)} windows")
+    layers = m.config.num_hidden_layers
+    methods = harness.baseline_methods(_names(args.baselines))
+    for name in _names(args.peers):
+        why = peers.unavailable(name) or peers.unsupported(name, m)
+        if why:
+            _say(why)
+            continue
+        methods.append(harness.peer_method(name))
+    cals = _calibrations(args, m, tok, model_path, text_path, recs)
+    for rec in recs:
+        stats, sens = cals.get(rec.name, (None, None))
+        methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
+        if args.attribute:
+            methods += harness.attribution_methods(methods[-1], layers, args.attribute)
+    res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
+    any_m = next(iter(res_methods.values()), None)
+    res = {
+        "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
+                 "ctx": args.ctx, "n_eval": args.n_eval,
+                 "ppl_ref": any_m["ppl_ref"] if any_m else float("nan"),
+                 "date": datetime.date.today().isoformat(), "layers": layers,
+                 "dtype": model_dtype(m), "library": f"kakeyaturbo {__version__}",
+                 "seconds": round(time.perf_counter() - t_start, 1)},
+        "methods": res_methods,
+    }
+    paths = report.write(res, Path(args.out).expanduser())
+    print(report.markdown(res))
+    _say(f"wrote {', '.join(str(p) for p in paths.values())} in {res['meta']['seconds']:.0f} s")
+    return 0
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    """``kakeyaturbo calibrate``: statistics and sensitivity on the calibration split; with
+    ``--out FILE`` one self-contained calibration file, else the cache ``eval`` reads."""
+    model_path, text_path = _model_and_text(args)
+    _say(f"model {model_path}\ntext  {text_path} (calibration split)")
+    m, tok = model.load(model_path, args.dtype)
+    dtype = model_dtype(m)
+    settings = recipes.CalibrationSettings(
+        windows=args.windows, window=args.window, weighting=args.weighting,
+        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
+    announce_calibration(m, tok, text_path, settings, True, args.sensitivity_windows > 0)
+    meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
+    wins = calibration_windows(tok, text_path, args.windows, args.window)
+    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
+                    samples=args.samples, progress=_progress("calibration"), meta=meta)
+    sens = None
+    if args.sensitivity_windows > 0:
+        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
+        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
+                                   progress=_progress("sensitivity"), meta=meta)
+    if args.out:
+        record = {"model": model_path.name, "text": text_path.name, "split": "calibration",
+                  "windows": args.windows, "window": args.window, "weighting": args.weighting,
+                  "n_sink": args.n_sink, "samples": args.samples,
+                  "sensitivity_windows": args.sensitivity_windows, "score": args.score,
+                  "dtype": dtype, "rope": args.rope}
+        cal = Calibration.for_model(m, stats, sens, record)
+        out = cal.save(Path(args.out).expanduser())
+        _say(f"wrote {out} (made for {cal.model_type} {cal.fingerprint})")
+        return 0
+    for p in stats.save(stats_path(model_path, text_path, settings, dtype, args.rope)):
+        _say(f"wrote {p}")
+    if sens is not None:
+        for p in sens.save(sensitivity_path(model_path, text_path, settings, args.n_sink, dtype,
+                                                   args.rope)):
+            _say(f"wrote {p}")
+    return 0

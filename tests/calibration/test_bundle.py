@@ -1,0 +1,134 @@
+"""One calibration file: written and read back exactly, self-describing, and every kind of damage
+a typed error naming the file (numpy only; the model-facing checks are in tests/cache)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+from kakeyaturbo.calibration import AttentionStats, Calibration, Sensitivity, is_calibration_file  # noqa: E402
+from kakeyaturbo.calibration import bundle  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidParameterError, UnsupportedVersionError  # noqa: E402
+
+L, H, D, S = 2, 1, 4, 3
+
+
+def _stats(seed: int = 0) -> AttentionStats:
+    g = np.random.default_rng(seed)
+    sq = lambda: np.stack([[np.cov(g.standard_normal((D, 50)))] * H] * L)  # noqa: E731
+    return AttentionStats(meta={"windows": 2}, q2=sq(), k_mean=g.standard_normal((L, H, D)), k_cov=sq(),
+                          v_mean=g.standard_normal((L, H, D)), v_cov=sq(), o_gram=sq(),
+                          k_samples=g.standard_normal((L, H, S, D)).astype(np.float32),
+                          v_samples=g.standard_normal((L, H, S, D)).astype(np.float32))
+
+
+def _cal(sens: bool = True) -> Calibration:
+    st = _stats()
+    se = Sensitivity(meta={"score": 16}, k=st.k_cov * 2, v=st.v_cov * 3) if sens else None
+    return Calibration(stats=st, sensitivity=se, model_type="llama", fingerprint="ab" * 16,
+                       settings={"text": "t.txt", "windows": 2})
+
+
+def test_round_trip_is_exact_and_self_describing(tmp_path) -> None:
+    path = _cal().save(tmp_path / "c.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # one file, no sidecar
+    assert is_calibration_file(path)
+    back = Calibration.load(path)
+    for k in AttentionStats.ARRAYS:
+        np.testing.assert_array_equal(getattr(back.stats, k), getattr(_cal().stats, k))
+    np.testing.assert_array_equal(back.sensitivity.v, _cal().sensitivity.v)
+    assert back.model_type == "llama" and back.fingerprint == "ab" * 16
+    assert back.settings == {"text": "t.txt", "windows": 2}
+    assert back.shape == (L, H, D) and back.library.startswith("kakeyaturbo ")
+    assert back.stats.meta == {"windows": 2} and back.sensitivity.meta == {"score": 16}
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        meta = f.metadata()
+    assert meta["format"] == "kakeyaturbo-calibration" and meta["version"] == "1"
+    assert json.loads(meta["shape"]) == [L, H, D]
+
+
+def test_without_sensitivity_a_recipe_that_needs_it_is_refused(tmp_path) -> None:
+    from kakeyaturbo import recipes
+
+    back = Calibration.load(_cal(sens=False).save(tmp_path / "c.safetensors"))
+    assert back.sensitivity is None
+    with pytest.raises(InvalidParameterError, match="needs the model's sensitivity"):
+        back.parts(recipes.load("calibrated-4bit"))
+    assert back.parts(recipes.load("benches/recipes/calibrated-4bit-proxy.toml"))[1] is None
+
+
+def test_damage_is_a_typed_error_naming_the_file(tmp_path) -> None:
+    good = _cal().save(tmp_path / "c.safetensors").read_bytes()
+    p = tmp_path / "bad.safetensors"
+    cases = {
+        "flipped data byte": good[:-5] + bytes([good[-5] ^ 1]) + good[-4:],
+        "truncated": good[: len(good) // 2],
+        "empty": b"",
+        "garbage": b"not a safetensors file at all",
+        "huge header length": struct.pack("<Q", 2**62) + good[8:],
+    }
+    for what, data in cases.items():
+        p.write_bytes(data)
+        with pytest.raises(CorruptDataError, match="bad.safetensors") as e:
+            Calibration.load(p)
+        assert "bad.safetensors" in str(e.value), what
+    with pytest.raises(InvalidParameterError, match="does not exist"):
+        Calibration.load(tmp_path / "nowhere.safetensors")
+
+
+def _rewrite_meta(src, dst, **changes) -> None:
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    with safe_open(str(src), framework="np") as f:
+        meta = dict(f.metadata())
+    meta.update(changes)
+    save_file(load_file(str(src)), str(dst), metadata=meta)
+
+
+def test_other_files_and_newer_versions_are_refused(tmp_path) -> None:
+    src = _cal().save(tmp_path / "c.safetensors")
+    p = tmp_path / "x.safetensors"
+    _rewrite_meta(src, p, version="2")
+    with pytest.raises(UnsupportedVersionError, match="version 2"):
+        Calibration.load(p)
+    _rewrite_meta(src, p, format="something-else")
+    with pytest.raises(CorruptDataError, match="not a kakeyaturbo calibration"):
+        Calibration.load(p)
+    assert not is_calibration_file(p)
+    _rewrite_meta(src, p, shape="[3, 1, 4]")
+    with pytest.raises(CorruptDataError, match="disagree with the shapes"):
+        Calibration.load(p)
+    _rewrite_meta(src, p, stats_meta="{broken")
+    with pytest.raises(CorruptDataError, match="x.safetensors"):
+        Calibration.load(p)
+    # A statistics file of the older two-file store is not a calibration file.
+    _stats().save(tmp_path / "old.safetensors")
+    with pytest.raises(CorruptDataError, match="not a kakeyaturbo calibration"):
+        Calibration.load(tmp_path / "old.safetensors")
+
+
+def test_checksum_covers_every_array(tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    src = _cal().save(tmp_path / "c.safetensors")
+    arrays = load_file(str(src))
+    with safe_open(str(src), framework="np") as f:
+        meta = dict(f.metadata())
+    for name in arrays:
+        changed = dict(arrays)
+        a = changed[name].copy()
+        a.flat[0] += 1
+        changed[name] = a
+        save_file(changed, str(tmp_path / "m.safetensors"), metadata=meta)
+        with pytest.raises(CorruptDataError, match="checksum"):
+            Calibration.load(tmp_path / "m.safetensors")
+    assert bundle.VERSION == 1

