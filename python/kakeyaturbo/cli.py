@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import assets, recipes
 from .calibration import (calibration_windows, collect, collect_sensitivity, for_recipe,
                           sensitivity_path, stats_path)
+from .calibration import corpus
 from .calibration.gather import model_dtype
 from .eval import data, model, report
 
@@ -38,7 +39,10 @@ def _eval(args: argparse.Namespace) -> int:
     from .eval import harness  # torch
 
     model_path, text_path = _model_and_text(args)
-    print(f"model {model_path}\ntext  {text_path} (evaluation split)", file=sys.stderr)
+    cal_text = _calibration_text(args, text_path)
+    print(f"model {model_path}\ntext  {text_path} (evaluation split)\ncalibration text "
+          f"{cal_text or 'as each recipe names it (default: mixture)'} (calibration split)",
+          file=sys.stderr)
     m, tok = model.load(model_path, args.dtype)
     wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
     if len(wins) < args.windows:
@@ -50,7 +54,7 @@ def _eval(args: argparse.Namespace) -> int:
         rec = recipes.load(name)
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
         if rec.mode == "calibrated" and key not in calibrations:
-            calibrations[key] = for_recipe(rec, m, tok, model_path, text_path,
+            calibrations[key] = for_recipe(rec, m, tok, model_path, cal_text,
                                                   progress=_progress)
         stats, sens = calibrations.get(key, (None, None))
         methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
@@ -60,6 +64,7 @@ def _eval(args: argparse.Namespace) -> int:
     any_m = next(iter(res_methods.values()))
     res = {
         "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
+                 "calibration_text": cal_text or "recipe",
                  "ctx": args.ctx, "n_eval": args.n_eval, "ppl_ref": any_m["ppl_ref"],
                  "date": datetime.date.today().isoformat(), "layers": layers,
                  "dtype": model_dtype(m)},
@@ -71,29 +76,65 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str]:
+    """``--calibration-text``: ``same`` is the evaluation text's own calibration split."""
+    spec = getattr(args, "calibration_text", None)
+    if spec is None:
+        return None
+    return corpus.check_spec(str(text_path) if spec == "same" else spec)
+
+
 def _calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from .calibration.mixture import composition, pool_sensitivity, pool_stats
+
     model_path, text_path = _model_and_text(args)
-    print(f"model {model_path}\ntext  {text_path} (calibration split)", file=sys.stderr)
+    text = corpus.check_spec(args.calibration_text or (str(text_path) if args.text else "mixture"))
+    print(f"model {model_path}\ntext  {text} (calibration split)", file=sys.stderr)
     m, tok = model.load(model_path, args.dtype)
     dtype = model_dtype(m)
     settings = recipes.CalibrationSettings(
         windows=args.windows, window=args.window, weighting=args.weighting,
-        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
-    meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
-    wins = calibration_windows(tok, text_path, args.windows, args.window)
-    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
-                            samples=args.samples, progress=_progress("calibration"), meta=meta)
-    out = Path(args.out) if args.out else stats_path(model_path, text_path, settings, dtype)
-    for p in stats.save(out):
-        print(f"wrote {p}", file=sys.stderr)
-    if args.sensitivity_windows > 0:
-        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
-                                           progress=_progress("sensitivity"), meta=meta)
-        sout = (out.with_name(out.stem + "-sensitivity.safetensors") if args.out else
-                sensitivity_path(model_path, text_path, settings, args.n_sink, dtype))
-        for p in sens.save(sout):
+        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score,
+        corpus=text).checked()
+    mixed = corpus.is_mixture(text)
+    out = Path(args.out) if args.out else None
+
+    def write(obj: Any, path: Path) -> None:
+        for p in obj.save(path):
             print(f"wrote {p}", file=sys.stderr)
+
+    # A mixture is collected per domain into the cache (where eval finds it) and pooled.
+    parts = composition(text, args.windows, tok) if mixed else [(text, args.windows)]
+    got = []
+    for d, c in parts:
+        meta = {"model": model_path.name, **corpus.meta(d)}
+        wins = calibration_windows(tok, d, c, args.window)
+        stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting,
+                        samples=args.samples, progress=_progress(f"calibration {d}"), meta=meta)
+        if mixed or out is None:
+            write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype))
+        got.append((stats, c))
+    if out is not None:
+        write(pool_stats(got, meta={"text": text}) if mixed else got[0][0], out)
+    if args.sensitivity_windows > 0:
+        parts = (composition(text, args.sensitivity_windows, tok) if mixed
+                 else [(text, args.sensitivity_windows)])
+        sgot = []
+        for d, c in parts:
+            meta = {"model": model_path.name, **corpus.meta(d)}
+            wins = calibration_windows(tok, d, c, args.window)
+            sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score,
+                                       progress=_progress(f"sensitivity {d}"), meta=meta)
+            if mixed or out is None:
+                write(sens, sensitivity_path(model_path, d,
+                                             replace(settings, sensitivity_windows=c),
+                                             args.n_sink, dtype))
+            sgot.append((sens, c))
+        if out is not None:
+            write(pool_sensitivity(sgot, meta={"text": text}) if mixed else sgot[0][0],
+                  out.with_name(out.stem + "-sensitivity.safetensors"))
     return 0
 
 
@@ -103,13 +144,19 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
                   "(default: the embedded SmolLM2-135M)")
-    text_help = "a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)"
+    text_help = ("a domain (wiki-en, wiki-fr, wiki-es, code, prose, chat), a UTF-8 text or the "
+                 "wiki JSON (default: the embedded English Wikipedia summaries)")
+    cal_help = ("calibration text, its calibration split only: 'mixture' (the shipped "
+                "multi-domain mixture), 'mixture:DOMAIN=WEIGHT,...', a domain or a file")
     dtype_help = ("weights and cache dtype: auto = as the checkpoint stores it where the CPU computes in "
                   "it (bfloat16 or float32); default float32, in which every published figure was measured")
     e = sub.add_parser("eval", help="perplexity, top-1 and KL of the codec and baselines on a model")
     e.add_argument("--model", help=model_help)
     e.add_argument("--text", help=text_help)
     e.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
+    e.add_argument("--calibration-text", metavar="TEXT",
+                   help=cal_help + "; 'same': the evaluation text's own (default: as each "
+                   "recipe's [calibration] corpus says, 'mixture' for the shipped ones)")
     e.add_argument("--windows", type=int, default=4)
     e.add_argument("--ctx", type=int, default=512)
     e.add_argument("--n-eval", type=int, default=64)
@@ -124,6 +171,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help=model_help)
     c.add_argument("--text", help=text_help)
     c.add_argument("--dtype", choices=model.DTYPES, default="float32", help=dtype_help)
+    c.add_argument("--calibration-text", metavar="TEXT",
+                   help=cal_help + " (default: --text if given, else 'mixture')")
     c.add_argument("--windows", type=int, default=16)
     c.add_argument("--window", type=int, default=1024)
     c.add_argument("--n-sink", type=int, default=1, help="leading tokens left out of K/V statistics")

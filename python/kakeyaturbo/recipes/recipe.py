@@ -94,10 +94,20 @@ class CalibratedStream:
     #: ``sensitivity`` (one water-filling over every layer, kv-head and stream that asks for
     #: it, each component weighed by the measured sensitivity of the loss to it).
     allocation: str = "per-head"
+    #: Shrinks the measured sensitivity ``F`` of every head toward a calibration-free prior
+    #: before it whitens or weighs anything: ``(1 - a) F + a P``, ``P`` the prior scaled to
+    #: ``tr F``; in [0, 1] (0: the measurement alone).
+    fisher_shrink: float = 0.0
+    #: The prior: ``identity`` (``tr(F) / D I``) or ``proxy`` (keys: the query second moment;
+    #: values: the head's ``o_proj`` Gram matrix).
+    fisher_prior: str = "identity"
+    #: At least this many bits for every component (paid out of the row's bits first), 0..max_bits.
+    min_bits: int = 0
 
     WHITEN = ("none", "query", "output", "fisher")
     TABLES = ("gaussian", "calibrated")
     ALLOCATION = ("per-head", "global", "sensitivity")
+    PRIORS = ("identity", "proxy")
 
     def checked(self, stream: str) -> "CalibratedStream":
         """The same settings with every value checked (raises TypeError/InvalidParameterError)."""
@@ -110,14 +120,21 @@ class CalibratedStream:
         if whiten == "output" and stream != "v":
             raise InvalidParameterError("whiten = 'output' applies to values only")
         thr = self.outlier_threshold
+        shrink = _checks.real(self.fisher_shrink, "fisher_shrink")
+        if not 0.0 <= shrink <= 1.0:
+            raise InvalidParameterError(f"fisher_shrink must be in [0, 1], got {shrink}")
+        max_bits = _checks.integer(self.max_bits, "max_bits", 1, 8)
         return CalibratedStream(
             bits=bits, whiten=whiten, center=_checks.boolean(self.center, "center"),
             norm=_checks.boolean(self.norm, "norm"), metric=_checks.choice(self.metric, "metric", METRICS),
             outlier_threshold=None if thr is None else _checks.real(thr, "outlier_threshold", positive=True),
             rotation_seed=_checks.seed(self.rotation_seed),
-            max_bits=_checks.integer(self.max_bits, "max_bits", 1, 8),
+            max_bits=max_bits,
             tables=_checks.choice(self.tables, "tables", self.TABLES),
-            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION))
+            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION),
+            fisher_shrink=shrink,
+            fisher_prior=_checks.choice(self.fisher_prior, "fisher_prior", self.PRIORS),
+            min_bits=_checks.integer(self.min_bits, "min_bits", 0, max_bits))
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,11 @@ class CalibrationSettings:
     sensitivity_windows: int = 16
     score: int = 64
     sensitivity_path: Optional[str] = None
+    #: The calibration text: ``mixture`` (the shipped multi-domain mixture), ``mixture:D=W,...``,
+    #: a domain (``wiki-en``, ``wiki-fr``, ``wiki-es``, ``code``, ``prose``, ``chat``) or a file
+    #: (relative to the recipe); only its calibration split is read
+    #: (:mod:`kakeyaturbo.calibration.corpus`). ``--calibration-text`` overrides it.
+    corpus: str = "mixture"
 
     WEIGHTING = ("attention", "uniform")
 
@@ -145,6 +167,11 @@ class CalibrationSettings:
                 raise TypeError(f"{name} must be a path (str), got {type(v).__name__}")
             return None if v is None else os.fspath(v)
 
+        from ..calibration.corpus import check_spec  # the calibration package imports recipes
+
+        if not isinstance(self.corpus, (str, os.PathLike)):
+            raise TypeError(f"corpus must be a domain, a mixture or a path (str), got "
+                            f"{type(self.corpus).__name__}")
         window = _checks.integer(self.window, "window", 2)
         score = _checks.integer(self.score, "score", 1)
         if score + 2 > window:
@@ -155,7 +182,8 @@ class CalibrationSettings:
             weighting=_checks.choice(self.weighting, "weighting", self.WEIGHTING),
             path=path(self.path, "path"),
             sensitivity_windows=_checks.integer(self.sensitivity_windows, "sensitivity_windows", 1),
-            score=score, sensitivity_path=path(self.sensitivity_path, "sensitivity_path"))
+            score=score, sensitivity_path=path(self.sensitivity_path, "sensitivity_path"),
+            corpus=check_spec(self.corpus))
 
 
 Stream = Union[BlockStream, CalibratedStream]
@@ -308,6 +336,12 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     calibration = data.get("calibration", {})
     if isinstance(calibration, dict):
         calibration = dict(calibration)
+        from ..calibration.corpus import DOMAINS, is_mixture
+
+        corpus = calibration.get("corpus")
+        if isinstance(corpus, str) and corpus not in DOMAINS and not is_mixture(corpus):
+            cp = Path(corpus).expanduser()
+            calibration["corpus"] = str(cp if cp.is_absolute() else path.parent / cp)
         for key in ("path", "sensitivity_path"):
             if isinstance(calibration.get(key), str):
                 cp = Path(calibration[key]).expanduser()
