@@ -42,7 +42,7 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
                       '[k]\nbits = 3.9\nwhiten = "fisher"\nallocation = "sensitivity"\n'
                       '[v]\nbits = 3.9\nwhiten = "fisher"\ncenter = false\nallocation = "sensitivity"\n')
     out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--calibration-text", "same", "--windows", "2",
                      "--ctx", "64", "--n-eval", "8", "--recipes", f"balanced,{recipe}",
                      "--baselines", "identity,fp8_e4m3,fp8_e4m3+sink", "--peers", "",
                      "--out", str(out)]) == 0
@@ -61,7 +61,7 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
     shipped = tmp_path / "shipped.toml"
     shipped.write_text(recipe.read_text().replace('name = "cal"', 'name = "cal"')
                        .replace('path = "cal.safetensors"\n', ""))
-    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--calibration-text", "same", "--windows", "2",
                      "--ctx", "64", "--n-eval", "8", "--recipes", str(shipped), "--baselines", "",
                      "--peers", "", "--calibration", str(cal), "--out", str(out2)]) == 0
     res2 = json.loads((out2 / "results.json").read_text())
@@ -96,7 +96,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
     across the sliding windows (ctx 64 > window 16)."""
     text = tiny_model_dir / "text.txt"
     stats = tmp_path / "g.safetensors"
-    assert cli.main(["calibrate", "--model", str(gemma3_bf16_dir), "--text", str(text), "--dtype", "auto",
+    assert cli.main(["calibrate", "--model", str(gemma3_bf16_dir), "--text", str(text), "--calibration-text", "same", "--dtype", "auto",
                      "--windows", "2", "--window", "96", "--sensitivity-windows", "2", "--score", "16",
                      "--samples", "20", "--out", str(stats)]) == 0
     recipe = tmp_path / "cal.toml"
@@ -105,7 +105,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
                       '[k]\nbits = 3.9\nwhiten = "fisher"\nallocation = "sensitivity"\n'
                       '[v]\nbits = 3.9\nwhiten = "fisher"\ncenter = false\nallocation = "sensitivity"\n')
     out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--dtype", "auto",
+    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--calibration-text", "same", "--dtype", "auto",
                      "--windows", "2", "--ctx", "64", "--n-eval", "8", "--recipes", f"balanced,{recipe}",
                      "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
@@ -117,7 +117,7 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
     assert cal["bits_per_element"] < 6 and cal["model_bytes"] > 0 and cal["kl"] > 0
     assert not cache_dir.exists()
     out32 = tmp_path / "eval-32"
-    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--windows", "1",
+    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--calibration-text", "same", "--windows", "1",
                      "--ctx", "32", "--n-eval", "4", "--recipes", "", "--baselines", "identity",
                      "--peers", "", "--out", str(out32)]) == 0
     assert json.loads((out32 / "results.json").read_text())["meta"]["dtype"] == "float32"
@@ -138,7 +138,7 @@ def test_recipes_on_both_sides_of_rope_get_their_own_statistics(tiny_model_dir, 
     """Two calibrated recipes with the same [calibration] but keys on either side of RoPE must
     not share statistics (they did: the second was refused for the first's statistics)."""
     text = tiny_model_dir / "text.txt"
-    common = ["--model", str(tiny_model_dir), "--text", str(text)]
+    common = ["--model", str(tiny_model_dir), "--text", str(text), "--calibration-text", "same"]
     recipes_ = []
     for side in ("before", "after"):
         body = (f'name = "{side}"\nmode = "calibrated"\nn_sink = 1\n[calibration]\nwindows = 2\n'

@@ -45,7 +45,9 @@ def one_line(p) -> str:
 
 @pytest.mark.parametrize("args, flag, expected", [
     (["eval", "--model", "/nonexistent"], "--model", "expected a GGUF file"),
-    (["eval", "--text", "/nonexistent.txt"], "--text", "expected a UTF-8 text file"),
+    (["eval", "--text", "/nonexistent.txt"], "--text", "a UTF-8 text file or the wiki JSON"),
+    (["eval", "--text", "klingon"], "--text", "expected a domain (wiki-en"),
+    (["eval", "--calibration-text", "mixture:code=x"], "--calibration-text", "weight 'x' of code is not a number"),
     (["eval", "--recipes", "balanced,nosuch"], "--recipes", "no recipe named 'nosuch'"),
     (["eval", "--baselines", "fp9"], "--baselines", "unknown baseline 'fp9'"),
     (["eval", "--peers", "quanto-int8"], "--peers", "unknown peer 'quanto-int8'"),

@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any, List, NoReturn, Optional, Sequence
 
-from . import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__, assets, recipes
+from . import CALIBRATED_FORMAT_VERSION, FORMAT_VERSION, __version__, assets, recipes, texts
 from ._extras import missing, require
 from .errors import KakeyaError, MissingDependencyError
 from .eval import baselines, peers
@@ -89,14 +89,24 @@ def _installed(module: str) -> bool:
     return not missing([module])
 
 
-def _check_text(arg: Optional[str]) -> None:
+def _check_text(arg: Optional[str], flag: str = "--text", mixture: bool = False) -> None:
     if arg is None:
         assets.package_file(assets.WIKI_PACKAGE, assets.WIKI_FILE,
                             "the default text (Wikipedia summaries; or pass --text FILE)")
         return
+    if arg == "same" and flag == "--calibration-text":
+        return
+    if arg in texts.DOMAINS or (mixture and texts.is_mixture(arg)):
+        try:
+            texts.check_spec(arg, allow_mixture=mixture)
+        except KakeyaError as e:
+            raise _Bad(flag, str(e)) from None
+        return
     p = Path(arg).expanduser()
     if not p.is_file():
-        raise _Bad("--text", f"no such file: {arg!r} (expected a UTF-8 text file or the wiki JSON)")
+        what = "a mixture ('mixture', 'mixture:DOMAIN=WEIGHT,...'), " if mixture else ""
+        raise _Bad(flag, f"no such file: {arg!r} (expected {what}a domain "
+                         f"({', '.join(texts.DOMAINS)}), a UTF-8 text file or the wiki JSON)")
 
 
 def _check_recipes(arg: str) -> None:
@@ -137,6 +147,8 @@ def check(args: argparse.Namespace) -> None:
     (an argument) or MissingDependencyError (the eval extra, a data package)."""
     _check_model(args.model)
     _check_text(args.text)
+    if args.calibration_text is not None:
+        _check_text(args.calibration_text, "--calibration-text", mixture=True)
     if args.command == "eval":
         _check_recipes(args.recipes)
         _check_baselines(args.baselines)
@@ -169,7 +181,10 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="{eval,calibrate}")
     model_help = ("a model directory or GGUF file, or 'hard-case' for EVAL.md's Qwen2.5 0.5B "
                   "(default: the embedded SmolLM2-135M)")
-    text_help = "a UTF-8 text or the wiki JSON (default: the embedded Wikipedia summaries)"
+    text_help = ("a domain (wiki-en, wiki-fr, wiki-es, code, prose, chat), a UTF-8 text or the "
+                 "wiki JSON (default: the embedded English Wikipedia summaries)")
+    cal_help = ("calibration text, its calibration split only: 'mixture' (the shipped "
+                "multi-domain mixture), 'mixture:DOMAIN=WEIGHT,...', a domain or a file")
     dtype_help = ("weights and cache dtype: auto = as the checkpoint stores it where the CPU computes in "
                   "it (bfloat16 or float32); default float32, in which every published figure was measured")
     debug = argparse.ArgumentParser(add_help=False)
@@ -180,6 +195,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help=model_help)
     e.add_argument("--text", help=text_help)
     e.add_argument("--dtype", choices=DTYPES, default="float32", help=dtype_help)
+    e.add_argument("--calibration-text", metavar="TEXT",
+                   help=cal_help + "; 'same': the evaluation text's own (default: as each "
+                   "recipe's [calibration] corpus says)")
     e.add_argument("--windows", type=_count(1), default=32)
     e.add_argument("--ctx", type=_count(1), default=512)
     e.add_argument("--n-eval", type=_count(1), default=64)
@@ -203,6 +221,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help=model_help)
     c.add_argument("--text", help=text_help)
     c.add_argument("--dtype", choices=DTYPES, default="float32", help=dtype_help)
+    c.add_argument("--calibration-text", metavar="TEXT",
+                   help=cal_help + " (default: --text if given, else 'mixture')")
     c.add_argument("--windows", type=_count(1), default=16)
     c.add_argument("--window", type=_count(2), default=1024)
     c.add_argument("--n-sink", type=_count(0), default=1, help="leading tokens left out of K/V statistics")

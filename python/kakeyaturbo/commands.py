@@ -8,12 +8,16 @@ import datetime
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import __version__, assets, recipes
 from .calibration import (Calibration, calibration_windows, collect, collect_sensitivity,
                           for_recipe, sensitivity_path, stats_path)
-from .calibration.gather import model_dtype
+from .calibration import corpus
+from .calibration.bundle import is_calibration_file
+from .calibration.gather import missing, model_dtype
+from .calibration.mixture import pool_sensitivity, pool_stats
 from .errors import InvalidParameterError
 from .eval import data, harness, model, peers, report
 
@@ -85,8 +89,17 @@ def announce_calibration(m: Any, tok: Any, text_path: Path, settings: recipes.Ca
          f"cached under {assets.CACHE / 'calibration'}")
 
 
+def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str]:
+    """``eval --calibration-text``: ``same`` is the evaluation text's own calibration split;
+    None: each recipe's ``[calibration] corpus``."""
+    spec = getattr(args, "calibration_text", None)
+    if spec is None:
+        return None
+    return corpus.check_spec(str(text_path) if spec == "same" else spec)
+
+
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
-                  recs: List[recipes.Recipe]) -> Dict[Any, Any]:
+                  cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
     """(stats, sensitivity) of every calibrated recipe, keyed by what they depend on."""
     out: Dict[Any, Any] = {}
     if args.calibration:
@@ -97,20 +110,18 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
             if rec.mode == "calibrated":
                 out[rec.name] = cal.parts(rec)
         return out
-    dtype = model_dtype(m)
     for rec in recs:
         if rec.mode != "calibrated":
             continue
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if key not in out:
-            s = rec.calibration
-            if not s.path:
-                need_stats = not stats_path(model_path, text_path, s, dtype, rec.key_rope).exists()
-                need_sens = (rec.needs_sensitivity and not s.sensitivity_path and not sensitivity_path(
-                    model_path, text_path, s, max(rec.n_sink, 1), dtype, rec.key_rope).exists())
-                if need_stats or need_sens:
-                    announce_calibration(m, tok, text_path, s, need_stats, need_sens)
-            out[key] = for_recipe(rec, m, tok, model_path, text_path, progress=_progress)
+            text = cal_text or rec.calibration.corpus
+            if not (rec.calibration.path and is_calibration_file(rec.calibration.path)):
+                todo = {what for what, _, _ in missing(rec, m, tok, model_path, text)}
+                if todo:
+                    announce_calibration(m, tok, text_path, rec.calibration,
+                                         "statistics" in todo, "sensitivity" in todo)
+            out[key] = for_recipe(rec, m, tok, model_path, text, progress=_progress)
         out[rec.name] = out[key]
     return out
 
@@ -119,7 +130,9 @@ def evaluate(args: argparse.Namespace) -> int:
     """``kakeyaturbo eval``: the EVAL.md protocol; writes results.json, .md and .png."""
     t_start = time.perf_counter()
     model_path, text_path = _model_and_text(args)
-    _say(f"model {model_path}\ntext  {text_path} (evaluation split)")
+    cal_text = _calibration_text(args, text_path)
+    _say(f"model {model_path}\ntext  {text_path} (evaluation split)\ncalibration text "
+         f"{cal_text or 'as each recipe names it (shipped recipes: mixture)'} (calibration split)")
     recs = [recipes.load(n) for n in _names(args.recipes)]
     m, tok = model.load(model_path, args.dtype)
     wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
@@ -136,7 +149,7 @@ def evaluate(args: argparse.Namespace) -> int:
             _say(why)
             continue
         methods.append(harness.peer_method(name))
-    cals = _calibrations(args, m, tok, model_path, text_path, recs)
+    cals = _calibrations(args, m, tok, model_path, text_path, cal_text, recs)
     for rec in recs:
         stats, sens = cals.get(rec.name, (None, None))
         methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
@@ -146,7 +159,7 @@ def evaluate(args: argparse.Namespace) -> int:
     any_m = next(iter(res_methods.values()), None)
     res = {
         "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
-                 "ctx": args.ctx, "n_eval": args.n_eval,
+                 "calibration_text": cal_text or "recipe", "ctx": args.ctx, "n_eval": args.n_eval,
                  "ppl_ref": any_m["ppl_ref"] if any_m else float("nan"),
                  "date": datetime.date.today().isoformat(), "layers": layers,
                  "dtype": model_dtype(m), "library": f"kakeyaturbo {__version__}",
@@ -160,27 +173,53 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def calibrate(args: argparse.Namespace) -> int:
-    """``kakeyaturbo calibrate``: statistics and sensitivity on the calibration split; with
-    ``--out FILE`` one self-contained calibration file, else the cache ``eval`` reads."""
+    """``kakeyaturbo calibrate``: statistics and sensitivity on the calibration split of a corpus
+    (``--calibration-text``; default ``--text`` if given, else the shipped mixture, collected per
+    domain and pooled); with ``--out FILE`` one self-contained calibration file, else the cache
+    ``eval`` reads."""
     model_path, text_path = _model_and_text(args)
-    _say(f"model {model_path}\ntext  {text_path} (calibration split)")
+    spec = args.calibration_text or (str(text_path) if args.text else "mixture")
+    text = corpus.check_spec(str(text_path) if spec == "same" else spec)
+    _say(f"model {model_path}\ntext  {text} (calibration split)")
     m, tok = model.load(model_path, args.dtype)
     dtype = model_dtype(m)
     settings = recipes.CalibrationSettings(
         windows=args.windows, window=args.window, weighting=args.weighting,
-        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score).checked()
+        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score,
+        corpus=text).checked()
     announce_calibration(m, tok, text_path, settings, True, args.sensitivity_windows > 0)
-    meta = {"model": model_path.name, "text": text_path.name, "split": "calibration"}
-    wins = calibration_windows(tok, text_path, args.windows, args.window)
-    stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
-                    samples=args.samples, progress=_progress("calibration"), meta=meta)
+    mixed = corpus.is_mixture(text)
+    to_cache = args.out is None or mixed  # a mixture's domains are cached where eval finds them
+
+    def write(obj: Any, path: Path) -> None:
+        for p in obj.save(path):
+            _say(f"wrote {p}")
+
+    got = []
+    for d, c in corpus.composition(text, args.windows, tok):
+        wins = calibration_windows(tok, d, c, args.window)
+        stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
+                        samples=args.samples, progress=_progress(f"calibration {d}"),
+                        meta={"model": model_path.name, **corpus.meta(d)})
+        if to_cache:
+            write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope))
+        got.append((stats, c))
+    stats = pool_stats(got, meta={"text": text, "rope": args.rope}) if mixed else got[0][0]
     sens = None
     if args.sensitivity_windows > 0:
-        wins = calibration_windows(tok, text_path, args.sensitivity_windows, args.window)
-        sens = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
-                                   progress=_progress("sensitivity"), meta=meta)
+        sgot = []
+        for d, c in corpus.composition(text, args.sensitivity_windows, tok):
+            wins = calibration_windows(tok, d, c, args.window)
+            one = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
+                                      progress=_progress(f"sensitivity {d}"),
+                                      meta={"model": model_path.name, **corpus.meta(d)})
+            if to_cache:
+                write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
+                                            args.n_sink, dtype, args.rope))
+            sgot.append((one, c))
+        sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
     if args.out:
-        record = {"model": model_path.name, "text": text_path.name, "split": "calibration",
+        record = {"model": model_path.name, "text": text, "split": "calibration",
                   "windows": args.windows, "window": args.window, "weighting": args.weighting,
                   "n_sink": args.n_sink, "samples": args.samples,
                   "sensitivity_windows": args.sensitivity_windows, "score": args.score,
@@ -188,11 +227,4 @@ def calibrate(args: argparse.Namespace) -> int:
         cal = Calibration.for_model(m, stats, sens, record)
         out = cal.save(Path(args.out).expanduser())
         _say(f"wrote {out} (made for {cal.model_type} {cal.fingerprint})")
-        return 0
-    for p in stats.save(stats_path(model_path, text_path, settings, dtype, args.rope)):
-        _say(f"wrote {p}")
-    if sens is not None:
-        for p in sens.save(sensitivity_path(model_path, text_path, settings, args.n_sink, dtype,
-                                                   args.rope)):
-            _say(f"wrote {p}")
     return 0

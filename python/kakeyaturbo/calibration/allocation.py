@@ -17,23 +17,32 @@ LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.000644
 
 
 def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
-                  distortion: Sequence[float] = LLOYD_MAX_MSE) -> np.ndarray:
+                  distortion: Sequence[float] = LLOYD_MAX_MSE, floor: int = 0) -> np.ndarray:
     """Integer reverse water-filling: ``budget`` bits over components of the given variances,
-    at most ``max_bits`` each, minimising ``sum_j var_j * distortion[b_j]``.
+    at most ``max_bits`` each and at least ``floor`` each (paid first, out of the budget),
+    minimising ``sum_j var_j * distortion[b_j]``.
 
     ``distortion`` must be convex and decreasing in the bits (the Lloyd-Max errors are), so
     handing out one bit at a time to the component whose error falls most is optimal. Ties go
-    to the lower index. Returns int64 bits, non-increasing when the variances are.
+    to the lower index. Returns int64 bits, non-increasing when the variances are. Raises
+    InvalidParameterError when the budget cannot pay the floor.
     """
     lam = np.asarray(variances, dtype=np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
         raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
     if budget < 0 or max_bits < 0 or max_bits >= len(distortion):
         raise InvalidParameterError(f"need budget >= 0 and 0 <= max_bits < {len(distortion)}")
-    bits = np.zeros(len(lam), dtype=np.int64)
-    heap = [(-(v * (distortion[0] - distortion[1])), j) for j, v in enumerate(lam) if max_bits > 0]
+    if floor < 0 or floor > max_bits:
+        raise InvalidParameterError(f"need 0 <= floor <= max_bits = {max_bits}, got {floor}")
+    if floor * len(lam) > budget:
+        raise InvalidParameterError(f"a floor of {floor} bits for {len(lam)} components needs "
+                                    f"{floor * len(lam)} bits, the budget is {budget}")
+    bits = np.full(len(lam), floor, dtype=np.int64)
+    budget -= floor * len(lam)
+    heap = [(-(v * (distortion[floor] - distortion[floor + 1])), j) for j, v in enumerate(lam)
+            if max_bits > floor]
     heapq.heapify(heap)
-    for _ in range(min(budget, max_bits * len(lam))):
+    for _ in range(min(budget, (max_bits - floor) * len(lam))):
         gain, j = heapq.heappop(heap)
         if gain >= 0:  # nothing left to gain: zero-variance components get no bits
             break
@@ -84,14 +93,16 @@ def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int) -> Tuple[flo
     return gain, b
 
 
-def _take_bits(sp: np.ndarray, b: np.ndarray, n: int) -> Tuple[float, np.ndarray]:
-    """``n`` bits taken back from one head's components, one at a time where the error rises
-    least: (the rise, the new bits)."""
+def _take_bits(sp: np.ndarray, b: np.ndarray, n: int, floor: int = 0) -> Tuple[float, np.ndarray]:
+    """``n`` bits taken back from one head's components (none below ``floor``), one at a time
+    where the error rises least: (the rise, the new bits); ``inf`` if they cannot be."""
     lm = np.asarray(LLOYD_MAX_MSE)
     b = b.copy()
     loss = 0.0
     for _ in range(n):
-        have = b > 0
+        have = b > floor
+        if not np.any(have):
+            return np.inf, b
         c = np.where(have, sp * (lm[np.maximum(b - 1, 0)] - lm[b]), np.inf)
         j = int(np.argmin(c))
         loss += float(c[j])
@@ -100,26 +111,31 @@ def _take_bits(sp: np.ndarray, b: np.ndarray, n: int) -> Tuple[float, np.ndarray
 
 
 def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
-                      max_bits: int = 8) -> List[np.ndarray]:
+                      max_bits: int = 8, floor: int = 0) -> List[np.ndarray]:
     """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
-    (whitened or weighted) variances are largest, whichever head they belong to; then each
-    head's row is trimmed to whole bytes by taking back its least useful bits, and the bytes
-    so freed go back, one byte at a time, to the head whose error falls most with it (so the
-    total never exceeds the pooled budget, and every head keeps at least one byte)."""
+    (whitened or weighted) variances are largest, whichever head they belong to (every component
+    given at least ``floor`` bits first); then each head's row is trimmed to whole bytes by
+    taking back its least useful bits above the floor, and the bytes so freed go back, one byte
+    at a time, to the head whose error falls most with it (so the total never exceeds the pooled
+    budget, and every head keeps at least one byte)."""
     sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
     total = int(sum(row_budgets))
-    bits = allocate_bits(np.concatenate(sps), total, max_bits)
+    bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=floor)
     out, at = [], 0
     for sp in sps:
         b = bits[at:at + len(sp)]
         at += len(sp)
-        b = _take_bits(sp, b, int(b.sum()) % 8)[1]  # whole bytes
+        extra = int(b.sum()) % 8
+        trimmed = _take_bits(sp, b, extra, floor)
+        # whole bytes: take the odd bits back, or (all at the floor) add up to the next byte
+        b = trimmed[1] if np.isfinite(trimmed[0]) else _add_bits(sp, b, 8 - extra, max_bits)[1]
         if b.sum() == 0:  # every head keeps at least one byte of codes
             b = _add_bits(sp, b, min(8, max_bits * len(b)), max_bits)[1]
         out.append(b)
     left = total - sum(int(b.sum()) for b in out)
     while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
-        asks = [_take_bits(sp, b, 8) if b.sum() >= 16 else (np.inf, b) for sp, b in zip(sps, out)]
+        asks = [_take_bits(sp, b, 8, floor) if b.sum() >= 16 else (np.inf, b)
+                for sp, b in zip(sps, out)]
         worst = int(np.argmin([c for c, _ in asks]))
         if not np.isfinite(asks[worst][0]):
             raise InvalidParameterError("the pooled budget cannot give every head one byte")

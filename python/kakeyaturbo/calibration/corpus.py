@@ -1,69 +1,231 @@
-"""Calibration text: a corpus split by document into a calibration part and an evaluation part
-(disjoint by construction, stable, independent of order), and token windows cut from it."""
+"""Text for calibration and evaluation: a corpus named by a spec (:mod:`kakeyaturbo.texts`:
+a domain, a mixture or a file), split by document (:mod:`.split`) into a calibration part and
+an evaluation part, and token windows cut from either part, each with the documents it came
+from.
+
+A mixture's calibration side apportions its windows over its domains by their weights (largest
+remainders, ties to the domain listed first); a domain that is not on this machine (``prose``
+without Debian's documentation, ``chat`` for a tokenizer without a chat template) is left out
+with a warning. Every source is split by a hash of its document ids (titles, file paths, page
+paths), so a document is either calibration or evaluation text, never both, whatever else is
+chosen.
+"""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import json
 import os
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import InvalidParameterError
+from ..texts import DOMAINS, MIXTURE, check_spec, describe, is_mixture, parse
+from . import chat, sources
+from .split import (CALIBRATION_SHARE, COHERENT, PER_DOCUMENT, Part, Windows, is_calibration,
+                    load_articles, split, split_ids, windows_of)
+from .sources import CorpusUnavailableError
 
-#: Share of documents that go to calibration; the rest is evaluation text.
-CALIBRATION_SHARE = 0.25
-
-
-def is_calibration(title: str, share: float = CALIBRATION_SHARE) -> bool:
-    """Split by article, by a hash of its title: stable, disjoint, independent of order."""
-    h = int.from_bytes(hashlib.sha256(title.encode("utf-8")).digest()[:8], "little")
-    return h / 2**64 < share
-
-
-def load_articles(path: Path) -> Dict[str, str]:
-    """title -> text. The wiki package's JSON (title -> {extract, ...}); any other UTF-8
-    file is one article per blank-line-separated paragraph, titled by its position."""
-    raw = Path(path).read_text(encoding="utf-8")
-    if Path(path).suffix == ".json":
-        data = json.loads(raw)
-        return {t: (v["extract"] if isinstance(v, dict) else str(v)) for t, v in data.items()}
-    parts = [p.strip() for p in raw.split("\n\n") if p.strip()]
-    return {f"paragraph-{i:06d}": p for i, p in enumerate(parts)}
+__all__ = ["CALIBRATION_SHARE", "COHERENT", "DOMAINS", "MIXTURE", "PER_DOCUMENT", "Part", "Windows",
+           "apportion", "calibration_windows", "check_spec", "composition", "corpus_windows",
+           "describe", "evaluation_windows", "is_calibration", "is_mixture", "key", "load_articles",
+           "meta", "mixture_windows", "optional", "part_windows", "parts", "split", "split_ids",
+           "usable", "windows_of"]
 
 
-def split(articles: Dict[str, str], share: float = CALIBRATION_SHARE) -> Tuple[List[str], List[str]]:
-    """(calibration texts, evaluation texts), in title order, disjoint by construction."""
-    calib, evalu = [], []
-    for title in sorted(articles):
-        (calib if is_calibration(title, share) else evalu).append(articles[title])
-    return calib, evalu
+def _stored_docs(domain: str) -> Dict[str, str]:
+    return sources.documents(domain)
 
 
-def windows_of(ids: Sequence[int], length: int, count: int, bos: "int | None") -> List[List[int]]:
-    """`count` consecutive, non-overlapping windows of `length` tokens from a token stream,
-    each starting with `bos` when the tokenizer has one (it does not add it itself)."""
+def parts(spec: str, tok: Any = None, share: float = CALIBRATION_SHARE) -> Tuple[Part, Part]:
+    """``(calibration part, evaluation part)`` of a domain or file (not a mixture). ``tok``
+    (a tokenizer with a chat template) is needed for ``chat``. Document ids are namespaced by
+    domain (``code:asyncio/base_events.py``); a file's are its titles or paragraph numbers."""
+    spec = check_spec(spec, allow_mixture=False)
+    if spec == "chat":
+        return chat.chat_parts(tok, share)
+    if spec in DOMAINS:
+        docs = _stored_docs(spec)
+        coherent = spec in COHERENT
+        cal, ev = split_ids(docs, share, "hash" if coherent else "title")
+        ns = spec + ":"
+        return (Part([(ns + i, docs[i]) for i in cal], coherent),
+                Part([(ns + i, docs[i]) for i in ev], coherent))
+    docs = load_articles(spec)
+    cal, ev = split_ids(docs, share)
+    return Part([(i, docs[i]) for i in cal]), Part([(i, docs[i]) for i in ev])
+
+
+def part_windows(tok: Any, part: Part, count: int, length: int,
+                 per_document: int = PER_DOCUMENT) -> Windows:
+    """Up to ``count`` windows of ``length`` tokens (each starting with BOS when the tokenizer
+    has one) from a part: documents run together with a blank line between them, or, for a
+    coherent part, at most ``per_document`` consecutive windows from the start of every document
+    at least one window long."""
+    bos = tok.bos_token_id
+    out = Windows()
+    if count <= 0:
+        return out
+    if part.coherent:
+        for doc_id, text in part.docs:
+            ids = tok.encode(text, add_special_tokens=False)
+            for w in windows_of(ids, length, min(per_document, count - len(out)), bos):
+                out.ids.append(w)
+                out.docs.append((doc_id,))
+            if len(out) >= count:
+                break
+        return out
+    ids: List[int] = []
+    starts: List[int] = []
+    names: List[str] = []
     body = length - (1 if bos is not None else 0)
-    out = []
-    for i in range(count):
-        chunk = list(ids[i * body:(i + 1) * body])
-        if len(chunk) < body:
+    for doc_id, text in part.docs:
+        starts.append(len(ids))
+        names.append(doc_id)
+        ids.extend(tok.encode(text + "\n\n", add_special_tokens=False))
+        if len(ids) >= count * body:
             break
-        out.append(([bos] if bos is not None else []) + chunk)
+    for i, w in enumerate(windows_of(ids, length, count, bos)):
+        lo, hi = i * body, (i + 1) * body
+        # documents whose tokens [starts[j], starts[j + 1]) meet the window's [lo, hi)
+        j = max(bisect.bisect_right(starts, lo) - 1, 0)
+        took = []
+        while j < len(starts) and starts[j] < hi:
+            took.append(names[j])
+            j += 1
+        out.ids.append(w)
+        out.docs.append(tuple(took))
     return out
+
+
+def corpus_windows(tok: Any, spec: "os.PathLike[str] | str", count: int, length: int, *,
+                   side: str = "evaluation") -> Windows:
+    """Up to ``count`` windows of ``length`` tokens from the ``side`` (``calibration`` or
+    ``evaluation``) of a corpus; a mixture's calibration side apportions the windows over its
+    domains (:func:`mixture_windows`)."""
+    if side not in ("calibration", "evaluation"):
+        raise InvalidParameterError(f"side must be 'calibration' or 'evaluation', got {side!r}")
+    spec = check_spec(spec, allow_mixture=side == "calibration")
+    if is_mixture(spec):
+        out = Windows()
+        for _, w in mixture_windows(tok, spec, count, length):
+            out.ids += w.ids
+            out.docs += w.docs
+        return out
+    cal, ev = parts(spec, tok)
+    return part_windows(tok, cal if side == "calibration" else ev, count, length)
 
 
 def calibration_windows(tok: Any, text_path: "os.PathLike[str] | str", windows: int,
                         window: int) -> List[List[int]]:
-    """``windows`` token windows of ``window`` tokens from the **calibration** split of the
-    text (articles split by title hash, disjoint from the evaluation split)."""
-    calib, _ = split(load_articles(Path(text_path)))
-    ids: List[int] = []
-    for t in calib:
-        ids.extend(tok.encode(t + "\n\n", add_special_tokens=False))
-        if len(ids) >= windows * window:
-            break
-    wins = windows_of(ids, window, windows, tok.bos_token_id)
-    if not wins:
-        raise InvalidParameterError("the calibration split holds no full window")
-    return wins
+    """``windows`` token windows of ``window`` tokens from the **calibration** split of a corpus
+    (a domain, a mixture or a file; split by document, disjoint from the evaluation split).
+    Raises InvalidParameterError when it holds no full window."""
+    wins = corpus_windows(tok, text_path, windows, window, side="calibration")
+    if not wins.ids:
+        raise InvalidParameterError(
+            f"the calibration split of {describe(str(text_path))!r} holds no full window of "
+            f"{window} tokens")
+    return wins.ids
+
+
+def evaluation_windows(tok: Any, text: "os.PathLike[str] | str", count: int,
+                       length: int) -> List[List[int]]:
+    """Up to ``count`` windows of ``length`` tokens from the **evaluation** split of a domain or
+    file (see :func:`part_windows`)."""
+    return corpus_windows(tok, text, count, length, side="evaluation").ids
+
+
+def key(spec: str) -> str:
+    """The part of a calibration cache key that names a corpus: a file's stem (as before
+    domains existed), ``summaries_en-us`` for ``wiki-en`` (the same text as the default file),
+    a domain with what identifies its text on this machine, a mixture with a hash of its
+    composition."""
+    spec = str(spec)
+    if is_mixture(spec):
+        return mixture_key(spec)
+    if spec in DOMAINS:
+        if spec == "wiki-en":
+            return Path(sources.WIKI[spec]).stem
+        if spec == "chat":
+            v = chat.version()
+        else:
+            v = sources.version(spec)
+        return f"{spec}-{hashlib.sha256(v.encode()).hexdigest()[:8]}"
+    return Path(spec).stem
+
+
+def meta(spec: str) -> Dict[str, Any]:
+    """What a statistics file records about its text."""
+    spec = str(spec)
+    return {"text": describe(spec), "split": "calibration", "corpus_key": key(spec)}
+
+
+def optional(spec: "os.PathLike[str] | str | None") -> Optional[str]:
+    """``None`` stays None; anything else is checked (:func:`check_spec`)."""
+    return None if spec is None else check_spec(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixtures
+
+
+def apportion(weights: Sequence[Tuple[str, float]], n: int) -> List[Tuple[str, int]]:
+    """``n`` windows over the domains in proportion to their weights (largest remainders; ties
+    to the domain listed first); domains given no window are left out."""
+    if n < 0:
+        raise InvalidParameterError(f"need n >= 0 windows, got {n}")
+    total = sum(w for _, w in weights)
+    exact = [n * w / total for _, w in weights]
+    counts = [int(x + 1e-9) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:n - sum(counts)]:
+        counts[i] += 1
+    return [(d, c) for (d, _), c in zip(weights, counts) if c > 0]
+
+
+def usable(spec: str, tok: Any = None) -> List[Tuple[str, float]]:
+    """The mixture's ``(domain, weight)`` that this machine and tokenizer can make, warning
+    (``UserWarning``) about each one left out; InvalidParameterError when none is left."""
+    out = []
+    for d, w in parse(spec):
+        try:
+            if d == "chat":
+                if not chat.has_template(tok):
+                    raise CorpusUnavailableError("the tokenizer has no chat template")
+                sources.documents("wiki-en")
+            elif d in sources.STORED:
+                sources.documents(d)
+        except CorpusUnavailableError as e:
+            warnings.warn(f"calibration mixture without {d}: {e}", UserWarning, stacklevel=2)
+            continue
+        out.append((d, w))
+    if not out:
+        raise InvalidParameterError(f"no domain of mixture {spec!r} is available here")
+    return out
+
+
+def composition(spec: str, n: int, tok: Any = None) -> List[Tuple[str, int]]:
+    """``[(corpus, windows)]``: a mixture's ``n`` windows apportioned over its usable domains;
+    any other corpus alone with all ``n``."""
+    spec = check_spec(spec)
+    if not is_mixture(spec):
+        return [(spec, n)]
+    return apportion(usable(spec, tok), n)
+
+
+def mixture_windows(tok: Any, spec: str, n: int, length: int) -> List[Tuple[str, Windows]]:
+    """``[(domain, windows)]``: each domain's share of ``n`` windows of ``length`` tokens from
+    its calibration part."""
+    out = []
+    for d, c in composition(spec, n, tok):
+        cal, _ = parts(d, tok)
+        out.append((d, part_windows(tok, cal, c, length)))
+    return out
+
+
+def mixture_key(spec: str) -> str:
+    """A name for a mixture's pooled statistics: ``mixture-<hash>`` of its composition."""
+    comp = ",".join(f"{d}={w:g}" for d, w in parse(spec))
+    return "mixture-" + hashlib.sha256(comp.encode()).hexdigest()[:8]

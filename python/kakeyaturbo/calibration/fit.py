@@ -107,7 +107,8 @@ class HeadSpectrum:
 
 
 def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True,
-                 max_bits: int = 8, bits: Optional[np.ndarray] = None) -> StreamFit:
+                 max_bits: int = 8, bits: Optional[np.ndarray] = None,
+                 min_bits: int = 0) -> StreamFit:
     """The calibration of one head from its spectrum, water-filled to the target (or given
     ``bits`` per component, in the order of the spectrum).
 
@@ -120,7 +121,8 @@ def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True
     lam, u = sp.variances, sp.vectors
     w = None if sp.whitening is None else np.asarray(sp.whitening, dtype=np.float64)
     if bits is None:
-        bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits)
+        bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits,
+                             floor=min_bits)
     bits = np.asarray(bits, dtype=np.int64)
     keep = np.flatnonzero(bits > 0)
     if keep.size == 0:
@@ -185,6 +187,45 @@ def head_spectrum(stats: AttentionStats, stream: str, layer: int, head: int,
     return HeadSpectrum(mean, lam, u, w)
 
 
+def shrink_fisher(fisher: np.ndarray, amount: float, prior: Optional[np.ndarray] = None
+                  ) -> np.ndarray:
+    """``(1 - amount) F + amount P`` for one head's sensitivity ``F [D, D]``: ``P`` is ``prior``
+    scaled to the trace of ``F`` (None: ``tr(F) / D I``), so the head keeps its weight against
+    the others while its shape moves toward the calibration-free prior."""
+    f = np.asarray(fisher, dtype=np.float64)
+    if amount == 0.0:
+        return f
+    d = f.shape[-1]
+    tr = float(np.trace(f))
+    if prior is None:
+        p = np.eye(d) * (tr / d)
+    else:
+        p = np.asarray(prior, dtype=np.float64)
+        p = (p + p.T) / 2 * (tr / max(float(np.trace(p)), 1e-300))
+    return (1.0 - amount) * f + amount * p
+
+
+def shrunk_sensitivity(sensitivity: Sensitivity, stats: AttentionStats,
+                       settings: Mapping[str, CalibratedStream]) -> Sensitivity:
+    """The sensitivity with each stream's ``fisher_shrink`` toward its ``fisher_prior`` applied
+    per (layer, kv-head) (:func:`shrink_fisher`); the same object when no stream shrinks."""
+    if not any(st.fisher_shrink > 0 for st in settings.values()):
+        return sensitivity
+    out = {"k": sensitivity.k.copy(), "v": sensitivity.v.copy()}
+    for s, st in settings.items():
+        if st.fisher_shrink <= 0:
+            continue
+        f = out[s]
+        proxy = stats.q2 if s == "k" else stats.o_gram
+        for layer in range(f.shape[0]):
+            for h in range(f.shape[1]):
+                prior = proxy[layer, h] if st.fisher_prior == "proxy" else None
+                f[layer, h] = shrink_fisher(f[layer, h], st.fisher_shrink, prior)
+    meta = dict(sensitivity.meta)
+    meta["shrink"] = {s: [st.fisher_shrink, st.fisher_prior] for s, st in settings.items()}
+    return Sensitivity(meta=meta, k=out["k"], v=out["v"])
+
+
 def sensitivity_weights(synthesis: np.ndarray, fisher: np.ndarray) -> np.ndarray:
     """``w_j = s_j^T F s_j`` for synthesis rows ``s_j``: the loss per unit of squared error in
     component ``j`` (an error ``e`` in the coefficients is ``e @ synthesis`` in the row)."""
@@ -211,7 +252,8 @@ def fit_codec(sp: HeadSpectrum, settings: CalibratedStream,
     """The calibrated codec of one head from its spectrum, for the recipe settings of its
     stream, with optional custom Lloyd-Max tables by bit width and an optional given
     allocation (bits per component in the order of the spectrum)."""
-    fit = fit_spectrum(sp, settings.bits, norm=settings.norm, max_bits=settings.max_bits, bits=bits)
+    fit = fit_spectrum(sp, settings.bits, norm=settings.norm, max_bits=settings.max_bits,
+                       bits=bits, min_bits=settings.min_bits)
     widths = set(int(b) for b in fit.bits)
     tables = {b: t for b, t in (centroids or {}).items() if b in widths} or None
     return fit.codec(rotation_seed=settings.rotation_seed, metric=settings.metric,

@@ -1,17 +1,23 @@
 """The statistics a calibrated recipe needs, for a loaded model: from the file the recipe names,
-from the cache, or collected on the calibration split of a text (and then cached)."""
+from the cache, or collected on the calibration split of a corpus (and then cached).
+
+The corpus is the one the caller names (``--calibration-text``), else the recipe's
+``[calibration] corpus`` (default: the shipped mixture, :mod:`.mixture`). A mixture's statistics
+are gathered per domain, cached so, and pooled (:func:`.mixture.pool_stats`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from .. import assets
 from ..recipes import CalibrationSettings, Recipe
+from . import corpus
 from .bundle import Calibration, is_calibration_file
 from .collect import collect, collect_sensitivity
-from .corpus import calibration_windows
+from .mixture import pool_sensitivity, pool_stats
 from .stats import AttentionStats, Sensitivity
 
 Progress = Callable[[Iterable[Any]], Iterable[Any]]
@@ -21,10 +27,10 @@ Progress = Callable[[Iterable[Any]], Iterable[Any]]
 COLLECTION = "c2"
 
 
-def _key(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> str:
-    mp, tp = Path(model_path), Path(text_path)
+def _key(model_path: "os.PathLike[str] | str", text: "os.PathLike[str] | str") -> str:
+    mp = Path(model_path)
     size = mp.stat().st_size if mp.is_file() else 0
-    return f"{mp.stem}-{size}-{tp.stem}"
+    return f"{mp.stem}-{size}-{corpus.key(str(text))}"
 
 
 def _dtype_part(dtype: str) -> str:
@@ -44,8 +50,9 @@ def _rope_part(rope: str) -> str:
 
 def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
                settings: CalibrationSettings, dtype: str = "float32", rope: str = "before") -> Path:
-    """Where :func:`cached_stats` keeps the statistics of a (model, text, settings, dtype,
-    side of RoPE the keys are taken on)."""
+    """Where :func:`cached_stats` keeps the statistics of a (model, corpus, settings, dtype, side
+    of RoPE the keys are taken on); a mixture's are kept per domain, this names its pooled file
+    (what ``calibrate`` writes)."""
     key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
            f"{settings.weighting}{_dtype_part(dtype)}{_rope_part(rope)}-{COLLECTION}")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
@@ -54,7 +61,7 @@ def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str
 def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
                      settings: CalibrationSettings, n_sink: int, dtype: str = "float32",
                      rope: str = "before") -> Path:
-    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, text, settings, dtype,
+    """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, corpus, settings, dtype,
     side of RoPE)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
            f"score{settings.score}-sink{n_sink}{_dtype_part(dtype)}{_rope_part(rope)}-"
@@ -62,53 +69,103 @@ def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLi
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
-def _meta(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str") -> dict:
-    return {"model": Path(model_path).name, "text": Path(text_path).name, "split": "calibration"}
+def _meta(model_path: "os.PathLike[str] | str", text: "os.PathLike[str] | str") -> dict:
+    return {"model": Path(model_path).name, **corpus.meta(str(text))}
+
+
+def _text(text: "os.PathLike[str] | str | None", settings: CalibrationSettings) -> str:
+    return corpus.check_spec(settings.corpus if text is None else text)
 
 
 def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
-                 text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
-                 n_sink: int = 1, progress: Progress = lambda it: it,
-                 rope: str = "before") -> AttentionStats:
+                 text_path: "os.PathLike[str] | str | None", settings: CalibrationSettings, *,
+                 n_sink: int = 1, samples: int = 512,
+                 progress: Progress = lambda it: it, rope: str = "before") -> AttentionStats:
     """The statistics a recipe's ``[calibration]`` asks for: its ``path`` if given, else the
-    cached file for this model, text and settings, collected (and cached) when missing."""
+    cached file for this model, corpus (``text_path``; None: ``settings.corpus``) and settings,
+    collected (and cached) when missing; a mixture's per domain, pooled."""
     if settings.path:
         return AttentionStats.load(settings.path)
-    path = stats_path(model_path, text_path, settings, model_dtype(model), rope)
+    text = _text(text_path, settings)
+    if corpus.is_mixture(text):
+        parts = [(cached_stats(model, tok, model_path, d, replace(settings, windows=c),
+                               n_sink=n_sink, samples=samples, progress=progress, rope=rope), c)
+                 for d, c in corpus.composition(text, settings.windows, tok)]
+        return pool_stats(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope,
+                                       "composition": [[s.meta.get("text"), c] for s, c in parts]})
+    path = stats_path(model_path, text, settings, model_dtype(model), rope)
     if path.exists():
         return AttentionStats.load(path)
-    wins = calibration_windows(tok, text_path, settings.windows, settings.window)
-    stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, progress=progress,
-                    meta=_meta(model_path, text_path), rope=rope)
+    wins = corpus.calibration_windows(tok, text, settings.windows, settings.window)
+    stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, samples=samples,
+                    progress=progress, meta=_meta(model_path, text), rope=rope)
     stats.save(path)
     return stats
 
 
 def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
-                       text_path: "os.PathLike[str] | str", settings: CalibrationSettings, *,
-                       n_sink: int = 1, progress: Progress = lambda it: it,
+                       text_path: "os.PathLike[str] | str | None", settings: CalibrationSettings,
+                       *, n_sink: int = 1, progress: Progress = lambda it: it,
                        rope: str = "before") -> Sensitivity:
     """The :class:`Sensitivity` a recipe's ``[calibration]`` asks for: its
-    ``sensitivity_path`` if given, else the cached file for this model, text and settings,
-    gathered (and cached) on the calibration split when missing."""
+    ``sensitivity_path`` if given, else the cached file for this model, corpus and settings,
+    gathered (and cached) on the calibration split when missing; a mixture's per domain,
+    pooled."""
     if settings.sensitivity_path:
         return Sensitivity.load(settings.sensitivity_path)
-    path = sensitivity_path(model_path, text_path, settings, n_sink, model_dtype(model), rope)
+    text = _text(text_path, settings)
+    if corpus.is_mixture(text):
+        parts = [(cached_sensitivity(model, tok, model_path, d,
+                                     replace(settings, sensitivity_windows=c), n_sink=n_sink,
+                                     progress=progress, rope=rope), c)
+                 for d, c in corpus.composition(text, settings.sensitivity_windows, tok)]
+        return pool_sensitivity(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope})
+    path = sensitivity_path(model_path, text, settings, n_sink, model_dtype(model), rope)
     if path.exists():
         return Sensitivity.load(path)
-    wins = calibration_windows(tok, text_path, settings.sensitivity_windows, settings.window)
+    wins = corpus.calibration_windows(tok, text, settings.sensitivity_windows, settings.window)
     sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
-                               progress=progress, meta=_meta(model_path, text_path), rope=rope)
+                               progress=progress, meta=_meta(model_path, text), rope=rope)
     sens.save(path)
     return sens
 
 
+def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+            text_path: "os.PathLike[str] | str | None" = None) -> List[Tuple[str, str, int]]:
+    """``[(what, corpus, windows)]`` a recipe's calibration would still have to collect (nothing
+    named by a file, nothing cached): ``what`` is ``statistics`` or ``sensitivity``. For
+    announcing the cost before it is paid."""
+    if recipe.mode != "calibrated":
+        return []
+    st = recipe.calibration
+    text = _text(text_path, st)
+    n_sink = max(recipe.n_sink, 1)
+    dtype = model_dtype(model)
+    out = []
+    jobs = [("statistics", st.windows)]
+    if recipe.needs_sensitivity:
+        jobs.append(("sensitivity", st.sensitivity_windows))
+    for what, n in jobs:
+        if (st.path if what == "statistics" else st.sensitivity_path):
+            continue
+        for d, c in corpus.composition(text, n, tok):
+            if what == "statistics":
+                p = stats_path(model_path, d, replace(st, windows=c), dtype, recipe.key_rope)
+            else:
+                p = sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
+                                     recipe.key_rope)
+            if not p.exists():
+                out.append((what, d, c))
+    return out
+
+
 def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
-               text_path: "os.PathLike[str] | str", *,
+               text_path: "os.PathLike[str] | str | None" = None, *,
                progress: Callable[[str], Progress] = lambda _desc: lambda it: it
                ) -> Tuple[Optional[AttentionStats], Optional[Sensitivity]]:
     """``(stats, sensitivity)`` of a recipe for a loaded model, each from its file, the cache or
-    the calibration split of ``text_path`` (``progress(description)`` wraps the windows);
+    the calibration split of a corpus: ``text_path`` (a domain, a mixture or a file) when given,
+    else the recipe's ``[calibration] corpus`` (``progress(description)`` wraps the windows);
     ``(None, None)`` for a per-block recipe, no sensitivity where the recipe needs none. A
     ``[calibration] path`` naming a calibration file (``kakeyaturbo calibrate --out``) gives
     both, refused with ModelMismatchError when it was made for another model."""

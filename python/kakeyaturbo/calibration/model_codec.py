@@ -10,7 +10,7 @@ from ..codec import CalibratedCodec, _checks
 from ..errors import InvalidParameterError
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
-from .fit import fit_codec, fit_tables, head_spectrum, weighted_variances
+from .fit import fit_codec, fit_tables, head_spectrum, shrunk_sensitivity, weighted_variances
 from .stats import AttentionStats, Sensitivity
 
 
@@ -54,6 +54,8 @@ class ModelCodec:
                     f"{have} it: collect them with rope={rope!r}")
         #: Keys are handed to the codec without RoPE (the cache removes it and puts it back).
         self.pre_rope_keys = rope == "before"
+        if sensitivity is not None:
+            sensitivity = shrunk_sensitivity(sensitivity, stats, dict(recipe.calibrated_streams()))
         self.recipe = recipe
         self.threads = _checks.threads(threads)
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
@@ -74,13 +76,15 @@ class ModelCodec:
                         for k, _ in pooled]
             budgets = [row_budget(st.bits, w.size, st.norm) for (_, st), w in zip(pooled, weighted)]
             max_bits = min(st.max_bits for _, st in pooled)
-            for (k, _), b in zip(pooled, global_allocation(weighted, budgets, max_bits)):
+            floor = max(st.min_bits for _, st in pooled)
+            for (k, _), b in zip(pooled, global_allocation(weighted, budgets, max_bits, floor)):
                 alloc[k] = b
         for s, st in streams:
             if st.allocation == "global":
                 lams = [spectra[(s, *key)].variances for key in keys]
                 budget = row_budget(st.bits, lams[0].size, st.norm)
-                for key, b in zip(keys, global_allocation(lams, [budget] * len(keys), st.max_bits)):
+                for key, b in zip(keys, global_allocation(lams, [budget] * len(keys), st.max_bits,
+                                                          st.min_bits)):
                     alloc[(s, *key)] = b
             samples = stats.k_samples if s == "k" else stats.v_samples
             tables: Optional[Dict[int, np.ndarray]] = None

@@ -36,6 +36,7 @@ from ..codec import _checks
 from ..codec.calibrated import DEFAULT_ROTATION_SEED, METRICS
 from ..codec.perblock import check_params
 from ..errors import InvalidParameterError, KakeyaError
+from ..texts import DOMAINS, check_spec, is_mixture
 
 HERE = Path(__file__).parent
 STREAMS = ("k", "v")
@@ -97,11 +98,21 @@ class CalibratedStream:
     #: Keys only: code them ``before`` RoPE (the cache removes it and puts it back) or ``after``
     #: it (as the cache holds them: attention can then be computed from the codes).
     rope: str = "before"
+    #: Shrinks the measured sensitivity ``F`` of every head toward a calibration-free prior
+    #: before it whitens or weighs anything: ``(1 - a) F + a P``, ``P`` the prior scaled to
+    #: ``tr F``; in [0, 1] (0: the measurement alone).
+    fisher_shrink: float = 0.0
+    #: The prior: ``identity`` (``tr(F) / D I``) or ``proxy`` (keys: the query second moment;
+    #: values: the head's ``o_proj`` Gram matrix).
+    fisher_prior: str = "identity"
+    #: At least this many bits for every component (paid out of the row's bits first), 0..max_bits.
+    min_bits: int = 0
 
     WHITEN = ("none", "query", "output", "fisher")
     TABLES = ("gaussian", "calibrated")
     ALLOCATION = ("per-head", "global", "sensitivity")
     ROPE = ("before", "after")
+    PRIORS = ("identity", "proxy")
 
     def checked(self, stream: str) -> "CalibratedStream":
         """The same settings with every value checked (raises TypeError/InvalidParameterError)."""
@@ -117,14 +128,21 @@ class CalibratedStream:
         if rope != "before" and stream != "k":
             raise InvalidParameterError("rope applies to keys only (values carry no RoPE)")
         thr = self.outlier_threshold
+        shrink = _checks.real(self.fisher_shrink, "fisher_shrink")
+        if not 0.0 <= shrink <= 1.0:
+            raise InvalidParameterError(f"fisher_shrink must be in [0, 1], got {shrink}")
+        max_bits = _checks.integer(self.max_bits, "max_bits", 1, 8)
         return CalibratedStream(
             bits=bits, whiten=whiten, center=_checks.boolean(self.center, "center"),
             norm=_checks.boolean(self.norm, "norm"), metric=_checks.choice(self.metric, "metric", METRICS),
             outlier_threshold=None if thr is None else _checks.real(thr, "outlier_threshold", positive=True),
             rotation_seed=_checks.seed(self.rotation_seed),
-            max_bits=_checks.integer(self.max_bits, "max_bits", 1, 8),
+            max_bits=max_bits,
             tables=_checks.choice(self.tables, "tables", self.TABLES),
-            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION), rope=rope)
+            allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION), rope=rope,
+            fisher_shrink=shrink,
+            fisher_prior=_checks.choice(self.fisher_prior, "fisher_prior", self.PRIORS),
+            min_bits=_checks.integer(self.min_bits, "min_bits", 0, max_bits))
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,11 @@ class CalibrationSettings:
     sensitivity_windows: int = 16
     score: int = 64
     sensitivity_path: Optional[str] = None
+    #: The calibration text: ``mixture`` (the shipped multi-domain mixture), ``mixture:D=W,...``,
+    #: a domain (``wiki-en``, ``wiki-fr``, ``wiki-es``, ``code``, ``prose``, ``chat``) or a file
+    #: (relative to the recipe); only its calibration split is read
+    #: (:mod:`kakeyaturbo.texts`). ``--calibration-text`` overrides it.
+    corpus: str = "mixture"
 
     WEIGHTING = ("attention", "uniform")
 
@@ -152,6 +175,10 @@ class CalibrationSettings:
                 raise TypeError(f"{name} must be a path (str), got {type(v).__name__}")
             return None if v is None else os.fspath(v)
 
+
+        if not isinstance(self.corpus, (str, os.PathLike)):
+            raise TypeError(f"corpus must be a domain, a mixture or a path (str), got "
+                            f"{type(self.corpus).__name__}")
         window = _checks.integer(self.window, "window", 2)
         score = _checks.integer(self.score, "score", 1)
         if score + 2 > window:
@@ -162,7 +189,8 @@ class CalibrationSettings:
             weighting=_checks.choice(self.weighting, "weighting", self.WEIGHTING),
             path=path(self.path, "path"),
             sensitivity_windows=_checks.integer(self.sensitivity_windows, "sensitivity_windows", 1),
-            score=score, sensitivity_path=path(self.sensitivity_path, "sensitivity_path"))
+            score=score, sensitivity_path=path(self.sensitivity_path, "sensitivity_path"),
+            corpus=check_spec(self.corpus))
 
 
 Stream = Union[BlockStream, CalibratedStream]
@@ -321,6 +349,11 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     calibration = data.get("calibration", {})
     if isinstance(calibration, dict):
         calibration = dict(calibration)
+
+        corpus = calibration.get("corpus")
+        if isinstance(corpus, str) and corpus not in DOMAINS and not is_mixture(corpus):
+            cp = Path(corpus).expanduser()
+            calibration["corpus"] = str(cp if cp.is_absolute() else path.parent / cp)
         for key in ("path", "sensitivity_path"):
             if isinstance(calibration.get(key), str):
                 cp = Path(calibration[key]).expanduser()

@@ -1,0 +1,139 @@
+"""Cross-domain evaluation: recipes calibrated on several corpora (each domain, the mixture),
+evaluated by the EVAL.md protocol on the evaluation split of every domain, and the matrices
+that show what a calibration is worth off its own domain.
+
+Every method of one domain runs on the same windows against one uncompressed reference
+(:func:`kakeyaturbo.eval.harness.evaluate`); a codec method is named
+``kakeyaturbo:<recipe>@<calibration corpus>``. Results are kept per domain (``out/<domain>.json``)
+so that a long run can be resumed and methods added to it: a domain whose file already holds a
+method on the same windows does not run it again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..calibration import corpus, for_recipe
+from ..errors import InvalidParameterError
+
+Progress = Callable[[str], Callable[[Iterable[Any]], Iterable[Any]]]
+
+
+def method_name(recipe: Any, calibration: str) -> str:
+    return f"kakeyaturbo:{recipe.name}@{corpus.describe(calibration)}"
+
+
+def methods_for(model: Any, tok: Any, model_path: Any, recipes: Sequence[Any],
+                calibrations: Sequence[str], baselines: Sequence[str], *,
+                progress: Progress = lambda _d: lambda it: it) -> List[Any]:
+    """The baselines, then every recipe calibrated on every corpus (statistics from the cache,
+    collected where missing; recipes with the same calibration settings share them)."""
+    from . import harness
+
+    layers = model.config.num_hidden_layers
+    methods = harness.baseline_methods(list(baselines))
+    got: Dict[Any, Any] = {}
+    for cal in calibrations:
+        for rec in recipes:
+            if rec.mode != "calibrated":
+                if cal == calibrations[0]:
+                    methods.append(harness.codec_method(rec, layers))
+                continue
+            key = (cal, rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
+            if key not in got:
+                got[key] = for_recipe(rec, model, tok, model_path, cal, progress=progress)
+            stats, sens = got[key]
+            m = harness.codec_method(rec, layers, stats=stats, sensitivity=sens)
+            methods.append(replace(m, name=method_name(rec, cal)))
+    return methods
+
+
+def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *, windows: int,
+        ctx: int, n_eval: int, out: Optional[Path] = None, meta: Optional[Dict[str, Any]] = None,
+        progress: Progress = lambda _d: lambda it: it) -> Dict[str, Any]:
+    """Every method on ``windows`` evaluation windows of ``ctx + n_eval + 1`` tokens of each
+    domain. Returns ``{"meta": ..., "domains": {domain: {"windows", "ppl_ref", "methods":
+    {name: comparison}}}}``; with ``out``, each domain is written to ``out/<domain>.json`` as it
+    finishes and read back (its finished methods kept) when the run is repeated."""
+    from . import harness
+
+    res: Dict[str, Any] = {"meta": dict(meta or {}, windows=windows, ctx=ctx, n_eval=n_eval),
+                           "domains": {}}
+    for d in domains:
+        path = None if out is None else Path(out) / f"{corpus.describe(d)}.json"
+        have: Dict[str, Any] = {}
+        if path is not None and path.is_file():
+            old = json.loads(path.read_text())
+            if (old.get("windows_asked"), old.get("ctx"), old.get("n_eval")) == (windows, ctx, n_eval):
+                have = old
+        done = have.get("methods", {})
+        todo = [m for m in methods if m.name not in done]
+        if todo:
+            wins = corpus.evaluation_windows(tok, d, windows, ctx + n_eval + 1)
+            if not wins:
+                raise InvalidParameterError(f"domain {d!r} holds no evaluation window of "
+                                            f"{ctx + n_eval + 1} tokens")
+            r = harness.evaluate(model, wins, ctx, todo, progress=progress(f"{d}"))
+            ppl_ref = next(iter(r.values()))["ppl_ref"]
+            have = {"domain": d, "windows_asked": windows, "windows": len(wins), "ctx": ctx,
+                    "n_eval": n_eval, "ppl_ref": ppl_ref, "methods": dict(done, **r)}
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(have, indent=1))
+        res["domains"][d] = have
+    return res
+
+
+def _cell(r: Optional[Dict[str, Any]]) -> str:
+    if r is None:
+        return "-"
+    v = {"ACCEPT": "A", "MARGINAL": "M", "REJECT": "R"}.get(r["verdict"], "?")
+    return f"{100 * r['dppl']:+.2f} / {100 * r['top1']:.1f} / {r['kl']:.4f} {v}"
+
+
+def matrix(res: Dict[str, Any], prefix: str = "", exclude: Optional[str] = None) -> str:
+    """One Markdown table: a row per method (those whose name starts with ``prefix`` and not
+    with ``exclude``), a column per domain; each cell ``dppl % / top-1 % / KL`` and the
+    verdict's letter (A, M, R)."""
+    doms = list(res["domains"])
+    names: List[str] = []
+    for d in doms:
+        for n in res["domains"][d]["methods"]:
+            if exclude is not None and n.startswith(exclude):
+                continue
+            if n.startswith(prefix) and n not in names:
+                names.append(n)
+    bits = {}
+    for d in doms:
+        for n, r in res["domains"][d]["methods"].items():
+            bits.setdefault(n, r["bits_per_element"])
+    lines = ["| method | bits/elem | " + " | ".join(corpus.describe(d) for d in doms) + " |",
+             "|---|---|" + "---|" * len(doms)]
+    for n in names:
+        lines.append(f"| {n} | {bits[n]:.2f} | "
+                     + " | ".join(_cell(res["domains"][d]["methods"].get(n)) for d in doms) + " |")
+    refs = " | ".join(f"{res['domains'][d]['ppl_ref']:.3f} ({res['domains'][d]['windows']})"
+                      for d in doms)
+    lines.append(f"| reference PPL (windows) | 16 | {refs} |")
+    return "\n".join(lines) + "\n"
+
+
+def goals(res: Dict[str, Any], name: str, *, top1_floor: Optional[float] = None,
+          verdicts: Tuple[str, ...] = ("ACCEPT",)) -> Dict[str, Any]:
+    """Whether method ``name`` meets a goal on every domain: its verdict in ``verdicts`` and,
+    when given, top-1 at least ``top1_floor``; per domain the verdict and top-1."""
+    per = {}
+    ok = True
+    for d, dom in res["domains"].items():
+        r = dom["methods"].get(name)
+        if r is None:
+            per[d] = None
+            ok = False
+            continue
+        good = r["verdict"] in verdicts and (top1_floor is None or r["top1"] >= top1_floor)
+        per[d] = {"verdict": r["verdict"], "top1": r["top1"], "dppl": r["dppl"], "met": good}
+        ok = ok and good
+    return {"method": name, "met": ok, "domains": per}
