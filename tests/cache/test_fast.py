@@ -7,7 +7,8 @@ families; the slow path kept for per-block, pre-RoPE and identity codecs.
 Tolerances (float32 models, logits of order 1): the kernel computes attention in float32 from
 the codes with another summation order than decode + SDPA, ``|attention difference| <= 2e-6``
 of the largest value (tests/kernels/tolerances.py); through a 3-layer model the logits differ
-by at most ``LOGIT_ATOL``."""
+by at most ``LOGIT_ATOL`` times ``max(1, largest |logit|)`` (measured: at most 1.2e-7 on the
+llama and qwen2 models below, 1.2e-6 on Gemma 2 with its softcap, logits up to 0.95)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 
 from . import families  # noqa: E402
-from .conftest import build, cache_kw, forward, generate  # noqa: E402
+from .conftest import build, forward, generate  # noqa: E402
 
-LOGIT_ATOL = 2e-4
+LOGIT_ATOL = 1e-5
 VOCAB = 97
 
 RECIPE = """

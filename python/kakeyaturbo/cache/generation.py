@@ -28,9 +28,10 @@ class KakeyaCache(Cache):
     of ``block_size`` tokens of each stream in ``streams`` is sealed through ``codec`` (one blob
     per batch row and kv-head) and held only as bytes; the last partial block stays raw
     (staging); ``boundary`` layers (negative indices count from the last layer) are never
-    sealed. Attention reads sealed blocks by decoding them at every step; ``keep_decoded=True``
-    keeps the decoded tensors instead, trading memory back for speed (they count in
-    :meth:`nbytes`). Raw rows keep the dtype the model hands over.
+    sealed. With a calibrated codec that codes keys after RoPE, attention is computed from the
+    codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
+    (``keep_decoded=True`` keeps the decoded tensors instead, trading memory back for speed;
+    they count in :meth:`nbytes`). Raw rows keep the dtype the model hands over.
 
     ``model`` gives the layers (:func:`kakeyaturbo.families.describe`: their number, for negative
     boundary indices; which are sliding-window layers, handled as transformers'
