@@ -28,6 +28,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from ..codec.attention import decode_attention
+from ..families.layout import model_type
+
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
 NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
@@ -95,8 +98,6 @@ def install(model: Any) -> Optional[str]:
     (a sentence) when it cannot: an implementation other than ``sdpa`` and ``eager``, a family
     not in :data:`FAMILIES`; None once installed. For any cache other than a fast
     :class:`~kakeyaturbo.cache.KakeyaCache` the model computes exactly as before."""
-    from ..families.layout import model_type
-
     mt = model_type(model)
     if mt not in FAMILIES:
         return f"model type {mt!r} is not among the families checked for the fast path"
@@ -173,8 +174,6 @@ def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
 
 def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
             kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, None]:
-    from ..codec.attention import decode_attention
-
     sk, sv, tk, tv = layer.raw_rows()
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]

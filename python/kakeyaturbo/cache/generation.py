@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache
 
+from ..calibration import ModelCodec
 from ..codec import _checks
 from ..errors import InvalidParameterError
 from ..families import describe
@@ -212,8 +213,6 @@ class KakeyaCache(Cache):
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool) -> Optional[str]:
     """Why a cache of these settings cannot attend over the codes, or None (the model's family
     and attention implementation are checked by :func:`fast.install`)."""
-    from ..calibration import ModelCodec
-
     if not isinstance(codec, ModelCodec):
         return f"{codec!r} is not a calibrated codec: sealed blocks are decoded, then attended"
     if codec.pre_rope_keys:

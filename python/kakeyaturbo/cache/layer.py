@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..codec.attention import LayerCodes
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
@@ -239,8 +240,6 @@ class KakeyaLayer(CacheLayerMixin):
             return None
         k, v = self._s["k"], self._s["v"]
         if self._codes is None or self._codes.batch != self._batch():
-            from ..codec.attention import LayerCodes
-
             calib = getattr(self.codec, "codecs")
             heads = k.staging.shape[1]
             self._codes = LayerCodes([calib[("k", self.index, h)] for h in range(heads)],
