@@ -1,102 +1,255 @@
 """Greedy generation through `KakeyaCache` against transformers' `DynamicCache` on a real model.
 
 A prompt of Wikipedia summaries (evaluation split) and a request to summarise them goes through
-`model.generate` twice per recipe: with an uncompressed `DynamicCache` and with a `KakeyaCache`
-that seals every `--block-size` tokens through the recipe's codec (calibrated recipes use the
-cached calibration statistics, collected on first use). Prints, per recipe, the bytes held
-(sealed blobs, raw sink and staging rows) against a bf16 cache, all-in bits per element, the
-number of generated tokens identical to the uncompressed run before the first difference,
-wall time, and both continuations.
+`model.generate` per prompt length: once with an uncompressed `DynamicCache` (the model's own
+`sdpa` attention, the baseline, in the same run), then per recipe with a `KakeyaCache` that seals
+every `--block-size` tokens through the recipe's codec (calibrated recipes use the cached
+calibration statistics, collected on first use): attention over the codes (the fast path, for
+calibrated recipes with keys coded after RoPE) and, with `--slow`, the same cache decoding its
+sealed blocks and attending over them (`fast=False`).
 
-    .venv/bin/python benches/bench_generate.py [--model hard-case] [--recipes calibrated-4bit]
+Per run: prefill seconds, decode tokens/s (between the first and the last generated token, so
+the prompt is not counted), wall seconds; per KakeyaCache run the bits per element held
+(sealed blobs + raw sink and staging rows at 16 bits, over every element a `DynamicCache`
+holds), the generated tokens identical to the DynamicCache's and to the slow path's before the
+first difference, and a profile of a decode step (attention, cache update, sealing, and the
+rest of the model: time inside the attention functions and the cache's `update`, summed over
+the layers, per generated token). Prints a table and writes JSON.
+
+    flock /work/notes/cpu.lock .venv/bin/python benches/bench_generate.py \\
+        --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import transformers
 
 from kakeyaturbo import assets, calibration, recipes
 from kakeyaturbo.cache import KakeyaCache, codec_for
+from kakeyaturbo.cache import fast as fast_mod
+from kakeyaturbo.cache.layer import KakeyaLayer
 from kakeyaturbo.calibration import corpus
 from kakeyaturbo.eval import model as model_mod
+
+HERE = Path(__file__).resolve().parent
+
+
+class Clock(transformers.LogitsProcessor):
+    """Records when each generated token's logits come out (after the prefill, then after each
+    decode step)."""
+
+    def __init__(self) -> None:
+        self.t: List[float] = []
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.t.append(time.perf_counter())
+        return scores
+
+
+class Profile:
+    """Time spent inside the attention functions, the caches' ``update`` and the fast layers'
+    sealing, summed, while open; counted from the second generated token (decode steps only)."""
+
+    def __init__(self) -> None:
+        self.acc: Dict[str, float] = {"attention": 0.0, "update": 0.0, "seal": 0.0}
+        self.on = False
+        self._undo: List[Callable[[], None]] = []
+
+    def _wrap(self, owner: Any, attr: str, key: str) -> None:
+        orig = getattr(owner, attr)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if not self.on:
+                return orig(*a, **kw)
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self.acc[key] += time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+        self._undo.append(lambda: setattr(owner, attr, orig))
+
+    def _wrap_item(self, table: Dict[str, Any], name: str, key: str) -> None:
+        orig = table[name]
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if not self.on:
+                return orig(*a, **kw)
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self.acc[key] += time.perf_counter() - t
+
+        table[name] = timed
+        self._undo.append(lambda: table.__setitem__(name, orig))
+
+    def __enter__(self) -> "Profile":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        fast_mod.register()
+        table = ALL_ATTENTION_FUNCTIONS._global_mapping
+        for name in [n for n in ("sdpa", *fast_mod.NAMES.values()) if n in table]:
+            self._wrap_item(table, name, "attention")
+        self._wrap(transformers.DynamicCache, "update", "update")
+        self._wrap(KakeyaCache, "update", "update")
+        self._wrap(KakeyaLayer, "settle", "seal")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    n = min(len(a), len(b))
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if len(diff) else (None if len(a) == len(b) else n)
+
+
+def recipe(name: str) -> recipes.Recipe:
+    p = Path(name)
+    if not p.exists() and (HERE / "recipes" / f"{name}.toml").exists():
+        p = HERE / "recipes" / f"{name}.toml"
+    return recipes.load(p if p.exists() else name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or GGUF file, or 'hard-case'")
-    ap.add_argument("--recipes", default="calibrated-4bit,calibrated-3bit")
+    ap.add_argument("--recipes", default="calibrated-3bit-ropeafter",
+                    help="shipped names, files, or names under benches/recipes")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=700)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", default="2000,8000", help="comma-separated prompt lengths")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     model_path = (assets.hard_case_model() if args.model == "hard-case"
                   else Path(args.model) if args.model else assets.default_model())
     text_path = assets.default_text()
     model, tok = model_mod.load(model_path)
+    base = fast_mod.base_of(model) or model.config._attn_implementation
     _, ev = corpus.split(corpus.load_articles(text_path))
-    text = ""
-    for t in ev:
-        text += t + "\n\n"
-        if len(tok.encode(text, add_special_tokens=False)) > args.prompt_tokens:
-            break
-    msgs = [{"role": "user", "content": text + "Summarize the text above in a few sentences."}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)["input_ids"]
-    n0 = ids.shape[1]
     pad = tok.eos_token_id if tok.eos_token_id is not None else 0
-
-    def gen(cache: Any) -> Any:
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, cache=cache,
-                                 pad_token_id=pad)
-        return out[0, n0:], time.perf_counter() - t
-
-    ref, t_ref = gen(transformers.DynamicCache(config=model.config))
-    rows: List[dict] = []
+    codecs = []
     for name in args.recipes.split(","):
-        rec = recipes.load(name)
+        rec = recipe(name)
         stats, sens = calibration.for_recipe(rec, model, tok, model_path, text_path)
-        codec = codec_for(rec, stats=stats, sensitivity=sens)
-        cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,
-                            boundary=rec.boundary(model.config.num_hidden_layers),
-                            streams=rec.streams)
-        out, t_k = gen(cache)
-        n = min(len(out), len(ref))
-        same = int((out[:n] == ref[:n]).int().cumprod(0).sum())
-        mem = cache.memory()
-        elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
-        raw_elems = (mem["sink"] + mem["staging"]) // 4
-        bits = 8 * mem["blobs"] + 16 * raw_elems
-        rows.append({"recipe": rec.name, "block_size": args.block_size, "tokens": cache.get_seq_length(),
-                     "blob_bytes": mem["blobs"], "raw_elements": raw_elems,
-                     "bits_per_element": bits / elems, "ratio_vs_bf16": 16 * elems / bits,
-                     "identical_tokens": same, "new_tokens": len(out), "seconds": t_k,
-                     "seconds_dynamic_cache": t_ref,
-                     "text": tok.decode(out, skip_special_tokens=True)})
-    print(f"{model_path.name} | prompt {n0} tokens | {args.new_tokens} new | block {args.block_size}")
-    print("| recipe | bits/elem | x vs bf16 | identical tokens | s (KakeyaCache) | s (DynamicCache) |")
-    print("|---|---|---|---|---|---|")
+        codecs.append((rec, codec_for(rec, stats=stats, sensitivity=sens)))
+
+    def prompt(n_tokens: int) -> torch.Tensor:
+        text = ""
+        for t in ev:
+            text += t + "\n\n"
+            if len(tok.encode(text, add_special_tokens=False)) > n_tokens:
+                break
+        msgs = [{"role": "user", "content": text + "Summarize the text above in a few sentences."}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                       return_dict=True)["input_ids"]
+
+    def gen(ids: torch.Tensor, cache: Any) -> Dict[str, Any]:
+        clock = Clock()
+        n0 = ids.shape[1]
+        with Profile() as prof, torch.no_grad():
+            def step_on(input_ids: Any, scores: Any) -> Any:
+                prof.on = True  # from the first generated token on: decode steps only
+                return scores
+
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 do_sample=False, cache=cache, pad_token_id=pad,
+                                 logits_processor=transformers.LogitsProcessorList([clock, step_on]))
+            t1 = time.perf_counter()
+        steps = len(clock.t) - 1
+        decode_s = clock.t[-1] - clock.t[0]
+        per = {k: 1e3 * v / steps for k, v in prof.acc.items()} if steps else {}
+        if steps:
+            per["attention"] -= per["seal"]  # the fast path seals inside its attention function
+        if steps:
+            per["model_rest"] = 1e3 * decode_s / steps - sum(per.values())
+        return {"tokens": out[0, n0:], "prefill_s": clock.t[0] - t0, "decode_s": decode_s,
+                "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
+                "wall_s": t1 - t0, "step_ms": per}
+
+    rows: List[Dict[str, Any]] = []
+    texts: Dict[str, str] = {}
+    for n_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
+        ids = prompt(n_tokens)
+        n0 = ids.shape[1]
+        model.set_attn_implementation(base)  # the baseline runs the model's own attention
+        ref = gen(ids, transformers.DynamicCache(config=model.config))
+        texts[f"{n0}/DynamicCache"] = tok.decode(ref["tokens"], skip_special_tokens=True)
+        rows.append({"prompt_tokens": n0, "cache": "DynamicCache", "recipe": "-",
+                     **{k: v for k, v in ref.items() if k != "tokens"}})
+        for rec, codec in codecs:
+            runs = {}
+            for mode in (("fast", "slow") if args.slow else ("fast",)):
+                cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,
+                                    boundary=rec.boundary(model.config.num_hidden_layers),
+                                    streams=rec.streams, fast=None if mode == "fast" else False)
+                r = gen(ids, cache)
+                mem = cache.memory()
+                elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
+                raw_elems = (mem["sink"] + mem["staging"]) // 4
+                bits = 8 * mem["blobs"] + 16 * raw_elems
+                r.update(cache=f"KakeyaCache ({'codes' if cache.fast else 'decode-then-attend'})",
+                         fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
+                         prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
+                         raw_elements=raw_elems, bits_per_element=bits / elems,
+                         speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
+                         wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
+                runs[mode] = r
+            for mode, r in runs.items():
+                toks = r.pop("tokens")
+                d = first_divergence(toks, ref["tokens"])
+                r["identical_to_dynamic"] = len(toks) if d is None else d
+                r["first_divergence_vs_dynamic"] = d
+                if "slow" in runs:
+                    other = runs["slow"].get("tokens", toks) if mode == "fast" else toks
+                    ds = first_divergence(toks, other) if mode == "fast" else None
+                    r["first_divergence_vs_slow"] = ds
+                    r["identical_to_slow"] = len(toks) if ds is None else ds
+                r["new_tokens"] = len(toks)
+                texts[f"{n0}/{rec.name}/{mode}"] = tok.decode(toks, skip_special_tokens=True)
+                rows.append(r)
+    load = os.getloadavg()
+    print(f"{model_path.name} | {args.new_tokens} new tokens | block {args.block_size} | "
+          f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f}")
+    print("| prompt | cache | recipe | bits/elem held | prefill s | decode tok/s | vs DynamicCache "
+          "| identical (vs DynamicCache) | identical (vs decode-then-attend) | decode step ms: "
+          "attention / update / seal / rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['recipe']} | {r['bits_per_element']:.2f} | {r['ratio_vs_bf16']:.2f} | "
-              f"{r['identical_tokens']}/{r['new_tokens']} | {r['seconds']:.1f} | {r['seconds_dynamic_cache']:.1f} |")
-    print("\nDynamicCache:", tok.decode(ref, skip_special_tokens=True))
-    for r in rows:
-        print(f"\n{r['recipe']}:", r["text"])
+        sm = r["step_ms"]
+        prof = " / ".join(f"{sm.get(k, 0):.1f}" for k in ("attention", "update", "seal", "model_rest"))
+        bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "16 (bf16) / 32 held"
+        vs = f"{r['speed_vs_dynamic']:.2f}x" if "speed_vs_dynamic" in r else "1.00x"
+        same = f"{r['identical_to_dynamic']}/{r['new_tokens']}" if "new_tokens" in r else "-"
+        same_s = (f"{r['identical_to_slow']}/{r['new_tokens']}" if r.get("identical_to_slow") is not None
+                  else "-")
+        print(f"| {r['prompt_tokens']} | {r['cache']} | {r['recipe']} | {bits} | {r['prefill_s']:.1f} | "
+              f"{r['decode_tokens_per_s']:.2f} | {vs} | {same} | {same_s} | {prof} |")
+    for k, v in texts.items():
+        print(f"\n{k}: {v}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"generate-{model_path.stem}.json"
-    path.write_text(json.dumps({"model": model_path.name, "prompt_tokens": n0, "rows": rows,
-                                "reference_text": tok.decode(ref, skip_special_tokens=True)},
-                               indent=2) + "\n")
+    path.write_text(json.dumps({
+        "model": model_path.name, "new_tokens": args.new_tokens, "block_size": args.block_size,
+        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": load,
+        "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "rows": rows, "texts": texts}, indent=2, default=str) + "\n")
     print(f"\nwrote {path}")
     return 0
 

@@ -10,10 +10,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache
 
+from ..calibration import ModelCodec
 from ..codec import _checks
 from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
+from . import fast as fast_mod
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, wants_rope
 from .layer import KakeyaLayer, Positions
 from .pretrained import CalibrationLike, codec_for_model
@@ -27,9 +29,10 @@ class KakeyaCache(Cache):
     of ``block_size`` tokens of each stream in ``streams`` is sealed through ``codec`` (one blob
     per batch row and kv-head) and held only as bytes; the last partial block stays raw
     (staging); ``boundary`` layers (negative indices count from the last layer) are never
-    sealed. Attention reads sealed blocks by decoding them at every step; ``keep_decoded=True``
-    keeps the decoded tensors instead, trading memory back for speed (they count in
-    :meth:`nbytes`). Raw rows keep the dtype the model hands over.
+    sealed. With a calibrated codec that codes keys after RoPE, attention is computed from the
+    codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
+    (``keep_decoded=True`` keeps the decoded tensors instead, trading memory back for speed;
+    they count in :meth:`nbytes`). Raw rows keep the dtype the model hands over.
 
     ``model`` gives the layers (:func:`kakeyaturbo.families.describe`: their number, for negative
     boundary indices; which are sliding-window layers, handled as transformers'
@@ -40,6 +43,16 @@ class KakeyaCache(Cache):
     ``position_ids`` of the forward call (so left-padded batches are right), else the token
     index.
 
+    ``fast`` (None: when possible; True: required; False: never): attention over the codes
+    (:mod:`kakeyaturbo.cache.fast`): with a calibrated codec that codes keys after RoPE
+    (``[k] rope = "after"``), on a CPU model of a family in ``fast.FAMILIES`` running ``sdpa``
+    or ``eager`` attention, every layer that seals both K and V computes its attention with
+    :func:`kakeyaturbo.decode_attention` over its sealed blocks, sink and staging rows; the
+    decoded cache never exists. The cache then points the model at a registered attention
+    function that stands in for the model's own (and computes exactly as it for any other
+    cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
+    (None: all cores).
+
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the
     reason for a model whose cache is not K/V rows, or whose keys' RoPE cannot be removed when
@@ -49,7 +62,8 @@ class KakeyaCache(Cache):
     def __init__(self, codec: StreamCodec, *, model: Any = None, num_layers: Optional[int] = None,
                  block_size: int = 512, n_sink: int = 0, boundary: Sequence[int] = (),
                  streams: Sequence[str] = STREAMS, rope: Any = None,
-                 keep_decoded: bool = False) -> None:
+                 keep_decoded: bool = False, fast: Optional[bool] = None,
+                 threads: Optional[int] = None) -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
         n_sink = _checks.integer(n_sink, "n_sink", 0)
         for attr in ("encode", "decode"):
@@ -80,6 +94,18 @@ class KakeyaCache(Cache):
             if model is not None:
                 _watch_positions(model, self)
         self.rope = rope
+        self.threads = _checks.threads(threads)
+        #: Why attention does not run over the codes (None when it does).
+        self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded)
+        if fast is not None and not isinstance(fast, bool):
+            raise TypeError(f"fast must be None or a bool, got {type(fast).__name__}")
+        if fast is False:
+            self.fast_reason = "fast=False"
+        elif self.fast_reason is None:
+            self.fast_reason = fast_mod.install(model)
+        if fast is True and self.fast_reason is not None:
+            raise InvalidParameterError(f"no attention over the codes: {self.fast_reason}")
+        self._fast_check = _impl_check(model) if self.fast_reason is None else None
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
         super().__init__(layers=layers)
 
@@ -110,12 +136,22 @@ class KakeyaCache(Cache):
         kwargs.setdefault("streams", rec.streams)
         return cls(codec, model=model, **kwargs)
 
+    @property
+    def fast(self) -> bool:
+        """Whether attention runs over the codes (see the constructor)."""
+        return self.fast_reason is None
+
     def _new_layer(self, i: int) -> KakeyaLayer:
-        return KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
-                           streams=() if i in self.boundary else self.streams,
-                           rope=layer_rope(self.rope, i), positions=self._positions,
-                           keep_decoded=self.keep_decoded,
-                           window=self.windows[i] if i < len(self.windows) else None)
+        layer = KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
+                            streams=() if i in self.boundary else self.streams,
+                            rope=layer_rope(self.rope, i), positions=self._positions,
+                            keep_decoded=self.keep_decoded,
+                            window=self.windows[i] if i < len(self.windows) else None)
+        if self.fast and set(STREAMS) <= set(layer.streams):
+            layer.fast = True
+            layer.fast_check = self._fast_check
+            layer.threads = self.threads
+        return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +208,36 @@ class KakeyaCache(Cache):
     def nbytes_uncompressed(self) -> int:
         """Bytes a ``DynamicCache`` would hold for the same tokens at the same dtype."""
         return sum(layer.nbytes_uncompressed() for layer in self.layers)
+
+
+def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool) -> Optional[str]:
+    """Why a cache of these settings cannot attend over the codes, or None (the model's family
+    and attention implementation are checked by :func:`fast.install`)."""
+    if not isinstance(codec, ModelCodec):
+        return f"{codec!r} is not a calibrated codec: sealed blocks are decoded, then attended"
+    if codec.pre_rope_keys:
+        return (f"recipe {codec.recipe.name!r} codes keys before RoPE (queries are rotated): sealed "
+                "blocks are decoded, then attended")
+    if not set(STREAMS) <= set(streams):
+        return "K and V must both be coded"
+    if keep_decoded:
+        return "keep_decoded=True attends over the decoded blocks"
+    if model is None:
+        return "needs model= (the attention function is installed on it)"
+    return None
+
+
+def _impl_check(model: Any) -> Any:
+    """A check that ``model`` still runs the registered attention function (a weak reference:
+    the cache does not keep the model alive)."""
+    ref = weakref.ref(model.config)
+    names = frozenset(fast_mod.NAMES.values())
+
+    def check() -> bool:
+        cfg = ref()
+        return cfg is not None and getattr(cfg, "_attn_implementation", None) in names
+
+    return check
 
 
 def _watch_positions(model: Any, cache: KakeyaCache) -> None:

@@ -3,14 +3,16 @@ held as codec bytes and raw staging rows, for a full-attention or a sliding-wind
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..codec.attention import LayerCodes
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
+from .fast import TAG
 
 
 class Positions:
@@ -103,6 +105,13 @@ class KakeyaLayer(CacheLayerMixin):
     and held only as bytes; the partial block stays raw (staging). A stream not in ``streams``
     (and every stream of a boundary layer) is never sealed.
 
+    ``fast`` (set by the cache when the codec, the layer and the model allow it; see
+    :mod:`kakeyaturbo.cache.fast`): ``update`` stages the call's rows and returns them alone,
+    tagged with the layer; the attention function then computes over the layer's
+    :class:`~kakeyaturbo.LayerCodes` (built from the sealed blobs, which it shares: the bytes
+    are held once), the raw sink and staging rows, and seals what filled (:meth:`settle`).
+    The sealed blobs (``blocks``, ``starts`` of each stream) stay the source of truth.
+
     ``window`` (a sliding-window layer: a query at position ``p`` sees keys ``p - window + 1 ..
     p``): the layer behaves as transformers' ``DynamicSlidingWindowLayer`` towards attention
     (``update`` returns the last ``window - 1`` tokens before the call plus the call's tokens,
@@ -140,6 +149,14 @@ class KakeyaLayer(CacheLayerMixin):
         self.positions = positions
         self.seen = 0
         self._s: Dict[str, _Stream] = {}
+        #: Attention over the codes (set by the cache); ``fast_check()`` says whether the model
+        #: still runs the attention function that reads them.
+        self.fast = False
+        self.fast_check: Optional[Callable[[], bool]] = None
+        self.threads: Optional[int] = None
+        self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
+        self._codes_starts: List[int] = []
+        self._pending = 0  # rows of the last update staged but not yet dropped or sealed
 
     def __repr__(self) -> str:
         kind = f", window={self.window}" if self.window is not None else ""
@@ -165,10 +182,24 @@ class KakeyaLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._pending:
+            self.settle()
+            raise RuntimeError(
+                f"layer {self.index}: the rows of the previous update were never attended through the "
+                "codes (the model's attention did not receive the key tensor the cache returned); "
+                "build the cache with fast=False for this model")
         start = self.seen
         q = key_states.shape[-2]
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
+        if self.fast and key_states.device.type == "cpu" and (self.fast_check is None or self.fast_check()):
+            self.seen += q
+            for name, x in (("k", key_states), ("v", value_states)):
+                self._stage(name, x.detach(), start)
+            self._pending = q
+            k = key_states.view_as(key_states)
+            setattr(k, TAG, self)
+            return k, value_states
         visible = self._visible(start) + q
         out_k = torch.cat(self._parts("k") + [key_states], dim=-2)[..., -visible:, :]
         out_v = torch.cat(self._parts("v") + [value_states], dim=-2)[..., -visible:, :]
@@ -176,6 +207,59 @@ class KakeyaLayer(CacheLayerMixin):
         for name, x in (("k", key_states), ("v", value_states)):
             self._append(name, x.detach(), start)
         return out_k, out_v
+
+    # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
+
+    def settle(self) -> None:
+        """The deferred part of a fast update, once attention has read the call's rows raw: a
+        sliding layer drops what left its window, full blocks are sealed."""
+        if not self._pending:
+            return
+        self._pending = 0
+        for name in STREAMS:
+            self._settle(name)
+
+    def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """During a fast update: the K and V the slow path would have returned for it (sealed
+        blocks decoded, then sink and staging rows, the call's own last)."""
+        visible = self._visible(self.seen - self._pending) + self._pending
+        k, v = (torch.cat(self._parts(name), dim=-2)[..., -visible:, :] for name in STREAMS)
+        return k, v
+
+    def raw_rows(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sink_k, sink_v, staging_k, staging_v)`` held raw; during a fast update the staging
+        rows end with the call's own."""
+        k, v = self._s["k"], self._s["v"]
+        return k.sink, v.sink, k.staging, v.staging
+
+    def codes(self) -> Any:
+        """The layer's :class:`~kakeyaturbo.LayerCodes`, in step with its sealed blobs (which it
+        shares, not copies), or None when the layer seals no K and V (a boundary layer, a codec
+        other than the calibrated one)."""
+        if not self.fast or not self.is_initialized:
+            return None
+        k, v = self._s["k"], self._s["v"]
+        if self._codes is None or self._codes.batch != self._batch():
+            calib = getattr(self.codec, "codecs")
+            heads = k.staging.shape[1]
+            self._codes = LayerCodes([calib[("k", self.index, h)] for h in range(heads)],
+                                     [calib[("v", self.index, h)] for h in range(heads)],
+                                     batch=self._batch())
+            self._codes_starts = []
+        cs = self._codes_starts
+        while cs and (not k.starts or cs[0] < k.starts[0]):
+            self._codes.pop_front_block()
+            cs.pop(0)
+        if cs != k.starts[:len(cs)] or k.starts != v.starts:
+            self._codes.clear()
+            cs.clear()
+        for j in range(len(cs), len(k.starts)):
+            for st in (k, v):  # shared with the codes only as bytes objects (not views)
+                if not all(type(b) is bytes for row in st.blocks[j] for b in row):
+                    st.blocks[j] = [[bytes(b) for b in row] for row in st.blocks[j]]
+            self._codes.append_blocks(k.blocks[j], v.blocks[j])
+            cs.append(k.starts[j])
+        return self._codes
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self._visible(self.seen) + query_length, self.seen - self._visible(self.seen)
@@ -190,6 +274,8 @@ class KakeyaLayer(CacheLayerMixin):
         self._s = {}
         self.seen = 0
         self.is_initialized = False
+        self._codes = None
+        self._pending = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last ``-tokens_to_remove`` tokens (a non-positive count, as in transformers).
@@ -202,6 +288,8 @@ class KakeyaLayer(CacheLayerMixin):
         r = -tokens_to_remove
         if r == 0 or not self.is_initialized:
             return
+        self.settle()
+        self._codes = None
         if self.window is not None and self.seen >= self.window:
             raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
                                "window: it cannot be cropped")
@@ -251,6 +339,7 @@ class KakeyaLayer(CacheLayerMixin):
 
     def num_sealed(self) -> int:
         """Sealed blocks held by the first compressed stream (0 for a boundary layer)."""
+        self.settle()
         return max((len(st.blocks) for st in self._s.values()), default=0)
 
     def memory(self) -> Dict[str, int]:
@@ -258,6 +347,7 @@ class KakeyaLayer(CacheLayerMixin):
         out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0}
         if not self.is_initialized:
             return out
+        self.settle()
         for st in self._s.values():
             out["blobs"] += sum(len(b) for blk in st.blocks for row in blk for b in row)
             out["sink"] += _tensor_bytes(st.sink)
@@ -286,6 +376,7 @@ class KakeyaLayer(CacheLayerMixin):
         update."""
         if not self.is_initialized:
             return {"seen": 0, "streams": {}}
+        self.settle()
         return {"seen": self.seen, "streams": {
             name: {"sink": st.sink, "sink_start": st.sink_start, "staging": st.staging,
                    "staging_start": st.staging_start, "blocks": st.blocks, "starts": st.starts}
@@ -299,6 +390,8 @@ class KakeyaLayer(CacheLayerMixin):
             self.reset()
             return
         self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
+        self._codes = None
+        self._pending = 0
         self.seen = int(state["seen"])
         for name, part in streams.items():
             st = self._s[name]
@@ -321,6 +414,8 @@ class KakeyaLayer(CacheLayerMixin):
     def _select(self, idx: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self.settle()
+        self._codes = None
         rows = idx.to("cpu").tolist()
         for st in self._s.values():
             dev = st.staging.device
@@ -333,6 +428,11 @@ class KakeyaLayer(CacheLayerMixin):
     def _append(self, name: str, x: torch.Tensor, start: int) -> None:
         """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging; then
         a sliding layer drops what left its window, and full blocks are sealed."""
+        self._stage(name, x, start)
+        self._settle(name)
+
+    def _stage(self, name: str, x: torch.Tensor, start: int) -> None:
+        """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging."""
         st = self._s[name]
         if not st.staging.shape[-2] and not st.starts:
             st.staging_start = start
@@ -343,11 +443,13 @@ class KakeyaLayer(CacheLayerMixin):
                 x = x[..., room:, :]
                 st.staging_start = st.sink_start + st.sink.shape[-2]
         st.staging = torch.cat([st.staging, x], dim=-2)
+
+    def _settle(self, name: str) -> None:
+        """A sliding layer drops what left its window; full blocks are sealed."""
         if self.window is not None:
             self._drop(name, self.seen - self._visible(self.seen))
-        if name in self.streams:
-            while st.staging.shape[-2] >= self.block_size:
-                self._seal(name)
+        if name in self.streams and self._s[name].staging.shape[-2] >= self.block_size:
+            self._seal(name)
 
     def _drop(self, name: str, lo: int) -> None:
         """Drops what a sliding layer holds before position ``lo`` (no later query sees it):
@@ -372,21 +474,28 @@ class KakeyaLayer(CacheLayerMixin):
         return self.positions.get(start, n)
 
     def _seal(self, name: str) -> None:
+        """Seals every full block of staging (one copy of the rows left, however many blocks a
+        long prompt fills)."""
         st = self._s[name]
+        bs = self.block_size
+        n = st.staging.shape[-2] // bs
         start = st.staging_start
-        rows = st.staging[..., :self.block_size, :]
-        st.staging = st.staging[..., self.block_size:, :].clone()
-        st.staging_start = start + self.block_size
+        rows = st.staging[..., :n * bs, :]
+        st.staging = st.staging[..., n * bs:, :].clone()
+        st.staging_start = start + n * bs
         if name == "k" and self.pre_rope:
             assert self.rope is not None
-            rows = self.rope.remove(rows, self._rope_args(start, self.block_size))
-        st.blocks.append(encode_rows(self.codec, name, self.index, to_numpy(rows)))
-        st.starts.append(start)
-        if self.keep_decoded:
-            st.decoded.append(self._block(name, len(st.blocks) - 1))
+            rows = self.rope.remove(rows, self._rope_args(start, n * bs))
+        x = to_numpy(rows)
+        for j in range(n):
+            st.blocks.append(encode_rows(self.codec, name, self.index, x[:, :, j * bs:(j + 1) * bs]))
+            st.starts.append(start + j * bs)
+            if self.keep_decoded:
+                st.decoded.append(self._block(name, len(st.blocks) - 1))
 
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
+        self._codes = None
         st = self._s[name]
         dec = self._block(name, len(st.blocks) - 1)
         st.staging = torch.cat([dec, st.staging], dim=-2)
@@ -414,6 +523,7 @@ class KakeyaLayer(CacheLayerMixin):
         return [st.sink] + [self._block(name, j) for j in range(len(st.blocks))] + [st.staging]
 
     def _held(self, name: str) -> torch.Tensor:
+        self.settle()
         full = torch.cat(self._parts(name), dim=-2)
         return full[..., full.shape[-2] - self._visible(self.seen):, :]
 

@@ -84,7 +84,7 @@ class LayerCodes:
 
     def append(self, b: int, h: int, k: Any, v: Any) -> None:
         """Appends one block (K and V containers of the same rows) to (batch row ``b``,
-        kv-head ``h``). Raises CorruptDataError for damaged bytes, InvalidParameterError for
+        kv-head ``h``); ``bytes`` are shared with their Python objects, not copied. Raises CorruptDataError for damaged bytes, InvalidParameterError for
         another calibration's, InvalidInputError when the two hold different row counts or a
         scale lies beyond the float32 range; nothing is kept then."""
         self._c.append(_checks.integer(b, "b", 0), _checks.integer(h, "h", 0),
@@ -105,6 +105,11 @@ class LayerCodes:
     def pop_block(self) -> None:
         """Removes the last block of every (batch row, kv-head)."""
         self._c.pop_block()
+
+    def pop_front_block(self) -> None:
+        """Removes the first block of every (batch row, kv-head) (a sliding-window layer
+        dropping what left its window)."""
+        self._c.pop_front_block()
 
     def select(self, index: Sequence[int]) -> None:
         """Keeps the batch rows ``index`` in that order (repeats share their blocks), as beam

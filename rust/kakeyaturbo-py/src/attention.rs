@@ -3,10 +3,11 @@
 use crate::calibrated::PyCalibratedCodec;
 use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
-use kakeyaturbo::attention::{attend, AttentionParams, LayerCodes, RawRows, StreamTables};
+use kakeyaturbo::attention::{attend, AttentionParams, Blob, LayerCodes, RawRows, StreamTables};
 use kakeyaturbo::threads::with_threads;
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyTuple};
 use std::sync::Arc;
 
@@ -111,28 +112,28 @@ impl PyLayerCodes {
     }
 
     /// Appends one block to (batch row `b`, kv-head `h`): both containers are parsed and
-    /// checked once, here.
+    /// checked once, here. A `bytes` container is shared with its Python object, not copied.
     fn append(
         &mut self,
         py: Python<'_>,
         b: &Bound<'_, PyAny>,
         h: &Bound<'_, PyAny>,
-        k: &[u8],
-        v: &[u8],
+        k: PyBackedBytes,
+        v: PyBackedBytes,
     ) -> PyResult<()> {
         let (b, h) = (index(py, b, "b")?, index(py, h, "h")?);
-        let (k, v) = (k.to_vec(), v.to_vec());
+        let (k, v) = (Blob::shared(k), Blob::shared(v));
         let inner = &mut self.inner;
         run(py, || inner.append(b, h, k, v))
     }
 
-    /// Appends one block to every (batch row, kv-head): `k[b][h]`, `v[b][h]` (bytes).
-    /// Nothing is kept unless every container is accepted.
+    /// Appends one block to every (batch row, kv-head): `k[b][h]`, `v[b][h]` (bytes, shared
+    /// with their Python objects). Nothing is kept unless every container is accepted.
     fn append_blocks(
         &mut self,
         py: Python<'_>,
-        k: Vec<Vec<Vec<u8>>>,
-        v: Vec<Vec<Vec<u8>>>,
+        k: Vec<Vec<PyBackedBytes>>,
+        v: Vec<Vec<PyBackedBytes>>,
     ) -> PyResult<()> {
         let (batch, heads) = (self.inner.batch(), self.inner.kv_heads());
         for (name, x) in [("k", &k), ("v", &v)] {
@@ -147,7 +148,7 @@ impl PyLayerCodes {
         run(py, || {
             for (b, (kr, vr)) in k.into_iter().zip(v).enumerate() {
                 for (h, (kb, vb)) in kr.into_iter().zip(vr).enumerate() {
-                    next.append(b, h, kb, vb)?;
+                    next.append(b, h, Blob::shared(kb), Blob::shared(vb))?;
                 }
             }
             Ok(())
@@ -173,6 +174,11 @@ impl PyLayerCodes {
     /// Removes the last block of every (batch row, kv-head).
     fn pop_block(&mut self) {
         self.inner.pop_block();
+    }
+
+    /// Removes the first block of every (batch row, kv-head).
+    fn pop_front_block(&mut self) {
+        self.inner.pop_front_block();
     }
 
     /// Keeps batch rows `index`, in that order (repeats allowed).

@@ -58,7 +58,7 @@ pub mod store;
 pub mod tables;
 
 pub use attend::{attend, attend_with, AttentionOutput, AttentionParams, Isa, RawRows};
-pub use store::{CodeStore, LayerCodes, SealedBlock};
+pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
 
 #[cfg(test)]

@@ -12,10 +12,38 @@ use std::sync::Arc;
 /// m, row_bytes, fingerprint, outlier count).
 const HEADER: usize = 4 + 2 + 1 + 1 + 8 + 4 + 4 + 4 + 8 + 4;
 
+/// A container's bytes as a block holds them: its own, or shared with another owner that
+/// keeps them unchanged for as long as the block lives (the binding shares the Python `bytes`
+/// object the cache keeps, so a sealed block is held once, not twice).
+pub struct Blob(Box<dyn AsRef<[u8]> + Send + Sync>);
+
+impl Blob {
+    /// Bytes shared with their owner (not copied).
+    pub fn shared(bytes: impl AsRef<[u8]> + Send + Sync + 'static) -> Self {
+        Self(Box::new(bytes))
+    }
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        (*self.0).as_ref()
+    }
+}
+
+impl From<Vec<u8>> for Blob {
+    fn from(v: Vec<u8>) -> Self {
+        Self(Box::new(v))
+    }
+}
+
+impl std::fmt::Debug for Blob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Blob({} bytes)", self.as_slice().len())
+    }
+}
+
 /// One sealed block: its container bytes and where its fields lie in them.
 #[derive(Debug)]
 pub struct SealedBlock {
-    blob: Vec<u8>,
+    blob: Blob,
     pub(crate) n: usize,
     pub(crate) scale_exp: i8,
     /// Offset of the `n` fp16 scale mantissas (None without `norm`).
@@ -30,8 +58,10 @@ pub struct SealedBlock {
 impl SealedBlock {
     /// Parses and checks a container of the tables' calibration (everything its reader
     /// checks, plus that every scale is a float32 number). The bytes are kept as given.
-    pub fn parse(tables: &StreamTables, blob: Vec<u8>) -> Result<Self> {
-        let c = tables.codec.from_bytes(&blob)?;
+    pub fn parse(tables: &StreamTables, blob: impl Into<Blob>) -> Result<Self> {
+        let blob: Blob = blob.into();
+        let bytes = blob.as_slice();
+        let c = tables.codec.from_bytes(bytes)?;
         let (n, m, rb) = (c.n, tables.m, tables.row_bytes);
         let (scales_at, scale_exp) = match &c.scale {
             Some(s) => {
@@ -53,12 +83,12 @@ impl SealedBlock {
                 .ok_or_else(|| Error::Corrupt("outlier positions overflow".into()))?;
         let end = oval_at + 2 * c.outlier_pos.len();
         // The reader accepted the bytes; the offsets must describe exactly what it read.
-        let same = end + crate::bytes::CRC_LEN == blob.len()
-            && blob.get(codes_at..opos_at) == Some(&c.codes[..])
+        let same = end + crate::bytes::CRC_LEN == bytes.len()
+            && bytes.get(codes_at..opos_at) == Some(&c.codes[..])
             && c.scale.as_ref().is_none_or(|s| {
-                blob[HEADER] as i8 == s.exp
+                bytes[HEADER] as i8 == s.exp
                     && s.bits.iter().enumerate().all(|(i, &h)| {
-                        u16::from_le_bytes([blob[HEADER + 1 + 2 * i], blob[HEADER + 2 + 2 * i]])
+                        u16::from_le_bytes([bytes[HEADER + 1 + 2 * i], bytes[HEADER + 2 + 2 * i]])
                             == h
                     })
             });
@@ -88,21 +118,21 @@ impl SealedBlock {
 
     /// The container bytes.
     pub fn bytes(&self) -> &[u8] {
-        &self.blob
+        self.blob.as_slice()
     }
     /// Rows in the block.
     pub fn rows(&self) -> usize {
         self.n
     }
     pub(crate) fn blob(&self) -> &[u8] {
-        &self.blob
+        self.blob.as_slice()
     }
 
     /// The packed indices of row `r` (`row_bytes` bytes).
     #[inline]
     pub(crate) fn row(&self, r: usize, rb: usize) -> &[u8] {
         let at = self.codes_at + r * rb;
-        &self.blob[at..at + rb]
+        &self.blob()[at..at + rb]
     }
 
     /// The stored scale of row `r` (1 without `norm`).
@@ -110,7 +140,8 @@ impl SealedBlock {
     pub(crate) fn scale(&self, r: usize) -> f32 {
         match self.scales_at {
             Some(at) => {
-                let h = u16::from_le_bytes([self.blob[at + 2 * r], self.blob[at + 2 * r + 1]]);
+                let blob = self.blob();
+                let h = u16::from_le_bytes([blob[at + 2 * r], blob[at + 2 * r + 1]]);
                 crate::f16::from_bits_scaled(h, self.scale_exp)
             }
             None => 1.0,
@@ -125,7 +156,8 @@ impl SealedBlock {
         let mut acc = 0u64;
         let first = self.opos_at + bit / 8;
         let last = self.opos_at + (bit + nb).div_ceil(8);
-        for (k, &byte) in self.blob[first..last].iter().enumerate() {
+        let blob = self.blob();
+        for (k, &byte) in blob[first..last].iter().enumerate() {
             acc |= (byte as u64) << (8 * k);
         }
         let pos = if nb == 0 {
@@ -134,7 +166,7 @@ impl SealedBlock {
             ((acc >> (bit % 8)) & ((1u64 << nb) - 1)) as u32
         };
         let at = self.oval_at + 2 * i;
-        let val = half::f16::from_bits(u16::from_le_bytes([self.blob[at], self.blob[at + 1]]));
+        let val = half::f16::from_bits(u16::from_le_bytes([blob[at], blob[at + 1]]));
         (pos, val.to_f32())
     }
 
@@ -174,7 +206,7 @@ impl CodeStore {
         &self.tables
     }
     /// Appends a container of this store's calibration (parsed and checked here, once).
-    pub fn append(&mut self, blob: Vec<u8>) -> Result<()> {
+    pub fn append(&mut self, blob: impl Into<Blob>) -> Result<()> {
         let b = SealedBlock::parse(&self.tables, blob)?;
         self.push(Arc::new(b));
         Ok(())
@@ -192,7 +224,16 @@ impl CodeStore {
     }
     /// Bytes held: the containers' bytes.
     pub fn nbytes(&self) -> usize {
-        self.blocks.iter().map(|b| b.blob.len()).sum()
+        self.blocks.iter().map(|b| b.bytes().len()).sum()
+    }
+    /// Removes and returns the first block.
+    pub fn pop_front(&mut self) -> Option<Arc<SealedBlock>> {
+        if self.blocks.is_empty() {
+            return None;
+        }
+        let b = self.blocks.remove(0);
+        self.rows -= b.n;
+        Some(b)
     }
     /// Removes and returns the last block.
     pub fn pop(&mut self) -> Option<Arc<SealedBlock>> {
@@ -283,7 +324,13 @@ impl LayerCodes {
     }
     /// Appends one block of K and V rows to (batch row `b`, kv-head `h`): both containers are
     /// checked before either is kept, and must hold the same number of rows.
-    pub fn append(&mut self, b: usize, h: usize, k_blob: Vec<u8>, v_blob: Vec<u8>) -> Result<()> {
+    pub fn append(
+        &mut self,
+        b: usize,
+        h: usize,
+        k_blob: impl Into<Blob>,
+        v_blob: impl Into<Blob>,
+    ) -> Result<()> {
         let i = self.at(b, h)?;
         let kb = SealedBlock::parse(&self.k[i].tables, k_blob)?;
         let vb = SealedBlock::parse(&self.v[i].tables, v_blob)?;
@@ -336,6 +383,13 @@ impl LayerCodes {
     pub fn pop_block(&mut self) {
         for s in self.k.iter_mut().chain(self.v.iter_mut()) {
             s.pop();
+        }
+    }
+    /// Removes the first block of every (batch row, kv-head) (those that have one): a
+    /// sliding-window layer dropping what left its window.
+    pub fn pop_front_block(&mut self) {
+        for s in self.k.iter_mut().chain(self.v.iter_mut()) {
+            s.pop_front();
         }
     }
     /// Keeps the batch rows `index` in that order (repeats allowed: blocks are shared, not
@@ -463,6 +517,17 @@ mod tests {
         assert_eq!(l.blob(1, 1, "k", 1).unwrap(), &kb[..]);
         assert!(l.blob(1, 1, "x", 0).is_err());
         assert!(l.select(&[3]).is_err());
+        // Shared bytes read the same as owned ones, and the front block can go.
+        let shared: Arc<[u8]> = kb.clone().into();
+        l.append(2, 1, Blob::shared(shared), vb.clone()).unwrap();
+        assert_eq!(l.rows(2, 1).unwrap(), 60);
+        assert_eq!(l.blob(2, 1, "k", 1).unwrap(), &kb[..]);
+        l.pop_front_block();
+        assert_eq!(l.rows(2, 1).unwrap(), 30);
+        assert_eq!(l.rows(0, 1).unwrap(), 30);
+        assert_eq!(l.blob(2, 1, "k", 0).unwrap(), &kb[..]);
+        l.append(0, 1, kb.clone(), vb.clone()).unwrap();
+        l.append(2, 1, kb.clone(), vb.clone()).unwrap();
         l.pop_block();
         assert_eq!(l.rows(0, 1).unwrap(), 30);
         assert_eq!(l.rows(0, 0).unwrap(), 0);

@@ -1,0 +1,191 @@
+"""Generation through the codes: attention of a :class:`~kakeyaturbo.cache.KakeyaCache` layer
+computed by :func:`kakeyaturbo.decode_attention` over its sealed blocks, never decoding them.
+
+transformers looks a layer's attention function up by the name in the model's config at every
+call (``AttentionInterface``). :func:`install` registers two names, one per implementation it
+can stand in for (``sdpa`` and ``eager``, each with that implementation's mask function), and
+points the model at the one of its own implementation. The function registered there
+(:func:`attention`) looks at the key tensor it is handed:
+
+- the tensor a fast :class:`~kakeyaturbo.cache.layer.KakeyaLayer` returned from ``update`` (it
+  carries the layer): that layer staged the call's rows without sealing them, so attention runs
+  over the layer's :class:`~kakeyaturbo.LayerCodes` (its sealed blocks), its raw sink rows and
+  its staging rows (which end with the call's own), and then the layer seals what filled;
+- any other key (another cache, a layer the fast path does not cover): the model's own
+  implementation, unchanged.
+
+Keys must be coded after RoPE (``[k] rope = "after"``): the queries handed to attention are
+rotated, so the codes must be in the rotated domain. Unsupported cases fall back to decoding
+the sealed blocks and running the model's own implementation (:meth:`KakeyaLayer.materialize`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..codec.attention import decode_attention
+from ..families.layout import model_type
+
+#: Implementation name the cache registers in transformers' attention interfaces, by the
+#: implementation it stands in for.
+NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
+
+#: Model types whose attention hands the tensor ``update`` returned straight to the attention
+#: function (checked on a tiny model of each in ``tests/cache/test_fast.py``).
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
+                      "olmo2", "cohere", "smollm3"})
+
+#: The attribute of a key tensor that names the layer which returned it.
+TAG = "_kakeyaturbo_layer"
+
+_registered = False
+
+
+def _delegate(module: Any, base: str) -> Callable[..., Tuple[Any, Any]]:
+    """The model's own attention: ``sdpa``, or the eager function of the module's family."""
+    if base == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if callable(fn):
+        return fn
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def _make(base: str) -> Callable[..., Tuple[Any, Any]]:
+    def fn(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+           **kwargs: Any) -> Tuple[Any, Any]:
+        return attention(module, query, key, value, attention_mask, base=base, **kwargs)
+
+    fn.__name__ = NAMES[base]
+    return fn
+
+
+def register() -> None:
+    """Registers :data:`NAMES` in transformers' attention and mask interfaces (once)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    for base, name in NAMES.items():
+        AttentionInterface.register(name, _make(base))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
+    _registered = True
+
+
+def base_of(model: Any) -> Optional[str]:
+    """The implementation the model runs (``sdpa`` or ``eager``, also when it runs ours in its
+    place), else None."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    for base, name in NAMES.items():
+        if impl in (base, name):
+            return base
+    return None
+
+
+def install(model: Any) -> Optional[str]:
+    """Points ``model`` at the registered stand-in of its implementation. Returns why not
+    (a sentence) when it cannot: an implementation other than ``sdpa`` and ``eager``, a family
+    not in :data:`FAMILIES`; None once installed. For any cache other than a fast
+    :class:`~kakeyaturbo.cache.KakeyaCache` the model computes exactly as before."""
+    mt = model_type(model)
+    if mt not in FAMILIES:
+        return f"model type {mt!r} is not among the families checked for the fast path"
+    base = base_of(model)
+    if base is None:
+        return (f"attention implementation {model.config._attn_implementation!r}: the fast path "
+                "stands in for 'sdpa' and 'eager' only")
+    register()
+    if model.config._attn_implementation != NAMES[base]:
+        model.set_attn_implementation(NAMES[base])
+    return None
+
+
+def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[np.ndarray]:
+    """transformers' mask ``[B, 1, n_q, kv]`` (boolean, or additive with the dtype's minimum
+    where masked) as a boolean ``[B, 1, n_q, total]`` (True: attend) over the layer's held
+    positions: the mask covers the last ``kv`` of them; earlier ones lie outside every
+    query's window and stay masked. None when there is no mask."""
+    if mask is None:
+        return None
+    m = mask
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    m = m[..., -n_q:, :]
+    if m.shape[1] != 1:
+        m = m[:, :1]
+    kv = m.shape[-1]
+    if kv > total:
+        m = m[..., kv - total:]
+    elif kv < total:
+        pad = torch.zeros((*m.shape[:-1], total - kv), dtype=torch.bool, device=m.device)
+        m = torch.cat([pad, m], dim=-1)
+    return np.ascontiguousarray(m.to("cpu").numpy())
+
+
+def _f32(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
+              base: str, **kwargs: Any) -> Tuple[Any, Any]:
+    """The attention function of :data:`NAMES` (see the module docstring). ``query``
+    ``[B, H_q, n_q, D]``; returns ``(output [B, n_q, H_q, D_v], None)`` as transformers'
+    functions do."""
+    layer = getattr(key, TAG, None)
+    fn = _delegate(module, base)
+    if layer is None:
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    try:
+        codes = layer.codes()
+        if codes is None or codes.rows() == 0 or not _supported(module, kwargs):
+            # Nothing sealed (the prompt's own attention at prefill, a layer too short to
+            # seal) or a case the kernel does not cover: the rows as the slow path hands them.
+            k, v = layer.materialize()
+            return fn(module, query, k, v, attention_mask, **kwargs)
+        return _attend(layer, codes, module, query, attention_mask, kwargs)
+    finally:
+        layer.settle()
+
+
+def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
+    """Whether the kernel computes what the model's own attention would: causal, no dropout,
+    no learnt sinks, no position bias, no attention weights asked for."""
+    if kwargs.get("dropout", 0.0) or getattr(module, "training", False):
+        return False
+    if kwargs.get("output_attentions") or kwargs.get("s_aux") is not None:
+        return False
+    if kwargs.get("position_bias") is not None or getattr(module, "sinks", None) is not None:
+        return False
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        return False
+    return True
+
+
+def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
+            kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, None]:
+    sk, sv, tk, tv = layer.raw_rows()
+    n_q = query.shape[-2]
+    total = sk.shape[-2] + codes.rows() + tk.shape[-2]
+    scale = kwargs.get("scaling")
+    if scale is None:
+        scale = getattr(module, "scaling", None)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    softcap = kwargs.get("softcap")
+    out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
+                           scale=float(scale), softcap=None if softcap is None else float(softcap),
+                           window=layer.window, mask=_bool_mask(mask, n_q, total),
+                           threads=layer.threads)
+    o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
+    return o.transpose(1, 2).contiguous(), None

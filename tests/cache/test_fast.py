@@ -1,0 +1,228 @@
+"""KakeyaCache generating through the codes (``kakeyaturbo.cache.fast``) against the same cache
+decoding its sealed blocks and attending over them (``fast=False``), on tiny random-weight
+models: the same greedy tokens and logits within the tolerances below, no block ever decoded,
+the blobs held once; chunked prefill and left-padded batches; sliding-window and softcapped
+families; the slow path kept for per-block, pre-RoPE and identity codecs.
+
+Tolerances (float32 models, logits of order 1): the kernel computes attention in float32 from
+the codes with another summation order than decode + SDPA, ``|attention difference| <= 2e-6``
+of the largest value (tests/kernels/tolerances.py); through a 3-layer model the logits differ
+by at most ``LOGIT_ATOL`` times ``max(1, largest |logit|)`` (measured: at most 1.2e-7 on the
+llama and qwen2 models below, 1.2e-6 on Gemma 2 with its softcap, logits up to 0.95)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, codec_for  # noqa: E402
+from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
+from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
+from kakeyaturbo.calibration import ModelCodec  # noqa: E402
+
+from . import families  # noqa: E402
+from .conftest import build, forward, generate  # noqa: E402
+
+LOGIT_ATOL = 1e-5
+VOCAB = 97
+
+RECIPE = """
+name = "test-ropeafter"
+mode = "calibrated"
+n_sink = 1
+[k]
+rope = "{rope}"
+bits = 4
+whiten = "query"
+[v]
+bits = 3
+whiten = "output"
+center = false
+"""
+
+
+def _recipe(tmp_path_factory, rope: str = "after"):
+    p = tmp_path_factory.mktemp("recipe") / f"r-{rope}.toml"
+    p.write_text(RECIPE.format(rope=rope))
+    return recipes.load(p)
+
+
+def _codec(model, rec, rope: str = "after") -> ModelCodec:
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
+    stats = calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform", rope=rope)
+    return ModelCodec(stats, rec)
+
+
+def _ids(batch: int = 1, t: int = 45, seed: int = 1):
+    return torch.randint(3, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def ropeafter(tmp_path_factory):
+    return _recipe(tmp_path_factory, "after")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, ropeafter):
+    model = build(request.param)
+    return request.param, model, _codec(model, ropeafter)
+
+
+@pytest.fixture
+def no_decode(monkeypatch):
+    """Makes decoding a sealed block an error (in the fast cache only: call ``arm()``)."""
+    orig = KakeyaLayer._block
+    state = {"armed": False}
+
+    def guarded(self, name, j):
+        if state["armed"]:
+            raise AssertionError(f"layer {self.index} decoded sealed block {j} of {name}")
+        return orig(self, name, j)
+
+    monkeypatch.setattr(KakeyaLayer, "_block", guarded)
+    return state
+
+
+def _pair(model, codec, **kw):
+    fast = KakeyaCache(codec, model=model, block_size=8, n_sink=1, **kw)
+    slow = KakeyaCache(codec, model=model, block_size=8, n_sink=1, fast=False, **kw)
+    return fast, slow
+
+
+def test_fast_generates_as_decode_then_attend(setup, no_decode) -> None:
+    name, model, codec = setup
+    ids = _ids()
+    fast, slow = _pair(model, codec)
+    assert fast.fast and fast.fast_reason is None and not slow.fast
+    seq_s, log_s = generate(model, ids, slow, n=12)
+    no_decode["armed"] = True
+    seq_f, log_f = generate(model, ids, fast, n=12)
+    no_decode["armed"] = False
+    assert torch.equal(seq_f, seq_s), name
+    err = (log_f - log_s).abs().max().item()
+    assert err <= LOGIT_ATOL, (name, err)
+    assert err > 0  # the kernel ran (bit-equal logits would mean the slow path did)
+    for a, b in zip(fast.layers, slow.layers):
+        assert a.num_sealed() == b.num_sealed() >= 5
+        assert a._s["k"].blocks == b._s["k"].blocks and a._s["v"].blocks == b._s["v"].blocks
+        codes = a.codes()
+        # The codes share the blobs: held once, the blobs' bytes exactly.
+        assert codes.nbytes == a.memory()["blobs"]
+        assert codes.rows() == a.num_sealed() * 8
+    assert fast.memory() == slow.memory()
+
+
+def test_fast_chunked_prefill_and_decoding_steps(setup) -> None:
+    """A prompt fed in chunks (queries attending to sealed blocks of earlier chunks), then
+    single tokens: every chunk's logits as the slow path's."""
+    name, model, codec = setup
+    ids = _ids(t=50)
+    fast, slow = _pair(model, codec)
+    for a, b in ((0, 20), (20, 37), (37, 38), (38, 50)):
+        lf = forward(model, ids[:, a:b], fast)
+        ls = forward(model, ids[:, a:b], slow)
+        err = (lf - ls).abs().max().item()
+        assert err <= LOGIT_ATOL, (name, a, b, err)
+        if a >= 20:
+            assert err > 0
+    assert fast.get_seq_length() == 50 and fast.layers[0].num_sealed() == 6
+
+
+def test_fast_left_padded_batch(setup) -> None:
+    name, model, codec = setup
+    ids = _ids(batch=2, t=40)
+    mask = torch.ones_like(ids)
+    ids[0, :5] = 0
+    mask[0, :5] = 0
+    fast, slow = _pair(model, codec)
+    seq_f, log_f = generate(model, ids, fast, n=8, attention_mask=mask)
+    seq_s, log_s = generate(model, ids, slow, n=8, attention_mask=mask)
+    assert torch.equal(seq_f, seq_s)
+    assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL
+
+
+def test_other_caches_compute_as_before(setup) -> None:
+    """With the attention function installed, a DynamicCache computes bit for bit as before."""
+    name, model, codec = setup
+    KakeyaCache(codec, model=model)
+    assert model.config._attn_implementation in fast_mod.NAMES.values()
+    ids = _ids()
+    got = generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    model.set_attn_implementation(fast_mod.base_of(model))
+    try:
+        want = generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    finally:
+        fast_mod.install(model)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_export_import_state_keeps_generating_fast(setup) -> None:
+    name, model, codec = setup
+    ids = _ids(t=30)
+    a = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
+    forward(model, ids, a)
+    b = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
+    for la in a.layers:
+        lb = b.layers[la.index] if la.index < len(b.layers) else None
+        assert lb is not None
+        lb.import_state(la.export_state())
+    nxt = _ids(t=3, seed=5)
+    la, lb = forward(model, nxt, a), forward(model, nxt, b)
+    assert torch.equal(la, lb)
+    assert b.layers[0].codes().nbytes == b.layers[0].memory()["blobs"]
+
+
+@pytest.mark.parametrize("name", sorted(fast_mod.FAMILIES))
+def test_families(name, ropeafter, no_decode) -> None:
+    """Every family of ``fast.FAMILIES`` (sliding windows of 8 tokens crossed by the prompt,
+    Gemma 2's softcap, MQA, q/k norms): the same tokens, logits within LOGIT_ATOL."""
+    model = families.build(name)
+    codec = _codec(model, ropeafter)
+    ids = torch.randint(3, families.VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
+    assert fast.fast, fast.fast_reason
+    seq_s, log_s = generate(model, ids, slow, n=10)
+    no_decode["armed"] = True
+    seq_f, log_f = generate(model, ids, fast, n=10)
+    no_decode["armed"] = False
+    assert torch.equal(seq_f, seq_s), name
+    scale = max(1.0, log_s.abs().max().item())
+    assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL * scale, name
+    assert any(layer.num_sealed() for layer in fast.layers)
+    for layer in fast.layers:
+        if layer.fast and layer.num_sealed():
+            assert layer.codes().nbytes == layer.memory()["blobs"]
+
+
+def test_slow_path_for_other_codecs(tmp_path_factory, llama) -> None:
+    """Per-block recipes, keys coded before RoPE and the identity codec decode then attend;
+    fast=True refuses them naming the reason."""
+    pre = _codec(llama, _recipe(tmp_path_factory, "before"), rope="before")
+    cases = {"per-block": codec_for(recipes.load("balanced")), "pre-RoPE": pre,
+             "identity": IdentityCodec()}
+    for what, codec in cases.items():
+        cache = KakeyaCache(codec, model=llama, block_size=8, n_sink=1)
+        assert not cache.fast and cache.fast_reason, what
+        assert not any(layer.fast for layer in cache.layers)
+        with pytest.raises(ValueError, match="no attention over the codes"):
+            KakeyaCache(codec, model=llama, fast=True)
+    assert "before RoPE" in KakeyaCache(pre, model=llama).fast_reason
+    # The slow path still generates (the per-block recipe, sealed blocks decoded).
+    cache = KakeyaCache(cases["per-block"], model=llama, block_size=16, n_sink=1)
+    seq, _ = generate(llama, _ids(t=40), cache, n=4)
+    assert seq.shape[1] == 44 and cache.layers[0].num_sealed() == 2
+
+
+def test_unsupported_family_falls_back(ropeafter) -> None:
+    model = families.build("gpt2")
+    codec = _codec(model, ropeafter)
+    cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    assert not cache.fast and "gpt2" in cache.fast_reason
+    with pytest.raises(ValueError):
+        KakeyaCache(codec, model=model, fast=True)
