@@ -42,7 +42,10 @@ import numpy as np
 import torch
 
 from .._core import __version__
+from ..calibration import ModelCodec
+from ..calibration.bundle import fingerprint
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
+from ..families import describe
 from ..recipes import Recipe
 from .codecs import STREAMS, BlockCodec, IdentityCodec, StreamCodec
 
@@ -73,8 +76,6 @@ def codec_identity(codec: StreamCodec) -> Dict[str, Any]:
     kv-head) calibration (FORMAT.md), so a codec fitted from other statistics or another recipe
     differs. Another codec may define ``identity() -> str``. InvalidParameterError for a codec
     that cannot be identified."""
-    from ..calibration import ModelCodec
-
     pre = bool(getattr(codec, "pre_rope_keys", False))
     h = hashlib.sha256(f"pre_rope_keys={pre}\n".encode())
     if isinstance(codec, IdentityCodec):
@@ -133,8 +134,6 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
 
     Raises InvalidParameterError when the cache was built without a model and none is given,
     or its codec cannot be identified (:func:`codec_identity`)."""
-    from ..calibration.bundle import fingerprint
-    from ..families import describe
 
     if model is None:
         ref = getattr(cache, "_model_ref", None)
@@ -356,8 +355,6 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     sliding windows, fingerprint of the attention weights, dtype) or with another codec (their
     fingerprints differ), CorruptDataError naming the file when it is truncated, damaged or
     inconsistent, UnsupportedVersionError when a newer version wrote it."""
-    from ..calibration.bundle import fingerprint
-    from ..families import describe
     from .generation import KakeyaCache
     from .pretrained import codec_for_model
 
