@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict
 
+import pytest
+
 import kakeyaturbo as kt
 from kakeyaturbo import cli, recipes
 
@@ -60,12 +62,13 @@ def test_calibrated_defaults_are_documented() -> None:
     assert rows == recipes.CALIBRATION_DEFAULTS
 
 
-def test_command_line_defaults_are_documented() -> None:
+@pytest.mark.parametrize("command", ["calibrate", "eval"])
+def test_command_line_defaults_are_documented(command) -> None:
     sub = cli.parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    row = next(line for line in README.splitlines() if line.startswith("| `kakeyaturbo calibrate"))
+    row = next(line for line in README.splitlines() if line.startswith(f"| `kakeyaturbo {command}"))
     documented = {m.group(1).replace("-", "_"): m.group(2)
                   for m in re.finditer(r"\[--([a-z-]+) ([0-9]+)\]", row)}
     assert documented, row
-    defaults = vars(sub["calibrate"].parse_args([]))
+    defaults = vars(sub[command].parse_args([]))
     for name, value in documented.items():
         assert defaults[name] == int(value), name

@@ -102,3 +102,20 @@ def test_sliding_window_model_is_skipped_with_a_reason() -> None:
     model = transformers.MistralForCausalLM(cfg).eval()
     why = peers.unsupported("quanto-int4", model)
     assert why is not None and "sliding-window" in why and "'mistral'" in why
+
+
+def test_peer_libraries_are_pinned_in_the_eval_extra_and_the_makefile() -> None:
+    """The versions the skip message names are the ones `pip install 'kakeyaturbo[eval]'` and
+    `make` (hence .ci/run on a fresh machine) install; ninja builds optimum-quanto's extension."""
+    import re
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        pytest.skip("not run from a source checkout")
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["eval"]
+    make = re.search(r"PIP_PINS :=(.*?)\n[^\t]", (root / "Makefile").read_text(), re.S).group(1)
+    for pkg, version in dict(peers.PINS, ninja="1.13.2").items():
+        assert f"{pkg}=={version}" in extra
+        assert f"{pkg}=={version}" in make.split()

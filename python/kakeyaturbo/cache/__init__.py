@@ -7,6 +7,8 @@
 - `layer`: :class:`KakeyaLayer`, one layer of sink rows, sealed blocks held as bytes and staging
   rows, full-attention or sliding-window;
 - `generation`: :class:`KakeyaCache`, a ``Cache`` for ``model.generate`` built of them;
+- `persist`: a filled :class:`KakeyaCache` saved to one file and loaded in another process
+  (:meth:`KakeyaCache.save` / :meth:`KakeyaCache.load`);
 - `rope`: RoPE of the model's keys per layer, removed before a codec that wants them without it
   and put back after decoding (bit-exact; :mod:`kakeyaturbo.families.rope`).
 """

@@ -4,6 +4,7 @@ attention layer, full or sliding-window)."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -106,6 +107,8 @@ class KakeyaCache(Cache):
         if fast is True and self.fast_reason is not None:
             raise InvalidParameterError(f"no attention over the codes: {self.fast_reason}")
         self._fast_check = _impl_check(model) if self.fast_reason is None else None
+        # The model, weakly: save() records its fingerprint (kakeyaturbo.cache.persist).
+        self._model_ref = weakref.ref(model) if model is not None else None
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
         super().__init__(layers=layers)
 
@@ -140,6 +143,28 @@ class KakeyaCache(Cache):
     def fast(self) -> bool:
         """Whether attention runs over the codes (see the constructor)."""
         return self.fast_reason is None
+
+    # --- the prefix on disk (kakeyaturbo.cache.persist) ---------------------------------------
+
+    def save(self, path: "os.PathLike[str] | str", model: Any = None) -> "os.PathLike[str]":
+        """Writes what the cache holds to ONE file (sealed blobs as they are, raw rows, positions,
+        settings, the model's and the codec's fingerprints) and returns its path; see
+        :func:`kakeyaturbo.cache.persist.save`. ``model``: default, the one the cache was built with."""
+        from .persist import save
+
+        return save(self, path, model)
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str", model: Any, codec: Optional[StreamCodec] = None, *,
+             calibration: CalibrationLike = None, **kwargs: Any) -> "KakeyaCache":
+        """The cache saved at ``path``, for ``model`` to continue from without recomputing the
+        prefix: ``KakeyaCache.load(path, model, calibration="model.kkcal")``. The codec is
+        ``codec`` or rebuilt from the recipe in the file (a calibrated one from ``calibration``),
+        refused when its fingerprint differs from the file's; see
+        :func:`kakeyaturbo.cache.persist.load` for the rest and what it raises."""
+        from .persist import load
+
+        return load(path, model, codec, calibration=calibration, **kwargs)
 
     def _new_layer(self, i: int) -> KakeyaLayer:
         layer = KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,

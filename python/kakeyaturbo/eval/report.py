@@ -62,12 +62,16 @@ _OFFSETS = [(dx * r, dy * r) for r in (1, 2, 3, 4)
             for dx, dy in ((5, 4), (5, -10), (-11, 4), (-11, -10), (7, -3), (-13, -3), (-3, 6), (-3, -13))]
 
 
+#: Pixels kept free around every label.
+_PAD = 3.0
+
+
 def place_labels(ax: Any, points: Sequence[Tuple[float, float]], labels: Sequence[str],
                  fontsize: float = 7) -> List[Any]:
     """Writes ``labels`` beside ``points`` (data coordinates) so that no two labels and no label
-    and marker overlap: each label takes the first free offset of a fixed list around its point
-    (nearest first), checked against everything placed so far in display coordinates. Returns
-    the text objects."""
+    and marker overlap or come within ``_PAD`` pixels of each other: each label takes the first
+    free offset of a fixed list around its point (nearest first), checked against everything
+    placed so far in display coordinates. Returns the text objects."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     taken: List[Box] = []
@@ -83,7 +87,8 @@ def place_labels(ax: Any, points: Sequence[Tuple[float, float]], labels: Sequenc
             t = ax.annotate(label, (x, y), textcoords="offset points", xytext=(dx, dy),
                             fontsize=fontsize)
             bb = t.get_window_extent(renderer)
-            box = (bb.x0, bb.y0, bb.x1, bb.y1)
+            # A gap of _PAD pixels around every label: labels that merely touch read as one.
+            box = (bb.x0 - _PAD, bb.y0 - _PAD, bb.x1 + _PAD, bb.y1 + _PAD)
             inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and box[3] <= frame.y1
             if inside and not any(_overlaps(box, o) for o in taken):
                 best = (t, box)

@@ -1,0 +1,335 @@
+"""A compressed prefix on disk: saved from one process, loaded in another, generation continues
+token for token as it would have in the first; every kind of damage is a typed error."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .conftest import KV_HEADS, LAYERS, VOCAB, build, cache_kw, forward, generate, prompt, torch, transformers
+
+import kakeyaturbo  # noqa: E402
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache, persist  # noqa: E402
+from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.errors import (  # noqa: E402
+    CorruptDataError,
+    InvalidParameterError,
+    KakeyaError,
+    ModelMismatchError,
+    UnsupportedVersionError,
+)
+
+PREFIX, SUFFIX, NEW = 40, 5, 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-llama")
+    llama.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cal_file(llama, tmp_path_factory):
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
+    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
+    cal = Calibration.for_model(llama, stats, sens, {"text": "random tokens"})
+    return cal.save(tmp_path_factory.mktemp("cal") / "llama.kkcal")
+
+
+def _cache(kind: str, model, cal_file=None) -> KakeyaCache:
+    if kind == "identity":
+        return KakeyaCache(IdentityCodec(), model=model, block_size=16, n_sink=2, boundary=(-1,))
+    if kind == "balanced":
+        return KakeyaCache.from_recipe(recipes.load("balanced"), model=model, pre_rope_keys=True,
+                                       block_size=16, n_sink=1)
+    return KakeyaCache.from_pretrained(model, "calibrated-3bit", calibration=cal_file, block_size=16)
+
+
+def _saved(kind: str, model, path: Path, cal_file=None, batch: int = 1) -> KakeyaCache:
+    cache = _cache(kind, model, cal_file)
+    forward(model, prompt(batch=batch, t=PREFIX), cache)
+    cache.save(path)
+    return cache
+
+
+def _ids(batch: int = 1) -> torch.Tensor:
+    return torch.cat([prompt(batch=batch, t=PREFIX), prompt(batch=batch, t=SUFFIX, seed=7)], dim=1)
+
+
+_CHILD = """
+import json, sys, torch, transformers
+from kakeyaturbo.cache import KakeyaCache
+model = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()
+out = {}
+for kind, path, ids, cal in json.loads(sys.argv[2]):
+    cache = KakeyaCache.load(path, model, calibration=cal)
+    kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+    seq = model.generate(torch.tensor(ids), max_new_tokens=%d, min_new_tokens=%d, do_sample=False,
+                         pad_token_id=0, **{kw: cache})
+    out[kind] = seq.tolist()
+print(json.dumps(out))
+""" % (NEW, NEW)
+
+
+def test_generation_continues_in_another_process_token_for_token(llama, model_dir, cal_file, tmp_path) -> None:
+    """Save after the prefix, continue in this process, load in a fresh one and continue there:
+    the same tokens (the loaded cache holds the same bytes, so the same logits)."""
+    jobs, want = [], {}
+    for kind in ("identity", "balanced", "calibrated"):
+        path = tmp_path / f"{kind}.kkpfx"
+        cache = _saved(kind, llama, path, cal_file)
+        assert cache.layers[0].num_sealed() == 2
+        seq, _ = generate(llama, _ids(), cache, n=NEW)
+        want[kind] = seq.tolist()
+        # The in-process load gives the same continuation as well.
+        again, _ = generate(llama, _ids(), KakeyaCache.load(path, llama, calibration=cal_file), n=NEW)
+        assert again.tolist() == want[kind]
+        jobs.append([kind, str(path), _ids().tolist(), str(cal_file) if kind == "calibrated" else None])
+    env = dict(os.environ)
+    root = str(Path(kakeyaturbo.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), json.dumps(jobs)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got == want
+    assert all(len(v[0]) == PREFIX + SUFFIX + NEW for v in got.values())
+
+
+def test_left_padded_batch_keeps_its_positions(llama, tmp_path) -> None:
+    """Positions that are not 0 .. T-1 (left padding) are stored, and the loaded cache
+    continues as the saved one does."""
+    ids = prompt(batch=2, t=PREFIX)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = KakeyaCache.from_recipe(recipes.load("balanced"), model=llama, pre_rope_keys=True,
+                                    block_size=16, n_sink=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw(llama): cache})
+    path = cache.save(tmp_path / "batch.kkpfx")
+    header, _ = persist.read_header(path)
+    assert header["positions"] == PREFIX and header["batch"] == 2
+    loaded = KakeyaCache.load(path, llama)
+    assert torch.equal(loaded._positions.pos, cache._positions.pos)
+    full = torch.cat([ids, prompt(batch=2, t=SUFFIX, seed=7)], dim=1)
+    fmask = torch.cat([mask, torch.ones(2, SUFFIX, dtype=mask.dtype)], dim=1)
+    a, _ = generate(llama, full, cache, n=4, attention_mask=fmask)
+    b, _ = generate(llama, full, loaded, n=4, attention_mask=fmask)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["identity", "balanced", "calibrated"])
+def test_file_is_the_held_bytes_plus_a_small_overhead(llama, cal_file, tmp_path, kind) -> None:
+    path = tmp_path / "p.kkpfx"
+    cache = _saved(kind, llama, path, cal_file)
+    mem = cache.memory()
+    held = mem["blobs"] + mem["sink"] + mem["staging"]  # positions 0 .. T-1 are not stored
+    header, _ = persist.read_header(path)
+    blobs = sum(len(b) for layer in cache.layers for st in layer.export_state()["streams"].values()
+                for blk in st["blocks"] for row in blk for b in row)
+    assert blobs == mem["blobs"]
+    n_blobs = sum(s["blocks"] * s["heads"] for layer in header["layers"] for s in layer["streams"].values())
+    over = persist.overhead(path)
+    assert over == 16 + header["_header_bytes"] + 4 * n_blobs
+    assert path.stat().st_size == held + over
+    assert over < 3000  # the header: settings and per layer and stream eight counts
+
+
+@pytest.mark.parametrize("kind", ["balanced", "calibrated"])
+def test_file_bits_equal_the_eval_bits(cal_file, tmp_path, kind) -> None:
+    """A bfloat16 cache whose prefix after the sink is one block: the file holds exactly the bits
+    `compress_cache` (the eval's accounting) reports, plus the overhead."""
+    model = build("llama").to(torch.bfloat16)
+    path = tmp_path / "p.kkpfx"
+    if kind == "balanced":
+        cache = KakeyaCache.from_recipe(recipes.load("balanced"), model=model, pre_rope_keys=True,
+                                        block_size=PREFIX - 1, n_sink=1)
+    else:
+        cache = KakeyaCache.from_pretrained(model, "calibrated-3bit", calibration=cal_file,
+                                            block_size=PREFIX - 1)
+    forward(model, prompt(t=PREFIX), cache)
+    cache.save(path)
+    dyn = transformers.DynamicCache(config=model.config)
+    forward(model, prompt(t=PREFIX), dyn)
+    stats = compress_cache(dyn, cache.codec, n_sink=1, model=model)
+    assert path.stat().st_size - persist.overhead(path) == stats["bits"] // 8
+    assert stats["bits"] % 8 == 0
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def test_another_model_codec_or_dtype_is_refused(llama, qwen2, cal_file, tmp_path) -> None:
+    path = tmp_path / "p.kkpfx"
+    _saved("balanced", llama, path)
+    with pytest.raises(ModelMismatchError, match="p.kkpfx.*'llama' model, not 'qwen2'"):
+        KakeyaCache.load(path, qwen2)
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=16,
+        max_position_embeddings=512)).eval()
+    with pytest.raises(ModelMismatchError, match="another model: fingerprint"):
+        KakeyaCache.load(path, other)
+    with pytest.raises(ModelMismatchError, match="another codec"):
+        KakeyaCache.load(path, llama, IdentityCodec(pre_rope_keys=True))
+    with pytest.raises(ModelMismatchError, match="another codec"):
+        KakeyaCache.load(path, llama, BlockCodec(recipes.load("balanced")))  # keys with RoPE
+    with pytest.raises(ModelMismatchError, match="another codec"):
+        KakeyaCache.load(path, llama, BlockCodec(recipes.load("max-compression"), pre_rope_keys=True))
+    with pytest.raises(ModelMismatchError, match="float32 rows.*bfloat16"):
+        KakeyaCache.load(path, build("llama").to(torch.bfloat16))
+    cpath = tmp_path / "c.kkpfx"
+    _saved("calibrated", llama, cpath, cal_file)
+    with pytest.raises(InvalidParameterError, match="calibrated recipe 'calibrated-3bit': pass calibration"):
+        KakeyaCache.load(cpath, llama)
+    g = np.random.default_rng(5)
+    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
+    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
+    refit = calibration.ModelCodec(stats, recipes.load("calibrated-3bit"), sensitivity=sens)
+    with pytest.raises(ModelMismatchError, match="another codec"):
+        KakeyaCache.load(cpath, llama, refit)
+    with pytest.raises(InvalidParameterError, match="does not exist"):
+        KakeyaCache.load(tmp_path / "nothing.kkpfx", llama)
+
+
+def test_save_needs_the_model_and_an_identified_codec(llama, tmp_path) -> None:
+    class Anonymous(IdentityCodec):
+        pass
+
+    cache = KakeyaCache(Anonymous(), num_layers=LAYERS, block_size=8)
+    forward(llama, prompt(), cache)
+    with pytest.raises(InvalidParameterError, match="needs the model"):
+        cache.save(tmp_path / "x")
+    cache = KakeyaCache(Anonymous(), model=llama, block_size=8)
+    forward(llama, prompt(), cache)
+    cache.save(tmp_path / "x")  # an IdentityCodec subclass is an IdentityCodec
+
+    class Custom:
+        pre_rope_keys = False
+        encode, decode = IdentityCodec.encode, IdentityCodec.decode
+
+    cache = KakeyaCache(Custom(), model=llama, block_size=8)
+    forward(llama, prompt(), cache)
+    with pytest.raises(InvalidParameterError, match="identity\\(\\) method"):
+        cache.save(tmp_path / "y")
+    Custom.identity = lambda self: "custom v1"
+    cache.save(tmp_path / "y")
+    loaded = KakeyaCache.load(tmp_path / "y", llama, Custom())
+    assert loaded.get_seq_length() == cache.get_seq_length()
+
+
+# --- damage --------------------------------------------------------------------------------
+
+
+def _rewrite(path: Path, data: bytes) -> Path:
+    """``data`` with its checksum recomputed (damage the checksum cannot see)."""
+    path.write_bytes(data[:-4] + struct.pack("<I", zlib.crc32(data[:-4])))
+    return path
+
+
+def _with_header(src: Path, dst: Path, edit) -> Path:
+    data = src.read_bytes()
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12:12 + hlen])
+    edit(header)
+    head = json.dumps(header).encode()
+    return _rewrite(dst, data[:8] + struct.pack("<I", len(head)) + head + data[12 + hlen:])
+
+
+@pytest.fixture(scope="module")
+def saved(llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "good.kkpfx"
+    _saved("balanced", llama, path)
+    return path
+
+
+def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path) -> None:
+    data = saved.read_bytes()
+    bad = tmp_path / "bad.kkpfx"
+
+    def refused(exc=CorruptDataError, match="bad.kkpfx"):
+        with pytest.raises(exc, match=match):
+            KakeyaCache.load(bad, llama)
+
+    for n in (0, 3, 11, 15, 16, 200, len(data) // 2, len(data) - 1):
+        bad.write_bytes(data[:n])
+        refused()
+    for at in (0, 5, 9, 20, len(data) // 3, len(data) - 200, len(data) - 2):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x40
+        bad.write_bytes(bytes(flipped))
+        refused()
+    bad.write_bytes(b"PK\x03\x04" + data[4:])
+    refused(match="not a kakeyaturbo prefix file")
+    _rewrite(bad, data[:4] + struct.pack("<H", 2) + data[6:])
+    refused(UnsupportedVersionError, "version 2; this build reads up to 1")
+    _rewrite(bad, data[:6] + struct.pack("<H", 1) + data[8:])
+    refused(match="unknown flags")
+    _rewrite(bad, data[:8] + struct.pack("<I", 1 << 30) + data[12:])
+    refused(match="header length")
+    _rewrite(bad, data[:12] + b"\x80" + data[13:])
+    refused(match="not JSON")
+    _rewrite(bad, data[:-4] + b"junk" + data[-4:])
+    refused(match="after the last section")
+    # a blob's bytes damaged under a recomputed checksum: its own container refuses it
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12:12 + hlen])
+    s = header["layers"][0]["streams"]["k"]
+    raw = 4 * s["heads"] * s["dim"] * (s["sink"] + s["staging"])
+    at = 12 + hlen + raw + 4 * s["blocks"] * s["heads"] + 40
+    blob = bytearray(data)
+    blob[at] ^= 0xFF
+    _rewrite(bad, bytes(blob))
+    refused(match="sealed block does not decode")
+
+    def header_edit(edit, match="bad.kkpfx.*inconsistent"):
+        _with_header(saved, bad, edit)
+        refused(match=match)
+
+    header_edit(lambda h: h["layers"][0].update(seen=h["layers"][0]["seen"] + 1))
+    header_edit(lambda h: h["layers"][1]["streams"]["v"].update(blocks=1 << 30))
+    header_edit(lambda h: h["layers"][1]["streams"]["v"].update(heads=-1))
+    header_edit(lambda h: h["layers"][1]["streams"]["v"].update(dim=1 << 20))
+    header_edit(lambda h: h["layers"][2]["streams"]["k"].update(sink_start=5))
+    header_edit(lambda h: h["layers"].pop())
+    header_edit(lambda h: h.update(batch="one"))
+    header_edit(lambda h: h.update(dtype="int8"))
+    header_edit(lambda h: h["cache"].update(streams=["q"]))
+    header_edit(lambda h: h.pop("codec"))
+    header_edit(lambda h: h.update(batch=3), match="bad.kkpfx.*truncated or inconsistent")
+    header_edit(lambda h: h.update(positions=7), match="bad.kkpfx.*truncated or inconsistent")
+    header_edit(lambda h: h["layers"][0]["streams"]["k"].update(dim=8),
+                match="bad.kkpfx.*(truncated or inconsistent|does not decode)")
+    header_edit(lambda h: h.update(recipe={"name": "x", "mode": "nonsense"}),
+                match="bad.kkpfx.*recipe does not load")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_any_damage_under_a_recomputed_checksum_is_a_kakeya_error(llama, saved, tmp_path_factory, data) -> None:
+    raw = bytearray(saved.read_bytes())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(raw) - 5))
+        raw[at] = data.draw(st.integers(0, 255))
+    bad = _rewrite(tmp_path_factory.mktemp("fuzz") / "f.kkpfx", bytes(raw))
+    try:
+        KakeyaCache.load(bad, llama)
+    except KakeyaError:
+        pass
