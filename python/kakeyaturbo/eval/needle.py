@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -168,7 +169,8 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
     length, depth, actual depth, trial, number, and per method the answer, whether it was
     retrieved and the all-in bits per element of its cache. ``done`` (records by (length,
     depth, trial)) are kept and their methods not run again; ``on_prompt`` sees every record
-    as it is finished (to save partial results)."""
+    that was run as it is finished (to save partial results); ``seconds`` in a record: the
+    prefill, each method's compression and decoding, and the total."""
     import torch
 
     from ..families import describe
@@ -185,24 +187,34 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
             rec.update(length=p.length, depth=p.depth, actual_depth=p.actual_depth,
                        trial=p.trial, number=p.number, key=p.key)
             res = dict(rec.get("methods", {}))
+            secs = dict(rec.get("seconds", {}))
             todo = [m for m in methods if m.name not in res]
-            if "reference" not in res or todo:
+            ran = "reference" not in res or bool(todo)
+            if ran:
+                t0 = time.perf_counter()
                 _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+                secs["prefill"] = time.perf_counter() - t0
                 if "reference" not in res:
+                    t = time.perf_counter()
                     ans = greedy(model, copy.deepcopy(prefilled), p.ids[-1], steps,
                                  tok.eos_token_id)
                     text = tok.decode(ans)
                     res["reference"] = {"answer": text, "retrieved": retrieved(text, p.number),
                                         "bits_per_element": 16.0}
+                    secs["reference"] = time.perf_counter() - t
                 for m in todo:
+                    t = time.perf_counter()
                     cache = copy.deepcopy(prefilled)
                     bits, elems = compress_prefix(cache, m, rope)
                     text = tok.decode(greedy(model, cache, p.ids[-1], steps, tok.eos_token_id))
                     res[m.name] = {"answer": text, "retrieved": retrieved(text, p.number),
                                    "bits_per_element": bits / max(elems, 1)}
+                    secs[m.name] = time.perf_counter() - t
+                secs["total"] = time.perf_counter() - t0
             rec["methods"] = res
+            rec["seconds"] = secs
             out.append(rec)
-            if on_prompt is not None:
+            if on_prompt is not None and ran:
                 on_prompt(rec)
     return out
 
