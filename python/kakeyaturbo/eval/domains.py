@@ -80,6 +80,8 @@ def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *,
             ppl_ref = next(iter(r.values()))["ppl_ref"]
             have = {"domain": d, "windows_asked": windows, "windows": len(wins), "ctx": ctx,
                     "n_eval": n_eval, "ppl_ref": ppl_ref, "methods": dict(done, **r)}
+            # As JSON holds it (tuples as lists): a resumed run reads back the same values.
+            have = json.loads(json.dumps(have))
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(have, indent=1))
