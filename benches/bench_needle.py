@@ -60,6 +60,9 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--dtype", choices=model_mod.DTYPES, default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench-out/needle")
+    ap.add_argument("--prefill-cache", default=None,
+                    help="keep each prompt's prefilled cache here (default OUT/prefill; '' for "
+                         "none): a later run adding methods prefills nothing again")
     args = ap.parse_args(argv)
 
     path = assets.hard_case_model() if args.model == "hard-case" else Path(args.model or assets.default_model())
@@ -103,7 +106,8 @@ def main(argv: "List[str] | None" = None) -> int:
 
     # Shortest prompts first: a run cut short still holds every length it reached.
     plist.sort(key=lambda p: (p.length, p.trial, p.depth))
-    records = needle.run(model, tok, plist, methods, done=done, on_prompt=save)
+    pre = out / "prefill" if args.prefill_cache is None else (Path(args.prefill_cache) if args.prefill_cache else None)
+    records = needle.run(model, tok, plist, methods, done=done, on_prompt=save, prefill_dir=pre)
     meta = {"model": path.name, "date": datetime.date.today().isoformat(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, shared",
             "threads": os.environ.get("OMP_NUM_THREADS", "default"),

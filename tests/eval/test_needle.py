@@ -108,7 +108,9 @@ def test_needle_run_on_a_tiny_model_through_the_compressed_cache(tiny_model_dir)
     plist = [needle.build_prompt(tok, stacks[0], 200, d, key="hollow oak", number=str(n))
              for d, n in ((0.2, 1234567), (0.8, 7654321))]
     seen = []
-    recs = needle.run(model, tok, plist, methods, steps=6, on_prompt=seen.append)
+    pre = tiny_model_dir.parent / "needle-prefill"
+    recs = needle.run(model, tok, plist, methods, steps=6, on_prompt=seen.append,
+                      prefill_dir=pre)
     assert len(recs) == 2 and seen == recs
     for r in recs:
         m = r["methods"]
@@ -130,6 +132,24 @@ def test_needle_run_on_a_tiny_model_through_the_compressed_cache(tiny_model_dir)
     done = {(r["length"], r["depth"], r["trial"]): r for r in recs}
     again = needle.run(model, tok, plist, [boom], done=done, on_prompt=seen.append)
     assert [a["methods"] for a in again] == [r["methods"] for r in recs] and len(seen) == 2
+    # A method added later reads the kept prefills: no prompt is run through the model again.
+    assert len(list(pre.glob("200-*.pt"))) == 2
+
+    class DecodeOnly:
+        def __init__(self, m):
+            self.m, self.forward = m, m.forward
+
+        def __call__(self, input_ids, **kw):
+            assert input_ids.shape[1] == 1, "prefilled again"
+            return self.m(input_ids=input_ids, **kw)
+
+    fp8 = harness.baseline_methods(["fp8_e4m3"])
+    more = needle.run(DecodeOnly(model), tok, plist, fp8, steps=6, done=done, prefill_dir=pre)
+    for a, r in zip(more, recs):
+        assert set(a["methods"]) == set(r["methods"]) | {"fp8_e4m3"}
+        assert a["methods"]["reference"] == r["methods"]["reference"]
+    with pytest.raises(AssertionError, match="prefilled again"):
+        needle.run(DecodeOnly(model), tok, plist, fp8, steps=6)
     s = needle.summary(recs)
     assert s["identity"]["differs_from_reference"] == 0 and s["identity"]["prompts"] == 2
     assert s["zeroed"]["retrieved"] == np.mean([r["methods"]["zeroed"]["retrieved"] for r in recs])

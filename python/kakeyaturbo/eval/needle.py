@@ -16,8 +16,11 @@ number in the answer is the needle's.
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import re
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -160,21 +163,46 @@ def greedy(model: Any, prefilled: Any, last: int, steps: int, eos: "int | None" 
     return out
 
 
+def _prefilled(model: Any, p: Prompt, prefill_dir: "os.PathLike[str] | str | None") -> Any:
+    """The cache of a prompt's tokens but the last: from ``prefill_dir`` when it is there,
+    else a forward pass (kept there when a folder is given)."""
+    import torch
+
+    from .harness import _forward
+
+    path = None
+    if prefill_dir is not None:
+        h = hashlib.sha256(np.asarray(p.ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        path = Path(prefill_dir) / f"{p.length}-{h}.pt"
+        if path.is_file():
+            return torch.load(path, weights_only=False)
+    _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        torch.save(prefilled, tmp)
+        tmp.replace(path)
+    return prefilled
+
+
 def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[Any], *,
         steps: int = DIGITS + 3, progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
         done: Optional[Dict[Tuple[int, float, int], Dict[str, Any]]] = None,
-        on_prompt: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
+        on_prompt: Optional[Callable[[Dict[str, Any]], None]] = None,
+        prefill_dir: "os.PathLike[str] | str | None" = None) -> List[Dict[str, Any]]:
     """Each prompt through the uncompressed cache (``reference``) and every method of
     :mod:`kakeyaturbo.eval.harness` (compressed prefix). Returns one record per prompt:
     length, depth, actual depth, trial, number, and per method the answer, whether it was
     retrieved and the all-in bits per element of its cache. ``done`` (records by (length,
     depth, trial)) are kept and their methods not run again; ``on_prompt`` sees every record
     that was run as it is finished (to save partial results); ``seconds`` in a record: the
-    prefill, each method's compression and decoding, and the total."""
+    prefill, each method's compression and decoding, and the total. ``prefill_dir``: the
+    prefilled cache of every prompt is kept there (named by a hash of its tokens) and read back
+    when a later run adds methods, so a long prompt is prefilled once."""
     import torch
 
     from ..families import describe
-    from .harness import _forward, compress_prefix
+    from .harness import compress_prefix
 
     rope = None
     if any(getattr(m.codec, "pre_rope_keys", False) and "k" in m.streams for m in methods):
@@ -192,7 +220,7 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
             ran = "reference" not in res or bool(todo)
             if ran:
                 t0 = time.perf_counter()
-                _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+                prefilled = _prefilled(model, p, prefill_dir)
                 secs["prefill"] = time.perf_counter() - t0
                 if "reference" not in res:
                     t = time.perf_counter()
