@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kakeyaturbo import assets, recipes  # noqa: E402
+from kakeyaturbo.errors import InvalidParameterError  # noqa: E402
 from kakeyaturbo.eval import domains as dom  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.eval import model as model_mod  # noqa: E402
@@ -99,6 +100,20 @@ def test_matrix_on_two_domains_kept_and_resumed(setup, tmp_path) -> None:
     base = dom.matrix(again, "", exclude="kakeyaturbo:")
     assert "| identity | 16.00 | +0.00 / 100.0 / 0.0000 A | +0.00 / 100.0 / 0.0000 A |" in base
     assert "kakeyaturbo" not in base
+
+    long = dom.long_table(again, "turboquant3")
+    assert long.count("| turboquant3 |") == 2 and "| text | turboquant3 | 4.00 |" in long
+    # Kept results read back and merged from several folders (same windows).
+    other = tmp_path / "other"
+    dom.run(model, tok, harness.baseline_methods(["int4"]), doms[:1], windows=WINDOWS, ctx=CTX,
+            n_eval=N_EVAL, out=other)
+    merged = dom.load([tmp_path, other], doms)
+    assert set(merged["domains"][text]["methods"]) == set(again["domains"][text]["methods"]) | {"int4"}
+    assert merged["domains"]["wiki-en"]["methods"] == again["domains"]["wiki-en"]["methods"]
+    dom.run(model, tok, harness.baseline_methods(["int4"]), doms[:1], windows=1, ctx=CTX,
+            n_eval=N_EVAL, out=tmp_path / "fewer")
+    with pytest.raises(InvalidParameterError, match="other windows"):
+        dom.load([tmp_path, tmp_path / "fewer"], doms)
 
     assert dom.goals(again, "identity")["met"]
     g = dom.goals(again, "turboquant3", top1_floor=1.01)
