@@ -46,6 +46,17 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _records(log: Path) -> Dict[Tuple[int, float, int], Dict[str, Any]]:
+    """The records kept in a ``records.jsonl``, the last line of each prompt winning."""
+    done: Dict[Tuple[int, float, int], Dict[str, Any]] = {}
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[(r["length"], r["depth"], r["trial"])] = r
+    return done
+
+
 def main(argv: "List[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or GGUF file, or 'hard-case'")
@@ -63,7 +74,19 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--prefill-cache", default=None,
                     help="keep each prompt's prefilled cache here (default OUT/prefill; '' for "
                          "none): a later run adding methods prefills nothing again")
+    ap.add_argument("--report", metavar="DIRS",
+                    help="run nothing: print the tables of the records kept in these "
+                         "comma-separated folders, merged by prompt")
     args = ap.parse_args(argv)
+    if args.report:
+        runs = []
+        for d in args.report.split(","):
+            if d:
+                runs.append(_records(Path(d) / "records.jsonl").values())
+        records = needle.merge(*runs)
+        print(needle.markdown(records, "merged from " + args.report))
+        print(json.dumps(needle.summary(records), indent=1))
+        return 0
 
     path = assets.hard_case_model() if args.model == "hard-case" else Path(args.model or assets.default_model())
     cal = None if args.calibration_text is None else corpus.check_spec(args.calibration_text)
@@ -89,12 +112,7 @@ def main(argv: "List[str] | None" = None) -> int:
     plist = needle.prompts(tok, _ints(args.lengths), _floats(args.depths), args.trials,
                            args.haystack, args.seed)
     log = out / "records.jsonl"
-    done: Dict[Tuple[int, float, int], Dict[str, Any]] = {}
-    if log.is_file():
-        for line in log.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done[(r["length"], r["depth"], r["trial"])] = r
+    done = _records(log)
 
     def save(rec: Dict[str, Any]) -> None:
         hits = {n: int(m["retrieved"]) for n, m in rec["methods"].items()}

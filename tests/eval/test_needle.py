@@ -150,6 +150,11 @@ def test_needle_run_on_a_tiny_model_through_the_compressed_cache(tiny_model_dir)
         assert a["methods"]["reference"] == r["methods"]["reference"]
     with pytest.raises(AssertionError, match="prefilled again"):
         needle.run(DecodeOnly(model), tok, plist, fp8, steps=6)
+    merged = needle.merge(recs, more)
+    assert [set(m["methods"]) for m in merged] == [set(a["methods"]) for a in more]
+    other = [dict(r, number="1") for r in recs]
+    with pytest.raises(InvalidParameterError, match="other needles"):
+        needle.merge(recs, other)
     s = needle.summary(recs)
     assert s["identity"]["differs_from_reference"] == 0 and s["identity"]["prompts"] == 2
     assert s["zeroed"]["retrieved"] == np.mean([r["methods"]["zeroed"]["retrieved"] for r in recs])

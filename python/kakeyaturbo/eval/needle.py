@@ -247,6 +247,24 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
     return out
 
 
+def merge(*runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Records of several runs on the same prompts merged by (length, depth, trial): each
+    prompt's methods put together (the first run's answer kept where two ran a method). Raises
+    InvalidParameterError when two runs hold a prompt with other needles."""
+    out: Dict[Tuple[int, float, int], Dict[str, Any]] = {}
+    for records in runs:
+        for r in records:
+            key = (int(r["length"]), float(r["depth"]), int(r["trial"]))
+            have = out.get(key)
+            if have is None:
+                out[key] = dict(r, methods=dict(r["methods"]))
+                continue
+            if (have["number"], have["key"]) != (r["number"], r["key"]):
+                raise InvalidParameterError(f"prompt {key} holds other needles in two runs")
+            have["methods"] = dict(r["methods"], **have["methods"])
+    return [out[k] for k in sorted(out)]
+
+
 def summary(records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Per method: retrieval rate overall, per length and per (length, depth), the prompts
     where it differs from the reference, and its mean bits per element."""
