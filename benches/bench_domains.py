@@ -11,7 +11,9 @@ verdict's letter) and writes ``OUT/results.json`` and ``OUT/results.md``; each d
         [--calibrate-only] [--out bench-out/domains]
 
 Long contexts: ``--ctx 8192 --domains prose,code --calibrations mixture`` (windows inside one
-page or file).
+page or file). ``--report DIR,DIR`` evaluates nothing and prints the matrices of the per-domain
+results kept by several runs on the same windows (e.g. the baselines in one folder, another
+calibration in another), merged.
 """
 
 from __future__ import annotations
