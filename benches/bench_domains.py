@@ -11,7 +11,9 @@ verdict's letter) and writes ``OUT/results.json`` and ``OUT/results.md``; each d
         [--calibrate-only] [--out bench-out/domains]
 
 Long contexts: ``--ctx 8192 --domains prose,code --calibrations mixture`` (windows inside one
-page or file).
+page or file). ``--report DIR,DIR`` evaluates nothing and prints the matrices of the per-domain
+results kept by several runs on the same windows (e.g. the baselines in one folder, another
+calibration in another), merged.
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ def _uptime() -> str:
         return "?"
 
 
+def _tables(res: Any, recipe_names: List[str], head: str) -> str:
+    parts = [head, ""]
+    for r in recipe_names:
+        parts += [f"{r}: rows = calibration corpus; cells dppl % / top-1 % / KL, verdict", "",
+                  dom.matrix(res, f"kakeyaturbo:{r}@"), ""]
+    parts += ["baselines", "", dom.matrix(res, "", exclude="kakeyaturbo:"), ""]
+    parts += ["every method with its bootstrap 95 % intervals over windows", "",
+              dom.long_table(res), ""]
+    return "\n".join(parts)
+
+
 def main(argv: "List[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or GGUF file, or 'hard-case'")
@@ -60,7 +73,15 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--calibrate-only", action="store_true",
                     help="gather (and cache) every calibration, evaluate nothing")
     ap.add_argument("--out", default="bench-out/domains")
+    ap.add_argument("--report", metavar="DIRS",
+                    help="evaluate nothing: print the matrices of the per-domain results kept in "
+                         "these comma-separated folders, merged (same windows)")
     args = ap.parse_args(argv)
+    if args.report:
+        doms = [corpus.check_spec(d, allow_mixture=False) for d in args.domains.split(",") if d]
+        res = dom.load([d for d in args.report.split(",") if d], doms)
+        print(_tables(res, [r for r in args.recipes.split(",") if r], "merged from " + args.report))
+        return 0
 
     path = assets.hard_case_model() if args.model == "hard-case" else Path(args.model or assets.default_model())
     cals = [corpus.check_spec(c) for c in args.calibrations.split(",") if c]
@@ -86,12 +107,7 @@ def main(argv: "List[str] | None" = None) -> int:
     res["meta"]["load_at_end"] = _uptime()
     head = (f"{path.name} | {args.windows} windows per domain | ctx {args.ctx} | n_eval "
             f"{args.n_eval} | {res['meta']['date']}")
-    parts = [head, ""]
-    for r in recs:
-        parts += [f"{r.name}: rows = calibration corpus; cells dppl % / top-1 % / KL, verdict", "",
-                  dom.matrix(res, f"kakeyaturbo:{r.name}@"), ""]
-    parts += ["baselines", "", dom.matrix(res, "", exclude="kakeyaturbo:"), ""]
-    text = "\n".join(parts)
+    text = _tables(res, [r.name for r in recs], head)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
     (out / "results.md").write_text(text)

@@ -88,3 +88,38 @@ def tiny_model_dir(tmp_path_factory):
                                    max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
     transformers.LlamaForCausalLM(cfg).save_pretrained(out)
     return out
+
+
+class WordTokenizer:
+    """A stand-in tokenizer, fast and exact: one id per whitespace-separated word (ids handed out
+    as words are first seen; 0 is BOS, 1 EOS), ``decode`` joins words by spaces, and a chat
+    template that marks each turn's role. Enough for the corpus, mixture and needle code."""
+
+    bos_token_id = 0
+    eos_token_id = 1
+    chat_template = "{role}: {content}"
+
+    def __init__(self) -> None:
+        self.vocab = {"<s>": 0, "</s>": 1}
+        self.words = ["<s>", "</s>"]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list:
+        out = [0] if add_special_tokens else []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            out.append(self.vocab[w])
+        return out
+
+    def decode(self, ids) -> str:
+        return " ".join(self.words[int(i)] for i in ids)
+
+    def apply_chat_template(self, messages, tokenize: bool = False) -> str:
+        assert not tokenize
+        return "\n".join(f"<|{m['role']}|> {m['content']}" for m in messages) + "\n<|end|>"
+
+
+@pytest.fixture
+def word_tok() -> WordTokenizer:
+    return WordTokenizer()

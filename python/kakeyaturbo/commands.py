@@ -70,23 +70,43 @@ def forward_seconds(m: Any, tok: Any, text_path: Path, window: int) -> float:
     return dt
 
 
+def _windows_of(what: "bool | int", total: int) -> int:
+    return total if what is True else int(what or 0)
+
+
+def calibration_plan(todo: List[Tuple[str, str, int]]) -> Dict[str, Tuple[int, str]]:
+    """``{what: (windows, "domain n, ...")}`` of what :func:`kakeyaturbo.calibration.gather.missing`
+    says is still to collect (a mixture's domains each with their share)."""
+    out: Dict[str, Tuple[int, str]] = {}
+    for what in ("statistics", "sensitivity"):
+        parts = [(corpus.describe(d), c) for w, d, c in todo if w == what]
+        if parts:
+            out[what] = (sum(c for _, c in parts), ", ".join(f"{d} {c}" for d, c in parts))
+    return out
+
+
 def announce_calibration(m: Any, tok: Any, text_path: Path, settings: recipes.CalibrationSettings,
-                         stats: bool, sensitivity: bool) -> None:
+                         stats: "bool | int", sensitivity: "bool | int",
+                         todo: Optional[List[Tuple[str, str, int]]] = None) -> float:
     """Says up front how long gathering the missing statistics and sensitivity will take: a
-    forward pass of one window measured now, times the windows and the measured cost of each
-    kind against a forward pass."""
+    forward pass of one window measured now, times the windows still to collect (``stats`` /
+    ``sensitivity``: True for all of the settings' windows, or a count; ``todo``, the list
+    :func:`~kakeyaturbo.calibration.gather.missing` gives, names each domain's share) and the
+    measured cost of each kind against a forward pass. Returns the estimate in seconds."""
+    plan = calibration_plan(todo or [])
+    n_stats = _windows_of(stats, settings.windows)
+    n_sens = _windows_of(sensitivity, settings.sensitivity_windows)
     fwd = forward_seconds(m, tok, text_path, settings.window)
-    est = 0.0
+    est = STATS_PER_FORWARD * fwd * n_stats + SENSITIVITY_PER_FORWARD * fwd * n_sens
     parts = []
-    if stats:
-        est += STATS_PER_FORWARD * fwd * settings.windows
-        parts.append(f"statistics on {settings.windows} windows")
-    if sensitivity:
-        est += SENSITIVITY_PER_FORWARD * fwd * settings.sensitivity_windows
-        parts.append(f"sensitivity on {settings.sensitivity_windows} windows")
+    for what, n in (("statistics", n_stats), ("sensitivity", n_sens)):
+        if n:
+            where = f" ({plan[what][1]})" if what in plan else ""
+            parts.append(f"{what} on {n} windows{where}")
     _say(f"calibrating once for this model ({' and '.join(parts)} of {settings.window} tokens; "
          f"a forward pass of one window took {fwd:.2f} s here): about {duration(est)}; "
          f"cached under {assets.CACHE / 'calibration'}")
+    return est
 
 
 def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str]:
@@ -117,10 +137,12 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
         if key not in out:
             text = cal_text or rec.calibration.corpus
             if not (rec.calibration.path and is_calibration_file(rec.calibration.path)):
-                todo = {what for what, _, _ in missing(rec, m, tok, model_path, text)}
+                todo = missing(rec, m, tok, model_path, text)
                 if todo:
+                    plan = calibration_plan(todo)
                     announce_calibration(m, tok, text_path, rec.calibration,
-                                         "statistics" in todo, "sensitivity" in todo)
+                                         plan.get("statistics", (0, ""))[0],
+                                         plan.get("sensitivity", (0, ""))[0], todo)
             out[key] = for_recipe(rec, m, tok, model_path, text, progress=_progress)
         out[rec.name] = out[key]
     return out
@@ -187,7 +209,11 @@ def calibrate(args: argparse.Namespace) -> int:
         windows=args.windows, window=args.window, weighting=args.weighting,
         sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score,
         corpus=text).checked()
-    announce_calibration(m, tok, text_path, settings, True, args.sensitivity_windows > 0)
+    plan = [("statistics", d, c) for d, c in corpus.composition(text, args.windows, tok)]
+    if args.sensitivity_windows > 0:
+        plan += [("sensitivity", d, c)
+                 for d, c in corpus.composition(text, args.sensitivity_windows, tok)]
+    announce_calibration(m, tok, text_path, settings, True, args.sensitivity_windows > 0, plan)
     mixed = corpus.is_mixture(text)
     to_cache = args.out is None or mixed  # a mixture's domains are cached where eval finds them
 

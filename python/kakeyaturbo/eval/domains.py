@@ -80,10 +80,36 @@ def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *,
             ppl_ref = next(iter(r.values()))["ppl_ref"]
             have = {"domain": d, "windows_asked": windows, "windows": len(wins), "ctx": ctx,
                     "n_eval": n_eval, "ppl_ref": ppl_ref, "methods": dict(done, **r)}
+            # As JSON holds it (tuples as lists): a resumed run reads back the same values.
+            have = json.loads(json.dumps(have))
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(have, indent=1))
         res["domains"][d] = have
+    return res
+
+
+def load(dirs: Sequence["Path | str"], domains: Sequence[str]) -> Dict[str, Any]:
+    """The results :func:`run` kept in several folders (``<dir>/<domain>.json``), merged per
+    domain: methods run on the same windows (same ``windows``, ``ctx`` and ``n_eval``) against the
+    same reference, e.g. a baseline run and a later run of other calibrations. Raises
+    InvalidParameterError when two folders hold a domain on other windows."""
+    res: Dict[str, Any] = {"meta": {"from": [str(d) for d in dirs]}, "domains": {}}
+    for d in domains:
+        name = corpus.describe(d)
+        for folder in dirs:
+            path = Path(folder) / f"{name}.json"
+            if not path.is_file():
+                continue
+            got = json.loads(path.read_text())
+            have = res["domains"].get(d)
+            if have is None:
+                res["domains"][d] = got
+                continue
+            if (have["windows"], have["ctx"], have["n_eval"]) != (got["windows"], got["ctx"], got["n_eval"]):
+                raise InvalidParameterError(f"{path} holds {name} on other windows than "
+                                            f"{dirs[0]}")
+            have["methods"] = dict(have["methods"], **got["methods"])
     return res
 
 
@@ -118,6 +144,24 @@ def matrix(res: Dict[str, Any], prefix: str = "", exclude: Optional[str] = None)
     refs = " | ".join(f"{res['domains'][d]['ppl_ref']:.3f} ({res['domains'][d]['windows']})"
                       for d in doms)
     lines.append(f"| reference PPL (windows) | 16 | {refs} |")
+    return "\n".join(lines) + "\n"
+
+
+def long_table(res: Dict[str, Any], prefix: str = "") -> str:
+    """One Markdown row per (domain, method whose name starts with ``prefix``): dppl % and top-1 %
+    with their bootstrap 95 % intervals over windows, KL and the verdict."""
+    lines = ["| domain | method | bits/elem | dppl % (95 % CI) | top-1 % (95 % CI) | KL | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for d, dom in res["domains"].items():
+        for n, r in dom["methods"].items():
+            if not n.startswith(prefix):
+                continue
+            lo, hi = r["dppl_ci"]
+            tlo, thi = r["top1_ci"]
+            lines.append(f"| {corpus.describe(d)} | {n} | {r['bits_per_element']:.2f} | "
+                         f"{100 * r['dppl']:+.2f} ({100 * lo:+.2f}, {100 * hi:+.2f}) | "
+                         f"{100 * r['top1']:.1f} ({100 * tlo:.1f}, {100 * thi:.1f}) | "
+                         f"{r['kl']:.4f} | {r['verdict']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,11 @@ number in the answer is the needle's.
 from __future__ import annotations
 
 import copy
+import hashlib
+import os
 import re
+import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -159,20 +163,46 @@ def greedy(model: Any, prefilled: Any, last: int, steps: int, eos: "int | None" 
     return out
 
 
+def _prefilled(model: Any, p: Prompt, prefill_dir: "os.PathLike[str] | str | None") -> Any:
+    """The cache of a prompt's tokens but the last: from ``prefill_dir`` when it is there,
+    else a forward pass (kept there when a folder is given)."""
+    import torch
+
+    from .harness import _forward
+
+    path = None
+    if prefill_dir is not None:
+        h = hashlib.sha256(np.asarray(p.ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        path = Path(prefill_dir) / f"{p.length}-{h}.pt"
+        if path.is_file():
+            return torch.load(path, weights_only=False)
+    _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".partial")
+        torch.save(prefilled, tmp)
+        tmp.replace(path)
+    return prefilled
+
+
 def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[Any], *,
         steps: int = DIGITS + 3, progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
         done: Optional[Dict[Tuple[int, float, int], Dict[str, Any]]] = None,
-        on_prompt: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
+        on_prompt: Optional[Callable[[Dict[str, Any]], None]] = None,
+        prefill_dir: "os.PathLike[str] | str | None" = None) -> List[Dict[str, Any]]:
     """Each prompt through the uncompressed cache (``reference``) and every method of
     :mod:`kakeyaturbo.eval.harness` (compressed prefix). Returns one record per prompt:
     length, depth, actual depth, trial, number, and per method the answer, whether it was
     retrieved and the all-in bits per element of its cache. ``done`` (records by (length,
     depth, trial)) are kept and their methods not run again; ``on_prompt`` sees every record
-    as it is finished (to save partial results)."""
+    that was run as it is finished (to save partial results); ``seconds`` in a record: the
+    prefill, each method's compression and decoding, and the total. ``prefill_dir``: the
+    prefilled cache of every prompt is kept there (named by a hash of its tokens) and read back
+    when a later run adds methods, so a long prompt is prefilled once."""
     import torch
 
     from ..families import describe
-    from .harness import _forward, compress_prefix
+    from .harness import compress_prefix
 
     rope = None
     if any(getattr(m.codec, "pre_rope_keys", False) and "k" in m.streams for m in methods):
@@ -185,26 +215,54 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
             rec.update(length=p.length, depth=p.depth, actual_depth=p.actual_depth,
                        trial=p.trial, number=p.number, key=p.key)
             res = dict(rec.get("methods", {}))
+            secs = dict(rec.get("seconds", {}))
             todo = [m for m in methods if m.name not in res]
-            if "reference" not in res or todo:
-                _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+            ran = "reference" not in res or bool(todo)
+            if ran:
+                t0 = time.perf_counter()
+                prefilled = _prefilled(model, p, prefill_dir)
+                secs["prefill"] = time.perf_counter() - t0
                 if "reference" not in res:
+                    t = time.perf_counter()
                     ans = greedy(model, copy.deepcopy(prefilled), p.ids[-1], steps,
                                  tok.eos_token_id)
                     text = tok.decode(ans)
                     res["reference"] = {"answer": text, "retrieved": retrieved(text, p.number),
                                         "bits_per_element": 16.0}
+                    secs["reference"] = time.perf_counter() - t
                 for m in todo:
+                    t = time.perf_counter()
                     cache = copy.deepcopy(prefilled)
                     bits, elems = compress_prefix(cache, m, rope)
                     text = tok.decode(greedy(model, cache, p.ids[-1], steps, tok.eos_token_id))
                     res[m.name] = {"answer": text, "retrieved": retrieved(text, p.number),
                                    "bits_per_element": bits / max(elems, 1)}
+                    secs[m.name] = time.perf_counter() - t
+                secs["total"] = time.perf_counter() - t0
             rec["methods"] = res
+            rec["seconds"] = secs
             out.append(rec)
-            if on_prompt is not None:
+            if on_prompt is not None and ran:
                 on_prompt(rec)
     return out
+
+
+def merge(*runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Records of several runs on the same prompts merged by (length, depth, trial): each
+    prompt's methods put together (the first run's answer kept where two ran a method). Raises
+    InvalidParameterError when two runs hold a prompt with other needles."""
+    out: Dict[Tuple[int, float, int], Dict[str, Any]] = {}
+    for records in runs:
+        for r in records:
+            key = (int(r["length"]), float(r["depth"]), int(r["trial"]))
+            have = out.get(key)
+            if have is None:
+                out[key] = dict(r, methods=dict(r["methods"]))
+                continue
+            if (have["number"], have["key"]) != (r["number"], r["key"]):
+                raise InvalidParameterError(f"prompt {key} holds other needles in two runs")
+            have["methods"] = dict(r["methods"], **have["methods"])
+    return [out[k] for k in sorted(out)]
 
 
 def summary(records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:

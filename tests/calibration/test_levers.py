@@ -1,0 +1,148 @@
+"""The calibration levers of a recipe's streams, as documented: ``min_bits`` is a floor every
+component keeps; ``fisher_shrink = 0`` is the measured sensitivity alone (the codecs of before the
+lever existed), ``= 1`` the calibration-free prior alone (``identity`` or ``proxy``), and what
+lies between changes the allocation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kakeyaturbo import recipes
+from kakeyaturbo.calibration import AttentionStats, Sensitivity, allocate_bits, model_codec
+from kakeyaturbo.calibration.allocation import global_allocation
+from kakeyaturbo.calibration.fit import shrink_fisher
+from kakeyaturbo.errors import InvalidParameterError
+
+L, H, D = 2, 2, 16
+
+
+def _psd(g, n: int, decay: float = 0.7) -> np.ndarray:
+    a = g.standard_normal((n, D)) * decay ** np.arange(D)
+    q, _ = np.linalg.qr(g.standard_normal((D, D)))
+    a = a @ q
+    return a.T @ a / n
+
+
+@pytest.fixture(scope="module")
+def stats_and_sensitivity():
+    g = np.random.default_rng(0)
+    mats = lambda decay: np.stack([np.stack([_psd(g, 200, decay) for _ in range(H)])
+                                   for _ in range(L)])
+    rows = g.standard_normal((L, H, 300, D)).astype(np.float32) * (0.8 ** np.arange(D)).astype(np.float32)
+    stats = AttentionStats(meta={}, q2=mats(0.8), k_mean=g.standard_normal((L, H, D)),
+                           k_cov=mats(0.75), v_mean=g.standard_normal((L, H, D)) * 0.1,
+                           v_cov=mats(0.8), o_gram=mats(0.9), k_samples=rows, v_samples=rows)
+    # A sensitivity far from isotropic, and heads of different weights.
+    sens = Sensitivity(meta={}, k=mats(0.6) * np.arange(1, L * H + 1).reshape(L, H, 1, 1),
+                       v=mats(0.65))
+    return stats, sens
+
+
+def _recipe(name: str = "calibrated-3bit", **kw) -> recipes.Recipe:
+    rec = recipes.load(name)
+    return replace(rec, k=replace(rec.k, **kw), v=replace(rec.v, **kw))
+
+
+def _bits(c) -> np.ndarray:
+    """Bits per kept component of one head's codec (from its bands)."""
+    return np.concatenate([np.full(w, b) for _, w, b in c.bands]) if c.bands else np.zeros(0)
+
+
+ROWS = np.random.default_rng(9).standard_normal((64, D)).astype(np.float32)
+
+
+def _same(a, b) -> bool:
+    """Same allocation in every head, and the same reconstruction of the same rows."""
+    return all(np.array_equal(_bits(a.codecs[k]), _bits(b.codecs[k]))
+               and np.allclose(a.codecs[k].roundtrip(ROWS)[0], b.codecs[k].roundtrip(ROWS)[0],
+                               rtol=1e-4, atol=1e-5)
+               for k in a.codecs)
+
+
+def test_allocate_bits_floor_holds_and_is_paid_first() -> None:
+    lam = 0.5 ** np.arange(12)
+    free = allocate_bits(lam, 24)
+    assert free.min() == 0  # weak components get nothing without a floor
+    for floor in (1, 2):
+        b = allocate_bits(lam, 24, floor=floor)
+        assert b.min() >= floor and b.sum() == 24
+        assert np.all(np.diff(b) <= 0)
+    with pytest.raises(InvalidParameterError, match="floor"):
+        allocate_bits(lam, 23, floor=2)
+    pooled = global_allocation([lam, lam * 4], [24, 24], floor=1)
+    assert all(b.min() >= 1 for b in pooled) and sum(int(b.sum()) for b in pooled) <= 48
+
+
+def test_min_bits_floor_holds_in_every_head(stats_and_sensitivity) -> None:
+    stats, sens = stats_and_sensitivity
+    plain = model_codec.ModelCodec(stats, _recipe(), sensitivity=sens)
+    # Without a floor some weak components get no bits (they are dropped from the codec).
+    assert any(len(_bits(c)) < D for c in plain.codecs.values())
+    floored = model_codec.ModelCodec(stats, _recipe(min_bits=1), sensitivity=sens)
+    for c in floored.codecs.values():
+        assert len(_bits(c)) == D and _bits(c).min() >= 1
+    # Same budget: the floor moves bits, it does not add them.
+    total = lambda m: sum(int(_bits(c).sum()) for c in m.codecs.values())
+    assert total(floored) <= total(plain) + 8 * len(plain.codecs)
+
+
+def test_shrink_fisher_endpoints() -> None:
+    g = np.random.default_rng(1)
+    f = _psd(g, 50, 0.6)
+    assert np.array_equal(shrink_fisher(f, 0.0), f)
+    np.testing.assert_allclose(shrink_fisher(f, 1.0), np.eye(D) * np.trace(f) / D, rtol=1e-12)
+    p = _psd(g, 50, 0.9)
+    one = shrink_fisher(f, 1.0, p)
+    np.testing.assert_allclose(one, p * np.trace(f) / np.trace(p), rtol=1e-12)
+    half = shrink_fisher(f, 0.5, p)
+    np.testing.assert_allclose(half, (f + one) / 2, rtol=1e-12)
+    assert np.trace(half) == pytest.approx(np.trace(f))  # a head keeps its weight
+
+
+def test_fisher_shrink_zero_is_the_measurement_alone(stats_and_sensitivity, monkeypatch) -> None:
+    stats, sens = stats_and_sensitivity
+    rec = _recipe()
+    assert rec.k.fisher_shrink == 0.0 and rec.v.fisher_shrink == 0.0  # the shipped default
+    now = model_codec.ModelCodec(stats, rec, sensitivity=sens)
+    # As before the lever existed: the sensitivity straight to the fit.
+    monkeypatch.setattr(model_codec, "shrunk_sensitivity", lambda s, *_: s)
+    before = model_codec.ModelCodec(stats, rec, sensitivity=sens)
+    assert _same(now, before)
+
+
+@pytest.mark.parametrize("prior", ["identity", "proxy"])
+def test_fisher_shrink_one_is_the_prior_alone(stats_and_sensitivity, prior) -> None:
+    stats, sens = stats_and_sensitivity
+    shrunk = model_codec.ModelCodec(stats, _recipe(fisher_shrink=1.0, fisher_prior=prior),
+                                    sensitivity=sens)
+    # The prior, built by hand, handed over as if it had been measured.
+    by_hand = {}
+    for s, proxy in (("k", stats.q2), ("v", stats.o_gram)):
+        f = sens.of(s)
+        out = np.empty_like(f)
+        for layer in range(L):
+            for h in range(H):
+                tr = np.trace(f[layer, h])
+                p = np.eye(D) if prior == "identity" else proxy[layer, h]
+                out[layer, h] = p * tr / np.trace(p)
+        by_hand[s] = out
+    prior_sens = Sensitivity(meta={}, k=by_hand["k"], v=by_hand["v"])
+    assert _same(shrunk, model_codec.ModelCodec(stats, _recipe(), sensitivity=prior_sens))
+    # ... and the allocation is not the measured one's, nor is halfway either end.
+    measured = model_codec.ModelCodec(stats, _recipe(), sensitivity=sens)
+    half = model_codec.ModelCodec(stats, _recipe(fisher_shrink=0.5, fisher_prior=prior),
+                                  sensitivity=sens)
+    assert not _same(shrunk, measured)
+    assert not _same(half, measured) and not _same(half, shrunk)
+
+
+def test_levers_are_checked() -> None:
+    with pytest.raises(InvalidParameterError, match="fisher_shrink"):
+        _recipe(fisher_shrink=1.5)
+    with pytest.raises(InvalidParameterError, match="fisher_prior"):
+        _recipe(fisher_prior="flat")
+    with pytest.raises(InvalidParameterError, match="min_bits"):
+        _recipe(min_bits=9)
