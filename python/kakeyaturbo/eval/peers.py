@@ -15,7 +15,11 @@ Only the module names of the libraries are known here; they are imported when a 
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import shutil
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from .._extras import EVAL_EXTRA, missing
@@ -99,9 +103,22 @@ def unsupported(name: str, model: Any) -> Optional[str]:
     return None
 
 
+def _ninja_on_path() -> None:
+    """optimum-quanto builds its C++ extension on first use with ``ninja``, which pip installs
+    into the environment's ``bin/``; a script run as ``.venv/bin/python`` (not activated) does
+    not have that on its PATH. Puts it there when ``ninja`` is not found otherwise."""
+    if shutil.which("ninja") is None:
+        here = Path(sys.executable).parent
+        if (here / "ninja").exists():
+            os.environ["PATH"] = os.pathsep.join([str(here), os.environ.get("PATH", "")])
+
+
 def make_cache(peer: Peer, config: Any) -> Any:
     """A fresh transformers ``QuantizedCache`` of ``peer`` for a model ``config``."""
     from transformers.cache_utils import QuantizedCache
+
+    if peer.backend == "quanto":
+        _ninja_on_path()
 
     return QuantizedCache(backend=peer.backend, config=config, **peer.cache_kwargs())
 
