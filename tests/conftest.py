@@ -123,3 +123,16 @@ class WordTokenizer:
 @pytest.fixture
 def word_tok() -> WordTokenizer:
     return WordTokenizer()
+
+
+@pytest.fixture(scope="session")
+def prose_corpus() -> None:
+    """The ``prose`` domain (Debian's python3.X-doc, fetched into the cache on first use):
+    skips, saying why, where this machine can neither find nor fetch it (`.ci/run` refreshes
+    the package lists so that it can)."""
+    from kakeyaturbo.calibration import sources
+
+    try:
+        sources.documents("prose")
+    except sources.CorpusUnavailableError as e:
+        pytest.skip(f"the prose corpus is not available here: {e}")

@@ -90,7 +90,7 @@ def test_chat_is_made_inside_each_side_of_its_sources_split(word_tok) -> None:
     assert not ev_used & (cal_of["wiki-en"] | cal_of.get("prose", set()))
 
 
-def test_no_evaluation_document_of_any_domain_in_the_mixture(word_tok) -> None:
+def test_no_evaluation_document_of_any_domain_in_the_mixture(word_tok, prose_corpus) -> None:
     wins = corpus.corpus_windows(word_tok, "mixture", 16, LENGTH, side="calibration")
     assert len(wins) == 16
     used = set().union(*(_sources_of(i) for i in wins.all_docs()))
@@ -135,7 +135,7 @@ def test_composition_of_a_single_corpus_is_itself(word_tok) -> None:
     assert corpus.composition("code", 7, word_tok) == [("code", 7)]
 
 
-def test_an_unavailable_domain_is_left_out_with_a_warning(word_tok, monkeypatch) -> None:
+def test_an_unavailable_domain_is_left_out_with_a_warning(word_tok, monkeypatch, prose_corpus) -> None:
     real = sources.documents
 
     def no_prose(domain):

@@ -76,7 +76,7 @@ def test_prompts_are_seeded_per_cell(word_tok, monkeypatch) -> None:
     assert all(len(p.number) == needle.DIGITS and p.key in needle.KEYS for p in a)
 
 
-def test_haystacks_are_the_evaluation_split(word_tok) -> None:
+def test_haystacks_are_the_evaluation_split(word_tok, prose_corpus) -> None:
     from kakeyaturbo.calibration import corpus
 
     stacks = needle.haystacks(word_tok, "prose", trials=2)
