@@ -64,8 +64,8 @@ class Profile:
         self.on = False
         self._undo: List[Callable[[], None]] = []
 
-    def _wrap(self, owner: Any, attr: str, key: str) -> None:
-        orig = getattr(owner, attr)
+    def _timed(self, orig: Callable[..., Any], key: str) -> Callable[..., Any]:
+        """``orig``, adding its wall time to ``acc[key]`` while the profile is on."""
 
         def timed(*a: Any, **kw: Any) -> Any:
             if not self.on:
@@ -76,22 +76,16 @@ class Profile:
             finally:
                 self.acc[key] += time.perf_counter() - t
 
-        setattr(owner, attr, timed)
+        return timed
+
+    def _wrap(self, owner: Any, attr: str, key: str) -> None:
+        orig = getattr(owner, attr)
+        setattr(owner, attr, self._timed(orig, key))
         self._undo.append(lambda: setattr(owner, attr, orig))
 
     def _wrap_item(self, table: Dict[str, Any], name: str, key: str) -> None:
         orig = table[name]
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            if not self.on:
-                return orig(*a, **kw)
-            t = time.perf_counter()
-            try:
-                return orig(*a, **kw)
-            finally:
-                self.acc[key] += time.perf_counter() - t
-
-        table[name] = timed
+        table[name] = self._timed(orig, key)
         self._undo.append(lambda: table.__setitem__(name, orig))
 
     def __enter__(self) -> "Profile":

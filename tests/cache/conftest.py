@@ -33,6 +33,20 @@ def llama():
 
 
 @pytest.fixture(scope="module")
+def llama_calibration(llama, tmp_path_factory):
+    """A calibration file of ``llama`` on random tokens, with the statistics and sensitivity it
+    holds: ``(path, stats, sensitivity)``."""
+    from kakeyaturbo import calibration
+
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
+    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
+    cal = calibration.Calibration.for_model(llama, stats, sens, {"text": "random tokens"})
+    return cal.save(tmp_path_factory.mktemp("cal") / "llama.kkcal"), stats, sens
+
+
+@pytest.fixture(scope="module")
 def qwen2():
     return build("qwen2")
 

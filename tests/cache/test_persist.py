@@ -21,7 +21,6 @@ from .conftest import KV_HEADS, LAYERS, VOCAB, build, cache_kw, forward, generat
 import kakeyaturbo  # noqa: E402
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache, persist  # noqa: E402
-from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.errors import (  # noqa: E402
     CorruptDataError,
     InvalidParameterError,
@@ -41,13 +40,8 @@ def model_dir(llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cal_file(llama, tmp_path_factory):
-    g = np.random.default_rng(0)
-    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
-    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
-    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
-    cal = Calibration.for_model(llama, stats, sens, {"text": "random tokens"})
-    return cal.save(tmp_path_factory.mktemp("cal") / "llama.kkcal")
+def cal_file(llama_calibration):
+    return llama_calibration[0]
 
 
 def _cache(kind: str, model, cal_file=None) -> KakeyaCache:

@@ -3,25 +3,18 @@ one call, refused for any other model."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from .conftest import KV_HEADS, LAYERS, VOCAB, build, generate, prompt, torch, transformers
 
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import KakeyaCache  # noqa: E402
-from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.errors import CorruptDataError, InvalidParameterError, ModelMismatchError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cal_file(llama, tmp_path_factory):
-    g = np.random.default_rng(0)
-    wins = [list(g.integers(0, VOCAB, 48)) for _ in range(3)]
-    stats = calibration.collect(llama, wins, n_sink=1, samples=8)
-    sens = calibration.collect_sensitivity(llama, wins, n_sink=1, score=16)
-    cal = Calibration.for_model(llama, stats, sens, {"text": "random tokens"})
-    return cal.save(tmp_path_factory.mktemp("cal") / "llama.safetensors"), stats, sens
+def cal_file(llama_calibration):
+    return llama_calibration
 
 
 def test_from_pretrained_equals_the_codec_built_by_hand(llama, cal_file) -> None:
@@ -73,7 +66,7 @@ def test_a_file_for_another_model_is_refused(llama, qwen2, llama32, cal_file) ->
                                    num_hidden_layers=LAYERS, num_attention_heads=4,
                                    num_key_value_heads=KV_HEADS, head_dim=16, max_position_embeddings=512)
     retrained = transformers.LlamaForCausalLM(cfg).eval()  # same shapes, other weights
-    with pytest.raises(ModelMismatchError, match="llama.safetensors.*made for another model: fingerprint"):
+    with pytest.raises(ModelMismatchError, match="llama.kkcal.*made for another model: fingerprint"):
         KakeyaCache.from_pretrained(retrained, "calibrated-4bit", calibration=path)
 
 
