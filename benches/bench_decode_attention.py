@@ -9,7 +9,11 @@ counted), T rows of their model sealed in blocks of 512, one query token per que
 raw tail row (the query's own). Timed, alternating within each repetition so that every
 method sees the same machine:
 
-- ``codes``: ``decode_attention`` over the codes (threads 1 and 2);
+- ``codes``: ``decode_attention`` over the codes (threads 1 and 2), keys coded after RoPE
+  (scores from look-up tables);
+- ``codes pre-RoPE``: the same codes read as keys coded before RoPE (a ``RopeTable`` of base
+  10000 for positions ``0 .. T-1``): each tile of keys synthesised, rotated and dotted inside
+  the kernel, as the shipped recipes need;
 - ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
   cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
   same over a bfloat16 cache;
@@ -123,8 +127,14 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                 kf, vf = torch.from_numpy(k), torch.from_numpy(v)
                 kb, vb, qb = kf.to(torch.bfloat16), vf.to(torch.bfloat16), qt.to(torch.bfloat16)
 
+                table, positions = rope_table(t, d)
+
                 def codes_fn(threads: int) -> Callable[[], Any]:
                     return lambda: kt.decode_attention(codes, q, tail_k, tail_v, threads=threads)
+
+                def rope_fn(threads: int) -> Callable[[], Any]:
+                    return lambda: kt.decode_attention(codes, q, tail_k, tail_v, threads=threads,
+                                                       rope=table, positions=positions)
 
                 def sdpa(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> Callable[[], Any]:
                     return lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)
@@ -132,6 +142,7 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                 fns = {}
                 for n in (1, 2):
                     fns[f"codes {n}t"] = codes_fn(n)
+                    fns[f"codes pre-RoPE {n}t"] = rope_fn(n)
                     fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, kf, vf))
                     fns[f"SDPA bf16 {n}t"] = with_torch_threads(n, sdpa(qb, kb, vb))
                 load0 = os.getloadavg()
@@ -152,6 +163,14 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                 # Agreement with SDPA over the decoded cache (the same numbers, another order).
                 ours = kt.decode_attention(codes, q, tail_k, tail_v)
                 dec = decode_then_sdpa().numpy()
+                ours_r = rope_fn(2)()
+                ks = np.stack([np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
+                                               for i in range(codes.num_blocks(0, h))]) for h in range(hkv)])
+                kr = torch.from_numpy(np.concatenate([rotate(ks, table), tail_k[0]], axis=1)[None])
+                vr = torch.from_numpy(np.concatenate([np.stack([np.concatenate(
+                    [codes.v_codecs[h].decode(codes.blob(0, h, "v", i)) for i in range(codes.num_blocks(0, h))])
+                    for h in range(hkv)]), tail_v[0]], axis=1)[None])
+                dec_r = F.scaled_dot_product_attention(qt, kr, vr, enable_gqa=True).numpy()
                 row = {
                     "q_heads": hq, "kv_heads": hkv, "head_dim": d, "T": t, "bits_target": b,
                     "bits_held": 8 * codes.nbytes / (2 * t * hkv * d),
@@ -159,13 +178,33 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                     "codes_bytes": codes.nbytes, "fp32_bytes": 2 * t * hkv * d * 4,
                     "ms": ms, "load_before": load0, "load_after": load1,
                     "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
+                    "max_abs_diff_pre_rope_vs_decoded_rotated_sdpa": float(np.abs(ours_r - dec_r).max()),
                 }
                 for n in (1, 2):
                     row[f"speedup_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes {n}t"]
+                    row[f"speedup_pre_rope_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes pre-RoPE {n}t"]
                 rows.append(row)
                 print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
                       + f" | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
     return rows
+
+
+def rope_table(tokens: int, d: int) -> Tuple[kt.RopeTable, np.ndarray]:
+    """A base-10000 rotary table over every dimension for positions ``0 .. tokens`` and the
+    sealed rows' positions ``[1, T]`` (the tail row sits at ``tokens``)."""
+    inv = (1.0 / 10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
+    ang = (np.arange(tokens + 1, dtype=np.float32)[:, None] * inv[None]).astype(np.float32)
+    table = kt.RopeTable(np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), "half")
+    sealed = (tokens // BLOCK) * BLOCK
+    return table, np.arange(sealed, dtype=np.int64)[None]
+
+
+def rotate(k: np.ndarray, table: kt.RopeTable) -> np.ndarray:
+    """RoPE (the ``half`` pairing) on rows ``[H, T, D]`` at positions ``0 .. T-1``."""
+    h = table.cos.shape[1]
+    c, s = table.cos[:k.shape[1]], table.sin[:k.shape[1]]
+    a, b = k[..., :h], k[..., h:2 * h]
+    return np.concatenate([a * c - b * s, b * c + a * s, k[..., 2 * h:]], axis=-1).astype(np.float32)
 
 
 def markdown(res: Dict[str, Any]) -> str:
@@ -179,11 +218,13 @@ def markdown(res: Dict[str, Any]) -> str:
         f"{res['load_min']:.2f}..{res['load_max']:.2f}",
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
-        "time at the same thread count (> 1: the codes are faster).",
+        "time at the same thread count (> 1: the codes are faster); pre-RoPE: keys coded before "
+        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes).",
         "",
         "| q/kv heads x D | T | bits held | codes 1t | SDPA fp32 1t | x 1t | codes 2t | SDPA fp32 2t "
-        "| x 2t | SDPA bf16 2t | decode + SDPA 2t | MB codes / fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| x 2t | pre-RoPE 1t | x 1t | pre-RoPE 2t | x 2t | SDPA bf16 2t | decode + SDPA 2t "
+        "| MB codes / fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         ms = r["ms"]
@@ -191,6 +232,8 @@ def markdown(res: Dict[str, Any]) -> str:
             f"| {r['q_heads']}/{r['kv_heads']}x{r['head_dim']} | {r['T']} | {r['bits_held']:.2f} | "
             f"{ms['codes 1t']:.3f} | {ms['SDPA fp32 1t']:.3f} | {r['speedup_vs_sdpa_fp32_1t']:.2f} | "
             f"{ms['codes 2t']:.3f} | {ms['SDPA fp32 2t']:.3f} | {r['speedup_vs_sdpa_fp32_2t']:.2f} | "
+            f"{ms['codes pre-RoPE 1t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_1t']:.2f} | "
+            f"{ms['codes pre-RoPE 2t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['SDPA bf16 2t']:.3f} | {ms['decode + SDPA 2t']:.1f} | "
             f"{r['codes_bytes'] / 1e6:.2f} / {r['fp32_bytes'] / 1e6:.1f} |")
     return "\n".join(lines) + "\n"

@@ -5,7 +5,7 @@ A prompt of Wikipedia summaries (evaluation split) and a request to summarise th
 `sdpa` attention, the baseline, in the same run), then per recipe with a `KakeyaCache` that seals
 every `--block-size` tokens through the recipe's codec (calibrated recipes use the cached
 calibration statistics, collected on first use): attention over the codes (the fast path, for
-calibrated recipes with keys coded after RoPE) and, with `--slow`, the same cache decoding its
+calibrated recipes; keys coded before RoPE are synthesised and rotated per tile in the kernel) and, with `--slow`, the same cache decoding its
 sealed blocks and attending over them (`fast=False`).
 
 Per run: prefill seconds, decode tokens/s (between the first and the last generated token, so
@@ -197,10 +197,15 @@ def main() -> int:
                 elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
                 raw_elems = (mem["sink"] + mem["staging"]) // 4
                 bits = 8 * mem["blobs"] + 16 * raw_elems
+                # Keys coded before RoPE also hold each token's position (int32) and, on the fast
+                # path, the model's cos/sin table (shared by every layer and sequence).
+                extra = mem.get("positions", 0) + mem.get("rope_table", 0)
                 r.update(cache=f"KakeyaCache ({'codes' if cache.fast else 'decode-then-attend'})",
                          fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
                          prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
                          raw_elements=raw_elems, bits_per_element=bits / elems,
+                         positions_bytes=mem.get("positions", 0), rope_table_bytes=mem.get("rope_table", 0),
+                         bits_per_element_with_positions_and_table=(bits + 8 * extra) / elems,
                          speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
                          wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
                 runs[mode] = r

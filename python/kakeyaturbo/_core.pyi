@@ -111,6 +111,9 @@ class LayerCodes:
         softcap: Optional[float] = None,
         window: Optional[int] = None,
         threads: Optional[int] = None,
+        rope: Optional[
+            Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], str]
+        ] = None,
     ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
 def roundtrip_layer(

@@ -2,7 +2,8 @@
 decoding its sealed blocks and attending over them (``fast=False``), on tiny random-weight
 models: the same greedy tokens and logits within the tolerances below, no block ever decoded,
 the blobs held once; chunked prefill and left-padded batches; sliding-window and softcapped
-families; the slow path kept for per-block, pre-RoPE and identity codecs.
+families; keys coded after RoPE (scores from look-up tables) and before it (keys synthesised
+and rotated per tile inside the kernel); the slow path kept for per-block and identity codecs.
 
 Tolerances (float32 models, logits of order 1): the kernel computes attention in float32 from
 the codes with another summation order than decode + SDPA, ``|attention difference| <= 2e-6``
@@ -67,10 +68,17 @@ def ropeafter(tmp_path_factory):
     return _recipe(tmp_path_factory, "after")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def setup(request, ropeafter):
-    model = build(request.param)
-    return request.param, model, _codec(model, ropeafter)
+@pytest.fixture(scope="module")
+def ropebefore(tmp_path_factory):
+    return _recipe(tmp_path_factory, "before")
+
+
+@pytest.fixture(scope="module", params=[("llama", "after"), ("qwen2", "after"), ("llama", "before"),
+                                        ("qwen2", "before")], ids="-".join)
+def setup(request, ropeafter, ropebefore):
+    name, rope = request.param
+    model = build(name)
+    return f"{name}-{rope}", model, _codec(model, ropeafter if rope == "after" else ropebefore, rope)
 
 
 @pytest.fixture
@@ -114,7 +122,12 @@ def test_fast_generates_as_decode_then_attend(setup, no_decode) -> None:
         # The codes share the blobs: held once, the blobs' bytes exactly.
         assert codes.nbytes == a.memory()["blobs"]
         assert codes.rows() == a.num_sealed() * 8
-    assert fast.memory() == slow.memory()
+    mf = fast.memory()
+    table = mf.pop("rope_table")
+    assert mf == {k: v for k, v in slow.memory().items() if k != "rope_table"}
+    # Keys coded before RoPE: the cos/sin table the kernel read, 8 bytes per position and frequency.
+    assert table == (0 if name.endswith("after") else fast_mod.TABLE_ROWS * 8 * 8)
+    assert fast.nbytes() == sum(mf.values())  # the model's table is not the sequence's
 
 
 def test_fast_chunked_prefill_and_decoding_steps(setup) -> None:
@@ -171,18 +184,23 @@ def test_export_import_state_keeps_generating_fast(setup) -> None:
         lb = b.layers[la.index] if la.index < len(b.layers) else None
         assert lb is not None
         lb.import_state(la.export_state())
+    if a._positions is not None:  # keys before RoPE: the positions are the cache's, not a layer's
+        b._positions.pos = a._positions.pos.clone()
     nxt = _ids(t=3, seed=5)
     la, lb = forward(model, nxt, a), forward(model, nxt, b)
     assert torch.equal(la, lb)
     assert b.layers[0].codes().nbytes == b.layers[0].memory()["blobs"]
 
 
+@pytest.mark.parametrize("rope", ["after", "before"])
 @pytest.mark.parametrize("name", sorted(fast_mod.FAMILIES))
-def test_families(name, ropeafter, no_decode) -> None:
+def test_families(name, rope, ropeafter, ropebefore, no_decode) -> None:
     """Every family of ``fast.FAMILIES`` (sliding windows of 8 tokens crossed by the prompt,
-    Gemma 2's softcap, MQA, q/k norms): the same tokens, logits within LOGIT_ATOL."""
+    Gemma 2's softcap, MQA, q/k norms; before RoPE: Cohere's interleaved pairing, Gemma 3's
+    per-layer-type frequencies, Phi-3's partial rotary, SmolLM3's layers without RoPE): the same
+    tokens, logits within LOGIT_ATOL."""
     model = families.build(name)
-    codec = _codec(model, ropeafter)
+    codec = _codec(model, ropeafter if rope == "after" else ropebefore, rope)
     ids = torch.randint(3, families.VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
     fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
@@ -193,26 +211,41 @@ def test_families(name, ropeafter, no_decode) -> None:
     no_decode["armed"] = False
     assert torch.equal(seq_f, seq_s), name
     scale = max(1.0, log_s.abs().max().item())
-    assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL * scale, name
+    # Rows computed after the first step carry the kernel's rounding (1e-7), which can move a
+    # row across a quantiser's boundary when its block is sealed: from the first query that
+    # reads a block whose codes differ, the logits are compared loosely (the tokens exactly).
+    exact = _exact_steps(fast, slow, ids.shape[1], 4, log_s.shape[0])
+    err = (log_f - log_s).abs().amax(dim=(1, 2))
+    assert exact >= 3 and err[:exact].max().item() <= LOGIT_ATOL * scale, (name, exact, err)
+    assert err.max().item() <= 1e-2 * scale, (name, err)
     assert any(layer.num_sealed() for layer in fast.layers)
     for layer in fast.layers:
         if layer.fast and layer.num_sealed():
             assert layer.codes().nbytes == layer.memory()["blobs"]
 
 
+def _exact_steps(fast, slow, prompt: int, bs: int, steps: int) -> int:
+    """Generation steps (from the first) whose queries read only sealed blocks both caches
+    coded alike: a block of positions ``s .. s+bs`` is first read by the query at ``s + bs``."""
+    first = min((s for a, b in zip(fast.layers, slow.layers) for name in ("k", "v")
+                 for s, x, y in zip(a._s[name].starts, a._s[name].blocks, b._s[name].blocks) if x != y),
+                default=None)
+    if first is None:
+        return steps
+    # Step i's query sits at position prompt - 1 + i.
+    return min(steps, max(0, first + bs - (prompt - 1)))
+
+
 def test_slow_path_for_other_codecs(tmp_path_factory, llama) -> None:
-    """Per-block recipes, keys coded before RoPE and the identity codec decode then attend;
-    fast=True refuses them naming the reason."""
-    pre = _codec(llama, _recipe(tmp_path_factory, "before"), rope="before")
-    cases = {"per-block": codec_for(recipes.load("balanced")), "pre-RoPE": pre,
-             "identity": IdentityCodec()}
+    """Per-block recipes and the identity codec decode then attend; fast=True refuses them
+    naming the reason."""
+    cases = {"per-block": codec_for(recipes.load("balanced")), "identity": IdentityCodec()}
     for what, codec in cases.items():
         cache = KakeyaCache(codec, model=llama, block_size=8, n_sink=1)
         assert not cache.fast and cache.fast_reason, what
         assert not any(layer.fast for layer in cache.layers)
         with pytest.raises(ValueError, match="no attention over the codes"):
             KakeyaCache(codec, model=llama, fast=True)
-    assert "before RoPE" in KakeyaCache(pre, model=llama).fast_reason
     # The slow path still generates (the per-block recipe, sealed blocks decoded).
     cache = KakeyaCache(cases["per-block"], model=llama, block_size=16, n_sink=1)
     seq, _ = generate(llama, _ids(t=40), cache, n=4)

@@ -14,22 +14,27 @@ points the model at the one of its own implementation. The function registered t
 - any other key (another cache, a layer the fast path does not cover): the model's own
   implementation, unchanged.
 
-Keys must be coded after RoPE (``[k] rope = "after"``): the queries handed to attention are
-rotated, so the codes must be in the rotated domain. Unsupported cases fall back to decoding
-the sealed blocks and running the model's own implementation (:meth:`KakeyaLayer.materialize`).
+Keys coded after RoPE (``[k] rope = "after"``) are in the queries' domain: each score is a
+sum of table look-ups. Keys coded before RoPE (the shipped recipes) are synthesised per tile
+inside the kernel and rotated with the cos/sin of their positions (:func:`rope_table`: one
+table per rotary module, shared by every layer and cache that uses it), then dotted with the
+rotated queries. Unsupported cases fall back to decoding the sealed blocks and running the
+model's own implementation (:meth:`KakeyaLayer.materialize`).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..codec.attention import decode_attention
+from ..codec.attention import RopeTable, decode_attention
 from ..families.layout import model_type
+from ..families.rope import LayerRope
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
@@ -44,6 +49,46 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
 TAG = "_kakeyaturbo_layer"
 
 _registered = False
+
+#: Rope tables by rotary module (weakly: a table goes with its model), then (layer type, style).
+_TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, str], RopeTable]]" = weakref.WeakKeyDictionary()
+
+#: The fewest rows a rope table has; it holds a power of two of positions, doubled when a
+#: position passes its end.
+TABLE_ROWS = 256
+
+
+def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
+    """Why ``rope``'s cos/sin cannot be tabulated once per position (a rope type whose values
+    depend on the sequence length: ``dynamic``, ``longrope``), else None."""
+    if rope is None:
+        return None
+    kind = getattr(rope.module, "rope_type", "default")
+    if isinstance(kind, dict):
+        kind = kind.get(rope.layer_type, "default")
+    if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+        return f"rope type {kind!r} changes its frequencies with the length: sealed keys are decoded, then attended"
+    return None
+
+
+def rope_table(rope: LayerRope, n: int) -> RopeTable:
+    """The cos/sin of ``rope`` for positions ``0 .. n-1`` at least, as the model's rotary module
+    gives them (one table per module, layer type and pairing, shared by every layer and cache;
+    at least :data:`TABLE_ROWS` rows, doubled as positions grow)."""
+    try:
+        tables = _TABLES.setdefault(rope.module, {})
+    except TypeError:  # a rotary callable that cannot be referenced weakly: kept on the layer's rope
+        tables = rope.__dict__.setdefault("_kakeyaturbo_tables", {})
+    key = (rope.layer_type, rope.style)
+    t = tables.get(key)
+    if t is None or t.n_positions < n:
+        rows = max(TABLE_ROWS, t.n_positions if t is not None else 0)
+        while rows < n:  # a power of two >= n
+            rows *= 2
+        cos, sin = rope(torch.arange(rows)[None])
+        t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)
+        tables[key] = t
+    return t
 
 
 def _delegate(module: Any, base: str) -> Callable[..., Tuple[Any, Any]]:
@@ -183,9 +228,10 @@ def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     softcap = kwargs.get("softcap")
+    table, positions = layer.key_rotation() if layer.pre_rope else (None, None)
     out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
                            scale=float(scale), softcap=None if softcap is None else float(softcap),
                            window=layer.window, mask=_bool_mask(mask, n_q, total),
-                           threads=layer.threads)
+                           threads=layer.threads, rope=table, positions=positions)
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None

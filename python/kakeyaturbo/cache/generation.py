@@ -97,7 +97,8 @@ class KakeyaCache(Cache):
         self.rope = rope
         self.threads = _checks.threads(threads)
         #: Why attention does not run over the codes (None when it does).
-        self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded)
+        self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
+                                                       rope, num_layers or 0)
         if fast is not None and not isinstance(fast, bool):
             raise TypeError(f"fast must be None or a bool, got {type(fast).__name__}")
         if fast is False:
@@ -216,33 +217,44 @@ class KakeyaCache(Cache):
 
     def memory(self) -> Dict[str, int]:
         """Bytes held, by kind: ``blobs`` (sealed blocks), ``sink``, ``staging``, ``decoded``
-        (only with keep_decoded) and ``positions`` (int32 per token and batch row, only when
-        the codec codes keys without RoPE)."""
+        (only with keep_decoded), ``positions`` (int32 per token and batch row, only when
+        the codec codes keys without RoPE) and ``rope_table`` (the cos/sin table attention over
+        keys coded before RoPE reads: 8 bytes per position and rotary frequency, shared by the
+        layers and by every cache of the model: reported here in full, left out of :meth:`nbytes`)."""
         out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0}
         for layer in self.layers:
             for key, n in layer.memory().items():
                 out[key] += n
         out["positions"] = self._positions.nbytes() if self._positions is not None else 0
+        # Keys coded before RoPE on the fast path: the cos/sin tables the kernel read (one per
+        # rotary module, shared by every layer; counted once).
+        tables = {id(t): t for t in (getattr(layer, "_rope_table", None) for layer in self.layers) if t is not None}
+        out["rope_table"] = sum(t.nbytes for t in tables.values())
         return out
 
     def nbytes(self) -> int:
-        """Bytes this cache holds: compressed blobs + raw sink and staging rows at their dtype
-        (+ decoded blocks with keep_decoded, + positions for pre-RoPE codecs)."""
-        return sum(self.memory().values())
+        """Bytes this cache holds for its sequences: compressed blobs + raw sink and staging rows
+        at their dtype (+ decoded blocks with keep_decoded, + positions for pre-RoPE codecs).
+        The rope table of :meth:`memory` is not counted: it belongs to the model (one per rotary
+        module, shared by every cache and sequence, like transformers' own rotary buffers)."""
+        return sum(v for k, v in self.memory().items() if k != "rope_table")
 
     def nbytes_uncompressed(self) -> int:
         """Bytes a ``DynamicCache`` would hold for the same tokens at the same dtype."""
         return sum(layer.nbytes_uncompressed() for layer in self.layers)
 
 
-def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool) -> Optional[str]:
+def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,
+                 rope: Any = None, num_layers: int = 0) -> Optional[str]:
     """Why a cache of these settings cannot attend over the codes, or None (the model's family
     and attention implementation are checked by :func:`fast.install`)."""
     if not isinstance(codec, ModelCodec):
         return f"{codec!r} is not a calibrated codec: sealed blocks are decoded, then attended"
     if codec.pre_rope_keys:
-        return (f"recipe {codec.recipe.name!r} codes keys before RoPE (queries are rotated): sealed "
-                "blocks are decoded, then attended")
+        for i in range(num_layers):
+            why = fast_mod.dynamic_rope(layer_rope(rope, i))
+            if why is not None:
+                return why
     if not set(STREAMS) <= set(streams):
         return "K and V must both be coded"
     if keep_decoded:

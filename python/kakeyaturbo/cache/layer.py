@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -12,7 +13,7 @@ from ..codec.attention import LayerCodes
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
-from .fast import TAG
+from .fast import TAG, rope_table
 
 
 class Positions:
@@ -157,6 +158,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
         self._codes_starts: List[int] = []
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
+        self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
 
     def __repr__(self) -> str:
         kind = f", window={self.window}" if self.window is not None else ""
@@ -260,6 +262,22 @@ class KakeyaLayer(CacheLayerMixin):
             self._codes.append_blocks(k.blocks[j], v.blocks[j])
             cs.append(k.starts[j])
         return self._codes
+
+    def key_rotation(self) -> Tuple[Any, np.ndarray]:
+        """Keys coded before RoPE, during a fast update: the rope table (shared, see
+        :func:`~kakeyaturbo.cache.fast.rope_table`) and the position of every sealed row,
+        int32 ``[B, T_c]`` in the order :meth:`codes` holds them."""
+        assert self.rope is not None and self.positions is not None and self.positions.pos is not None
+        starts, bs = self._s["k"].starts, self.block_size
+        pos = self.positions.pos
+        if starts and starts[-1] - starts[0] == (len(starts) - 1) * bs:
+            p = pos[:, starts[0]:starts[0] + len(starts) * bs]
+        else:
+            p = torch.cat([pos[:, s:s + bs] for s in starts], dim=1) if starts else pos[:, :0]
+        rows = p.numpy()
+        table = rope_table(self.rope, int(rows.max()) + 1 if rows.size else 1)
+        self._rope_table = table
+        return table, rows
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:
         return self._visible(self.seen) + query_length, self.seen - self._visible(self.seen)

@@ -8,7 +8,10 @@ synthesised once per query, raw rows (the sink and the tail) are exact, and one 
 every position. No key or value is decoded.
 
 The queries must be in the domain the keys were coded in (keys coded after RoPE need queries
-after RoPE, raw rows after RoPE); the kernel does not know which.
+after RoPE, raw rows after RoPE); the kernel does not know which, unless told: keys coded
+before RoPE are passed with their rotation (a :class:`RopeTable` and each sealed row's position),
+and then each tile of sealed keys is synthesised from its codes, rotated to its positions and
+dotted with the (rotated) queries inside the kernel; the decoded keys never leave it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,70 @@ from . import _checks
 from .calibrated import CalibratedCodec
 
 STREAMS = ("k", "v")
+
+#: The pairings of channels a :class:`RopeTable` knows (as ``kakeyaturbo.families.rope``).
+ROPE_STYLES = ("half", "interleaved")
+
+
+class RopeTable:
+    """The cos and sin of positions ``0 .. n-1`` of one rotary embedding, per frequency:
+    float32 ``[n, rot/2]`` each (:attr:`cos`, :attr:`sin`), already scaled as the model's
+    rotary module scales them, and the pairing ``style`` (``"half"``: channel ``i`` with
+    ``i + rot/2``; ``"interleaved"``: ``2i`` with ``2i + 1``). Channels past ``rot`` are not
+    rotated. Held frequency-major (the kernel reads a run of positions of one frequency as
+    one contiguous run); :attr:`cos` and :attr:`sin` are views.
+
+    :meth:`from_full` takes transformers' ``[n, rot]`` tables (each frequency twice).
+    Raises TypeError / InvalidInputError for arrays that do not fit."""
+
+    def __init__(self, cos: Any, sin: Any, style: str = "half") -> None:
+        c, s = _array(cos, "cos", 2), _array(sin, "sin", 2)
+        if c.shape != s.shape or c.shape[0] < 1 or c.shape[1] < 1:
+            raise InvalidInputError(f"cos and sin must both be [n >= 1, rot/2 >= 1], got {c.shape} and {s.shape}")
+        if not (np.isfinite(c).all() and np.isfinite(s).all()):
+            raise InvalidInputError("cos and sin must be finite")
+        self._cos_t, self._sin_t = np.ascontiguousarray(c.T), np.ascontiguousarray(s.T)
+        self.style = _checks.choice(style, "style", ROPE_STYLES)
+
+    @property
+    def cos(self) -> np.ndarray:
+        """``[n, rot/2]`` (a view of the frequency-major table)."""
+        return self._cos_t.T
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self._sin_t.T
+
+    @classmethod
+    def from_full(cls, cos: Any, sin: Any, style: str = "half") -> "RopeTable":
+        """From ``[n, rot]`` tables as transformers' rotary modules give them (``cat(f, f)``
+        for ``"half"``, each value twice for ``"interleaved"``); InvalidInputError when the two
+        copies of a frequency differ."""
+        c, s = _array(cos, "cos", 2), _array(sin, "sin", 2)
+        _checks.choice(style, "style", ROPE_STYLES)
+        if c.shape != s.shape or c.shape[1] % 2:
+            raise InvalidInputError(f"cos and sin must both be [n, rot] with rot even, got {c.shape} and {s.shape}")
+        h = c.shape[1] // 2
+        parts = ((c[:, :h], c[:, h:]), (s[:, :h], s[:, h:])) if style == "half" else \
+            ((c[:, 0::2], c[:, 1::2]), (s[:, 0::2], s[:, 1::2]))
+        if any(not np.array_equal(a, b) for a, b in parts):
+            raise InvalidInputError(f"the tables do not repeat each frequency as the {style!r} pairing does")
+        return cls(parts[0][0], parts[1][0], style)
+
+    @property
+    def n_positions(self) -> int:
+        return int(self._cos_t.shape[1])
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * int(self._cos_t.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._cos_t.nbytes + self._sin_t.nbytes)
+
+    def __repr__(self) -> str:
+        return f"RopeTable(n_positions={self.n_positions}, rot_dim={self.rot_dim}, style={self.style!r})"
 
 
 class LayerCodes:
@@ -165,7 +232,8 @@ def _mask(mask: Any, batch: int, n_q: int) -> Optional[np.ndarray]:
 def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                      sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window: Optional[int] = None,
-                     mask: Any = None, threads: Optional[int] = None, return_lse: bool = False
+                     mask: Any = None, threads: Optional[int] = None, return_lse: bool = False,
+                     rope: Optional[RopeTable] = None, positions: Any = None
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """One attention step of a layer over its sealed codes and raw rows.
 
@@ -184,6 +252,10 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     - ``mask``: additive float32 (finite or ``-inf``) or boolean (True: attend) ``[B, n_q, T]``
       or ``[B, 1, n_q, T]``, added after the softcap.
     - ``threads``: None (all cores) or a count; the result is the same for every count.
+    - ``rope`` and ``positions``: the keys were coded before RoPE. ``positions`` (integers
+      ``[B, T_c]``) gives each sealed row's position, a row of ``rope``; each sealed key is
+      synthesised and rotated inside the kernel. ``q`` and the raw rows are after RoPE, as the
+      model hands them over.
 
     Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
@@ -206,6 +278,21 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     scale_ = 1.0 / math.sqrt(dk) if scale is None else _checks.real(scale, "scale")
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
     win = None if window is None else _checks.integer(window, "window", 1)
+    rot = None
+    if (rope is None) != (positions is None):
+        raise InvalidInputError("pass both rope and positions, or neither")
+    if rope is not None:
+        if not isinstance(rope, RopeTable):
+            raise TypeError(f"rope must be a RopeTable, got {type(rope).__name__}")
+        pos = np.asarray(positions)
+        if pos.dtype.kind not in "iu":
+            raise TypeError(f"positions must be integers, got {pos.dtype}")
+        if pos.ndim != 2 or pos.shape[0] != b:
+            raise InvalidInputError(f"positions must be [B={b}, T_c], got shape {pos.shape}")
+        if pos.size and (pos.min() < 0 or pos.max() >= rope.n_positions):
+            raise InvalidInputError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
+                                    f"got {pos.min()} .. {pos.max()}")
+        rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style)
     out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
-                               _checks.threads(threads))
+                               _checks.threads(threads), rot)
     return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

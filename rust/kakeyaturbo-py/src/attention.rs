@@ -3,7 +3,9 @@
 use crate::calibrated::PyCalibratedCodec;
 use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
-use kakeyaturbo::attention::{attend, AttentionParams, Blob, LayerCodes, RawRows, StreamTables};
+use kakeyaturbo::attention::{
+    attend, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle, StreamTables,
+};
 use kakeyaturbo::threads::with_threads;
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -195,7 +197,7 @@ impl PyLayerCodes {
     }
 
     /// One attention step; see `kakeyaturbo.codec.attention.LayerCodes.attend`.
-    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None))]
+    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None, rope=None))]
     #[allow(clippy::too_many_arguments)]
     fn attend<'py>(
         &self,
@@ -210,6 +212,12 @@ impl PyLayerCodes {
         softcap: Option<&Bound<'py, PyAny>>,
         window: Option<&Bound<'py, PyAny>>,
         threads: Option<&Bound<'py, PyAny>>,
+        rope: Option<(
+            PyReadonlyArrayDyn<'py, f32>,
+            PyReadonlyArrayDyn<'py, f32>,
+            PyReadonlyArrayDyn<'py, u32>,
+            String,
+        )>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let threads = convert::threads(py, threads)?;
         let scale = convert::float(py, scale, "scale")? as f32;
@@ -264,6 +272,50 @@ impl PyLayerCodes {
             window,
         };
         let inner = &self.inner;
+        // Keys coded before RoPE: (cos [rot/2, n_pos] frequency-major, sin, positions [B, T_c],
+        // style).
+        let rope = match &rope {
+            None => None,
+            Some((cos, sin, pos, style)) => {
+                let (c, cshape) = array(py, cos, "rope cos", 2)?;
+                let (sn, sshape) = array(py, sin, "rope sin", 2)?;
+                if cshape != sshape {
+                    return Err(invalid_input(
+                        py,
+                        format!("rope cos and sin differ in shape: {cshape:?} and {sshape:?}"),
+                    ));
+                }
+                if pos.shape().len() != 2 || pos.shape()[0] != b {
+                    return Err(invalid_input(
+                        py,
+                        format!(
+                            "positions must be [B={b}, T_c], got shape {:?}",
+                            pos.shape()
+                        ),
+                    ));
+                }
+                let positions = pos
+                    .as_slice()
+                    .map_err(|_| invalid_input(py, "positions must be C-contiguous"))?;
+                let style = match style.as_str() {
+                    "half" => RopeStyle::Half,
+                    "interleaved" => RopeStyle::Interleaved,
+                    other => {
+                        return Err(crate::errors::invalid_parameter(
+                            py,
+                            format!("rope style must be 'half' or 'interleaved', got {other:?}"),
+                        ))
+                    }
+                };
+                Some(KeyRope {
+                    cos: c,
+                    sin: sn,
+                    rot: 2 * cshape[0],
+                    style,
+                    positions,
+                })
+            }
+        };
         let sink = RawRows {
             k: raw[0].0,
             v: raw[1].0,
@@ -275,7 +327,9 @@ impl PyLayerCodes {
             rows: raw[2].1,
         };
         let o = run(py, || {
-            with_threads(threads, || attend(inner, qs, hq, nq, sink, tail, m, &p))?
+            with_threads(threads, || {
+                attend(inner, qs, hq, nq, sink, tail, m, &p, rope.as_ref())
+            })?
         })?;
         let out: Bound<'py, PyArrayDyn<f32>> =
             PyArray1::from_vec(py, o.out).reshape(vec![b, hq, nq, dv])?;

@@ -134,6 +134,7 @@ fn main() {
             },
             None,
             &p,
+            None,
         )
         .unwrap()
     };

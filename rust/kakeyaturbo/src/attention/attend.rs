@@ -4,7 +4,9 @@
 
 use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
+use super::rope::KeyRope;
 use super::store::LayerCodes;
+use super::tables::StreamTables;
 use crate::error::{input, param, Result};
 use rayon::prelude::*;
 
@@ -78,6 +80,9 @@ impl Isa {
 /// domain the keys were coded in; `mask` an optional additive `[B, n_q, T]` (finite or
 /// `-inf`). Sealed scores come from the codes (no key is decoded), raw ones exactly, one
 /// softmax over all; the value sum runs over the codes and is synthesised once per query.
+/// With `rope` the keys were coded before RoPE: each sealed key is synthesised in its tile,
+/// rotated to its position ([`KeyRope`]) and dotted with the queries (which are after RoPE,
+/// as the raw rows are); without it the queries are in the keys' coded domain.
 /// Checks every input; never panics on any; an output that overflows float32 is
 /// [`crate::Error::Numerical`].
 #[allow(clippy::too_many_arguments)]
@@ -90,8 +95,20 @@ pub fn attend(
     tail: RawRows<'_>,
     mask: Option<&[f32]>,
     p: &AttentionParams,
+    rope: Option<&KeyRope<'_>>,
 ) -> Result<AttentionOutput> {
-    attend_with(Isa::best(), codes, q, q_heads, n_q, sink, tail, mask, p)
+    attend_with(
+        Isa::best(),
+        codes,
+        q,
+        q_heads,
+        n_q,
+        sink,
+        tail,
+        mask,
+        p,
+        rope,
+    )
 }
 
 /// [`attend`] on a given instruction set (which this CPU must run: [`Isa::best`] or
@@ -107,11 +124,12 @@ pub fn attend_with(
     tail: RawRows<'_>,
     mask: Option<&[f32]>,
     p: &AttentionParams,
+    rope: Option<&KeyRope<'_>>,
 ) -> Result<AttentionOutput> {
     if isa == Isa::Avx512 && Isa::best() != Isa::Avx512 {
         return param("this CPU does not run the AVX-512 kernel");
     }
-    let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p)?;
+    let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
     let preps: Vec<Prep> = (0..cx.batch * cx.kv_heads)
         .into_par_iter()
         .map(|bh| prep(&cx, bh))
@@ -149,6 +167,7 @@ struct Ctx<'a> {
     sink: RawRows<'a>,
     tail: RawRows<'a>,
     mask: Option<&'a [f32]>,
+    rope: Option<KeyRope<'a>>,
     scale: f32,
     softcap: Option<f32>,
     window: Option<usize>,
@@ -240,6 +259,7 @@ impl<'a> Ctx<'a> {
         tail: RawRows<'a>,
         mask: Option<&'a [f32]>,
         p: &AttentionParams,
+        rope: Option<&KeyRope<'a>>,
     ) -> Result<Self> {
         let (batch, kv_heads) = (codes.batch(), codes.kv_heads());
         let (dk, dv) = (codes.k_dim(), codes.v_dim());
@@ -302,12 +322,20 @@ impl<'a> Ctx<'a> {
         if p.window == Some(0) {
             return param("window must be >= 1");
         }
+        if let Some(r) = rope {
+            r.check(batch, sealed, dk)?;
+            // Derived here, once, so that the workers only read it.
+            for bh in 0..batch * kv_heads {
+                codes.k_store(bh).tables().key_synthesis();
+            }
+        }
         Ok(Self {
             codes,
             q,
             sink,
             tail,
             mask,
+            rope: rope.copied(),
             scale: p.scale,
             softcap: p.softcap,
             window: p.window,
@@ -342,7 +370,7 @@ impl<'a> Ctx<'a> {
             for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dk]) {
                 *o = x * self.scale;
             }
-            if self.sealed > 0 {
+            if self.sealed > 0 && self.rope.is_none() {
                 qm[r] = t.query_weights(dst, &mut w[r * m..(r + 1) * m]);
             }
         }
@@ -590,25 +618,39 @@ fn code_part<K: Tile>(
         }
         let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
         k.scales(kb, row0, rows, &mut gk);
-        k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
         let lo = (row0 * mk) as u32;
         let hi = ((row0 + rows) * mk) as u32;
-        for o in kb.first_outlier_from(lo)..kb.outliers {
-            let (pos, val) = kb.outlier(o);
-            if pos >= hi {
-                break;
+        if let Some(kr) = &cx.rope {
+            k.centroids(kt, kb, row0, rows, scratch);
+            for o in kb.first_outlier_from(lo)..kb.outliers {
+                let (pos, val) = kb.outlier(o);
+                if pos >= hi {
+                    break;
+                }
+                let (row, j) = (pos as usize / mk, pos as usize % mk);
+                scratch.tile[j * TILE + row - row0] = val;
             }
-            let (row, j) = (pos as usize / mk, pos as usize % mk);
-            let diff = val - centroid_at(kt, kb, row, j);
-            let t = row - row0;
+            let first = b * cx.sealed + pos0 - cx.sink.rows;
+            rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
+        } else {
+            k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
+            for o in kb.first_outlier_from(lo)..kb.outliers {
+                let (pos, val) = kb.outlier(o);
+                if pos >= hi {
+                    break;
+                }
+                let (row, j) = (pos as usize / mk, pos as usize % mk);
+                let diff = val - centroid_at(kt, kb, row, j);
+                let t = row - row0;
+                for r in 0..qr {
+                    s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
+                }
+            }
             for r in 0..qr {
-                s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
-            }
-        }
-        for r in 0..qr {
-            let qm = prep.qm[r];
-            for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
-                *v = g.mul_add(*v, qm);
+                let qm = prep.qm[r];
+                for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
+                    *v = g.mul_add(*v, qm);
+                }
             }
         }
         cx.finish_scores(&mut s, &add);
@@ -661,6 +703,86 @@ fn code_part<K: Tile>(
         mx,
         l,
         acc: sums,
+    }
+}
+
+/// The scores of a tile of keys coded before RoPE (mod.rs, "Arithmetic"): `scratch.tile`
+/// holds the rows' centroids (outliers in place), `first` is the flat index of the tile's
+/// first row in `positions`. Everything runs with the tile's 64 rows in lanes: the keys are
+/// synthesised transposed (`keys[d * 64 + t]`), so that the scale, the mean, the rotation and
+/// the dot products are all 64-wide. Rows past `rows` hold finite values that the mask hides.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rope_scores<K: Tile>(
+    k: K,
+    cx: &Ctx<'_>,
+    prep: &Prep,
+    kt: &StreamTables,
+    kr: &KeyRope<'_>,
+    first: usize,
+    rows: usize,
+    g: &[f32; TILE],
+    s: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let (d, qr, half) = (kt.d, cx.qr(), kr.rot / 2);
+    let Scratch {
+        tile, keys, trig, ..
+    } = scratch;
+    // Every value of `keys` and `trig` is written below before it is read.
+    keys.resize(d * TILE, 0.0);
+    let keys = &mut keys[..d * TILE];
+    k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys);
+    for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
+        for (v, &gt) in x.iter_mut().zip(g) {
+            *v = gt.mul_add(*v, mu);
+        }
+    }
+    // cos and sin of each row's position, frequency-major: trig[i * 64 + t], then the sines.
+    trig.resize(2 * half * TILE, 0.0);
+    let trig = &mut trig[..2 * half * TILE];
+    kr.gather(first, rows, trig);
+    let (ct, st) = trig.split_at(half * TILE);
+    for i in 0..half {
+        let (a, b) = kr.pair(i);
+        let (lo, hi) = keys.split_at_mut(b * TILE);
+        let (xa, xb) = (&mut lo[a * TILE..(a + 1) * TILE], &mut hi[..TILE]);
+        let (c, sn) = (&ct[i * TILE..(i + 1) * TILE], &st[i * TILE..(i + 1) * TILE]);
+        for t in 0..TILE {
+            let (u, v) = (xa[t], xb[t]);
+            xa[t] = u * c[t] + (-v) * sn[t];
+            xb[t] = v * c[t] + u * sn[t];
+        }
+    }
+    let keys = &*keys;
+    let mut r0 = 0;
+    while r0 < qr {
+        match qr - r0 {
+            1 => tile_dots::<1>(&prep.qs, d, r0, keys, s),
+            2 => tile_dots::<2>(&prep.qs, d, r0, keys, s),
+            3 => tile_dots::<3>(&prep.qs, d, r0, keys, s),
+            _ => tile_dots::<4>(&prep.qs, d, r0, keys, s),
+        }
+        r0 += (qr - r0).min(4);
+    }
+}
+
+/// `s[(r0 + r) * 64 + t]` = the `fma` chain over `d` from 0 of `qs[(r0 + r) * D + d] *
+/// keys[d * 64 + t]`, `R` query rows at a time (their sums held in registers).
+#[inline(always)]
+fn tile_dots<const R: usize>(qs: &[f32], d: usize, r0: usize, keys: &[f32], s: &mut [f32]) {
+    let mut acc = [[0f32; TILE]; R];
+    for (dd, x) in keys.chunks_exact(TILE).enumerate() {
+        let x: &[f32; TILE] = x.try_into().expect("a tile");
+        for (r, a) in acc.iter_mut().enumerate() {
+            let q = qs[(r0 + r) * d + dd];
+            for t in 0..TILE {
+                a[t] = q.mul_add(x[t], a[t]);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        s[(r0 + r) * TILE..(r0 + r + 1) * TILE].copy_from_slice(a);
     }
 }
 

@@ -34,6 +34,40 @@ const NR: usize = 6;
 
 impl Tile for Avx512 {
     #[inline(always)]
+    fn centroids(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        assert!(s.tile.len() >= t.m * TILE);
+        // SAFETY: as in `scales`; `unpack` checks what it reads, the tile's size was checked.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            centroids(t, &s.bytes, &mut s.tile);
+        }
+    }
+
+    #[inline(always)]
+    fn synthesize(self, d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
+        assert!(tile.len() >= m * TILE && msyn.len() >= m * d && keys.len() >= d * TILE);
+        // SAFETY: as in `scales`; the sizes were checked.
+        unsafe {
+            let mut d0 = 0;
+            while d0 + 4 <= d {
+                synthesize_block::<4>(d, d0, m, tile, msyn, keys);
+                d0 += 4;
+            }
+            while d0 < d {
+                synthesize_block::<1>(d, d0, m, tile, msyn, keys);
+                d0 += 1;
+            }
+        }
+    }
+
+    #[inline(always)]
     fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
         // SAFETY: only reached through `attend::run_task_avx512`, which `available` guards.
         unsafe { scales(b, row0, rows, g) }
@@ -304,6 +338,56 @@ unsafe fn look_up(kind: Lookup, tab: &Table, bytes: *const u8) -> __m512 {
             _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), lo, hi)
         }
         Lookup::Gather => _mm512_i32gather_ps::<4>(idx, tab.p),
+    }
+}
+
+/// Dimensions `d0 .. d0 + N` of [`Tile::synthesize`]: `N x 4` accumulators of 16 rows held in
+/// registers across the components (the same `fma` chains as the definition).
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn synthesize_block<const N: usize>(
+    d: usize,
+    d0: usize,
+    m: usize,
+    tile: &[f32],
+    msyn: &[f32],
+    keys: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
+    let (tp, mp) = (tile.as_ptr(), msyn.as_ptr());
+    for j in 0..m {
+        let c = [
+            _mm512_loadu_ps(tp.add(j * TILE)),
+            _mm512_loadu_ps(tp.add(j * TILE + 16)),
+            _mm512_loadu_ps(tp.add(j * TILE + 32)),
+            _mm512_loadu_ps(tp.add(j * TILE + 48)),
+        ];
+        for (k, a) in acc.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(*mp.add(j * d + d0 + k));
+            for (x, &cg) in a.iter_mut().zip(&c) {
+                *x = _mm512_fmadd_ps(w, cg, *x);
+            }
+        }
+    }
+    let kp = keys.as_mut_ptr();
+    for (k, a) in acc.iter().enumerate() {
+        for (g, &x) in a.iter().enumerate() {
+            _mm512_storeu_ps(kp.add((d0 + k) * TILE + 16 * g), x);
+        }
+    }
+}
+
+/// The unpacked indices of a tile looked up into `tile[j * 64 + t]`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn centroids(t: &StreamTables, bytes: &[u8], tile: &mut [f32]) {
+    let slots = 8 * t.groups.len();
+    let bp = bytes.as_ptr();
+    let tp = tile.as_mut_ptr();
+    for (j, c) in t.comps.iter().enumerate() {
+        let tab = table(t, c);
+        for rg in 0..4 {
+            let v = look_up(c.lookup, &tab, bp.add((rg * slots + c.slot as usize) * 16));
+            _mm512_storeu_ps(tp.add(j * TILE + 16 * rg), v);
+        }
     }
 }
 

@@ -22,6 +22,10 @@ pub(crate) struct Scratch {
     pub scores: Vec<f32>,
     pub add: Vec<f32>,
     pub acc: Vec<f32>,
+    /// Synthesised keys of a tile, transposed (`D_k x 64`), and the cos/sin of its rows
+    /// (keys coded before RoPE).
+    pub keys: Vec<f32>,
+    pub trig: Vec<f32>,
 }
 
 impl Scratch {
@@ -42,6 +46,8 @@ impl Scratch {
             scores: Vec::new(),
             add: Vec::new(),
             acc: Vec::new(),
+            keys: Vec::new(),
+            trig: Vec::new(),
         }
     }
 }
@@ -72,6 +78,19 @@ pub(crate) trait Tile: Copy + Send + Sync {
         dot: &mut [f32],
         s: &mut Scratch,
     );
+    /// The rows' centroids, component-major: `s.tile[j * 64 + t]` (`t >= rows`: centroid 0).
+    fn centroids(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    );
+    /// `keys[d * 64 + t]` = the `fma` chain over `j` from 0 of `msyn[j * D + d] * tile[j * 64 + t]`.
+    fn synthesize(self, d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
+        synthesize_tile(d, m, tile, msyn, keys)
+    }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
     /// `k = 0..4` in order.
     #[allow(clippy::too_many_arguments)]
@@ -124,6 +143,18 @@ impl Portable {
 }
 
 impl Tile for Portable {
+    #[inline(always)]
+    fn centroids(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+    }
+
     #[inline(always)]
     fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
         for (r, x) in g.iter_mut().enumerate() {
@@ -197,4 +228,41 @@ pub(crate) fn centroid_at(t: &StreamTables, b: &SealedBlock, r: usize, j: usize)
     le[..end - at].copy_from_slice(&row[at..end]);
     let code = (u64::from_le_bytes(le) >> c.shift) as u32 & c.mask;
     t.centroid(j, code)
+}
+
+/// Dimensions per block of [`synthesize_tile`].
+const DB: usize = 4;
+
+/// The definition of [`Tile::synthesize`], in blocks of [`DB`] dimensions.
+#[inline(always)]
+pub(crate) fn synthesize_tile(d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
+    let mut d0 = 0;
+    while d0 + DB <= d {
+        let mut acc = [[0f32; TILE]; DB];
+        for j in 0..m {
+            let c: &[f32; TILE] = tile[j * TILE..(j + 1) * TILE].try_into().expect("a tile");
+            let w: &[f32; DB] = msyn[j * d + d0..j * d + d0 + DB]
+                .try_into()
+                .expect("DB values");
+            for k in 0..DB {
+                for t in 0..TILE {
+                    acc[k][t] = w[k].mul_add(c[t], acc[k][t]);
+                }
+            }
+        }
+        for (k, a) in acc.iter().enumerate() {
+            keys[(d0 + k) * TILE..(d0 + k + 1) * TILE].copy_from_slice(a);
+        }
+        d0 += DB;
+    }
+    for dd in d0..d {
+        let x = &mut keys[dd * TILE..(dd + 1) * TILE];
+        x.fill(0.0);
+        for j in 0..m {
+            let w = msyn[j * d + dd];
+            for (o, &c) in x.iter_mut().zip(&tile[j * TILE..(j + 1) * TILE]) {
+                *o = w.mul_add(c, *o);
+            }
+        }
+    }
 }

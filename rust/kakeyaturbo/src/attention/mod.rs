@@ -32,6 +32,11 @@
 //!   the row (ascending component) adds `fma(w_j, value - c_j, dot)`; `s = fma(g, dot, q.mean)`.
 //! - A raw row's score: 16 lane-wise `fma` chains over the dimensions (`d mod 16`), summed as a
 //!   tree (lanes `l + 8`, `+ 4`, `+ 2`, `+ 1`).
+//! - A sealed row of keys coded before RoPE ([`rope`]): `x_d` = `fma` chain over `j` from 0
+//!   of `M_jd c_j` (outliers' values in place of their centroids), `y_d = fma(g, x_d, mean_d)`,
+//!   per pair `(a, b)` of the rotation `y_a' = y_a cos + (-y_b) sin`, `y_b' = y_b cos + y_a sin`
+//!   (each product rounded, then the sum, as transformers rotates), then the score
+//!   `s` = `fma` chain over `d` from 0 of `q_d y'_d`.
 //! - Then `s = cap * tanh(s / cap)` with a softcap, then `s + mask` (`-inf` where the position
 //!   is not seen: causal, outside the window, past the rows).
 //! - Online softmax per tile of 64 rows: `M' = max(M, max s)`, `a = exp(M - M')`,
@@ -54,10 +59,12 @@ pub mod attend;
 pub(crate) mod avx512;
 pub mod kernel;
 pub mod math;
+pub mod rope;
 pub mod store;
 pub mod tables;
 
 pub use attend::{attend, attend_with, AttentionOutput, AttentionParams, Isa, RawRows};
+pub use rope::{KeyRope, RopeStyle};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
 

@@ -70,6 +70,9 @@ pub struct StreamTables {
     pub(crate) synthesis: Vec<f32>,
     pub(crate) synthesis_t: Vec<f32>,
     pub(crate) mean: Vec<f32>,
+    /// `M` (`m x D`, row `j` = what component `j` adds to a decoded row per unit of its
+    /// centroid): derived on first use by attention over keys coded before RoPE.
+    key_synth: std::sync::OnceLock<Vec<f32>>,
 }
 
 impl StreamTables {
@@ -178,6 +181,7 @@ impl StreamTables {
                 .flat_map(|d| (0..codec.m).map(move |j| codec.synthesis_scaled()[j * codec.d + d]))
                 .collect(),
             mean: codec.mean.clone(),
+            key_synth: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
     }
@@ -233,6 +237,23 @@ impl StreamTables {
             }
         }
         qm
+    }
+
+    /// `M` (`m x D` row-major): a row of scale `g` and centroids `c` (outliers' values in
+    /// place) decodes as `mean + g * sum_j c_j M_j`. Row `j` is [`Self::synthesize`] of the
+    /// unit vector `e_j` without the mean; derived once, on first use.
+    pub fn key_synthesis(&self) -> &[f32] {
+        self.key_synth.get_or_init(|| {
+            let (m, d) = (self.m, self.d);
+            let mut out = vec![0f32; m * d];
+            let mut e = vec![0f32; m];
+            for (j, row) in out.chunks_exact_mut(d).enumerate() {
+                e.fill(0.0);
+                e[j] = 1.0;
+                self.synthesize(&mut e, 0.0, row);
+            }
+            out
+        })
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and

@@ -21,6 +21,28 @@ struct Case {
     tail: (Vec<f32>, Vec<f32>, usize),
     mask: Option<Vec<f32>>,
     params: AttentionParams,
+    rope: Option<RopeCase>,
+}
+
+/// A rotation of keys coded before RoPE: cos/sin tables and every sealed row's position.
+struct RopeCase {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    rot: usize,
+    style: RopeStyle,
+    positions: Vec<u32>,
+}
+
+impl RopeCase {
+    fn key_rope(&self) -> KeyRope<'_> {
+        KeyRope {
+            cos: &self.cos,
+            sin: &self.sin,
+            rot: self.rot,
+            style: self.style,
+            positions: &self.positions,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -42,6 +64,8 @@ struct Spec {
     softcap: Option<f32>,
     window: Option<usize>,
     mask: bool,
+    /// Keys coded before RoPE: (rotary dimension, interleaved pairing).
+    rope: Option<(usize, bool)>,
 }
 
 impl Default for Spec {
@@ -64,6 +88,7 @@ impl Default for Spec {
             softcap: None,
             window: None,
             mask: false,
+            rope: None,
         }
     }
 }
@@ -174,7 +199,47 @@ fn build(s: &Spec) -> Case {
             })
             .collect()
     });
+    let sealed: usize = s.blocks.iter().sum();
+    let rope = s.rope.map(|(rot, inter)| {
+        let rot = (rot.min(s.dk) / 2 * 2).max(2).min(s.dk / 2 * 2);
+        let half = rot / 2;
+        let n_pos = s.sink + sealed + s.tail + 7;
+        let inv: Vec<f32> = (0..half)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / rot as f32))
+            .collect();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for &f in &inv {
+            for p in 0..n_pos {
+                let a = p as f32 * f;
+                cos.push(a.cos() * 1.1);
+                sin.push(a.sin() * 1.1);
+            }
+        }
+        // Positions as a left-padded batch row has them: an offset, then consecutive; batch
+        // row 1 starts with pads (position 1) and reaches the table's last position.
+        let positions = (0..s.batch)
+            .flat_map(|b| {
+                (0..sealed).map(move |t| match b {
+                    0 => (s.sink + t) as u32,
+                    _ if t < 5 => 1,
+                    _ => (s.sink + t + 7 + s.tail) as u32,
+                })
+            })
+            .collect();
+        RopeCase {
+            cos,
+            sin,
+            rot,
+            style: if inter {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Half
+            },
+            positions,
+        }
+    });
     Case {
+        rope,
         codes,
         hq,
         nq: s.nq,
@@ -211,6 +276,7 @@ fn run(c: &Case, isa: Isa) -> Result<AttentionOutput, crate::Error> {
         },
         c.mask.as_deref(),
         &c.params,
+        c.rope.as_ref().map(|r| r.key_rope()).as_ref(),
     )
 }
 
@@ -229,12 +295,39 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
             let (ks, vs) = c.codes.stores(b, h).unwrap();
             let mut k: Vec<f32> = c.sink.0[bh * c.sink.2 * dk..(bh + 1) * c.sink.2 * dk].to_vec();
             let mut v: Vec<f32> = c.sink.1[bh * c.sink.2 * dv..(bh + 1) * c.sink.2 * dv].to_vec();
+            let sealed0 = k.len() / dk;
             for (blk_k, blk_v) in ks.blocks().iter().zip(vs.blocks()) {
                 let kc = ks.tables().codec();
                 let vc = vs.tables().codec();
                 k.extend(kc.decode(&kc.from_bytes(blk_k.bytes()).unwrap()).unwrap());
                 v.extend(vc.decode(&vc.from_bytes(blk_v.bytes()).unwrap()).unwrap());
             }
+            // Keys coded before RoPE: rotated here as the model would (in f64).
+            let mut k64: Vec<f64> = k.iter().map(|&x| x as f64).collect();
+            if let Some(r) = &c.rope {
+                let sealed = k.len() / dk - sealed0;
+                let half = r.rot / 2;
+                for t in 0..sealed {
+                    let p = r.positions[b * sealed + t] as usize;
+                    let row = &mut k64[(sealed0 + t) * dk..(sealed0 + t + 1) * dk];
+                    for i in 0..half {
+                        let (ia, ib) = match r.style {
+                            RopeStyle::Half => (i, i + half),
+                            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                        };
+                        let n_pos = r.cos.len() / half;
+                        let (cs, sn) = (r.cos[i * n_pos + p] as f64, r.sin[i * n_pos + p] as f64);
+                        let (a, bb) = (row[ia], row[ib]);
+                        row[ia] = a * cs - bb * sn;
+                        row[ib] = bb * cs + a * sn;
+                    }
+                }
+            }
+            k64.extend(
+                c.tail.0[bh * c.tail.2 * dk..(bh + 1) * c.tail.2 * dk]
+                    .iter()
+                    .map(|&x| x as f64),
+            );
             k.extend_from_slice(&c.tail.0[bh * c.tail.2 * dk..(bh + 1) * c.tail.2 * dk]);
             v.extend_from_slice(&c.tail.1[bh * c.tail.2 * dv..(bh + 1) * c.tail.2 * dv]);
             let t = k.len() / dk;
@@ -248,14 +341,10 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
                     let scale = c.params.scale as f64;
                     let s: Vec<f64> = (0..t)
                         .map(|p| {
-                            let kr = &k[p * dk..(p + 1) * dk];
-                            let mut x: f64 =
-                                q.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
-                            let mag: f64 = q
-                                .iter()
-                                .zip(kr)
-                                .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                                .sum();
+                            let kr = &k64[p * dk..(p + 1) * dk];
+                            let mut x: f64 = q.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum();
+                            let mag: f64 =
+                                q.iter().zip(kr).map(|(&a, &b)| (a as f64 * b).abs()).sum();
                             smax = smax.max(mag * scale.abs());
                             x *= scale;
                             if let Some(cap) = c.params.softcap {
@@ -370,6 +459,75 @@ fn matches_the_decoded_attention() {
 }
 
 #[test]
+fn keys_coded_before_rope_match_the_rotated_decode() {
+    for (dk, rope) in [
+        (32, (32, false)),
+        (64, (64, false)),
+        (128, (128, true)),
+        (64, (24, false)),
+        (40, (40, true)),
+        (256, (256, false)),
+    ] {
+        check(&Spec {
+            dk,
+            rope: Some(rope),
+            ..Spec::default()
+        });
+    }
+    check(&Spec {
+        batch: 2,
+        kv_heads: 1,
+        group: 7,
+        dk: 64,
+        nq: 3,
+        tail: 5,
+        mask: true,
+        softcap: Some(5.0),
+        window: Some(150),
+        blocks: vec![512, 70],
+        rope: Some((64, false)),
+        ..Spec::default()
+    });
+}
+
+#[test]
+fn a_bad_rotation_is_a_typed_error() {
+    let mut c = build(&Spec {
+        rope: Some((32, false)),
+        ..Spec::default()
+    });
+    assert!(run(&c, Isa::Portable).is_ok());
+    let r = c.rope.as_mut().unwrap();
+    let n = r.cos.len() / 16;
+    r.positions[5] = n as u32;
+    assert!(matches!(
+        run(&c, Isa::Portable),
+        Err(crate::Error::InvalidInput(_))
+    ));
+    let r = c.rope.as_mut().unwrap();
+    r.positions[5] = 0;
+    r.positions.pop();
+    assert!(matches!(
+        run(&c, Isa::Portable),
+        Err(crate::Error::InvalidInput(_))
+    ));
+    let r = c.rope.as_mut().unwrap();
+    r.positions.push(0);
+    r.cos.iter_mut().for_each(|v| *v = f32::NAN);
+    assert!(matches!(
+        run(&c, Isa::Portable),
+        Err(crate::Error::Numerical(_))
+    ));
+    let r = c.rope.as_mut().unwrap();
+    r.cos.iter_mut().for_each(|v| *v = 0.5);
+    r.rot = 33;
+    assert!(run(&c, Isa::Portable).is_err());
+    let r = c.rope.as_mut().unwrap();
+    r.rot = 34;
+    assert!(run(&c, Isa::Portable).is_err());
+}
+
+#[test]
 fn no_sealed_rows_windows_and_masks() {
     check(&Spec {
         blocks: vec![],
@@ -401,9 +559,16 @@ fn no_sealed_rows_windows_and_masks() {
 
 #[test]
 fn thread_count_does_not_change_the_bits() {
+    for rope in [None, Some((32, false))] {
+        thread_count_case(rope);
+    }
+}
+
+fn thread_count_case(rope: Option<(usize, bool)>) {
     let c = build(&Spec {
         blocks: vec![2048, 2048, 1000],
         kv_heads: 3,
+        rope,
         ..Spec::default()
     });
     let one = crate::threads::with_threads(Some(1), || run(&c, Isa::best()))
@@ -443,6 +608,7 @@ fn bad_inputs_are_typed_errors() {
             },
             mask,
             &p,
+            None,
         )
     };
     let p = c.params;
@@ -509,6 +675,7 @@ fn bad_inputs_are_typed_errors() {
         },
         None,
         &p,
+        None,
     );
     assert!(matches!(e, Err(crate::Error::InvalidInput(_))));
 }
@@ -549,6 +716,7 @@ proptest! {
                 RawRows { k: &c.tail.0, v: &c.tail.1, rows: c.tail.2 },
                 None,
                 &c.params,
+                None,
             );
             // Accepted codes are valid codes: the output is finite (or a typed error).
             if let Ok(o) = o {
@@ -568,10 +736,12 @@ proptest! {
         extra in 0usize..70, nq in 1usize..5, norm in any::<bool>(), ip in any::<bool>(),
         outliers in any::<bool>(), bmax in 1u8..=8, cap in any::<bool>(),
         window in proptest::option::of(1usize..400), mask in any::<bool>(),
+        rope in proptest::option::of((2usize..80, any::<bool>())),
     ) {
         check(&Spec {
             seed, batch, kv_heads, group, dk, dv, blocks, sink, tail: nq + extra, nq, norm, ip,
             outliers, bmax, softcap: cap.then_some(3.0), window, mask,
+            rope: rope.filter(|_| dk >= 2),
         });
     }
 }
