@@ -33,11 +33,14 @@
    The timed encodes are also checked against Rust block by block / head by head.
 3. Decode attention over the calibrated codes (``kakeyaturbo.kernels.decode_attention_triton``):
    parity with the Rust kernel (``tests/kernels/attention/parity.py``: 80 of its 300 random
-   cases, in this process, within a third of the fuzz budget) and the time of one decode step of one
+   cases, and 20 of its 60 random cases of keys coded before RoPE, in this process, within a
+   third of the fuzz budget) and the time of one decode step of one
    layer (one query token per query head) at T = 8k and 32k for the default model's shape (9
    query heads, 3 kv-heads, head_dim 64) and a head_dim-128 one (32 / 8), codes at 3 and 4 bits
    per element water-filled on a decaying spectrum, beside ``torch.nn.functional.
-   scaled_dot_product_attention`` (``enable_gqa``) over the bf16 and the fp32 cache.
+   scaled_dot_product_attention`` (``enable_gqa``) over the bf16 and the fp32 cache; the same
+   codes also read as keys coded before RoPE (``keys pre-RoPE``: a base-10000 table over every
+   dimension staged once, positions ``0 .. T_c - 1`` on the device).
 4. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
 
 The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes):
@@ -63,7 +66,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # tests/kernels/, the parity harness, as the package "kernels"
@@ -450,6 +453,21 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
     fuzz = {"cases": len(specs), "run": len(results) + len(failures), "not_run": not_run,
             "failures": failures, **attention_parity.summary(results),
             "seconds": time.perf_counter() - t0, "passed": not failures and not not_run}
+    # Keys coded before RoPE: 20 of the 60 random pre-RoPE cases (the subset in a dry run).
+    t1 = time.perf_counter()
+    rspecs = attention_parity.make_rope_cases(not dry_run)[: 2 if dry_run else 20]
+    rresults, rfailures, rnot_run = [], [], 0
+    for rspec in rspecs:
+        if time.perf_counter() - t0 > budget_s:
+            rnot_run += 1
+            continue
+        try:
+            rresults.append(attention_parity.run(rspec, device))
+        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+            rfailures.append(f"rope seed {rspec.seed}: {str(e)[:500]}")
+    rope_fuzz = {"cases": len(rspecs), "run": len(rresults) + len(rfailures), "not_run": rnot_run,
+                 "failures": rfailures, **attention_parity.summary(rresults),
+                 "seconds": time.perf_counter() - t1, "passed": not rfailures and not rnot_run}
     bench = timer(dry_run)
     rows: List[Dict[str, Any]] = []
     shapes = [(2, 1, 16)] if dry_run else ATTENTION_SHAPES
@@ -471,7 +489,31 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
                 rows.append({"impl": "triton attention over the codes", "shape": f"{hq}/{hkv}x{d}",
                              "T": tokens, "bits": round(held, 2),
                              "ms": bench(lambda: K.decode_attention_triton(layer, q, tail, tail))})
-    return {"fuzz": fuzz, "rows": rows}
+                # The same codes read as keys coded before RoPE: table staged once, positions
+                # on the device (trusted there, so no check reads them back).
+                rope, pos = attention_rope(tokens, d, layer.k.rows, device)
+                rows.append({"impl": "triton attention over the codes, keys pre-RoPE",
+                             "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
+                             "ms": bench(lambda: K.decode_attention_triton(layer, q, tail, tail, rope=rope,
+                                                                           positions=pos))})
+    return {"fuzz": fuzz, "rope_fuzz": rope_fuzz, "rows": rows}
+
+
+def attention_rope(tokens: int, d: int, sealed: int, device: str) -> Tuple[Any, Any]:
+    """A base-10000 rotary table over every dimension for positions ``0 .. tokens`` staged on
+    ``device`` (``stack_rope``) and the sealed rows' positions ``0 .. sealed - 1`` (int32
+    ``[1, sealed]`` there)."""
+    import numpy as np
+    import torch
+
+    import kakeyaturbo as kt
+    from kakeyaturbo.kernels.attention import stack_rope
+
+    inv = 1.0 / 10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.arange(tokens + 1, dtype=np.float64)[:, None] * inv[None, :]
+    table = kt.RopeTable(np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), "half")
+    pos = torch.arange(sealed, dtype=torch.int32, device=device)[None]
+    return stack_rope(table, device), pos
 
 
 def _attention_lines(at: Dict[str, Any]) -> List[str]:
@@ -485,6 +527,12 @@ def _attention_lines(at: Dict[str, Any]) -> List[str]:
         "",
     ]
     lines += [f"- failure: {f}" for f in fz["failures"][:20]]
+    rf = at.get("rope_fuzz")
+    if rf:
+        lines += ["", f"Keys coded before RoPE: {rf['run']} of {rf['cases']} cases in {rf['seconds']:.0f} s, "
+                  f"largest errors out {rf['max_out_error']:.2e}, lse {rf['max_lse_error']:.2e} (limit "
+                  f"attention_triton_rope); **{'PASS' if rf['passed'] else 'FAIL'}**", ""]
+        lines += [f"- failure: {f}" for f in rf["failures"][:20]]
     lines += ["", "One decode step of one layer (1 query token per head); bits per element held "
               "(all-in for the codes).", "", "| impl | q/kv heads x D | T | bits | ms |", "|---|---|---|---|---|"]
     for r in at["rows"]:
@@ -621,7 +669,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (args.out / "gpu_bench.md").write_text(md)
     print(md)
     print(f"total {res['seconds']:.0f} s; wrote gpu_bench.json and gpu_bench.md under {args.out}")
-    passed = all(f["passed"] for f in fuzz.values()) and attention["fuzz"]["passed"]
+    passed = all(f["passed"] for f in fuzz.values()) and attention["fuzz"]["passed"] \
+        and attention["rope_fuzz"]["passed"]
     return 0 if passed else 1
 
 

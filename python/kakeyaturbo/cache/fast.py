@@ -53,9 +53,10 @@ _registered = False
 #: Rope tables by rotary module (weakly: a table goes with its model), then (layer type, style).
 _TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, str], RopeTable]]" = weakref.WeakKeyDictionary()
 
-#: The fewest rows a rope table has; it holds a power of two of positions, doubled when a
-#: position passes its end.
+#: The fewest rows a rope table has; past it, a table holds a multiple of :data:`TABLE_STEP`
+#: positions, grown when a position passes its end.
 TABLE_ROWS = 256
+TABLE_STEP = 1024
 
 
 def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
@@ -74,7 +75,8 @@ def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
 def rope_table(rope: LayerRope, n: int) -> RopeTable:
     """The cos/sin of ``rope`` for positions ``0 .. n-1`` at least, as the model's rotary module
     gives them (one table per module, layer type and pairing, shared by every layer and cache;
-    at least :data:`TABLE_ROWS` rows, doubled as positions grow)."""
+    at least :data:`TABLE_ROWS` rows, then the multiple of :data:`TABLE_STEP` that covers ``n``:
+    computing a table is cheap next to holding a large one)."""
     try:
         tables = _TABLES.setdefault(rope.module, {})
     except TypeError:  # a rotary callable that cannot be referenced weakly: kept on the layer's rope
@@ -82,9 +84,7 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
     key = (rope.layer_type, rope.style)
     t = tables.get(key)
     if t is None or t.n_positions < n:
-        rows = max(TABLE_ROWS, t.n_positions if t is not None else 0)
-        while rows < n:  # a power of two >= n
-            rows *= 2
+        rows = max(TABLE_ROWS, -(-n // TABLE_STEP) * TABLE_STEP if n > TABLE_ROWS else TABLE_ROWS)
         cos, sin = rope(torch.arange(rows)[None])
         t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)
         tables[key] = t

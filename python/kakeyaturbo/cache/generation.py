@@ -30,8 +30,8 @@ class KakeyaCache(Cache):
     of ``block_size`` tokens of each stream in ``streams`` is sealed through ``codec`` (one blob
     per batch row and kv-head) and held only as bytes; the last partial block stays raw
     (staging); ``boundary`` layers (negative indices count from the last layer) are never
-    sealed. With a calibrated codec that codes keys after RoPE, attention is computed from the
-    codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
+    sealed. With a calibrated codec (keys coded before or after RoPE), attention is computed
+    from the codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
     (``keep_decoded=True`` keeps the decoded tensors instead, trading memory back for speed;
     they count in :meth:`nbytes`). Raw rows keep the dtype the model hands over.
 
@@ -45,9 +45,10 @@ class KakeyaCache(Cache):
     index.
 
     ``fast`` (None: when possible; True: required; False: never): attention over the codes
-    (:mod:`kakeyaturbo.cache.fast`): with a calibrated codec that codes keys after RoPE
-    (``[k] rope = "after"``), on a CPU model of a family in ``fast.FAMILIES`` running ``sdpa``
-    or ``eager`` attention, every layer that seals both K and V computes its attention with
+    (:mod:`kakeyaturbo.cache.fast`): with a calibrated codec (keys coded before RoPE, as the
+    shipped recipes do, are synthesised and rotated per tile inside the kernel; keys coded after
+    RoPE are scored by table look-ups), on a CPU model of a family in ``fast.FAMILIES`` running
+    ``sdpa`` or ``eager`` attention, every layer that seals both K and V computes its attention with
     :func:`kakeyaturbo.decode_attention` over its sealed blocks, sink and staging rows; the
     decoded cache never exists. The cache then points the model at a registered attention
     function that stands in for the model's own (and computes exactly as it for any other

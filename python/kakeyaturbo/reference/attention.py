@@ -1,7 +1,8 @@
 """The torch reference of attention over the codes: decode every sealed block (through the Rust
 decoder, :meth:`kakeyaturbo.CalibratedCodec.decode`), put the full K and V together with the raw
 rows, and run plain attention in float64 with the same scaling, softcap, causal and sliding
-window rules and mask as :func:`kakeyaturbo.decode_attention`.
+window rules and mask as :func:`kakeyaturbo.decode_attention` (keys coded before RoPE: the
+decoded sealed keys rotated in float64 with the table's cos/sin at their positions).
 
 It is the definition the kernels (Rust, Triton) are checked against; nothing in it is fast.
 """
@@ -14,15 +15,34 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codec.attention import LayerCodes, _mask
+from ..codec.attention import LayerCodes, RopeTable, _mask
 
 __all__ = ["decoded_kv", "reference_attention"]
 
 
-def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v: Any
+def rotate(k: np.ndarray, rope: RopeTable, positions: np.ndarray) -> np.ndarray:
+    """RoPE on rows ``k [T, D]`` at ``positions [T]`` in float64 (the table's pairing; channels
+    past its rotary dimension pass through)."""
+    h = rope.rot_dim // 2
+    c = rope.cos[positions].astype(np.float64)
+    s = rope.sin[positions].astype(np.float64)
+    x = k.astype(np.float64)
+    out = x.copy()
+    if rope.style == "half":
+        a, b = x[:, :h], x[:, h:2 * h]
+        out[:, :h], out[:, h:2 * h] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[:, 0:2 * h:2], x[:, 1:2 * h:2]
+        out[:, 0:2 * h:2], out[:, 1:2 * h:2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v: Any,
+               rope: Optional[RopeTable] = None, positions: Any = None
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every position's keys and values, float64 ``[B, H_kv, T, D_k]`` and ``[.., D_v]``: the
-    sink rows, each sealed block decoded, the tail rows (``sink_*`` may be None)."""
+    sink rows, each sealed block decoded (keys coded before RoPE rotated to ``positions``), the
+    tail rows (``sink_*`` may be None)."""
     b, hkv = codes.batch, codes.kv_heads
     ks, vs = [], []
     for bi in range(b):
@@ -30,9 +50,15 @@ def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v:
         for h in range(hkv):
             k = [] if sink_k is None else [np.asarray(sink_k)[bi, h]]
             v = [] if sink_v is None else [np.asarray(sink_v)[bi, h]]
+            sealed = []
             for i in range(codes.num_blocks(bi, h)):
-                k.append(codes.k_codecs[h].decode(codes.blob(bi, h, "k", i)))
+                sealed.append(codes.k_codecs[h].decode(codes.blob(bi, h, "k", i)))
                 v.append(codes.v_codecs[h].decode(codes.blob(bi, h, "v", i)))
+            if sealed:
+                ks_ = np.concatenate(sealed)
+                if rope is not None:
+                    ks_ = rotate(ks_, rope, np.asarray(positions)[bi])
+                k.append(ks_)
             k.append(np.asarray(tail_k)[bi, h])
             v.append(np.asarray(tail_v)[bi, h])
             kr.append(torch.from_numpy(np.concatenate(k).astype(np.float64)))
@@ -45,11 +71,12 @@ def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v:
 def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                         sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                         softcap: Optional[float] = None, window: Optional[int] = None,
-                        mask: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        mask: Any = None, rope: Optional[RopeTable] = None, positions: Any = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention over the decoded cache in float64; the arguments of
     :func:`kakeyaturbo.decode_attention`. Returns ``(out [B, H_q, n_q, D_v], lse [B, H_q,
     n_q])`` float64 tensors: a query that sees no position has output 0 and lse ``-inf``."""
-    k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v)
+    k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v, rope, positions)
     qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
     b, hq, nq, dk = qd.shape
     group = hq // codes.kv_heads

@@ -1,17 +1,26 @@
 """The Triton decode attention against the Rust kernel. The CI subset runs by default (CPU:
-Triton's interpreter, a few seconds); ``KAKEYATURBO_FULL_FUZZ=1`` runs 300 random cases."""
+Triton's interpreter, a few seconds); ``KAKEYATURBO_FULL_FUZZ=1`` runs 300 random cases, and
+60 random cases of keys coded before RoPE."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+import torch  # noqa: E402
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo.kernels.attention import stack_rope  # noqa: E402
+
 from . import parity  # noqa: E402
 from ..conftest import DEVICE, FULL_FUZZ  # noqa: E402
 
 CASES = parity.make_cases(FULL_FUZZ)
+ROPE_CASES = parity.make_rope_cases(FULL_FUZZ)
 
 
 @pytest.mark.parametrize("spec", CASES, ids=lambda s: f"seed{s.seed}")
@@ -20,5 +29,66 @@ def test_triton_attention_matches_rust(spec: parity.Spec) -> None:
     assert r.out_error <= parity.TOL["attention_triton"]
 
 
+@pytest.mark.parametrize("rope", ROPE_CASES, ids=lambda r: f"rope_seed{r.seed}_{r.style}")
+def test_triton_attention_before_rope_matches_rust(rope: parity.RopeSpec) -> None:
+    r = parity.run(rope, DEVICE)
+    assert r.out_error <= parity.TOL["attention_triton_rope"]
+    assert r.lse_error <= parity.TOL["attention_triton_rope"]
+
+
 def test_the_subset_covers_the_brief() -> None:
     assert all(parity.covered(list(parity.SUBSET)))
+    assert all(parity.covered_rope(list(parity.ROPE_SUBSET)))
+
+
+def test_the_rotation_changes_the_result() -> None:
+    """The pre-RoPE mode is not the plain one, nor the other pairing (the parity above could
+    not tell them apart otherwise)."""
+    r = parity.ROPE_SUBSET[0]
+    c = parity.build(r.spec)
+    table, pos = parity.rope_inputs(r)
+    layer = K.stack_layer(c.codes, DEVICE)
+    q = torch.from_numpy(c.q).to(DEVICE)
+    outs = [K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(), **kw)[0].cpu().numpy()
+            for kw in ({}, dict(rope=table, positions=pos),
+                       dict(rope=kt.RopeTable(table.cos, table.sin, "interleaved"), positions=pos))]
+    scale = np.abs(outs[1]).max()
+    assert np.abs(outs[0] - outs[1]).max() > 1e-3 * scale
+    assert np.abs(outs[2] - outs[1]).max() > 1e-3 * scale
+
+
+def test_rope_arguments_are_checked() -> None:
+    r = parity.ROPE_SUBSET[2]
+    c = parity.build(r.spec)
+    table, pos = parity.rope_inputs(r)
+    layer = K.stack_layer(c.codes, DEVICE)
+    q = torch.from_numpy(c.q).to(DEVICE)
+
+    def call(**kw: object) -> None:
+        K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(), **kw)
+
+    with pytest.raises(ValueError, match="both rope and positions"):
+        call(rope=table)
+    with pytest.raises(ValueError, match="both rope and positions"):
+        call(positions=pos)
+    with pytest.raises(ValueError, match="RopeTable"):
+        call(rope=(table.cos, table.sin), positions=pos)
+    with pytest.raises(ValueError, match="integers"):
+        call(rope=table, positions=pos.astype(np.float32))
+    with pytest.raises(ValueError, match=r"\[B=1, T_c=41\]"):
+        call(rope=table, positions=pos[:, :-1])
+    bad = pos.copy()
+    bad[0, 3] = table.n_positions
+    with pytest.raises(ValueError, match="must lie in"):
+        call(rope=table, positions=bad)
+    bad[0, 3] = -1
+    with pytest.raises(ValueError, match="must lie in"):
+        call(rope=table, positions=bad)
+    wide = kt.RopeTable(np.ones((4, 17), np.float32), np.zeros((4, 17), np.float32))
+    with pytest.raises(ValueError, match="exceeds D_k"):
+        call(rope=wide, positions=np.zeros_like(pos))
+    # A staged table gives the same bits as the table passed directly.
+    a = K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(), rope=table, positions=pos)
+    b = K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(),
+                                  rope=stack_rope(table, DEVICE), positions=torch.from_numpy(pos))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -4,9 +4,11 @@
 ``batch.py`` lays a :class:`kakeyaturbo.LayerCodes` out on the device (:func:`stack_layer`);
 ``split.py`` (partial softmaxes per (batch row, kv-head) and piece of positions) and
 ``combine.py`` (their combination, the value synthesis) are the two launches of
-:func:`decode_attention_triton` (``decode.py``)."""
+:func:`decode_attention_triton` (``decode.py``). Keys coded before RoPE: a rotary table staged
+once by :func:`stack_rope` and each sealed row's position."""
 
-from .batch import LayerBatch, StreamCodes, container_fields, stack_layer
+from .batch import LayerBatch, RopeBatch, StreamCodes, container_fields, key_synthesis, stack_layer, stack_rope
 from .decode import decode_attention_triton
 
-__all__ = ["LayerBatch", "StreamCodes", "container_fields", "decode_attention_triton", "stack_layer"]
+__all__ = ["LayerBatch", "RopeBatch", "StreamCodes", "container_fields", "decode_attention_triton",
+           "key_synthesis", "stack_layer", "stack_rope"]

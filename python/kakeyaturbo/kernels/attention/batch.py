@@ -16,18 +16,23 @@ Per stream and pair ``bh = b * H_kv + h`` (``T_c`` sealed rows, every pair the s
 
 The containers are read here with numpy after ``LayerCodes`` has checked them (checksum,
 sizes, fingerprint) when they were appended.
+
+Keys coded before RoPE also need, per kv-head, the K synthesis with the band rotation folded
+in (:attr:`LayerBatch.key_synthesis`, derived on first use) and the rotary table on the device
+(:func:`stack_rope`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
 
-from ...codec.attention import LayerCodes
+from ...codec.attention import LayerCodes, RopeTable
 from .._common import ceil_log2, placeholder, row_starts
 from ..calibrated.batch import CalibrationBatch, stack_calibrations
 
@@ -98,6 +103,74 @@ class LayerBatch:
     @property
     def device(self) -> torch.device:
         return self.k.codes.device
+
+    @functools.cached_property
+    def key_synthesis(self) -> torch.Tensor:
+        """:func:`key_synthesis` of the K calibrations, derived on first use (keys coded before
+        RoPE) and kept."""
+        return key_synthesis(self.k.cal)
+
+
+def key_synthesis(cal: CalibrationBatch) -> torch.Tensor:
+    """``M`` float32 ``[H, MP, D]`` on the calibrations' device, rows in slot order: a row of
+    scale ``g`` and centroids ``c`` (slot order, outliers' values in place) decodes as ``mean +
+    g * c M``. Row ``j`` is the synthesis of the unit vector ``e_j`` without the mean (the
+    Rust ``StreamTables::key_synthesis``): ``u = s * H(r * e_j)`` within ``j``'s sub-band (``r``
+    = ``rnorm``, ``H`` the unnormalised Hadamard butterfly of ``_common.band_hadamard``, ``s`` =
+    ``signs``), then ``u S'``. The entries of ``u`` are ``+-r`` exactly; ``u S'`` is summed in
+    float64 and rounded once (the Rust ``fma`` chain is within a few ulps of it). Padding slots
+    give zero rows."""
+    h, mp, d = cal.synthesis.shape
+    width = cal.width.cpu()
+    y = torch.diag_embed(cal.rnorm.cpu().to(torch.float64))  # [H, j, slot]: r_j e_j
+    step = 1
+    while step < mp:
+        v = y.reshape(h, mp, mp // (2 * step), 2, step)
+        a, b = v[..., 0, :], v[..., 1, :]
+        bf = torch.stack((a + b, a - b), dim=-2).reshape(h, mp, mp)
+        y = torch.where((width >= 2 * step)[:, None, :], bf, y)
+        step *= 2
+    u = y * cal.signs.cpu().to(torch.float64)[:, None, :]
+    m = u @ cal.synthesis.cpu().to(torch.float64)
+    return m.to(torch.float32).contiguous().to(cal.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeBatch:
+    """A :class:`kakeyaturbo.RopeTable` on one device: ``cos`` and ``sin`` float32 ``[rot/2,
+    n_pos]`` (frequency-major, as the table holds them) and the pairing ``style``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    style: str
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * int(self.cos.shape[0])
+
+    @property
+    def n_positions(self) -> int:
+        return int(self.cos.shape[1])
+
+    @property
+    def interleaved(self) -> bool:
+        return self.style == "interleaved"
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos.device
+
+
+def stack_rope(table: RopeTable, device: Any = "cpu") -> RopeBatch:
+    """``table``'s cos and sin on ``device`` (staged once, then passed to every call of
+    :func:`decode_attention_triton` instead of the table, which would be copied each call).
+    Raises ValueError when ``table`` is not a :class:`kakeyaturbo.RopeTable`."""
+    if not isinstance(table, RopeTable):
+        raise ValueError(f"rope must be a kakeyaturbo.RopeTable, got {type(table).__name__}")
+    dev = torch.device(device)
+    return RopeBatch(cos=torch.from_numpy(np.ascontiguousarray(table._cos_t)).to(dev),
+                     sin=torch.from_numpy(np.ascontiguousarray(table._sin_t)).to(dev),
+                     style=table.style)
 
 
 def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCodes:

@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from .batch import LayerBatch, raw_rows
+from ...codec.attention import RopeTable
+from .batch import LayerBatch, RopeBatch, raw_rows, stack_rope
 from .combine import combine_attention
 from .split import split_attention
 
@@ -19,7 +20,8 @@ from .split import split_attention
 def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tail_v: Any, *,
                             sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                             softcap: Optional[float] = None, window: Optional[int] = None,
-                            mask: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                            mask: Any = None, rope: Union[None, RopeTable, RopeBatch] = None,
+                            positions: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """One attention step over a layer's sealed codes (:func:`~.batch.stack_layer`) and raw
     rows, on the layer's device; the arguments and rules of :func:`kakeyaturbo.decode_attention`:
 
@@ -29,11 +31,19 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
       moved to the device as float32);
     - ``scale`` (default ``1 / sqrt(D_k)``), ``softcap``, ``window`` (the last ``window``
       positions), ``mask``: additive float32 or boolean (True: attend) ``[B, n_q, T]`` or
-      ``[B, 1, n_q, T]``.
+      ``[B, 1, n_q, T]``;
+    - ``rope`` and ``positions`` (both or neither): the keys were coded before RoPE.
+      ``rope``: a :class:`kakeyaturbo.RopeTable` (copied to the device on every call) or the
+      :class:`~.batch.RopeBatch` of :func:`~.batch.stack_rope` (staged once); its rotary
+      dimension at most ``D_k``. ``positions``: integers ``[B, T_c]`` (tensor or array), each
+      sealed row's position, a row of the table (``0 <= p < n_pos``; checked unless a tensor
+      on a GPU, which is trusted: checking it would read the device). Each sealed key is
+      synthesised, rotated to its position and dotted with the queries inside the kernel;
+      ``q`` and the raw rows are after RoPE, as the model hands them over.
 
     Returns ``(out float32 [B, H_q, n_q, D_v], lse float32 [B, H_q, n_q])`` (0 and ``-inf``
     for a query that sees nothing). Raises ValueError on shapes, dtypes or devices that do not
-    fit, or a bad scale, softcap or window."""
+    fit, or a bad scale, softcap, window, rotary table or position."""
     dev = layer.device
     b, hkv = layer.batch, layer.kv_heads
     dk, dv = layer.k.cal.dim, layer.v.cal.dim
@@ -64,5 +74,48 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         if m.dtype == torch.bool:
             m = torch.where(m, 0.0, float("-inf"))
         m = m.to(device=dev, dtype=torch.float32).contiguous()
-    pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window)
+    rb, pos = _rope(layer, rope, positions)
+    pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos)
     return combine_attention(layer, pm, pl, pacc, ncode, q.shape[1], nq)
+
+
+def _rope(layer: LayerBatch, rope: Any, positions: Any
+          ) -> Tuple[Optional[RopeBatch], Optional[torch.Tensor]]:
+    """The rotary table on the layer's device and the positions as int32 ``[B, T_c]`` there,
+    checked as :func:`kakeyaturbo.decode_attention` checks them (None, None without RoPE).
+    Raises ValueError for one without the other, a table that is neither a ``RopeTable`` nor
+    a ``RopeBatch`` (or on another device), a rotary dimension over ``D_k``, positions that
+    are not integers ``[B, T_c]`` or (host positions) lie outside the table."""
+    if (rope is None) != (positions is None):
+        raise ValueError("pass both rope and positions, or neither")
+    if rope is None:
+        return None, None
+    dev = layer.device
+    if isinstance(rope, RopeTable):
+        rope = stack_rope(rope, dev)
+    elif not isinstance(rope, RopeBatch):
+        raise ValueError(f"rope must be a kakeyaturbo.RopeTable or a RopeBatch, got {type(rope).__name__}")
+    elif rope.device != dev:
+        raise ValueError(f"rope is on {rope.device}, expected {dev}")
+    dk, b, tc = layer.k.cal.dim, layer.batch, layer.k.rows
+    if rope.rot_dim > dk:
+        raise ValueError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
+    if isinstance(positions, torch.Tensor):
+        p = positions
+        integer = not (p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool)
+    else:
+        a = np.asarray(positions)
+        integer = a.dtype.kind in "iu"
+        p = torch.from_numpy(a.astype(np.int64)) if integer else a
+    if not integer:
+        raise ValueError(f"positions must be integers, got {p.dtype}")
+    if p.ndim != 2 or tuple(p.shape) != (b, tc):
+        raise ValueError(f"positions must be [B={b}, T_c={tc}], got shape {tuple(p.shape)}")
+    # Host positions are range-checked; a tensor on a GPU is trusted (checking it would read
+    # the device on every decode step), as _common.rows_tensor trusts one.
+    if p.numel() and not (isinstance(p, torch.Tensor) and p.device.type != "cpu"):
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi >= rope.n_positions:
+            raise ValueError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
+                             f"got {lo} .. {hi}")
+    return rope, p.to(device=dev, dtype=torch.int32).contiguous()

@@ -9,6 +9,15 @@ softcap, mask, causal and window rules, the online softmax, and adds ``p g`` tim
 centroids into a code-domain sum ``[QP, MPV]`` (the synthesis waits for ``combine.py``). The
 last piece of every pair runs over its raw rows (sink, then tail) exactly. Nothing is decoded
 to ``D`` wide rows.
+
+Keys coded before RoPE (``ROPE``): the score of a sealed row depends on its position, so the
+queries are not moved into the code domain; instead each tile of ``BN`` rows is synthesised
+from its centroids ``C [BN, MP]`` (:func:`rope_scores`): ``K = g * (C M) + mean`` with ``M``
+(:attr:`~.batch.LayerBatch.key_synthesis`, ``[MP, D]``), each pair ``(a, b)`` of the rotation
+turned by the cos / sin of the row's position (``K_a' = K_a cos + (-K_b) sin``, ``K_b' = K_b
+cos + K_a sin``; channels past ``rot`` as they are), and dotted with the scaled queries as a
+raw row is. The decoded tile stays in registers; the softcap, mask, softmax and value path are
+unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import triton.language as tl
 
 from .._common import band_hadamard, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
 from ..calibrated.batch import TABLE_LEN, TABLE_ROWS
-from .batch import LayerBatch
+from .batch import LayerBatch, RopeBatch
 
 _TLEN = tl.constexpr(TABLE_LEN)
 _TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
@@ -100,21 +109,74 @@ def online_softmax(s, mx, den):
     return new, den * alpha + tl.sum(p, 1), p, alpha
 
 
+@triton.jit
+def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
+                ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF, interleaved,
+                QP: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
+                BDC: tl.constexpr):
+    """Scores ``[QP, BN]`` of a tile of keys coded before RoPE: centroids ``kq [BN, MP]`` and
+    scales ``gk [BN]`` of rows ``rows`` (``stream_rows``) of batch row ``b``, kv-head ``h``.
+
+    Per chunk of ``BR`` frequencies ``i`` (pair channels ``a = i``, ``b = i + rot/2``, or
+    ``2i``, ``2i + 1`` when ``interleaved``): ``K_a = g (C M_a) + mean_a`` (the same for
+    ``b``), cos / sin of frequency ``i`` at each row's position (``positions[b, row]``, the
+    frequency-major tables ``[rot/2, NPOS]``), ``K_a' = K_a cos + (-K_b) sin``, ``K_b' = K_b
+    cos + K_a sin``, ``s += (q_a scale) . K_a' + (q_b scale) . K_b'``; then the channels
+    ``rot .. D`` in chunks of ``BDC``, unrotated. Rows past the tile's count read position 0
+    and cos = sin = 0 (their scores are masked later)."""
+    hk = h * MP + tl.arange(0, MP)
+    pos = tl.load(posn_ptr + b * TC + rows, mask=rmask, other=0).to(tl.int64)
+    s = tl.zeros((QP, BN), tl.float32)
+    for f0 in range(0, HALF, BR):
+        f = f0 + tl.arange(0, BR)
+        fm = f < HALF
+        ca = tl.where(interleaved != 0, 2 * f, f)
+        cb = tl.where(interleaved != 0, 2 * f + 1, f + HALF)
+        ma = tl.load(ksm_ptr + hk[:, None] * DK + ca[None, :], mask=fm[None, :], other=0.0)
+        mb = tl.load(ksm_ptr + hk[:, None] * DK + cb[None, :], mask=fm[None, :], other=0.0)
+        ya = gk[:, None] * tl.dot(kq, ma, input_precision="ieee") \
+            + tl.load(kmean_ptr + h * DK + ca, mask=fm, other=0.0)[None, :]
+        yb = gk[:, None] * tl.dot(kq, mb, input_precision="ieee") \
+            + tl.load(kmean_ptr + h * DK + cb, mask=fm, other=0.0)[None, :]
+        at = f.to(tl.int64)[None, :] * NPOS + pos[:, None]
+        m2 = rmask[:, None] & fm[None, :]
+        c = tl.load(cos_ptr + at, mask=m2, other=0.0)
+        sn = tl.load(sin_ptr + at, mask=m2, other=0.0)
+        ra = ya * c + (-yb) * sn
+        rb = yb * c + ya * sn
+        qm = rvalid[:, None] & fm[None, :]
+        qa = tl.load(q_ptr + qrow[:, None] * DK + ca[None, :], mask=qm, other=0.0) * scale
+        qb = tl.load(q_ptr + qrow[:, None] * DK + cb[None, :], mask=qm, other=0.0) * scale
+        s += tl.dot(qa, tl.trans(ra), input_precision="ieee")
+        s += tl.dot(qb, tl.trans(rb), input_precision="ieee")
+    for d0 in range(2 * HALF, DK, BDC):
+        dc = d0 + tl.arange(0, BDC)
+        dcm = dc < DK
+        md = tl.load(ksm_ptr + hk[:, None] * DK + dc[None, :], mask=dcm[None, :], other=0.0)
+        y = gk[:, None] * tl.dot(kq, md, input_precision="ieee") \
+            + tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :]
+        qc = tl.load(q_ptr + qrow[:, None] * DK + dc[None, :], mask=rvalid[:, None] & dcm[None, :],
+                     other=0.0) * scale
+        s += tl.dot(qc, tl.trans(y), input_precision="ieee")
+    return s
+
+
 @triton.jit(do_not_specialize=["kpb", "vpb", "HKV", "G", "NQ", "TC", "SROWS", "RAW", "T", "DK", "DV",
                                "NCODE", "NS", "WACC", "scale", "softcap", "window", "has_mask",
-                               "knorm", "vnorm", "kout", "vout"])
+                               "knorm", "vnorm", "kout", "vout", "NPOS", "HALF", "interleaved"])
 def _split_kernel(
     q_ptr, rk_ptr, rv_ptr, mask_ptr,
     kc_ptr, kpb, ksb_ptr, kse_ptr, krs_ptr, kop_ptr, kob_ptr,
     km_ptr, krb_ptr, kcol_ptr, kbits_ptr, kwidth_ptr, krnorm_ptr, ksigns_ptr, kbyte_ptr, kshift_ptr,
-    kcent_ptr, ksyn_ptr, kmean_ptr,
+    kcent_ptr, ksyn_ptr, kmean_ptr, ksm_ptr, cos_ptr, sin_ptr, posn_ptr,
     vc_ptr, vpb, vsb_ptr, vse_ptr, vrs_ptr, vop_ptr, vob_ptr,
     vm_ptr, vrb_ptr, vcol_ptr, vbits_ptr, vbyte_ptr, vshift_ptr, vcent_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
     HKV, G, NQ, TC, SROWS, RAW, T, DK, DV, NCODE, NS, WACC,
-    scale, softcap, window, has_mask, knorm, vnorm, kout, vout,
+    scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved,
     QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
     BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, SPLIT: tl.constexpr, BDC: tl.constexpr,
+    ROPE: tl.constexpr, BR: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -134,22 +196,23 @@ def _split_kernel(
     den = tl.zeros((QP,), tl.float32)
     out_at = (bh * NS + sp) * QP + r
     if sp < NCODE:
-        hk = h * MPK + tl.arange(0, MPK)
-        # S' q and q . mean in chunks of BDC columns (S' is MPK x D: too big for shared memory
-        # at once when both are 256).
-        v = tl.zeros((QP, MPK), tl.float32)
-        qm = tl.zeros((QP,), tl.float32)
-        for d0 in range(0, DK, BDC):
-            dc = d0 + tl.arange(0, BDC)
-            dcm = dc < DK
-            qc = tl.load(q_ptr + qrow[:, None] * DK + dc[None, :], mask=rvalid[:, None] & dcm[None, :],
-                         other=0.0) * scale
-            syn = tl.load(ksyn_ptr + hk[:, None] * DK + dc[None, :], mask=dcm[None, :], other=0.0)
-            v += tl.dot(qc, tl.trans(syn), input_precision="ieee")
-            qm += tl.sum(qc * tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :], 1)
-        v = v * tl.load(ksigns_ptr + hk)[None, :]
-        v = band_hadamard(v, tl.load(kwidth_ptr + hk)[None, :], QP, MPK, LOG_MPK)
-        w = v * tl.load(krnorm_ptr + hk)[None, :]
+        if not ROPE:
+            hk = h * MPK + tl.arange(0, MPK)
+            # S' q and q . mean in chunks of BDC columns (S' is MPK x D: too big for shared
+            # memory at once when both are 256).
+            v = tl.zeros((QP, MPK), tl.float32)
+            qm = tl.zeros((QP,), tl.float32)
+            for d0 in range(0, DK, BDC):
+                dc = d0 + tl.arange(0, BDC)
+                dcm = dc < DK
+                qc = tl.load(q_ptr + qrow[:, None] * DK + dc[None, :],
+                             mask=rvalid[:, None] & dcm[None, :], other=0.0) * scale
+                syn = tl.load(ksyn_ptr + hk[:, None] * DK + dc[None, :], mask=dcm[None, :], other=0.0)
+                v += tl.dot(qc, tl.trans(syn), input_precision="ieee")
+                qm += tl.sum(qc * tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :], 1)
+            v = v * tl.load(ksigns_ptr + hk)[None, :]
+            v = band_hadamard(v, tl.load(kwidth_ptr + hk)[None, :], QP, MPK, LOG_MPK)
+            w = v * tl.load(krnorm_ptr + hk)[None, :]
         acc = tl.zeros((QP, MPV), tl.float32)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, TC)
@@ -159,7 +222,12 @@ def _split_kernel(
             kq, gk = stream_rows(kc_ptr, kpb, ksb_ptr, kse_ptr, krs_ptr, kop_ptr, kob_ptr,
                                  km_ptr, krb_ptr, kcol_ptr, kbits_ptr, kbyte_ptr, kshift_ptr, kcent_ptr,
                                  bh, h, rows, rmask, TC, knorm, kout, MPK)
-            s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
+            if ROPE:
+                s = rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
+                                ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF,
+                                interleaved, QP, BN, MPK, BR, BDC)
+            else:
+                s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
             s = finish_scores(s, SROWS + rows, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap,
                               window, has_mask)
             mx, den, p, alpha = online_softmax(s, mx, den)
@@ -206,13 +274,16 @@ def query_rows(group: int, n_q: int) -> int:
 
 def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw_v: torch.Tensor,
                     sink_rows: int, mask: Optional[torch.Tensor], scale: float,
-                    softcap: Optional[float], window: Optional[int]
+                    softcap: Optional[float], window: Optional[int],
+                    rope: Optional[RopeBatch] = None, positions: Optional[torch.Tensor] = None
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every pair and piece, on the layer's device.
 
     ``q``: float32 ``[B, H_q, n_q, D_k]`` contiguous; ``raw_k`` / ``raw_v``: float32 ``[BH,
     RAW, D_k]`` / ``[BH, RAW, D_v]`` contiguous, the sink's ``sink_rows`` rows then the tail's;
-    ``mask``: float32 ``[B, n_q, T]`` contiguous or None. Returns ``pm``, ``pl`` float32 ``[BH,
+    ``mask``: float32 ``[B, n_q, T]`` contiguous or None; keys coded before RoPE: ``rope`` (on
+    the device, ``rot <= D_k``) and ``positions`` int32 ``[B, T_c]`` contiguous, each in
+    ``[0, n_pos)`` (trusted: checking would read the device), both or neither. Returns ``pm``, ``pl`` float32 ``[BH,
     NS, QP]`` (maxima, denominators), ``pacc`` float32 ``[BH, NS, QP, max(MPV, BDV)]``
     (code-domain sums of the ``NS - 1`` pieces of sealed rows in slot order, then the raw
     rows' sum) and ``NCODE = NS - 1``. Raises ValueError on shapes, dtypes or devices that do
@@ -241,6 +312,21 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
             raise ValueError(f"mask must be contiguous float32 [{b}, {nq}, {total}], got "
                              f"{mask.dtype} {tuple(mask.shape)}")
         check_device("mask", mask, dev)
+    if (rope is None) != (positions is None):
+        raise ValueError("pass both rope and positions, or neither")
+    f32 = placeholder(torch.float32, dev)
+    ksm, cos, sin, posn, half, npos = f32, f32, f32, placeholder(torch.int32, dev), 0, 1
+    if rope is not None:
+        if rope.rot_dim > dk:
+            raise ValueError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
+        if tuple(positions.shape) != (b, kc.rows) or positions.dtype != torch.int32 \
+                or not positions.is_contiguous():
+            raise ValueError(f"positions must be contiguous int32 [{b}, {kc.rows}], got "
+                             f"{positions.dtype} {tuple(positions.shape)}")
+        check_device("rope", rope.cos, dev)
+        check_device("positions", positions, dev)
+        ksm, cos, sin, posn = layer.key_synthesis, rope.cos, rope.sin, positions
+        half, npos = rope.rot_dim // 2, rope.n_positions
     qp = query_rows(group, nq)
     mpk, mpv = kc.cal.slots, vc.cal.slots
     shapes = {"QP": qp, "MPK": mpk, "LOG_MPK": max(mpk - 1, 0).bit_length(), "MPV": mpv,
@@ -252,13 +338,12 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
     pm = empty((bh, ns, qp), torch.float32, dev)
     pl = empty((bh, ns, qp), torch.float32, dev)
     pacc = empty((bh, ns, qp, wacc), torch.float32, dev)
-    f32 = placeholder(torch.float32, dev)
     _split_kernel[(bh, ns)](
         q.contiguous(), raw_k, raw_v, f32 if mask is None else mask,
         kc.codes, kc.codes.shape[1], kc.scale_bits, kc.scale_exp, kc.rstart, kc.outlier_pos,
         kc.outlier_bits,
         kc.cal.m, kc.cal.row_bytes, kc.cal.col, kc.cal.bits, kc.cal.width, kc.cal.rnorm, kc.cal.signs,
-        kc.cal.byte, kc.cal.shift, kc.cal.centroids, kc.cal.synthesis, kc.cal.mean,
+        kc.cal.byte, kc.cal.shift, kc.cal.centroids, kc.cal.synthesis, kc.cal.mean, ksm, cos, sin, posn,
         vc.codes, vc.codes.shape[1], vc.scale_bits, vc.scale_exp, vc.rstart, vc.outlier_pos,
         vc.outlier_bits,
         vc.cal.m, vc.cal.row_bytes, vc.cal.col, vc.cal.bits, vc.cal.byte, vc.cal.shift, vc.cal.centroids,
@@ -266,6 +351,8 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         hkv, group, nq, tc, sink_rows, raw, total, dk, dv, ncode, ns, wacc,
         float(scale), float(softcap or 0.0), int(window or 0), int(mask is not None),
         int(kc.cal.norm), int(vc.cal.norm), int(kc.has_outliers), int(vc.has_outliers),
-        BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"], **shapes,
+        npos, half, int(rope is not None and rope.interleaved),
+        BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"],
+        ROPE=rope is not None, BR=max(16, min(st["BDC"], next_pow2(half))), **shapes,
     )
     return pm, pl, pacc, ncode
