@@ -109,6 +109,14 @@ def online_softmax(s, mx, den):
     return new, den * alpha + tl.sum(p, 1), p, alpha
 
 
+def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
+    """Frequencies per chunk of :func:`rope_scores`: at most ``BDC`` and the rotary half, and
+    ``BN * MP * BR <= 2**18`` so that the chunk's synthesis tiles fit an sm_90 block's shared
+    memory (measured by ``tests/kernels/compile_check.py``: ``BN * MP = 8192`` with ``BR = 64``
+    needs 296 KB, over the 227 KB limit; with ``BR = 32``, 218 KB)."""
+    return max(16, min(bdc, next_pow2(half), (1 << 18) // (bn * mp)))
+
+
 @triton.jit
 def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF, interleaved,
@@ -353,6 +361,6 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         int(kc.cal.norm), int(vc.cal.norm), int(kc.has_outliers), int(vc.has_outliers),
         npos, half, int(rope is not None and rope.interleaved),
         BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"],
-        ROPE=rope is not None, BR=max(16, min(st["BDC"], next_pow2(half))), **shapes,
+        ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk), **shapes,
     )
     return pm, pl, pacc, ncode
