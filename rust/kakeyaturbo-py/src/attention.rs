@@ -38,6 +38,15 @@ fn index(py: Python<'_>, v: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     convert::int_in(py, v, what, 0, u32::MAX as i128)
 }
 
+/// Keys coded before RoPE: cos and sin `[rot/2, n_pos]` (frequency-major), each sealed row's
+/// position `[B, T_c]`, and the pairing.
+type RopeArgs<'py> = (
+    PyReadonlyArrayDyn<'py, f32>,
+    PyReadonlyArrayDyn<'py, f32>,
+    PyReadonlyArrayDyn<'py, u32>,
+    String,
+);
+
 /// The sealed K and V codes of one attention layer, per (batch row, kv-head).
 #[pyclass(name = "LayerCodes", module = "kakeyaturbo._core")]
 pub struct PyLayerCodes {
@@ -212,12 +221,7 @@ impl PyLayerCodes {
         softcap: Option<&Bound<'py, PyAny>>,
         window: Option<&Bound<'py, PyAny>>,
         threads: Option<&Bound<'py, PyAny>>,
-        rope: Option<(
-            PyReadonlyArrayDyn<'py, f32>,
-            PyReadonlyArrayDyn<'py, f32>,
-            PyReadonlyArrayDyn<'py, u32>,
-            String,
-        )>,
+        rope: Option<RopeArgs<'py>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let threads = convert::threads(py, threads)?;
         let scale = convert::float(py, scale, "scale")? as f32;

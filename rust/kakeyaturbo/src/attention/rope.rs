@@ -71,14 +71,17 @@ impl KeyRope<'_> {
 
     /// Checks the rotation against a call of `batch` rows of `sealed` rows of `D = dk`.
     pub(crate) fn check(&self, batch: usize, sealed: usize, dk: usize) -> Result<()> {
-        if self.rot == 0 || self.rot % 2 != 0 || self.rot > dk {
+        if self.rot == 0 || !self.rot.is_multiple_of(2) || self.rot > dk {
             return param(format!(
                 "the rotary dimension must be even, >= 2 and <= D_k = {dk}, got {}",
                 self.rot
             ));
         }
         let half = self.rot / 2;
-        if self.cos.len() != self.sin.len() || self.cos.len() % half != 0 || self.cos.is_empty() {
+        if self.cos.len() != self.sin.len()
+            || !self.cos.len().is_multiple_of(half)
+            || self.cos.is_empty()
+        {
             return input(format!(
                 "cos and sin must both be [rot/2 = {half}, n_pos] with n_pos >= 1; got {} and {} values",
                 self.cos.len(),
@@ -88,7 +91,7 @@ impl KeyRope<'_> {
         // Non-finite cos or sin values are not looked for here (the table is read whole only
         // where a row uses it): they make the scores that read them non-finite, which the
         // kernel reports as a numerical error.
-        let want = batch.checked_mul(sealed).unwrap_or(usize::MAX);
+        let want = batch.saturating_mul(sealed);
         if self.positions.len() != want {
             return input(format!(
                 "positions must be [B, T_c] = [{batch}, {sealed}], got {} values",
