@@ -331,7 +331,6 @@ def calibrated_codecs(x: Any, spec: Dict[str, Any], seed: int = 11) -> List[Any]
 
 def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
     """The calibrated mode on the layer: kernels, the torch reference and the Rust CPU path."""
-    import numpy as np
     import torch
 
     from kakeyaturbo import kernels as K

@@ -113,7 +113,7 @@ def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
     """Frequencies per chunk of :func:`rope_scores`: at most ``BDC`` and the rotary half, and
     ``BN * MP * BR <= 2**18`` so that the chunk's synthesis tiles fit an sm_90 block's shared
     memory (measured by ``tests/kernels/compile_check.py``: ``BN * MP = 8192`` with ``BR = 64``
-    needs 296 KB, over the 227 KB limit; with ``BR = 32``, 168 KB (``MP`` 128) and 218 KB
+    needs 295,936 bytes, over the 232,448 limit; with ``BR = 32``, 168,448 (``MP`` 128) and 217,600
     (``MP`` 256))."""
     return max(16, min(bdc, next_pow2(half), (1 << 18) // (bn * mp)))
 
