@@ -127,6 +127,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", default="2000,8000", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
+    ap.add_argument("--kernel-threads", default="",
+                    help="comma-separated thread counts of the codes' attention kernel to run, each "
+                         "as its own KakeyaCache row (default: the cache's default, all cores)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     model_path = (assets.hard_case_model() if args.model == "hard-case"
@@ -188,10 +191,13 @@ def main() -> int:
                      **{k: v for k, v in ref.items() if k != "tokens"}})
         for rec, codec in codecs:
             runs = {}
-            for mode in (("fast", "slow") if args.slow else ("fast",)):
+            modes = [("fast", None)] if not args.kernel_threads else \
+                [("fast", int(t)) for t in args.kernel_threads.split(",")]
+            for mode, threads in modes + ([("slow", None)] if args.slow else []):
                 cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,
                                     boundary=rec.boundary(model.config.num_hidden_layers),
-                                    streams=rec.streams, fast=None if mode == "fast" else False)
+                                    streams=rec.streams, fast=None if mode == "fast" else False,
+                                    threads=threads)
                 r = gen(ids, cache)
                 mem = cache.memory()
                 elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
@@ -200,7 +206,9 @@ def main() -> int:
                 # Keys coded before RoPE also hold each token's position (int32) and, on the fast
                 # path, the model's cos/sin table (shared by every layer and sequence).
                 extra = mem.get("positions", 0) + mem.get("rope_table", 0)
-                r.update(cache=f"KakeyaCache ({'codes' if cache.fast else 'decode-then-attend'})",
+                how = "codes" if cache.fast else "decode-then-attend"
+                how += f", {threads} thread{'s' if threads != 1 else ''}" if threads is not None else ""
+                r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads,
                          fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
                          prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
                          raw_elements=raw_elems, bits_per_element=bits / elems,
@@ -208,15 +216,16 @@ def main() -> int:
                          bits_per_element_with_positions_and_table=(bits + 8 * extra) / elems,
                          speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
                          wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
-                runs[mode] = r
+                runs[mode if threads is None else f"{mode}-{threads}t"] = r
             for mode, r in runs.items():
                 toks = r.pop("tokens")
                 d = first_divergence(toks, ref["tokens"])
                 r["identical_to_dynamic"] = len(toks) if d is None else d
                 r["first_divergence_vs_dynamic"] = d
                 if "slow" in runs:
-                    other = runs["slow"].get("tokens", toks) if mode == "fast" else toks
-                    ds = first_divergence(toks, other) if mode == "fast" else None
+                    fast = mode.startswith("fast")
+                    other = runs["slow"].get("tokens", toks) if fast else toks
+                    ds = first_divergence(toks, other) if fast else None
                     r["first_divergence_vs_slow"] = ds
                     r["identical_to_slow"] = len(toks) if ds is None else ds
                 r["new_tokens"] = len(toks)
