@@ -130,6 +130,9 @@ def main() -> int:
     ap.add_argument("--kernel-threads", default="",
                     help="comma-separated thread counts of the codes' attention kernel to run, each "
                          "as its own KakeyaCache row (default: the cache's default, all cores)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of the whole sequence (DynamicCache, then every KakeyaCache) per prompt "
+                         "length, alternating; the table shows medians, each ratio taken within its run")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     model_path = (assets.hard_case_model() if args.model == "hard-case"
@@ -181,13 +184,14 @@ def main() -> int:
 
     rows: List[Dict[str, Any]] = []
     texts: Dict[str, str] = {}
-    for n_tokens in [int(x) for x in args.prompt_tokens.split(",")]:
+    lengths = [int(x) for x in args.prompt_tokens.split(",")]
+    for n_tokens, repeat in [(n, k) for n in lengths for k in range(max(1, args.repeats))]:
         ids = prompt(n_tokens)
         n0 = ids.shape[1]
         model.set_attn_implementation(base)  # the baseline runs the model's own attention
         ref = gen(ids, transformers.DynamicCache(config=model.config))
         texts[f"{n0}/DynamicCache"] = tok.decode(ref["tokens"], skip_special_tokens=True)
-        rows.append({"prompt_tokens": n0, "cache": "DynamicCache", "recipe": "-",
+        rows.append({"prompt_tokens": n0, "cache": "DynamicCache", "recipe": "-", "repeat": repeat,
                      **{k: v for k, v in ref.items() if k != "tokens"}})
         for rec, codec in codecs:
             runs = {}
@@ -229,6 +233,7 @@ def main() -> int:
                     r["first_divergence_vs_slow"] = ds
                     r["identical_to_slow"] = len(toks) if ds is None else ds
                 r["new_tokens"] = len(toks)
+                r["repeat"] = repeat
                 texts[f"{n0}/{rec.name}/{mode}"] = tok.decode(toks, skip_special_tokens=True)
                 rows.append(r)
     load = os.getloadavg()
@@ -238,7 +243,10 @@ def main() -> int:
           "| identical (vs DynamicCache) | identical (vs decode-then-attend) | decode step ms: "
           "attention / update / seal / rest |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    shown = summarize(rows) if args.repeats > 1 else rows
+    if args.repeats > 1:
+        print(f"(medians over {args.repeats} alternating runs; each ratio taken within its run)")
+    for r in shown:
         sm = r["step_ms"]
         prof = " / ".join(f"{sm.get(k, 0):.1f}" for k in ("attention", "update", "seal", "model_rest"))
         bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "16 (bf16) / 32 held"
@@ -257,9 +265,32 @@ def main() -> int:
         "model": model_path.name, "new_tokens": args.new_tokens, "block_size": args.block_size,
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": load,
         "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "rows": rows, "texts": texts}, indent=2, default=str) + "\n")
+        "repeats": args.repeats, "rows": rows, "summary": shown, "texts": texts},
+        indent=2, default=str) + "\n")
     print(f"\nwrote {path}")
     return 0
+
+
+def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per (prompt, cache, recipe): the median tokens/s, ratio to DynamicCache (each taken
+    within its run), prefill and step profile over the repeats; the rest from the first run."""
+    import statistics
+
+    groups: Dict[Any, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["prompt_tokens"], r["cache"], r["recipe"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        m = dict(rs[0])
+        m["runs"] = len(rs)
+        for k in ("decode_tokens_per_s", "prefill_s", "wall_s", "speed_vs_dynamic"):
+            if k in m:
+                m[k] = statistics.median(r[k] for r in rs)
+        m["speed_vs_dynamic_range"] = [min(r.get("speed_vs_dynamic", 1.0) for r in rs),
+                                       max(r.get("speed_vs_dynamic", 1.0) for r in rs)]
+        m["step_ms"] = {k: statistics.median(r["step_ms"].get(k, 0.0) for r in rs) for k in rs[0]["step_ms"]}
+        out.append(m)
+    return out
 
 
 if __name__ == "__main__":

@@ -215,3 +215,75 @@ def test_the_grid_covers_the_brief() -> None:
     assert any(s.softcap for s in specs) and any(s.window for s in specs)
     assert {s.mask for s in specs} >= {"additive", "bool"}
     assert dataclasses.replace(specs[0], seed=0) != specs[0]
+
+
+def _table(n: int, rot: int, style: str = "half", scale: float = 1.0) -> "kt.RopeTable":
+    """A base-10000 rotary table for positions ``0 .. n-1`` (cos/sin scaled as rope types do)."""
+    inv = 1.0 / 10000.0 ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    ang = np.arange(n)[:, None] * inv[None]
+    return kt.RopeTable((np.cos(ang) * scale).astype(np.float32), (np.sin(ang) * scale).astype(np.float32), style)
+
+
+@pytest.mark.parametrize("spec, style, rot", [
+    (GRID[1], "half", 64),
+    (GRID[2], "interleaved", 128),
+    (GRID[3], "half", 96),  # partial rotary of a 256-wide head
+    (GRID[4], "interleaved", 64),  # a batch of 2 with a window and a mask
+    (GRID[6], "half", 32),
+])
+def test_keys_before_rope_match_the_rotated_decode(spec: Spec, style: str, rot: int) -> None:
+    """Sealed keys coded before RoPE: the kernel synthesises and rotates them; the reference
+    decodes them and rotates them in float64. Batch row 1 starts with pad positions (1, as
+    transformers gives padding) and then counts from 0."""
+    c = build(spec)
+    tc = c.codes.rows()
+    positions = np.stack([np.arange(tc) + (spec.sink if b == 0 else 0) for b in range(spec.batch)])
+    if spec.batch > 1:
+        positions[1, :5] = 1
+    table = _table(int(positions.max()) + 9, rot, style, scale=1.1)
+    got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, rope=table,
+                              positions=positions, **c.call())
+    want = reference_attention(c.codes, c.q, c.tail_k, c.tail_v, rope=table, positions=positions, **c.call())
+    s_mag, v_mag = magnitudes(c)
+    compare(f"{spec} {style} rot {rot}", got, (want[0].numpy(), want[1].numpy()), 1.21 * s_mag, v_mag,
+            TOL["attention_out"], TOL["attention_lse"])
+    plain = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+    assert not np.allclose(plain, got[0])  # the rotation took part
+
+
+def test_rope_tables_and_positions_are_checked() -> None:
+    c = build(Spec(seed=16, blocks=(100,)))
+    codes, q, tk, tv = c.codes, c.q, c.tail_k, c.tail_v
+    table = _table(200, 64)
+    pos = np.arange(100)[None]
+    kt.decode_attention(codes, q, tk, tv, rope=table, positions=pos)
+    for kw, err in [
+        (dict(rope=table), kt.InvalidInputError),  # positions missing
+        (dict(positions=pos), kt.InvalidInputError),  # table missing
+        (dict(rope="table", positions=pos), TypeError),
+        (dict(rope=table, positions=pos.astype(np.float32)), TypeError),
+        (dict(rope=table, positions=pos[:, :50]), kt.InvalidInputError),  # not every sealed row
+        (dict(rope=table, positions=pos[0]), kt.InvalidInputError),
+        (dict(rope=table, positions=pos + 150), kt.InvalidInputError),  # past the table
+        (dict(rope=table, positions=pos - 1), kt.InvalidInputError),  # negative
+        (dict(rope=_table(200, 80), positions=pos), kt.InvalidParameterError),  # rot > D_k
+    ]:
+        with pytest.raises(err):
+            kt.decode_attention(codes, q, tk, tv, **kw)
+    cos, sin = table.cos, table.sin
+    for args, err in [
+        ((cos, sin[:, :3]), kt.InvalidInputError),
+        ((cos.astype(np.float64), sin), TypeError),
+        ((cos, sin, "diagonal"), kt.InvalidParameterError),
+        ((np.full_like(cos, np.nan), sin), kt.InvalidInputError),
+        ((cos[:0], sin[:0]), kt.InvalidInputError),
+    ]:
+        with pytest.raises(err):
+            kt.RopeTable(*args)
+    full_c = np.concatenate([cos, cos], axis=1)
+    full_s = np.concatenate([sin, sin], axis=1)
+    same = kt.RopeTable.from_full(full_c, full_s, "half")
+    assert np.array_equal(same.cos, cos) and same.rot_dim == 64 and same.n_positions == 200
+    with pytest.raises(kt.InvalidInputError, match="repeat each frequency"):
+        kt.RopeTable.from_full(full_c, full_s, "interleaved")
+    assert same.nbytes == 2 * 200 * 32 * 4
