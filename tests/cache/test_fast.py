@@ -159,6 +159,26 @@ def test_fast_left_padded_batch(setup) -> None:
     assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL
 
 
+def test_positions_past_the_table_limit_take_the_slow_path(setup, monkeypatch) -> None:
+    """Keys coded before RoPE at positions past ``TABLE_MAX``: no table that large is built;
+    those steps attend as the slow path does (the same logits as the decode-then-attend cache)."""
+    name, model, codec = setup
+    if name.endswith("after"):
+        pytest.skip("keys coded after RoPE need no table")
+    monkeypatch.setattr(fast_mod, "TABLE_MAX", 30)
+    ids = _ids(t=40)
+    fast, slow = _pair(model, codec)
+    lf, ls = forward(model, ids[:, :20], fast), forward(model, ids[:, :20], slow)
+    assert (lf - ls).abs().max().item() <= LOGIT_ATOL
+    for t in range(20, 40):  # sealed rows reach positions >= 30 from the step at 33 on
+        lf, ls = forward(model, ids[:, t:t + 1], fast), forward(model, ids[:, t:t + 1], slow)
+        err = (lf - ls).abs().max().item()
+        assert err <= LOGIT_ATOL, (t, err)
+        if t >= 33:
+            assert err == 0.0, t  # the slow path itself
+    assert all(layer._rope_table is None or layer._rope_table.n_positions <= 256 for layer in fast.layers)
+
+
 def test_other_caches_compute_as_before(setup) -> None:
     """With the attention function installed, a DynamicCache computes bit for bit as before."""
     name, model, codec = setup

@@ -57,6 +57,10 @@ _TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, str], RopeTable]]" = we
 #: positions, grown when a position passes its end.
 TABLE_ROWS = 256
 TABLE_STEP = 1024
+#: The most positions a rope table covers (8 bytes per position and rotary frequency: 1 GiB
+#: for 64 frequencies); a sealed row at a later position (a model past such a context, or
+#: position ids far past the tokens) is attended by the slow path instead.
+TABLE_MAX = 1 << 21
 
 
 def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
@@ -193,12 +197,16 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
         return fn(module, query, key, value, attention_mask, **kwargs)
     try:
         codes = layer.codes()
-        if codes is None or codes.rows() == 0 or not _supported(module, kwargs):
+        rot = None
+        if codes is not None and codes.rows() and layer.pre_rope:
+            rot = layer.key_rotation()  # None past TABLE_MAX positions
+        if (codes is None or codes.rows() == 0 or not _supported(module, kwargs)
+                or (layer.pre_rope and rot is None)):
             # Nothing sealed (the prompt's own attention at prefill, a layer too short to
             # seal) or a case the kernel does not cover: the rows as the slow path hands them.
             k, v = layer.materialize()
             return fn(module, query, k, v, attention_mask, **kwargs)
-        return _attend(layer, codes, module, query, attention_mask, kwargs)
+        return _attend(layer, codes, module, query, attention_mask, kwargs, rot)
     finally:
         layer.settle()
 
@@ -218,7 +226,7 @@ def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
 
 
 def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
-            kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, None]:
+            kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
     sk, sv, tk, tv = layer.raw_rows()
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
@@ -228,7 +236,7 @@ def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     softcap = kwargs.get("softcap")
-    table, positions = layer.key_rotation() if layer.pre_rope else (None, None)
+    table, positions = rot if rot is not None else (None, None)
     out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
                            scale=float(scale), softcap=None if softcap is None else float(softcap),
                            window=layer.window, mask=_bool_mask(mask, n_q, total),

@@ -13,6 +13,7 @@ from ..codec.attention import LayerCodes
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
+from . import fast as fast_mod
 from .fast import TAG, rope_table
 
 
@@ -263,10 +264,11 @@ class KakeyaLayer(CacheLayerMixin):
             cs.append(k.starts[j])
         return self._codes
 
-    def key_rotation(self) -> Tuple[Any, np.ndarray]:
+    def key_rotation(self) -> Optional[Tuple[Any, np.ndarray]]:
         """Keys coded before RoPE, during a fast update: the rope table (shared, see
         :func:`~kakeyaturbo.cache.fast.rope_table`) and the position of every sealed row,
-        int32 ``[B, T_c]`` in the order :meth:`codes` holds them."""
+        int32 ``[B, T_c]`` in the order :meth:`codes` holds them; None when a position lies past
+        :data:`~kakeyaturbo.cache.fast.TABLE_MAX` (the caller then takes the slow path)."""
         assert self.rope is not None and self.positions is not None and self.positions.pos is not None
         starts, bs = self._s["k"].starts, self.block_size
         pos = self.positions.pos
@@ -275,7 +277,10 @@ class KakeyaLayer(CacheLayerMixin):
         else:
             p = torch.cat([pos[:, s:s + bs] for s in starts], dim=1) if starts else pos[:, :0]
         rows = p.numpy()
-        table = rope_table(self.rope, int(rows.max()) + 1 if rows.size else 1)
+        n = int(rows.max()) + 1 if rows.size else 1
+        if n > fast_mod.TABLE_MAX:
+            return None
+        table = rope_table(self.rope, n)
         self._rope_table = table
         return table, rows
 
