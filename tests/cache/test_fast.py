@@ -159,12 +159,12 @@ def test_fast_left_padded_batch(setup) -> None:
     assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL
 
 
-def test_positions_past_the_table_limit_take_the_slow_path(setup, monkeypatch) -> None:
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_positions_past_the_table_limit_take_the_slow_path(name, ropebefore, monkeypatch) -> None:
     """Keys coded before RoPE at positions past ``TABLE_MAX``: no table that large is built;
     those steps attend as the slow path does (the same logits as the decode-then-attend cache)."""
-    name, model, codec = setup
-    if name.endswith("after"):
-        pytest.skip("keys coded after RoPE need no table")
+    model = build(name)
+    codec = _codec(model, ropebefore, "before")
     monkeypatch.setattr(fast_mod, "TABLE_MAX", 30)
     ids = _ids(t=40)
     fast, slow = _pair(model, codec)
