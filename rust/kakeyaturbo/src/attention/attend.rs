@@ -135,12 +135,28 @@ pub fn attend_with(
         .map(|bh| prep(&cx, bh))
         .collect();
     let tasks = cx.tasks();
-    let parts: Vec<Part> = tasks
+    // Run the pieces of the kv-heads of a batch row side by side (a worker takes neighbouring
+    // tasks): keys coded before RoPE then reuse one tile's cos/sin across the heads. The parts
+    // go back to task order, so the result does not depend on the order they ran in.
+    let mut order: Vec<usize> = (0..tasks.len()).collect();
+    order.sort_by_key(|&i| {
+        let t = &tasks[i];
+        (t.bh / cx.kv_heads, t.start(), t.bh % cx.kv_heads)
+    });
+    let ran: Vec<Part> = order
         .par_iter()
         .map_init(
             || Scratch::for_layer(codes),
-            |s, t| run_task(isa, &cx, &preps[t.bh], t, s),
+            |s, &i| run_task(isa, &cx, &preps[tasks[i].bh], &tasks[i], s),
         )
+        .collect();
+    let mut slots: Vec<Option<Part>> = (0..tasks.len()).map(|_| None).collect();
+    for (&i, p) in order.iter().zip(ran) {
+        slots[i] = Some(p);
+    }
+    let parts: Vec<Part> = slots
+        .into_iter()
+        .map(|p| p.expect("every task ran once"))
         .collect();
     // Finite inputs and codes can still overflow float32 (scores or value sums of keys and
     // values near its limit): a typed error, never a NaN or a silently dropped position.
@@ -213,6 +229,16 @@ enum Work {
 struct Task {
     bh: usize,
     work: Work,
+}
+
+impl Task {
+    /// The first position the piece covers.
+    fn start(&self) -> usize {
+        match &self.work {
+            Work::Raw { pos0, .. } => *pos0,
+            Work::Code(tiles) => tiles.first().map_or(0, |t| t.3),
+        }
+    }
 }
 
 /// The partial softmax of one piece: per query row its running maximum, denominator and
@@ -727,7 +753,11 @@ fn rope_scores<K: Tile>(
 ) {
     let (d, qr, half) = (kt.d, cx.qr(), kr.rot / 2);
     let Scratch {
-        tile, keys, trig, ..
+        tile,
+        keys,
+        trig,
+        trig_at,
+        ..
     } = scratch;
     // Every value of `keys` and `trig` is written below before it is read.
     keys.resize(d * TILE, 0.0);
@@ -739,9 +769,13 @@ fn rope_scores<K: Tile>(
         }
     }
     // cos and sin of each row's position, frequency-major: trig[i * 64 + t], then the sines.
-    trig.resize(2 * half * TILE, 0.0);
-    let trig = &mut trig[..2 * half * TILE];
-    kr.gather(first, rows, trig);
+    // The previous tile of this worker may have been the same rows of another kv-head.
+    if *trig_at != Some((first, rows)) || trig.len() != 2 * half * TILE {
+        trig.resize(2 * half * TILE, 0.0);
+        kr.gather(first, rows, &mut trig[..2 * half * TILE]);
+        *trig_at = Some((first, rows));
+    }
+    let trig = &trig[..2 * half * TILE];
     let (ct, st) = trig.split_at(half * TILE);
     for i in 0..half {
         let (a, b) = kr.pair(i);

@@ -26,6 +26,8 @@ pub(crate) struct Scratch {
     /// (keys coded before RoPE).
     pub keys: Vec<f32>,
     pub trig: Vec<f32>,
+    /// The (flat index of the first row, rows) whose cos/sin `trig` holds.
+    pub trig_at: Option<(usize, usize)>,
 }
 
 impl Scratch {
@@ -48,6 +50,7 @@ impl Scratch {
             acc: Vec::new(),
             keys: Vec::new(),
             trig: Vec::new(),
+            trig_at: None,
         }
     }
 }
