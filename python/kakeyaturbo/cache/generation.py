@@ -53,7 +53,8 @@ class KakeyaCache(Cache):
     decoded cache never exists. The cache then points the model at a registered attention
     function that stands in for the model's own (and computes exactly as it for any other
     cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
-    (None: all cores).
+    (None: all cores, a layer of little sealed work on the calling thread; see
+    :func:`kakeyaturbo.decode_attention`).
 
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the

@@ -4,9 +4,10 @@ use crate::calibrated::PyCalibratedCodec;
 use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
 use kakeyaturbo::attention::{
-    attend, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle, StreamTables,
+    attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle,
+    StreamTables,
 };
-use kakeyaturbo::threads::with_threads;
+use kakeyaturbo::threads::with_threads_inline;
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -331,7 +332,7 @@ impl PyLayerCodes {
             rows: raw[2].1,
         };
         let o = run(py, || {
-            with_threads(threads, || {
+            with_threads_inline(auto_threads(inner, threads), || {
                 attend(inner, qs, hq, nq, sink, tail, m, &p, rope.as_ref())
             })?
         })?;

@@ -9,6 +9,7 @@
 //! thread count.
 
 use crate::error::{param, Result};
+use std::cell::Cell;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Pools of distinct sizes kept alive besides the global pool.
@@ -71,9 +72,55 @@ pub fn with_threads<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Sen
     }
 }
 
+thread_local! {
+    static INLINE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread runs a [`with_threads_inline`] job of one thread: code that
+/// checks it iterates sequentially instead of handing its pieces to a pool.
+pub fn inline() -> bool {
+    INLINE.with(Cell::get)
+}
+
+/// [`with_threads`], except that one thread (`Some(1)`, or a machine of one core) runs `f` on
+/// the calling thread, with [`inline`] true while it runs: no hand-over to a pool thread and
+/// back (on a small machine, waking a sleeping pool thread per call costs more than a short
+/// job). Only for jobs whose parallel parts check [`inline`].
+pub fn with_threads_inline<R: Send>(
+    threads: Option<usize>,
+    f: impl FnOnce() -> R + Send,
+) -> Result<R> {
+    let one = threads == Some(1) || (threads.is_none() && rayon::current_num_threads() == 1);
+    if !one {
+        return with_threads(threads, f);
+    }
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            INLINE.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(INLINE.with(|c| c.replace(true)));
+    Ok(f())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_thread_runs_inline() {
+        assert!(!inline());
+        let here = std::thread::current().id();
+        let (id, flag) =
+            with_threads_inline(Some(1), || (std::thread::current().id(), inline())).unwrap();
+        assert_eq!((id, flag), (here, true));
+        assert!(!inline());
+        assert!(with_threads_inline(Some(0), || ()).is_err());
+        if max_threads() > 1 {
+            assert!(!with_threads_inline(None, inline).unwrap());
+        }
+    }
 
     #[test]
     fn counts_are_capped_and_pools_bounded() {

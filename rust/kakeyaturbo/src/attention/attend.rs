@@ -14,6 +14,28 @@ use rayon::prelude::*;
 /// the result, do not depend on the thread count.
 pub const SPLIT_TILES: usize = 8;
 
+/// Sealed work (batch rows x kv-heads x sealed rows x `D_k`) up to which a call that asks
+/// for all cores (`threads = None`) runs on the calling thread instead ([`auto_threads`]):
+/// 2,048 positions of 3 kv-heads of 64 dims take about 0.7 ms on one core of the 2-core test
+/// machine and gained nothing from a second thread, whose wake-up costs about 0.3 ms there
+/// (`benches/bench_generate.py --kernel-threads 1,2`: one thread was the faster at 2k, two at
+/// 8k).
+pub const INLINE_WORK: usize = 1 << 19;
+
+/// The thread count a call run through `threads::with_threads_inline` should use: `threads`
+/// as asked, except that `None` becomes `Some(1)` (the calling thread) for at most
+/// [`INLINE_WORK`] of sealed work. The result never depends on it.
+pub fn auto_threads(codes: &LayerCodes, threads: Option<usize>) -> Option<usize> {
+    let rows = codes.common_rows().unwrap_or(usize::MAX);
+    let work = (codes.batch() * codes.kv_heads())
+        .saturating_mul(codes.k_dim())
+        .saturating_mul(rows);
+    match threads {
+        None if work <= INLINE_WORK => Some(1),
+        t => t,
+    }
+}
+
 /// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
 /// then the additive mask; a query sees only positions at or before its own and, with a
 /// `window`, the last `window` of them (its own included).
@@ -130,10 +152,19 @@ pub fn attend_with(
         return param("this CPU does not run the AVX-512 kernel");
     }
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
-    let preps: Vec<Prep> = (0..cx.batch * cx.kv_heads)
-        .into_par_iter()
-        .map(|bh| prep(&cx, bh))
-        .collect();
+    // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
+    // calling thread.
+    let serial = crate::threads::inline();
+    let preps: Vec<Prep> = if serial {
+        (0..cx.batch * cx.kv_heads)
+            .map(|bh| prep(&cx, bh))
+            .collect()
+    } else {
+        (0..cx.batch * cx.kv_heads)
+            .into_par_iter()
+            .map(|bh| prep(&cx, bh))
+            .collect()
+    };
     let tasks = cx.tasks();
     // Run the pieces of the kv-heads of a batch row side by side (a worker takes neighbouring
     // tasks): keys coded before RoPE then reuse one tile's cos/sin across the heads. The parts
@@ -143,13 +174,16 @@ pub fn attend_with(
         let t = &tasks[i];
         (t.bh / cx.kv_heads, t.start(), t.bh % cx.kv_heads)
     });
-    let ran: Vec<Part> = order
-        .par_iter()
-        .map_init(
-            || Scratch::for_layer(codes),
-            |s, &i| run_task(isa, &cx, &preps[tasks[i].bh], &tasks[i], s),
-        )
-        .collect();
+    let run = |s: &mut Scratch, &i: &usize| run_task(isa, &cx, &preps[tasks[i].bh], &tasks[i], s);
+    let ran: Vec<Part> = if serial {
+        let mut s = Scratch::for_layer(codes);
+        order.iter().map(|i| run(&mut s, i)).collect()
+    } else {
+        order
+            .par_iter()
+            .map_init(|| Scratch::for_layer(codes), run)
+            .collect()
+    };
     let mut slots: Vec<Option<Part>> = (0..tasks.len()).map(|_| None).collect();
     for (&i, p) in order.iter().zip(ran) {
         slots[i] = Some(p);

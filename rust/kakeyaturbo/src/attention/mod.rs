@@ -63,7 +63,9 @@ pub mod rope;
 pub mod store;
 pub mod tables;
 
-pub use attend::{attend, attend_with, AttentionOutput, AttentionParams, Isa, RawRows};
+pub use attend::{
+    attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, RawRows, INLINE_WORK,
+};
 pub use rope::{KeyRope, RopeStyle};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;

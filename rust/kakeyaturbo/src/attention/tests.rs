@@ -564,6 +564,25 @@ fn thread_count_does_not_change_the_bits() {
     }
 }
 
+#[test]
+fn small_calls_run_on_the_calling_thread() {
+    let c = build(&Spec {
+        blocks: vec![256],
+        ..Spec::default()
+    });
+    let work = c.codes.batch() * c.codes.kv_heads() * c.codes.k_dim() * 256;
+    assert!(work <= super::INLINE_WORK);
+    assert_eq!(super::auto_threads(&c.codes, None), Some(1));
+    assert_eq!(super::auto_threads(&c.codes, Some(2)), Some(2));
+    let big = build(&Spec {
+        blocks: vec![2048, 2048, 1000],
+        kv_heads: 3,
+        dk: 64,
+        ..Spec::default()
+    });
+    assert_eq!(super::auto_threads(&big.codes, None), None);
+}
+
 fn thread_count_case(rope: Option<(usize, bool)>) {
     let c = build(&Spec {
         blocks: vec![2048, 2048, 1000],
@@ -578,8 +597,12 @@ fn thread_count_case(rope: Option<(usize, bool)>) {
         .unwrap()
         .unwrap();
     let all = run(&c, Isa::best()).unwrap();
+    let inline = crate::threads::with_threads_inline(Some(1), || run(&c, Isa::best()))
+        .unwrap()
+        .unwrap();
     assert_eq!(one, two);
     assert_eq!(one, all);
+    assert_eq!(one, inline);
 }
 
 #[test]
