@@ -112,7 +112,7 @@ class LayerCodes:
         window: Optional[int] = None,
         threads: Optional[int] = None,
         rope: Optional[
-            Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], str]
+            Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], str, str]
         ] = None,
     ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo import InvalidParameterError, calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, codec_for  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
@@ -29,6 +29,7 @@ from . import families  # noqa: E402
 from .conftest import build, forward, generate  # noqa: E402
 
 LOGIT_ATOL = 1e-5
+BF16_LOGIT_ATOL = 2e-4
 VOCAB = 97
 
 RECIPE = """
@@ -96,10 +97,35 @@ def no_decode(monkeypatch):
     return state
 
 
-def _pair(model, codec, **kw):
-    fast = KakeyaCache(codec, model=model, block_size=8, n_sink=1, **kw)
+def _pair(model, codec, synthesis="f32", **kw):
+    fast = KakeyaCache(codec, model=model, block_size=8, n_sink=1, synthesis=synthesis, **kw)
     slow = KakeyaCache(codec, model=model, block_size=8, n_sink=1, fast=False, **kw)
     return fast, slow
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_bf16_synthesis_generates_within_its_rounding(name, ropebefore, no_decode) -> None:
+    """The default synthesis of keys coded before RoPE (bfloat16 factors, float32 sums): the
+    same greedy tokens as decode-then-attend, logits within ``BF16_LOGIT_ATOL`` (the keys move
+    by about 2**-8 of the terms that make them; measured up to 1.1e-5 here), and not the
+    float32 synthesis's logits (it ran)."""
+    model = build(name)
+    codec = _codec(model, ropebefore, "before")
+    fast, slow = _pair(model, codec, synthesis="bf16")
+    assert fast.synthesis == "bf16" and KakeyaCache(codec, model=model).synthesis == "bf16"
+    with pytest.raises(InvalidParameterError):
+        KakeyaCache(codec, model=model, synthesis="fp16")
+    ids = _ids()
+    seq_s, log_s = generate(model, ids, slow, n=12)
+    no_decode["armed"] = True
+    seq_f, log_f = generate(model, ids, fast, n=12)
+    no_decode["armed"] = False
+    assert torch.equal(seq_f, seq_s), name
+    err = (log_f - log_s).abs().max().item()
+    assert err <= BF16_LOGIT_ATOL, (name, err)
+    f32, _ = _pair(model, codec, synthesis="f32")
+    _, log_32 = generate(model, ids, f32, n=12)
+    assert not torch.equal(log_32, log_f)
 
 
 def test_fast_generates_as_decode_then_attend(setup, no_decode) -> None:
@@ -222,7 +248,7 @@ def test_families(name, rope, ropeafter, ropebefore, no_decode) -> None:
     model = families.build(name)
     codec = _codec(model, ropeafter if rope == "after" else ropebefore, rope)
     ids = torch.randint(3, families.VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
-    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32")
     slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
     assert fast.fast, fast.fast_reason
     seq_s, log_s = generate(model, ids, slow, n=10)

@@ -242,13 +242,35 @@ def test_keys_before_rope_match_the_rotated_decode(spec: Spec, style: str, rot: 
         positions[1, :5] = 1
     table = _table(int(positions.max()) + 9, rot, style, scale=1.1)
     got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, rope=table,
-                              positions=positions, **c.call())
+                              positions=positions, synthesis="f32", **c.call())
     want = reference_attention(c.codes, c.q, c.tail_k, c.tail_v, rope=table, positions=positions, **c.call())
     s_mag, v_mag = magnitudes(c)
     compare(f"{spec} {style} rot {rot}", got, (want[0].numpy(), want[1].numpy()), 1.21 * s_mag, v_mag,
             TOL["attention_out"], TOL["attention_lse"])
     plain = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
     assert not np.allclose(plain, got[0])  # the rotation took part
+
+
+def test_bf16_synthesis_stays_within_its_rounding() -> None:
+    """The default synthesis of keys coded before RoPE rounds ``M`` and the centroids to
+    bfloat16 (the Rust tests check its bits against a float64 reference of that definition):
+    here, it moves the output off the float32 synthesis by about the rounding's share of the
+    scores, not more, and it runs (the outputs differ)."""
+    c = build(GRID[1])
+    tc = c.codes.rows()
+    positions = np.arange(tc)[None] + GRID[1].sink
+    table = _table(int(positions.max()) + 9, 64, "half", scale=1.1)
+    kw = dict(rope=table, positions=positions, return_lse=True, **c.call())
+    bf = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **kw)
+    f32 = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="f32", **kw)
+    assert np.array_equal(bf[0], kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="bf16", **kw)[0])
+    s_mag, v_mag = magnitudes(c)
+    d_out = np.abs(bf[0] - f32[0]).max()
+    d_lse = np.abs(bf[1] - f32[1]).max()
+    assert 0 < d_out <= 2.0 ** -6 * v_mag * (1 + 1.21 * s_mag), (d_out, s_mag, v_mag)
+    assert d_lse <= 2.0 ** -6 * (1 + 1.21 * s_mag), d_lse
+    with pytest.raises(kt.InvalidParameterError):
+        kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="fp16", **kw)
 
 
 def test_rope_tables_and_positions_are_checked() -> None:

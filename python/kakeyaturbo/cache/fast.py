@@ -240,6 +240,7 @@ def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
     out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
                            scale=float(scale), softcap=None if softcap is None else float(softcap),
                            window=layer.window, mask=_bool_mask(mask, n_q, total),
-                           threads=layer.threads, rope=table, positions=positions)
+                           threads=layer.threads, rope=table, positions=positions,
+                           synthesis=layer.synthesis)
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None

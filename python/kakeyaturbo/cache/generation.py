@@ -54,7 +54,9 @@ class KakeyaCache(Cache):
     function that stands in for the model's own (and computes exactly as it for any other
     cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
     (None: all cores, a layer of little sealed work on the calling thread; see
-    :func:`kakeyaturbo.decode_attention`).
+    :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
+    before RoPE, ``"bf16"`` (default, twice the speed) or ``"f32"`` (the decoded keys to float32
+    rounding); see :func:`kakeyaturbo.decode_attention`.
 
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the
@@ -66,8 +68,10 @@ class KakeyaCache(Cache):
                  block_size: int = 512, n_sink: int = 0, boundary: Sequence[int] = (),
                  streams: Sequence[str] = STREAMS, rope: Any = None,
                  keep_decoded: bool = False, fast: Optional[bool] = None,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, synthesis: str = "bf16") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
+        if synthesis not in ("bf16", "f32"):
+            raise InvalidParameterError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
         n_sink = _checks.integer(n_sink, "n_sink", 0)
         for attr in ("encode", "decode"):
             if not callable(getattr(codec, attr, None)):
@@ -98,6 +102,7 @@ class KakeyaCache(Cache):
                 _watch_positions(model, self)
         self.rope = rope
         self.threads = _checks.threads(threads)
+        self.synthesis = synthesis
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)
@@ -179,6 +184,7 @@ class KakeyaCache(Cache):
             layer.fast = True
             layer.fast_check = self._fast_check
             layer.threads = self.threads
+            layer.synthesis = self.synthesis
         return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

@@ -156,6 +156,7 @@ class KakeyaLayer(CacheLayerMixin):
         self.fast = False
         self.fast_check: Optional[Callable[[], bool]] = None
         self.threads: Optional[int] = None
+        self.synthesis = "bf16"
         self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
         self._codes_starts: List[int] = []
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 from .calibrated import CalibratedCodec
 
@@ -233,7 +233,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                      sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window: Optional[int] = None,
                      mask: Any = None, threads: Optional[int] = None, return_lse: bool = False,
-                     rope: Optional[RopeTable] = None, positions: Any = None
+                     rope: Optional[RopeTable] = None, positions: Any = None,
+                     synthesis: str = "bf16"
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """One attention step of a layer over its sealed codes and raw rows.
 
@@ -257,7 +258,11 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     - ``rope`` and ``positions``: the keys were coded before RoPE. ``positions`` (integers
       ``[B, T_c]``) gives each sealed row's position, a row of ``rope``; each sealed key is
       synthesised and rotated inside the kernel. ``q`` and the raw rows are after RoPE, as the
-      model hands them over.
+      model hands them over. ``synthesis``: how those keys are synthesised from their
+      centroids: ``"bf16"`` (the default: the synthesis matrix and the centroids rounded to
+      bfloat16, float32 sums, AVX-512 BF16's dot product where the CPU has it; the keys then
+      differ from the decoded ones by that rounding, about 2**-8 of the terms that make them)
+      or ``"f32"`` (the decoded keys to float32 rounding, half the speed).
 
     Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
@@ -281,6 +286,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
     win = None if window is None else _checks.integer(window, "window", 1)
     rot = None
+    if synthesis not in ("bf16", "f32"):
+        raise InvalidParameterError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
     if (rope is None) != (positions is None):
         raise InvalidInputError("pass both rope and positions, or neither")
     if rope is not None:
@@ -294,7 +301,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
         if pos.size and (pos.min() < 0 or pos.max() >= rope.n_positions):
             raise InvalidInputError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
                                     f"got {pos.min()} .. {pos.max()}")
-        rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style)
+        rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style,
+               synthesis)
     out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
                                _checks.threads(threads), rot)
     return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

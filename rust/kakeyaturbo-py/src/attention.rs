@@ -5,7 +5,7 @@ use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
 use kakeyaturbo::attention::{
     attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle,
-    StreamTables,
+    StreamTables, Synthesis,
 };
 use kakeyaturbo::threads::with_threads_inline;
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
@@ -45,6 +45,7 @@ type RopeArgs<'py> = (
     PyReadonlyArrayDyn<'py, f32>,
     PyReadonlyArrayDyn<'py, f32>,
     PyReadonlyArrayDyn<'py, u32>,
+    String,
     String,
 );
 
@@ -278,10 +279,10 @@ impl PyLayerCodes {
         };
         let inner = &self.inner;
         // Keys coded before RoPE: (cos [rot/2, n_pos] frequency-major, sin, positions [B, T_c],
-        // style).
+        // style, synthesis).
         let rope = match &rope {
             None => None,
-            Some((cos, sin, pos, style)) => {
+            Some((cos, sin, pos, style, synthesis)) => {
                 let (c, cshape) = array(py, cos, "rope cos", 2)?;
                 let (sn, sshape) = array(py, sin, "rope sin", 2)?;
                 if cshape != sshape {
@@ -312,12 +313,23 @@ impl PyLayerCodes {
                         ))
                     }
                 };
+                let synthesis = match synthesis.as_str() {
+                    "bf16" => Synthesis::Bf16,
+                    "f32" => Synthesis::F32,
+                    other => {
+                        return Err(crate::errors::invalid_parameter(
+                            py,
+                            format!("synthesis must be 'bf16' or 'f32', got {other:?}"),
+                        ))
+                    }
+                };
                 Some(KeyRope {
                     cos: c,
                     sin: sn,
                     rot: 2 * cshape[0],
                     style,
                     positions,
+                    synthesis,
                 })
             }
         };

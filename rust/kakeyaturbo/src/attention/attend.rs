@@ -4,7 +4,7 @@
 
 use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
-use super::rope::KeyRope;
+use super::rope::{KeyRope, Synthesis};
 use super::store::LayerCodes;
 use super::tables::StreamTables;
 use crate::error::{input, param, Result};
@@ -791,12 +791,22 @@ fn rope_scores<K: Tile>(
         keys,
         trig,
         trig_at,
+        packed,
         ..
     } = scratch;
     // Every value of `keys` and `trig` is written below before it is read.
     keys.resize(d * TILE, 0.0);
     let keys = &mut keys[..d * TILE];
-    k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys);
+    match kr.synthesis {
+        Synthesis::F32 => k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys),
+        Synthesis::Bf16 => {
+            let pairs = kt.m.div_ceil(2);
+            packed.resize(pairs * TILE, 0);
+            let packed = &mut packed[..pairs * TILE];
+            k.pack_bf16(kt.m, tile, packed);
+            k.synthesize_bf16(d, pairs, packed, kt.key_synthesis_bf16(), keys);
+        }
+    }
     for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
         for (v, &gt) in x.iter_mut().zip(g) {
             *v = gt.mul_add(*v, mu);

@@ -10,7 +10,7 @@
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
 //! fused multiply-adds with every query row: the centroids are never stored.
 
-use super::kernel::{Scratch, Tile, TILE};
+use super::kernel::{bf16_half, Scratch, Tile, BF16_FLOOR, TILE};
 use super::store::SealedBlock;
 use super::tables::{Component, Lookup, StreamTables};
 use std::arch::x86_64::*;
@@ -63,6 +63,41 @@ impl Tile for Avx512 {
             while d0 < d {
                 synthesize_block::<1>(d, d0, m, tile, msyn, keys);
                 d0 += 1;
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
+        assert!(tile.len() >= m * TILE && packed.len() >= m.div_ceil(2) * TILE);
+        // SAFETY: as in `scales`; the sizes were checked.
+        unsafe { pack_bf16(m, tile, packed) }
+    }
+
+    #[inline(always)]
+    fn synthesize_bf16(self, d: usize, pairs: usize, packed: &[u32], mb: &[u32], keys: &mut [f32]) {
+        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
+        // SAFETY: as in `scales` (and `has_bf16` for the BF16 instructions); sizes checked.
+        unsafe {
+            let mut d0 = 0;
+            if has_bf16() {
+                while d0 + 4 <= d {
+                    synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, keys);
+                    d0 += 4;
+                }
+                while d0 < d {
+                    synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, keys);
+                    d0 += 1;
+                }
+            } else {
+                while d0 + 4 <= d {
+                    synthesize_bf16_fma::<4>(d, d0, pairs, packed, mb, keys);
+                    d0 += 4;
+                }
+                while d0 < d {
+                    synthesize_bf16_fma::<1>(d, d0, pairs, packed, mb, keys);
+                    d0 += 1;
+                }
             }
         }
     }
@@ -376,6 +411,128 @@ unsafe fn synthesize_block<const N: usize>(
     }
 }
 
+/// Whether this CPU has AVX-512 BF16 (`vdpbf16ps`); without it the same chains run as pairs of
+/// float32 `fma`s.
+pub fn has_bf16() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
+}
+
+/// [`super::kernel::pack_tile`], 16 rows at a time in integer lanes.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_bf16(m: usize, tile: &[f32], packed: &mut [u32]) {
+    let tp = tile.as_ptr();
+    let pp = packed.as_mut_ptr();
+    let floor = _mm512_set1_epi32(BF16_FLOOR as i32);
+    let abs = _mm512_set1_epi32(0x7fff_ffff);
+    let half = _mm512_set1_epi32(0x7fff);
+    let one = _mm512_set1_epi32(1);
+    let round = |x: __m512i| {
+        let keep = _mm512_cmpge_epu32_mask(_mm512_and_si512(x, abs), floor);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), one);
+        let r = _mm512_add_epi32(x, _mm512_add_epi32(half, lsb));
+        _mm512_maskz_srli_epi32::<16>(keep, r)
+    };
+    for p in 0..m.div_ceil(2) {
+        for g in 0..4 {
+            let a = _mm512_loadu_si512(tp.add(2 * p * TILE + 16 * g) as *const _);
+            let lo = round(a);
+            let w = if 2 * p + 1 < m {
+                let b = _mm512_loadu_si512(tp.add((2 * p + 1) * TILE + 16 * g) as *const _);
+                _mm512_or_si512(lo, _mm512_slli_epi32::<16>(round(b)))
+            } else {
+                lo
+            };
+            _mm512_storeu_si512(pp.add(p * TILE + 16 * g) as *mut _, w);
+        }
+    }
+}
+
+/// Dimensions `d0 .. d0 + N` of [`Tile::synthesize_bf16`] with `vdpbf16ps` (high pair member
+/// first, then the low one, each rounded as an `fma`: the definition's chain).
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn synthesize_bf16_block<const N: usize>(
+    d: usize,
+    d0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    keys: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
+    let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
+    for p in 0..pairs {
+        let c: [__m512bh; 4] = [
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                tp.add(p * TILE) as *const _
+            )),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                tp.add(p * TILE + 16) as *const _
+            )),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                tp.add(p * TILE + 32) as *const _
+            )),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                tp.add(p * TILE + 48) as *const _
+            )),
+        ];
+        for (k, a) in acc.iter_mut().enumerate() {
+            let w: __m512bh =
+                std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + d0 + k) as i32));
+            for (x, &cg) in a.iter_mut().zip(&c) {
+                *x = _mm512_dpbf16_ps(*x, w, cg);
+            }
+        }
+    }
+    let kp = keys.as_mut_ptr();
+    for (k, a) in acc.iter().enumerate() {
+        for (g, &x) in a.iter().enumerate() {
+            _mm512_storeu_ps(kp.add((d0 + k) * TILE + 16 * g), x);
+        }
+    }
+}
+
+/// [`synthesize_bf16_block`] without AVX-512 BF16: each pair as two float32 `fma`s.
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn synthesize_bf16_fma<const N: usize>(
+    d: usize,
+    d0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    keys: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
+    let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    for p in 0..pairs {
+        let mut ch = [_mm512_setzero_ps(); 4];
+        let mut cl = [_mm512_setzero_ps(); 4];
+        for g in 0..4 {
+            let w = _mm512_loadu_si512(tp.add(p * TILE + 16 * g) as *const _);
+            ch[g] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+            cl[g] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+        }
+        for (k, a) in acc.iter_mut().enumerate() {
+            let w = *mp.add(p * d + d0 + k);
+            let (wh, wl) = (
+                _mm512_set1_ps(bf16_half(w, true)),
+                _mm512_set1_ps(bf16_half(w, false)),
+            );
+            for g in 0..4 {
+                a[g] = _mm512_fmadd_ps(wh, ch[g], a[g]);
+                a[g] = _mm512_fmadd_ps(wl, cl[g], a[g]);
+            }
+        }
+    }
+    let kp = keys.as_mut_ptr();
+    for (k, a) in acc.iter().enumerate() {
+        for (g, &x) in a.iter().enumerate() {
+            _mm512_storeu_ps(kp.add((d0 + k) * TILE + 16 * g), x);
+        }
+    }
+}
+
 /// The unpacked indices of a tile looked up into `tile[j * 64 + t]`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn centroids(t: &StreamTables, bytes: &[u8], tile: &mut [f32]) {
@@ -453,6 +610,59 @@ unsafe fn acc_rows<const N: usize>(
                 a = _mm512_fmadd_ps(x[k], v[k], a);
             }
             _mm512_storeu_ps(at, a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kernel::{bf16_pair, pack_tile, synthesize_bf16_tile};
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    /// Packing and both BF16 syntheses (`vdpbf16ps` where the CPU has it, float32 `fma`
+    /// pairs) against the definition, on values spread over the exponent range and around
+    /// the floor (products near the smallest normal float32).
+    #[test]
+    fn bf16_synthesis_matches_the_definition() {
+        if !available() {
+            return;
+        }
+        let mut g = SplitMix64::new(7);
+        let val = |g: &mut SplitMix64| {
+            let e = (g.next_u64() % 140) as i32 - 70;
+            let m = (g.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            m * 2f32.powi(e)
+        };
+        for (m, d) in [(1, 1), (7, 5), (56, 64), (33, 128)] {
+            let tile: Vec<f32> = (0..m * TILE).map(|_| val(&mut g)).collect();
+            let msyn: Vec<f32> = (0..m * d).map(|_| val(&mut g)).collect();
+            let pairs = m.div_ceil(2);
+            let at = |j: usize, i: usize| if j < m { msyn[j * d + i] } else { 0.0 };
+            let mb: Vec<u32> = (0..pairs)
+                .flat_map(|p| (0..d).map(move |i| (p, i)))
+                .map(|(p, i)| bf16_pair(at(2 * p, i), at(2 * p + 1, i)))
+                .collect();
+            let mut want_p = vec![0u32; pairs * TILE];
+            pack_tile(m, &tile, &mut want_p);
+            let mut got_p = vec![0u32; pairs * TILE];
+            unsafe { pack_bf16(m, &tile, &mut got_p) };
+            assert_eq!(got_p, want_p);
+            let mut want = vec![0f32; d * TILE];
+            synthesize_bf16_tile(d, pairs, &want_p, &mb, &mut want);
+            let mut fma = vec![0f32; d * TILE];
+            unsafe {
+                for d0 in 0..d {
+                    synthesize_bf16_fma::<1>(d, d0, pairs, &want_p, &mb, &mut fma);
+                }
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fma), bits(&want), "fma pairs, m {m} d {d}");
+            if has_bf16() {
+                let mut dp = vec![0f32; d * TILE];
+                Avx512.synthesize_bf16(d, pairs, &want_p, &mb, &mut dp);
+                assert_eq!(bits(&dp), bits(&want), "vdpbf16ps, m {m} d {d}");
+            }
         }
     }
 }

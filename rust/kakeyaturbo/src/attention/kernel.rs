@@ -28,6 +28,8 @@ pub(crate) struct Scratch {
     pub trig: Vec<f32>,
     /// The (flat index of the first row, rows) whose cos/sin `trig` holds.
     pub trig_at: Option<(usize, usize)>,
+    /// The tile's centroids rounded to bfloat16, pairs of components packed (`[p * 64 + t]`).
+    pub packed: Vec<u32>,
 }
 
 impl Scratch {
@@ -51,6 +53,7 @@ impl Scratch {
             keys: Vec::new(),
             trig: Vec::new(),
             trig_at: None,
+            packed: Vec::new(),
         }
     }
 }
@@ -93,6 +96,16 @@ pub(crate) trait Tile: Copy + Send + Sync {
     /// `keys[d * 64 + t]` = the `fma` chain over `j` from 0 of `msyn[j * D + d] * tile[j * 64 + t]`.
     fn synthesize(self, d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
         synthesize_tile(d, m, tile, msyn, keys)
+    }
+    /// `packed[p * 64 + t]` = centroids `2p` (low half) and `2p + 1` (high half; 0 past `m`)
+    /// of row `t`, rounded to bfloat16 ([`bf16_pair`]).
+    fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
+        pack_tile(m, tile, packed)
+    }
+    /// `keys[d * 64 + t]` = over the pairs `p` in order, `fma(M_(2p+1)d, c_(2p+1)t, acc)`
+    /// then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` = [`StreamTables::key_synthesis_bf16`]).
+    fn synthesize_bf16(self, d: usize, pairs: usize, packed: &[u32], mb: &[u32], keys: &mut [f32]) {
+        synthesize_bf16_tile(d, pairs, packed, mb, keys)
     }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
     /// `k = 0..4` in order.
@@ -231,6 +244,76 @@ pub(crate) fn centroid_at(t: &StreamTables, b: &SealedBlock, r: usize, j: usize)
     le[..end - at].copy_from_slice(&row[at..end]);
     let code = (u64::from_le_bytes(le) >> c.shift) as u32 & c.mask;
     t.centroid(j, code)
+}
+
+/// Magnitudes below `2^-56` (this float32 bit pattern without its sign) round to +0 in
+/// [`bf16_round`]: every nonzero product of two rounded values is then a multiple of
+/// `2^-126`, and so is every sum of them, so no value of a synthesis is subnormal and the
+/// flush-to-zero of AVX-512 BF16's dot product never acts.
+pub(crate) const BF16_FLOOR: u32 = 0x2380_0000;
+
+/// `x` rounded to bfloat16 (to nearest, ties to even; +0 below `2^-56`): the upper 16 bits
+/// of the float32 it stands for, in the low half.
+#[inline(always)]
+pub(crate) fn bf16_round(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff < BF16_FLOOR {
+        0
+    } else {
+        b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16
+    }
+}
+
+/// `a` (low half) and `b` (high half) rounded to bfloat16 in one word.
+#[inline(always)]
+pub(crate) fn bf16_pair(a: f32, b: f32) -> u32 {
+    bf16_round(a) | bf16_round(b) << 16
+}
+
+/// The low (`hi = false`) or high bfloat16 of a packed word, as float32.
+#[inline(always)]
+pub(crate) fn bf16_half(w: u32, hi: bool) -> f32 {
+    f32::from_bits(if hi { w & 0xffff_0000 } else { w << 16 })
+}
+
+/// The definition of [`Tile::pack_bf16`].
+#[inline(always)]
+pub(crate) fn pack_tile(m: usize, tile: &[f32], packed: &mut [u32]) {
+    for p in 0..m.div_ceil(2) {
+        for t in 0..TILE {
+            let a = tile[2 * p * TILE + t];
+            let b = if 2 * p + 1 < m {
+                tile[(2 * p + 1) * TILE + t]
+            } else {
+                0.0
+            };
+            packed[p * TILE + t] = bf16_pair(a, b);
+        }
+    }
+}
+
+/// The definition of [`Tile::synthesize_bf16`]: per pair of components the high one's `fma`,
+/// then the low one's (the order of AVX-512 BF16's `vdpbf16ps`).
+#[inline(always)]
+pub(crate) fn synthesize_bf16_tile(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    keys: &mut [f32],
+) {
+    for dd in 0..d {
+        let mut acc = [0f32; TILE];
+        for p in 0..pairs {
+            let w = mb[p * d + dd];
+            let (wh, wl) = (bf16_half(w, true), bf16_half(w, false));
+            for (a, &c) in acc.iter_mut().zip(&packed[p * TILE..(p + 1) * TILE]) {
+                *a = wh.mul_add(bf16_half(c, true), *a);
+                *a = wl.mul_add(bf16_half(c, false), *a);
+            }
+        }
+        keys[dd * TILE..(dd + 1) * TILE].copy_from_slice(&acc);
+    }
 }
 
 /// Dimensions per block of [`synthesize_tile`].

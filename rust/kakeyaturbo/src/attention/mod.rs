@@ -66,7 +66,7 @@ pub mod tables;
 pub use attend::{
     attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, RawRows, INLINE_WORK,
 };
-pub use rope::{KeyRope, RopeStyle};
+pub use rope::{KeyRope, RopeStyle, Synthesis};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
 

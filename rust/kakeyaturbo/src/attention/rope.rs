@@ -19,6 +19,19 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+/// How a sealed key coded before RoPE is synthesised from its centroids (mod.rs,
+/// "Arithmetic").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synthesis {
+    /// `M` and the centroids rounded to bfloat16, float32 sums: products of two bfloat16 are
+    /// exact in float32, so this is AVX-512 BF16's dot product of pairs (twice the
+    /// multiply-adds per instruction of float32), computed the same everywhere.
+    #[default]
+    Bf16,
+    /// `M` and the centroids in float32: the decoded keys to float32 rounding.
+    F32,
+}
+
 /// The rotation of the sealed keys of one call.
 ///
 /// `cos` and `sin` are `[rot/2, n_pos]` row-major (frequency-major): `cos[i * n_pos + p]` is
@@ -34,6 +47,7 @@ pub struct KeyRope<'a> {
     pub rot: usize,
     pub style: RopeStyle,
     pub positions: &'a [u32],
+    pub synthesis: Synthesis,
 }
 
 impl KeyRope<'_> {

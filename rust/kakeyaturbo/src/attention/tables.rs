@@ -73,6 +73,8 @@ pub struct StreamTables {
     /// `M` (`m x D`, row `j` = what component `j` adds to a decoded row per unit of its
     /// centroid): derived on first use by attention over keys coded before RoPE.
     key_synth: std::sync::OnceLock<Vec<f32>>,
+    /// `M` rounded to bfloat16, pairs of components packed ([`Self::key_synthesis_bf16`]).
+    key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
 }
 
 impl StreamTables {
@@ -182,6 +184,7 @@ impl StreamTables {
                 .collect(),
             mean: codec.mean.clone(),
             key_synth: std::sync::OnceLock::new(),
+            key_synth_bf16: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
     }
@@ -253,6 +256,22 @@ impl StreamTables {
                 self.synthesize(&mut e, 0.0, row);
             }
             out
+        })
+    }
+
+    /// [`Self::key_synthesis`] rounded to bfloat16 ([`super::kernel::bf16_round`]), two
+    /// components per word: `[p * D + d]` holds component `2p` in its low half and `2p + 1` in
+    /// its high half (0 past `m`), `ceil(m / 2) x D` words.
+    pub fn key_synthesis_bf16(&self) -> &[u32] {
+        self.key_synth_bf16.get_or_init(|| {
+            let (m, d) = (self.m, self.d);
+            let ms = self.key_synthesis();
+            let at = |j: usize, i: usize| if j < m { ms[j * d + i] } else { 0.0 };
+            (0..m.div_ceil(2))
+                .flat_map(|p| {
+                    (0..d).map(move |i| super::kernel::bf16_pair(at(2 * p, i), at(2 * p + 1, i)))
+                })
+                .collect()
         })
     }
 

@@ -31,6 +31,7 @@ struct RopeCase {
     rot: usize,
     style: RopeStyle,
     positions: Vec<u32>,
+    synthesis: Synthesis,
 }
 
 impl RopeCase {
@@ -41,6 +42,7 @@ impl RopeCase {
             rot: self.rot,
             style: self.style,
             positions: &self.positions,
+            synthesis: self.synthesis,
         }
     }
 }
@@ -66,6 +68,7 @@ struct Spec {
     mask: bool,
     /// Keys coded before RoPE: (rotary dimension, interleaved pairing).
     rope: Option<(usize, bool)>,
+    synthesis: Synthesis,
 }
 
 impl Default for Spec {
@@ -89,6 +92,7 @@ impl Default for Spec {
             window: None,
             mask: false,
             rope: None,
+            synthesis: Synthesis::Bf16,
         }
     }
 }
@@ -236,6 +240,7 @@ fn build(s: &Spec) -> Case {
                 RopeStyle::Half
             },
             positions,
+            synthesis: s.synthesis,
         }
     });
     Case {
@@ -304,6 +309,10 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
             }
             // Keys coded before RoPE: rotated here as the model would (in f64).
             let mut k64: Vec<f64> = k.iter().map(|&x| x as f64).collect();
+            if let Some(r) = c.rope.as_ref().filter(|r| r.synthesis == Synthesis::Bf16) {
+                let _ = r;
+                bf16_keys(ks, &mut k64[sealed0 * dk..sealed0 * dk + ks.rows() * dk]);
+            }
             if let Some(r) = &c.rope {
                 let sealed = k.len() / dk - sealed0;
                 let half = r.rot / 2;
@@ -401,6 +410,47 @@ fn errors(c: &Case, got: &AttentionOutput) -> (f64, f64, usize) {
     (worst.0, le, worst.1)
 }
 
+/// The sealed keys of `store` as [`Synthesis::Bf16`] defines them, in f64: `mean + g *
+/// sum_j bf16(M_jd) bf16(c_j)` (outliers' values in place of their centroids). Checks on the
+/// way that they lie within bfloat16 rounding of the decoded keys in `keys` (`rows x D`),
+/// which they replace: `M` and the centroids are the decode's factors.
+fn bf16_keys(store: &CodeStore, keys: &mut [f64]) {
+    let t = store.tables();
+    let (m, d) = (t.m, t.d);
+    let ms = t.key_synthesis();
+    let r16 = |x: f32| kernel::bf16_half(kernel::bf16_round(x), false) as f64;
+    let mut row0 = 0;
+    for blk in store.blocks() {
+        let mut outl = vec![None; blk.n * m];
+        for i in 0..blk.outliers {
+            let (pos, val) = blk.outlier(i);
+            outl[pos as usize] = Some(val);
+        }
+        for r in 0..blk.n {
+            let g = blk.scale(r) as f64;
+            let c: Vec<f32> = (0..m)
+                .map(|j| outl[r * m + j].unwrap_or_else(|| kernel::centroid_at(t, blk, r, j)))
+                .collect();
+            let out = &mut keys[(row0 + r) * d..(row0 + r + 1) * d];
+            for (i, o) in out.iter_mut().enumerate() {
+                let x: f64 = (0..m).map(|j| r16(ms[j * d + i]) * r16(c[j])).sum();
+                let mag: f64 = (0..m)
+                    .map(|j| (ms[j * d + i] as f64 * c[j] as f64).abs())
+                    .sum();
+                let want = t.mean[i] as f64 + g * x;
+                let bound = g.abs() * mag * 2f64.powi(-7) + 1e-5 * (1.0 + o.abs());
+                assert!(
+                    (want - *o).abs() <= bound,
+                    "bf16 key {want} vs decoded {o} (row {}, dim {i})",
+                    row0 + r
+                );
+                *o = want;
+            }
+        }
+        row0 += blk.n;
+    }
+}
+
 fn check(s: &Spec) {
     let c = build(s);
     let got = run(&c, Isa::Portable).unwrap();
@@ -456,6 +506,18 @@ fn matches_the_decoded_attention() {
         softcap: Some(5.0),
         ..Spec::default()
     });
+}
+
+#[test]
+fn keys_coded_before_rope_in_f32_match_the_rotated_decode() {
+    for (dk, rope) in [(64, (64, false)), (40, (40, true)), (96, (32, false))] {
+        check(&Spec {
+            dk,
+            rope: Some(rope),
+            synthesis: Synthesis::F32,
+            ..Spec::default()
+        });
+    }
 }
 
 #[test]
@@ -759,12 +821,13 @@ proptest! {
         extra in 0usize..70, nq in 1usize..5, norm in any::<bool>(), ip in any::<bool>(),
         outliers in any::<bool>(), bmax in 1u8..=8, cap in any::<bool>(),
         window in proptest::option::of(1usize..400), mask in any::<bool>(),
-        rope in proptest::option::of((2usize..80, any::<bool>())),
+        rope in proptest::option::of((2usize..80, any::<bool>())), f32_synthesis in any::<bool>(),
     ) {
         check(&Spec {
             seed, batch, kv_heads, group, dk, dv, blocks, sink, tail: nq + extra, nq, norm, ip,
             outliers, bmax, softcap: cap.then_some(3.0), window, mask,
             rope: rope.filter(|_| dk >= 2),
+            synthesis: if f32_synthesis { Synthesis::F32 } else { Synthesis::Bf16 },
         });
     }
 }
