@@ -798,34 +798,47 @@ fn rope_scores<K: Tile>(
     keys.resize(d * TILE, 0.0);
     let keys = &mut keys[..d * TILE];
     match kr.synthesis {
-        Synthesis::F32 => k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys),
+        Synthesis::F32 => {
+            k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys);
+            for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
+                for (v, &gt) in x.iter_mut().zip(g) {
+                    *v = gt.mul_add(*v, mu);
+                }
+            }
+        }
         Synthesis::Bf16 => {
             let pairs = kt.m.div_ceil(2);
             packed.resize(pairs * TILE, 0);
             let packed = &mut packed[..pairs * TILE];
             k.pack_bf16(kt.m, tile, packed);
-            k.synthesize_bf16(d, pairs, packed, kt.key_synthesis_bf16(), keys);
+            let mb = kt.key_synthesis_bf16();
+            k.synthesize_bf16(d, pairs, packed, mb, g, &kt.mean, keys);
         }
     }
-    for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
-        for (v, &gt) in x.iter_mut().zip(g) {
-            *v = gt.mul_add(*v, mu);
-        }
-    }
-    // cos and sin of each row's position, frequency-major: trig[i * 64 + t], then the sines.
-    // The previous tile of this worker may have been the same rows of another kv-head.
-    if *trig_at != Some((first, rows)) || trig.len() != 2 * half * TILE {
+    // cos and sin of each row's position, frequency-major: a full tile of consecutive
+    // positions reads them from the table in place; otherwise they are gathered into
+    // trig[i * 64 + t], then the sines (the previous tile of this worker may have been the
+    // same rows of another kv-head).
+    let direct = kr.run_at(first, rows);
+    if direct.is_none() && (*trig_at != Some((first, rows)) || trig.len() != 2 * half * TILE) {
         trig.resize(2 * half * TILE, 0.0);
         kr.gather(first, rows, &mut trig[..2 * half * TILE]);
         *trig_at = Some((first, rows));
     }
-    let trig = &trig[..2 * half * TILE];
-    let (ct, st) = trig.split_at(half * TILE);
+    let n_pos = kr.n_pos();
+    let (ct, st): (&[f32], &[f32]) = match direct {
+        Some(_) => (kr.cos, kr.sin),
+        None => trig[..2 * half * TILE].split_at(half * TILE),
+    };
     for i in 0..half {
         let (a, b) = kr.pair(i);
         let (lo, hi) = keys.split_at_mut(b * TILE);
         let (xa, xb) = (&mut lo[a * TILE..(a + 1) * TILE], &mut hi[..TILE]);
-        let (c, sn) = (&ct[i * TILE..(i + 1) * TILE], &st[i * TILE..(i + 1) * TILE]);
+        let at = match direct {
+            Some(p0) => i * n_pos + p0,
+            None => i * TILE,
+        };
+        let (c, sn) = (&ct[at..at + TILE], &st[at..at + TILE]);
         for t in 0..TILE {
             let (u, v) = (xa[t], xb[t]);
             xa[t] = u * c[t] + (-v) * sn[t];

@@ -75,27 +75,38 @@ impl Tile for Avx512 {
     }
 
     #[inline(always)]
-    fn synthesize_bf16(self, d: usize, pairs: usize, packed: &[u32], mb: &[u32], keys: &mut [f32]) {
+    fn synthesize_bf16(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        keys: &mut [f32],
+    ) {
         assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
+        assert!(mean.len() >= d);
+        let y = Affine { g, mean };
         // SAFETY: as in `scales` (and `has_bf16` for the BF16 instructions); sizes checked.
         unsafe {
             let mut d0 = 0;
             if has_bf16() {
                 while d0 + 4 <= d {
-                    synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, keys);
+                    synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, &y, keys);
                     d0 += 4;
                 }
                 while d0 < d {
-                    synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, keys);
+                    synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, &y, keys);
                     d0 += 1;
                 }
             } else {
                 while d0 + 4 <= d {
-                    synthesize_bf16_fma::<4>(d, d0, pairs, packed, mb, keys);
+                    synthesize_bf16_fma::<4>(d, d0, pairs, packed, mb, &y, keys);
                     d0 += 4;
                 }
                 while d0 < d {
-                    synthesize_bf16_fma::<1>(d, d0, pairs, packed, mb, keys);
+                    synthesize_bf16_fma::<1>(d, d0, pairs, packed, mb, &y, keys);
                     d0 += 1;
                 }
             }
@@ -448,6 +459,35 @@ unsafe fn pack_bf16(m: usize, tile: &[f32], packed: &mut [u32]) {
     }
 }
 
+/// The scale and mean a synthesised tile is stored with: `fma(g_t, x, mean_d)`.
+struct Affine<'a> {
+    g: &'a [f32; TILE],
+    mean: &'a [f32],
+}
+
+impl Affine<'_> {
+    #[inline(always)]
+    unsafe fn store<const N: usize>(&self, d0: usize, acc: &[[__m512; 4]; N], keys: &mut [f32]) {
+        let gp = self.g.as_ptr();
+        let kp = keys.as_mut_ptr();
+        let gv = [
+            _mm512_loadu_ps(gp),
+            _mm512_loadu_ps(gp.add(16)),
+            _mm512_loadu_ps(gp.add(32)),
+            _mm512_loadu_ps(gp.add(48)),
+        ];
+        for (k, a) in acc.iter().enumerate() {
+            let mu = _mm512_set1_ps(self.mean[d0 + k]);
+            for (g, &x) in a.iter().enumerate() {
+                _mm512_storeu_ps(
+                    kp.add((d0 + k) * TILE + 16 * g),
+                    _mm512_fmadd_ps(gv[g], x, mu),
+                );
+            }
+        }
+    }
+}
+
 /// Dimensions `d0 .. d0 + N` of [`Tile::synthesize_bf16`] with `vdpbf16ps` (high pair member
 /// first, then the low one, each rounded as an `fma`: the definition's chain).
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -457,6 +497,7 @@ unsafe fn synthesize_bf16_block<const N: usize>(
     pairs: usize,
     packed: &[u32],
     mb: &[u32],
+    y: &Affine<'_>,
     keys: &mut [f32],
 ) {
     let mut acc = [[_mm512_setzero_ps(); 4]; N];
@@ -484,12 +525,7 @@ unsafe fn synthesize_bf16_block<const N: usize>(
             }
         }
     }
-    let kp = keys.as_mut_ptr();
-    for (k, a) in acc.iter().enumerate() {
-        for (g, &x) in a.iter().enumerate() {
-            _mm512_storeu_ps(kp.add((d0 + k) * TILE + 16 * g), x);
-        }
-    }
+    y.store(d0, &acc, keys);
 }
 
 /// [`synthesize_bf16_block`] without AVX-512 BF16: each pair as two float32 `fma`s.
@@ -500,6 +536,7 @@ unsafe fn synthesize_bf16_fma<const N: usize>(
     pairs: usize,
     packed: &[u32],
     mb: &[u32],
+    y: &Affine<'_>,
     keys: &mut [f32],
 ) {
     let mut acc = [[_mm512_setzero_ps(); 4]; N];
@@ -525,12 +562,7 @@ unsafe fn synthesize_bf16_fma<const N: usize>(
             }
         }
     }
-    let kp = keys.as_mut_ptr();
-    for (k, a) in acc.iter().enumerate() {
-        for (g, &x) in a.iter().enumerate() {
-            _mm512_storeu_ps(kp.add((d0 + k) * TILE + 16 * g), x);
-        }
-    }
+    y.store(d0, &acc, keys);
 }
 
 /// The unpacked indices of a tile looked up into `tile[j * 64 + t]`.
@@ -648,19 +680,25 @@ mod tests {
             let mut got_p = vec![0u32; pairs * TILE];
             unsafe { pack_bf16(m, &tile, &mut got_p) };
             assert_eq!(got_p, want_p);
+            let gs: [f32; TILE] = std::array::from_fn(|t| 0.5 + t as f32 / 64.0);
+            let mean: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
+            let y = Affine {
+                g: &gs,
+                mean: &mean,
+            };
             let mut want = vec![0f32; d * TILE];
-            synthesize_bf16_tile(d, pairs, &want_p, &mb, &mut want);
+            synthesize_bf16_tile(d, pairs, &want_p, &mb, &gs, &mean, &mut want);
             let mut fma = vec![0f32; d * TILE];
             unsafe {
                 for d0 in 0..d {
-                    synthesize_bf16_fma::<1>(d, d0, pairs, &want_p, &mb, &mut fma);
+                    synthesize_bf16_fma::<1>(d, d0, pairs, &want_p, &mb, &y, &mut fma);
                 }
             }
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fma), bits(&want), "fma pairs, m {m} d {d}");
             if has_bf16() {
                 let mut dp = vec![0f32; d * TILE];
-                Avx512.synthesize_bf16(d, pairs, &want_p, &mb, &mut dp);
+                Avx512.synthesize_bf16(d, pairs, &want_p, &mb, &gs, &mean, &mut dp);
                 assert_eq!(bits(&dp), bits(&want), "vdpbf16ps, m {m} d {d}");
             }
         }

@@ -102,10 +102,21 @@ pub(crate) trait Tile: Copy + Send + Sync {
     fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
         pack_tile(m, tile, packed)
     }
-    /// `keys[d * 64 + t]` = over the pairs `p` in order, `fma(M_(2p+1)d, c_(2p+1)t, acc)`
-    /// then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` = [`StreamTables::key_synthesis_bf16`]).
-    fn synthesize_bf16(self, d: usize, pairs: usize, packed: &[u32], mb: &[u32], keys: &mut [f32]) {
-        synthesize_bf16_tile(d, pairs, packed, mb, keys)
+    /// `keys[d * 64 + t] = fma(g_t, x_dt, mean_d)`, `x_dt` = over the pairs `p` in order,
+    /// `fma(M_(2p+1)d, c_(2p+1)t, acc)` then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` =
+    /// [`StreamTables::key_synthesis_bf16`]).
+    #[allow(clippy::too_many_arguments)]
+    fn synthesize_bf16(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        keys: &mut [f32],
+    ) {
+        synthesize_bf16_tile(d, pairs, packed, mb, g, mean, keys)
     }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
     /// `k = 0..4` in order.
@@ -293,13 +304,15 @@ pub(crate) fn pack_tile(m: usize, tile: &[f32], packed: &mut [u32]) {
 }
 
 /// The definition of [`Tile::synthesize_bf16`]: per pair of components the high one's `fma`,
-/// then the low one's (the order of AVX-512 BF16's `vdpbf16ps`).
+/// then the low one's (the order of AVX-512 BF16's `vdpbf16ps`); then scale and mean.
 #[inline(always)]
 pub(crate) fn synthesize_bf16_tile(
     d: usize,
     pairs: usize,
     packed: &[u32],
     mb: &[u32],
+    g: &[f32; TILE],
+    mean: &[f32],
     keys: &mut [f32],
 ) {
     for dd in 0..d {
@@ -312,7 +325,9 @@ pub(crate) fn synthesize_bf16_tile(
                 *a = wl.mul_add(bf16_half(c, false), *a);
             }
         }
-        keys[dd * TILE..(dd + 1) * TILE].copy_from_slice(&acc);
+        for ((o, &a), &gt) in keys[dd * TILE..(dd + 1) * TILE].iter_mut().zip(&acc).zip(g) {
+            *o = gt.mul_add(a, mean[dd]);
+        }
     }
 }
 

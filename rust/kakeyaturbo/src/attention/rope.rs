@@ -56,6 +56,20 @@ impl KeyRope<'_> {
         self.cos.len().checked_div(self.rot / 2).unwrap_or(0)
     }
 
+    /// `Some(p0)` when the tile of rows `first ..` is full (64 rows) at the consecutive
+    /// positions `p0 .. p0 + 64` of the table: its cos and sin are read in place.
+    #[inline(always)]
+    pub(crate) fn run_at(&self, first: usize, rows: usize) -> Option<usize> {
+        const T: usize = super::kernel::TILE;
+        if rows != T {
+            return None;
+        }
+        let pos = &self.positions[first..first + T];
+        let p0 = pos[0] as usize;
+        (p0 + T <= self.n_pos() && pos.iter().enumerate().all(|(t, &p)| p as usize == p0 + t))
+            .then_some(p0)
+    }
+
     /// The cos (then, from `64 * rot/2`, the sin) of rows `t < rows` at `positions[first ..]`,
     /// frequency-major `trig[i * 64 + t]` (rows past `rows`: 0). A run of consecutive positions
     /// is copied frequency by frequency.
