@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 
 from ..calibration import ModelCodec
 from ..codec import _checks
+from ..codec.attention import SYNTHESES
 from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
@@ -70,8 +71,6 @@ class KakeyaCache(Cache):
                  keep_decoded: bool = False, fast: Optional[bool] = None,
                  threads: Optional[int] = None, synthesis: str = "bf16") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
-        if synthesis not in ("bf16", "f32"):
-            raise InvalidParameterError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
         n_sink = _checks.integer(n_sink, "n_sink", 0)
         for attr in ("encode", "decode"):
             if not callable(getattr(codec, attr, None)):
@@ -102,7 +101,7 @@ class KakeyaCache(Cache):
                 _watch_positions(model, self)
         self.rope = rope
         self.threads = _checks.threads(threads)
-        self.synthesis = synthesis
+        self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)

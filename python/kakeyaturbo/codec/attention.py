@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidInputError
 from . import _checks
 from .calibrated import CalibratedCodec
 
@@ -30,6 +30,8 @@ STREAMS = ("k", "v")
 
 #: The pairings of channels a :class:`RopeTable` knows (as ``kakeyaturbo.families.rope``).
 ROPE_STYLES = ("half", "interleaved")
+#: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
+SYNTHESES = ("bf16", "f32")
 
 
 class RopeTable:
@@ -268,7 +270,7 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
     denominator (``-inf`` where it sees nothing). Arrays may be numpy or CPU torch tensors.
     Raises TypeError for a wrong type, InvalidInputError for shapes that do not fit or
-    non-finite values, InvalidParameterError for a bad scale, softcap or window."""
+    non-finite values, InvalidParameterError for a bad scale, softcap, window or synthesis."""
     if not isinstance(codes, LayerCodes):
         raise TypeError(f"codes must be a LayerCodes, got {type(codes).__name__}")
     b, hkv, dk, dv = codes.batch, codes.kv_heads, codes.k_dim, codes.v_dim
@@ -286,8 +288,7 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
     win = None if window is None else _checks.integer(window, "window", 1)
     rot = None
-    if synthesis not in ("bf16", "f32"):
-        raise InvalidParameterError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
+    synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
     if (rope is None) != (positions is None):
         raise InvalidInputError("pass both rope and positions, or neither")
     if rope is not None:

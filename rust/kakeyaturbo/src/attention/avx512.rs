@@ -503,20 +503,11 @@ unsafe fn synthesize_bf16_block<const N: usize>(
     let mut acc = [[_mm512_setzero_ps(); 4]; N];
     let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
     for p in 0..pairs {
-        let c: [__m512bh; 4] = [
+        let c: [__m512bh; 4] = std::array::from_fn(|g| {
             std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE) as *const _
-            )),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE + 16) as *const _
-            )),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE + 32) as *const _
-            )),
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE + 48) as *const _
-            )),
-        ];
+                tp.add(p * TILE + 16 * g) as *const _
+            ))
+        });
         for (k, a) in acc.iter_mut().enumerate() {
             let w: __m512bh =
                 std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + d0 + k) as i32));

@@ -56,18 +56,23 @@ impl KeyRope<'_> {
         self.cos.len().checked_div(self.rot / 2).unwrap_or(0)
     }
 
-    /// `Some(p0)` when the tile of rows `first ..` is full (64 rows) at the consecutive
-    /// positions `p0 .. p0 + 64` of the table: its cos and sin are read in place.
+    /// `Some(p0)` when rows `first .. first + rows` sit at the consecutive positions
+    /// `p0 .. p0 + rows` of the table.
+    #[inline(always)]
+    fn consecutive(&self, first: usize, rows: usize) -> Option<usize> {
+        let pos = &self.positions[first..first + rows];
+        let p0 = pos[0] as usize;
+        (p0 + rows <= self.n_pos() && pos.iter().enumerate().all(|(t, &p)| p as usize == p0 + t))
+            .then_some(p0)
+    }
+
+    /// `Some(p0)` when the tile of rows `first ..` is full (64 rows) at consecutive positions
+    /// from `p0`: its cos and sin are read from the table in place.
     #[inline(always)]
     pub(crate) fn run_at(&self, first: usize, rows: usize) -> Option<usize> {
-        const T: usize = super::kernel::TILE;
-        if rows != T {
-            return None;
-        }
-        let pos = &self.positions[first..first + T];
-        let p0 = pos[0] as usize;
-        (p0 + T <= self.n_pos() && pos.iter().enumerate().all(|(t, &p)| p as usize == p0 + t))
-            .then_some(p0)
+        (rows == super::kernel::TILE)
+            .then(|| self.consecutive(first, rows))
+            .flatten()
     }
 
     /// The cos (then, from `64 * rot/2`, the sin) of rows `t < rows` at `positions[first ..]`,
@@ -78,14 +83,13 @@ impl KeyRope<'_> {
         const T: usize = super::kernel::TILE;
         let (half, n) = (self.rot / 2, self.n_pos());
         let pos = &self.positions[first..first + rows];
-        let p0 = pos[0] as usize;
-        let run = p0 + rows <= n && pos.iter().enumerate().all(|(t, &p)| p as usize == p0 + t);
+        let run = self.consecutive(first, rows);
         let (ct, st) = trig.split_at_mut(half * T);
         for (src, dst) in [(self.cos, ct), (self.sin, st)] {
             for i in 0..half {
                 let row = &src[i * n..(i + 1) * n];
                 let out = &mut dst[i * T..(i + 1) * T];
-                if run {
+                if let Some(p0) = run {
                     out[..rows].copy_from_slice(&row[p0..p0 + rows]);
                 } else {
                     for (o, &p) in out.iter_mut().zip(pos) {
