@@ -1,5 +1,6 @@
 """What a calibration costs: the statistics (attention-weighted and uniform) and the sensitivity
-against a plain forward pass over the same calibration windows, in one process, best of
+against a plain forward pass over the same calibration windows (and one that skips the LM head, as
+the statistics pass does), in one process, best of
 ``--repeats`` (wall and CPU seconds; on a shared machine the CPU seconds of a one-thread run are
 the steadier figure). ``--legacy`` also times the collection as it was before issue 13 (forward
 hooks on q/k/v projections, eager attention with ``output_attentions``; kept in
@@ -57,8 +58,14 @@ def main(argv: "List[str] | None" = None) -> int:
             for w in wins:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False)
 
+    def forward_no_head() -> None:  # what the statistics pass runs: no logits
+        with torch.no_grad():
+            for w in wins:
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, logits_to_keep=1)
+
     jobs: List[Tuple[str, Callable[[], Any]]] = [
         ("forward", forward),
+        ("forward without the LM head", forward_no_head),
         ("statistics (attention)", lambda: calibration.collect(model, wins, weighting="attention")),
         ("statistics (uniform)", lambda: calibration.collect(model, wins, weighting="uniform")),
         ("sensitivity", lambda: calibration.collect_sensitivity(model, wins, score=args.score)),

@@ -22,9 +22,10 @@ from .errors import InvalidParameterError
 from .eval import data, harness, model, peers, report
 
 #: What the statistics and the sensitivity cost per window against a plain forward pass of it
-#: (`benches/bench_collect.py` on the default model: 9.9 s and 18.8 s against 7.8 s).
-STATS_PER_FORWARD = 1.3
-SENSITIVITY_PER_FORWARD = 2.4
+#: (`THREADS=1 benches/bench_collect.py --windows 1 --repeats 3` on the default model, quiet,
+#: 2026-12-04: 4.03 s and 11.51 s against 3.78 s).
+STATS_PER_FORWARD = 1.1
+SENSITIVITY_PER_FORWARD = 3.0
 
 
 def duration(seconds: float) -> str:

@@ -184,7 +184,7 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
     """The squared attention probabilities the statistics are weighted by equal those of the
     family's own eager attention (scaling, softcapping, sliding-window masks), whether the mask
     arrives as eager's additive floats or as the model's own implementation's (sdpa: booleans,
-    or None for plain causal)."""
+    or None for plain causal); the attention output computed from them is the family's own."""
     name, model = family
     ids = _ids(t=T_PROMPT)
     got = {}
@@ -192,7 +192,10 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
     def run(weights: bool):
         def handler(i, module, q, k, v, mask, kwargs, attend):
             out = attend(q, k, v)
-            wq, wk = attention_p2(module, q, k, mask, kwargs, n_sink=1)
+            wq, wk, o = attention_p2(module, q, k, mask, kwargs, n_sink=1, v=v)
+            # the output from the same probabilities is the model's own attention output
+            torch.testing.assert_close(o, out[0], rtol=1e-5, atol=1e-6)
+            assert o.shape == out[0].shape and o.dtype == out[0].dtype and o.is_contiguous()
             if weights:  # eager's own probabilities
                 p2 = out[1][0].double().square().reshape(wq.shape[0], wq.shape[1], *out[1].shape[-2:])
                 torch.testing.assert_close(wq, p2[..., 1:].sum(-1), rtol=1e-5, atol=1e-7)

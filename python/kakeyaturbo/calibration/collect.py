@@ -93,7 +93,7 @@ def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
 
 
 def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any], n_sink: int,
-                 chunk: int = 64) -> Tuple[Any, Any]:
+                 chunk: int = 64, v: Any = None) -> Tuple[Any, ...]:
     """Sums of squared attention probabilities of one layer and window, as the model's attention
     computes the probabilities (its ``scaling``, ``softcap`` and the layer's mask: causal,
     sliding window): ``wq [kv_heads, group, T]`` (``sum_{j >= n_sink} p_ij^2`` per query) and
@@ -104,9 +104,13 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
     attended; float: added; keys after a query are masked in all of them). Computed in
     float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
-    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed; the
-    attention output itself comes from the model's own implementation. A family whose
-    probabilities hold more than this (attention sinks) is refused rather than mis-weighed."""
+    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed. With
+    ``v [1, Hkv, T, D]`` the attention output is computed from the same probabilities and
+    returned third, ``[1, T, Hq, D]`` in ``q``'s dtype, as transformers' attention functions
+    return it (the statistics pass uses it instead of running the model's attention a second
+    time; equal to the model's own output to float32 rounding, checked per family). A family
+    whose probabilities hold more than this (attention sinks) is refused rather than
+    mis-weighed."""
     import torch
 
     if getattr(module, "sinks", None) is not None:
@@ -126,6 +130,8 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     wq = torch.empty((hkv, group, t), dtype=torch.float64)
     wk = torch.zeros((hkv, t), dtype=torch.float64)
     pos = torch.arange(t)
+    vf = None if v is None else v[0].detach().float()[:, None]  # [hkv, 1, t, d]
+    out = None if v is None else torch.empty((hkv, group, t, vf.shape[-1]), dtype=torch.float32)
     for a in range(0, t, chunk):
         b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
         logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
@@ -140,10 +146,28 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
             logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
         else:
             logits += mask[0, 0, a:b, :b].float()
-        p2 = torch.softmax(logits, dim=-1).square_()
+        p2 = torch.softmax(logits, dim=-1)
+        if out is not None:
+            out[:, :, a:b] = torch.matmul(p2, vf[:, :, :b])
+        p2.square_()
         wq[:, :, a:b] = p2[..., n_sink:].sum(dim=-1)
         wk[:, :b] += p2.sum(dim=(1, 2))
-    return wq, wk
+    if out is None:
+        return wq, wk
+    return wq, wk, out.reshape(1, hq, t, -1).transpose(1, 2).contiguous().to(q.dtype)
+
+
+def _no_logits(model: Any) -> Dict[str, Any]:
+    """Forward arguments that skip the LM head where the model's forward can (``logits_to_keep``:
+    the statistics need no logits, and over a window the head is a fifth of a small model's
+    forward pass)."""
+    import inspect
+
+    try:
+        accepted = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
 
 
 ROPE_SIDES = ("before", "after")
@@ -170,8 +194,10 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     :func:`attention_p2`), since an error ``e_j`` reaches the output of query ``i`` through
     ``p_ij`` (values: ``p_ij e_j``; keys: ``p_ij (q_i . e_j) (v_j - o_i)``). Tokens that draw
     attention are often atypical; unweighted moments (``"uniform"``) let the bits go to the bulk
-    of tokens that hardly matter. The attention itself runs through the model's own
-    implementation; one forward pass per window.
+    of tokens that hardly matter. One forward pass per window, without the LM head where the
+    model allows (``logits_to_keep``); with ``"attention"`` each layer's attention output is
+    computed from the probabilities the weights need (the model's own attention would compute
+    them a second time), with ``"uniform"`` by the model's own implementation.
 
     ``rope="after"`` takes the queries, keys and their samples as attention receives them,
     RoPE applied (for codecs that code keys the way the cache holds them, so that attention can
@@ -204,14 +230,15 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
-        out = attend(q, k, v)
         t = q.shape[2]
         qp = domain(i, q, kwargs)[0].reshape(hkv, group * t, d)
-        if weighting == "attention":
-            wq, wk_t = attention_p2(module, q, k, mask, kwargs, n_sink)
+        if weighting == "attention":  # the output from the probabilities the weights need
+            wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
+            out = (o, None)
             wq = wq.reshape(hkv, group * t)  # per query
             wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
         else:
+            out = attend(q, k, v)
             wq = torch.ones((hkv, group * t), dtype=torch.float64)
             wk = None
         q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
@@ -229,7 +256,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-            model(input_ids=torch.tensor([list(w)]), use_cache=False)
+            model(input_ids=torch.tensor([list(w)]), use_cache=False, **_no_logits(model))
             if w_i == 0:
                 cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))
@@ -294,6 +321,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
             parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
         return attend(q, parts[0], parts[1])
 
+    keep = bool(_no_logits(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
@@ -305,7 +333,11 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                 ids = torch.tensor([list(w)])
                 t = len(w)
                 ctx = t - score - 1
-                logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
+                if keep:  # the LM head over the scored positions (and the last) only
+                    logits = model(input_ids=ids, use_cache=False,
+                                   logits_to_keep=score + 1).logits[0, :-1]
+                else:
+                    logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
                 nll = -torch.log_softmax(logits.double(), dim=-1).gather(
                     1, ids[0, ctx + 1:, None]).sum()
                 cap.check(n_layers)
