@@ -59,6 +59,29 @@ def _tables(res: Any, recipe_names: List[str], head: str) -> str:
     return "\n".join(parts)
 
 
+def _adapted(model: Any, tok: Any, path: Path, recs: List[Any], cals: List[str], methods: List[Any],
+             rows: int, streams: List[str]) -> List[Any]:
+    """Every calibrated method again with per-sequence means (``adapt_mean.MeanAdapted``)."""
+    from dataclasses import replace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from adapt_mean import MeanAdapted
+    from kakeyaturbo.calibration import for_recipe
+
+    by_name = {m.name: m for m in methods}
+    out = []
+    for cal in cals:
+        for rec in recs:
+            if rec.mode != "calibrated":
+                continue
+            m = by_name[dom.method_name(rec, cal)]
+            stats, _ = for_recipe(rec, model, tok, path, cal)
+            tag = "kv" if set(streams) >= {"k", "v"} else "".join(streams)
+            out.append(replace(m, name=f"{m.name}+mean{rows}{tag}",
+                               codec=MeanAdapted(m.codec, stats, rec, rows, streams)))
+    return out
+
+
 def main(argv: "List[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or GGUF file, or 'hard-case'")
@@ -72,6 +95,10 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--dtype", choices=model_mod.DTYPES, default="float32")
     ap.add_argument("--calibrate-only", action="store_true",
                     help="gather (and cache) every calibration, evaluate nothing")
+    ap.add_argument("--adapt-mean", type=int, default=0, metavar="ROWS",
+                    help="also run every calibrated method with per-sequence means (the mean of "
+                         "its first ROWS rows, stored as float16 and counted; benches/adapt_mean.py)")
+    ap.add_argument("--adapt-streams", default="k,v", help="the streams --adapt-mean adapts")
     ap.add_argument("--out", default="bench-out/domains")
     ap.add_argument("--report", metavar="DIRS",
                     help="evaluate nothing: print the matrices of the per-domain results kept in "
@@ -93,6 +120,9 @@ def main(argv: "List[str] | None" = None) -> int:
     model, tok = model_mod.load(path, args.dtype)
     methods = dom.methods_for(model, tok, path, recs, cals,
                               [b for b in args.baselines.split(",") if b], progress=_progress)
+    if args.adapt_mean:
+        methods += _adapted(model, tok, path, recs, cals, methods, args.adapt_mean,
+                            [s for s in args.adapt_streams.split(",") if s])
     t1 = time.time()
     print(f"calibrations ready after {t1 - t0:.0f} s, load {_uptime()}", file=sys.stderr)
     if args.calibrate_only:

@@ -89,6 +89,30 @@ def test_min_bits_floor_holds_in_every_head(stats_and_sensitivity) -> None:
     assert total(floored) <= total(plain) + 8 * len(plain.codecs)
 
 
+def test_floors_per_spectrum_and_per_stream(stats_and_sensitivity) -> None:
+    """A floor per spectrum holds where it is set and nowhere else: a pooled allocation over K
+    and V with ``min_bits`` on V alone floors V's components only (K's weak ones still get no
+    bits), and the per-component floor of ``allocate_bits`` is paid first."""
+    lam = 0.5 ** np.arange(12)
+    b = allocate_bits(lam, 24, floor=np.array([0] * 6 + [2] * 6))
+    assert b[6:].min() >= 2 and b.sum() == 24 and b[:6].min() == 0  # no floor there
+    with pytest.raises(InvalidParameterError, match="floor"):
+        allocate_bits(lam, 24, floor=np.array([1, 2]))
+    with pytest.raises(InvalidParameterError, match="floors"):
+        global_allocation([lam, lam], [24, 24], floor=[1])
+    weak, strong = lam * 1e-3, lam
+    a, c = global_allocation([weak, strong], [24, 24], floor=[0, 1])
+    assert c.min() >= 1 and a.min() == 0
+    stats, sens = stats_and_sensitivity
+    rec = _recipe()
+    only_v = replace(rec, v=replace(rec.v, min_bits=1))
+    m = model_codec.ModelCodec(stats, only_v, sensitivity=sens)
+    for (s, _, _), c in m.codecs.items():
+        if s == "v":
+            assert len(_bits(c)) == D and _bits(c).min() >= 1
+    assert any(len(_bits(c)) < D for (s, _, _), c in m.codecs.items() if s == "k")
+
+
 def test_shrink_fisher_endpoints() -> None:
     g = np.random.default_rng(1)
     f = _psd(g, 50, 0.6)

@@ -17,10 +17,11 @@ LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.000644
 
 
 def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
-                  distortion: Sequence[float] = LLOYD_MAX_MSE, floor: int = 0) -> np.ndarray:
+                  distortion: Sequence[float] = LLOYD_MAX_MSE,
+                  floor: "int | Sequence[int]" = 0) -> np.ndarray:
     """Integer reverse water-filling: ``budget`` bits over components of the given variances,
-    at most ``max_bits`` each and at least ``floor`` each (paid first, out of the budget),
-    minimising ``sum_j var_j * distortion[b_j]``.
+    at most ``max_bits`` each and at least ``floor`` each (one for all, or one per component;
+    paid first, out of the budget), minimising ``sum_j var_j * distortion[b_j]``.
 
     ``distortion`` must be convex and decreasing in the bits (the Lloyd-Max errors are), so
     handing out one bit at a time to the component whose error falls most is optimal. Ties go
@@ -32,17 +33,21 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
         raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
     if budget < 0 or max_bits < 0 or max_bits >= len(distortion):
         raise InvalidParameterError(f"need budget >= 0 and 0 <= max_bits < {len(distortion)}")
-    if floor < 0 or floor > max_bits:
+    floors = np.broadcast_to(np.asarray(floor), lam.shape) if np.ndim(floor) == 0 else np.asarray(floor)
+    if floors.shape != lam.shape or floors.dtype.kind not in "iu":
+        raise InvalidParameterError(f"floor must be an integer or one integer per component, got {floor!r}")
+    if np.any(floors < 0) or np.any(floors > max_bits):
         raise InvalidParameterError(f"need 0 <= floor <= max_bits = {max_bits}, got {floor}")
-    if floor * len(lam) > budget:
+    paid = int(floors.sum())
+    if paid > budget:
         raise InvalidParameterError(f"a floor of {floor} bits for {len(lam)} components needs "
-                                    f"{floor * len(lam)} bits, the budget is {budget}")
-    bits = np.full(len(lam), floor, dtype=np.int64)
-    budget -= floor * len(lam)
-    heap = [(-(v * (distortion[floor] - distortion[floor + 1])), j) for j, v in enumerate(lam)
-            if max_bits > floor]
+                                    f"{paid} bits, the budget is {budget}")
+    bits = floors.astype(np.int64)
+    budget -= paid
+    heap = [(-(v * (distortion[bits[j]] - distortion[bits[j] + 1])), j) for j, v in enumerate(lam)
+            if max_bits > bits[j]]
     heapq.heapify(heap)
-    for _ in range(min(budget, (max_bits - floor) * len(lam))):
+    for _ in range(min(budget, int((max_bits - bits).sum()))):
         gain, j = heapq.heappop(heap)
         if gain >= 0:  # nothing left to gain: zero-variance components get no bits
             break
@@ -111,18 +116,23 @@ def _take_bits(sp: np.ndarray, b: np.ndarray, n: int, floor: int = 0) -> Tuple[f
 
 
 def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
-                      max_bits: int = 8, floor: int = 0) -> List[np.ndarray]:
+                      max_bits: int = 8, floor: "int | Sequence[int]" = 0) -> List[np.ndarray]:
     """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
     (whitened or weighted) variances are largest, whichever head they belong to (every component
-    given at least ``floor`` bits first); then each head's row is trimmed to whole bytes by
+    given at least ``floor`` bits first: one floor for all, or one per spectrum, e.g. per
+    stream); then each head's row is trimmed to whole bytes by
     taking back its least useful bits above the floor, and the bytes so freed go back, one byte
     at a time, to the head whose error falls most with it (so the total never exceeds the pooled
     budget, and every head keeps at least one byte)."""
     sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
     total = int(sum(row_budgets))
-    bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=floor)
+    floors = [int(floor)] * len(sps) if np.ndim(floor) == 0 else [int(f) for f in floor]
+    if len(floors) != len(sps):
+        raise InvalidParameterError(f"{len(floors)} floors for {len(sps)} spectra")
+    per = np.concatenate([np.full(len(sp), f, dtype=np.int64) for sp, f in zip(sps, floors)])
+    bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=per)
     out, at = [], 0
-    for sp in sps:
+    for sp, floor in zip(sps, floors):
         b = bits[at:at + len(sp)]
         at += len(sp)
         extra = int(b.sum()) % 8
@@ -134,8 +144,8 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
         out.append(b)
     left = total - sum(int(b.sum()) for b in out)
     while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
-        asks = [_take_bits(sp, b, 8, floor) if b.sum() >= 16 else (np.inf, b)
-                for sp, b in zip(sps, out)]
+        asks = [_take_bits(sp, b, 8, f) if b.sum() >= 16 else (np.inf, b)
+                for sp, b, f in zip(sps, out, floors)]
         worst = int(np.argmin([c for c, _ in asks]))
         if not np.isfinite(asks[worst][0]):
             raise InvalidParameterError("the pooled budget cannot give every head one byte")

@@ -76,8 +76,8 @@ class ModelCodec:
                         for k, _ in pooled]
             budgets = [row_budget(st.bits, w.size, st.norm) for (_, st), w in zip(pooled, weighted)]
             max_bits = min(st.max_bits for _, st in pooled)
-            floor = max(st.min_bits for _, st in pooled)
-            for (k, _), b in zip(pooled, global_allocation(weighted, budgets, max_bits, floor)):
+            floors = [st.min_bits for _, st in pooled]  # each stream's own floor
+            for (k, _), b in zip(pooled, global_allocation(weighted, budgets, max_bits, floors)):
                 alloc[k] = b
         for s, st in streams:
             if st.allocation == "global":
