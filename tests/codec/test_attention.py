@@ -309,3 +309,19 @@ def test_rope_tables_and_positions_are_checked() -> None:
     with pytest.raises(kt.InvalidInputError, match="repeat each frequency"):
         kt.RopeTable.from_full(full_c, full_s, "interleaved")
     assert same.nbytes == 2 * 200 * 32 * 4
+
+
+def test_key_synthesis_is_what_decodes_and_its_bf16_rounding() -> None:
+    """``CalibratedCodec.key_synthesis("bf16")`` (the factors the default kernel multiplies) is
+    each entry of ``"f32"`` rounded to bfloat16 (nearest even, below 2^-56 to 0; that ``mean + g c
+    M`` decodes a row is checked by the Rust tests); another mode is refused."""
+    c = build(GRID[1])
+    codec = c.codes.k_codecs[0]
+    m32, m16 = codec.key_synthesis("f32"), codec.key_synthesis()
+    assert m32.shape == m16.shape == (codec.m, codec.d) and m32.dtype == m16.dtype == np.float32
+    b = m32.view(np.uint32).astype(np.uint64)
+    want = (((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    want = np.where(np.abs(m32) < 2.0 ** -56, np.float32(0), want)
+    assert np.array_equal(m16.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(kt.InvalidParameterError, match="synthesis"):
+        codec.key_synthesis("f16")

@@ -24,14 +24,12 @@ import numpy as np
 from .. import _core
 from ..errors import InvalidInputError
 from . import _checks
-from .calibrated import CalibratedCodec
+from .calibrated import SYNTHESES, CalibratedCodec
 
 STREAMS = ("k", "v")
 
 #: The pairings of channels a :class:`RopeTable` knows (as ``kakeyaturbo.families.rope``).
 ROPE_STYLES = ("half", "interleaved")
-#: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
-SYNTHESES = ("bf16", "f32")
 
 
 class RopeTable:

@@ -10,6 +10,9 @@ from .. import _core
 from ..errors import InvalidParameterError
 from . import _checks
 
+#: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
+SYNTHESES = ("bf16", "f32")
+
 DEFAULT_ROTATION_SEED = 0xCAFEBABE
 METRICS = ("mse", "inner_product", "ip", "linf")
 
@@ -95,6 +98,15 @@ class CalibratedCodec:
     def bands(self) -> "list[Tuple[int, int, int]]":
         """``(offset, width, bits)`` of every rotated sub-band."""
         return self._c.bands
+
+    def key_synthesis(self, synthesis: str = "bf16") -> np.ndarray:
+        """``M`` float32 ``[m, D]``: a row of scale ``g`` and centroids ``c`` (outliers' values in
+        place) decodes as ``mean + g * c M`` (row ``j``: the synthesis of the unit vector ``e_j``,
+        the sub-band rotation folded in), as :func:`kakeyaturbo.decode_attention` multiplies it
+        for keys coded before RoPE: ``"bf16"`` each entry rounded to bfloat16 (the default
+        synthesis), ``"f32"`` as it is. For mirrors of that kernel (the Triton one). Raises
+        InvalidParameterError for another ``synthesis``."""
+        return self._c.key_synthesis(_checks.choice(synthesis, "synthesis", SYNTHESES))
 
     def canonical_bytes(self) -> bytes:
         """The calibration's canonical bytes (what ``fingerprint`` hashes, ``model_bytes`` long)."""

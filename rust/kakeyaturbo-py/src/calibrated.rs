@@ -119,6 +119,33 @@ impl PyCalibratedCodec {
             .map(|b| (b.offset, b.width, b.bits))
             .collect()
     }
+    /// `M` float32 `[m, D]`: a row of scale `g` and centroids `c` (outliers' values in place)
+    /// decodes as `mean + g * c M` (row `j`: the synthesis of the unit vector `e_j`, band
+    /// rotation folded in), as the attention kernel multiplies it for keys coded before RoPE:
+    /// `synthesis="bf16"` each entry rounded to bfloat16 (the default kernel's factors),
+    /// `"f32"` as it is. For mirrors of the kernel (the Triton one).
+    #[pyo3(signature = (synthesis="bf16"))]
+    fn key_synthesis<'py>(
+        &self,
+        py: Python<'py>,
+        synthesis: &str,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        use kakeyaturbo::attention::{StreamTables, Synthesis};
+        let mode = match synthesis {
+            "bf16" => Synthesis::Bf16,
+            "f32" => Synthesis::F32,
+            other => {
+                return Err(crate::errors::invalid_parameter(
+                    py,
+                    format!("synthesis must be 'bf16' or 'f32', got {other:?}"),
+                ))
+            }
+        };
+        let (m, d) = (self.inner.m, self.inner.d);
+        let values = StreamTables::new(&self.inner).key_synthesis_values(mode);
+        to_array2(py, values, m, d)
+    }
+
     fn canonical_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.canonical_bytes())
     }

@@ -4,9 +4,9 @@ subset, the full fuzz) and the comparison of one case, under ``attention_triton`
 
 Keys coded before RoPE (:class:`RopeSpec`: a case of the shared builder read as pre-RoPE codes,
 with a rotary table and each sealed row's position) are compared with the Rust kernel's
-``rope=..., positions=..., synthesis="f32"`` mode under ``attention_triton_rope``, ``S`` taken
-over the rotated keys (the Triton kernel synthesises keys in float32; the CPU kernel's default
-bfloat16 synthesis is not mirrored on the GPU yet)."""
+``rope=..., positions=...`` mode in the case's ``synthesis`` (``"bf16"``, the default: both
+kernels multiply the same bfloat16 factors, ``M`` rounded by Rust; ``"f32"``) under
+``attention_triton_rope``, ``S`` taken over the rotated keys."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ class RopeSpec:
     pads: int = 0
     base: float = 10000.0
     attention_scale: float = 1.0
+    synthesis: str = "bf16"
 
     @property
     def seed(self) -> int:
@@ -78,7 +79,7 @@ ROPE_SUBSET = (
              style="half", rot=32, pads=5, base=500.0),
     RopeSpec(Spec(seed=202, batch=2, blocks=(130,), kv_heads=1, group=2, n_q=2, sink=0, tail=4,
                   dk=48, dv=48, metric="linf", norm=False, threshold=1.0, window=100, mask="bool"),
-             style="interleaved", pads=70, attention_scale=1.2),
+             style="interleaved", pads=70, attention_scale=1.2, synthesis="f32"),
     RopeSpec(Spec(seed=203, blocks=(40, 1), kv_heads=3, group=3, n_q=1, dk=32, dv=16,
                   metric="inner_product", threshold=3.0, q_scale=6.0),
              style="interleaved", rot=10, base=50.0),
@@ -129,7 +130,8 @@ def make_rope_cases(full: bool) -> List[RopeSpec]:
         out.append(RopeSpec(s, style=("half", "interleaved")[int(g.integers(2))], rot=rot,
                             pads=int(g.integers(0, sum(s.blocks) + 2)) if s.batch > 1 else 0,
                             base=float(10 ** g.uniform(3, 6)),
-                            attention_scale=float(g.uniform(0.9, 1.3)) if g.random() < 0.3 else 1.0))
+                            attention_scale=float(g.uniform(0.9, 1.3)) if g.random() < 0.3 else 1.0,
+                            synthesis=("bf16", "f32")[i % 2]))
     return out
 
 
@@ -168,13 +170,14 @@ def run(spec: Union[Spec, RopeSpec], device: str) -> Result:
     extra: Dict[str, Any] = {}
     if r:
         table, pos = rope_inputs(r)
-        extra = dict(rope=table, positions=pos, synthesis="f32")  # the Triton kernel's arithmetic
+        extra = dict(rope=table, positions=pos, synthesis=r.synthesis)
     want = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call(), **extra)
     t0 = time.perf_counter()
     with K.poison_outputs():
         layer = K.stack_layer(c.codes, device)
         if r:
-            extra = dict(rope=stack_rope(table, device), positions=torch.from_numpy(pos).to(device))
+            extra = dict(rope=stack_rope(table, device), positions=torch.from_numpy(pos).to(device),
+                         synthesis=r.synthesis)
         out, lse = K.decode_attention_triton(layer, torch.from_numpy(c.q).to(device), c.tail_k,
                                              c.tail_v, **c.call(), **extra)
     dt = time.perf_counter() - t0
@@ -205,7 +208,7 @@ def covered_rope(cases: List[RopeSpec]) -> Tuple[bool, ...]:
     """What the brief asks of the pre-RoPE cases, each a bool: both pairings, partial and full
     rotation, a batch of 2 with a left-padded row, GQA, softcap, window, both masks,
     outliers, more than one block and a tile cut by a block's end, n_q > 1, D not a power of
-    two, a scaled table."""
+    two, a scaled table, both syntheses."""
     s = [r.spec for r in cases]
     return ({"half", "interleaved"} <= {r.style for r in cases},
             any(0 < r.rot < r.spec.dk for r in cases), any(r.rot in (0, r.spec.dk) for r in cases),
@@ -214,4 +217,5 @@ def covered_rope(cases: List[RopeSpec]) -> Tuple[bool, ...]:
             {"additive", "bool"} <= {x.mask for x in s}, any(x.threshold for x in s),
             any(len(x.blocks) >= 2 for x in s), any(any(n % 64 for n in x.blocks) for x in s),
             any(x.n_q > 1 for x in s), any(x.dk & (x.dk - 1) for x in s),
-            any(r.attention_scale != 1.0 for r in cases))
+            any(r.attention_scale != 1.0 for r in cases),
+            {"bf16", "f32"} <= {r.synthesis for r in cases})

@@ -99,6 +99,8 @@ class LayerBatch:
     v: StreamCodes
     batch: int
     kv_heads: int
+    #: The K calibrations (:class:`kakeyaturbo.CalibratedCodec`), for the Rust-rounded ``M``.
+    k_codecs: Tuple[Any, ...] = ()
 
     @property
     def device(self) -> torch.device:
@@ -109,6 +111,25 @@ class LayerBatch:
         """:func:`key_synthesis` of the K calibrations, derived on first use (keys coded before
         RoPE) and kept."""
         return key_synthesis(self.k.cal)
+
+    @functools.cached_property
+    def key_synthesis_bf16(self) -> torch.Tensor:
+        """``M`` as the Rust kernel's default synthesis multiplies it, each entry rounded to
+        bfloat16 (``CalibratedCodec.key_synthesis("bf16")``: rounded by Rust, so that a float32
+        ``M`` a few ulps apart cannot round the other way), in the slot order and ``[H, MP, D]``
+        layout of :attr:`key_synthesis`. Raises ValueError for a batch built without its K
+        calibrations (``stack_layer`` keeps them)."""
+        if len(self.k_codecs) != self.kv_heads:
+            raise ValueError("this LayerBatch was built without its K calibrations (use stack_layer)")
+        cal = self.k.cal
+        h, mp, d = cal.synthesis.shape
+        col, bits = cal.col.cpu().numpy(), cal.bits.cpu().numpy()
+        out = np.zeros((h, mp, d), np.float32)
+        for i, codec in enumerate(self.k_codecs):
+            m = np.asarray(codec.key_synthesis("bf16"))
+            used = bits[i] > 0
+            out[i, used] = m[col[i, used]]
+        return torch.from_numpy(out).to(cal.device)
 
 
 def key_synthesis(cal: CalibrationBatch) -> torch.Tensor:
@@ -227,7 +248,7 @@ def stack_layer(codes: LayerCodes, device: Any = "cpu") -> LayerBatch:
     kc = stack_calibrations(codes.k_codecs, device)
     vc = stack_calibrations(codes.v_codecs, device)
     return LayerBatch(k=_stream(codes, "k", kc), v=_stream(codes, "v", vc), batch=codes.batch,
-                      kv_heads=codes.kv_heads)
+                      kv_heads=codes.kv_heads, k_codecs=tuple(codes.k_codecs))
 
 
 def raw_rows(sink: Any, tail: Any, batch: int, kv_heads: int, d: int, device: Any

@@ -21,7 +21,8 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
                             sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                             softcap: Optional[float] = None, window: Optional[int] = None,
                             mask: Any = None, rope: Union[None, RopeTable, RopeBatch] = None,
-                            positions: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                            positions: Any = None, synthesis: str = "bf16"
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One attention step over a layer's sealed codes (:func:`~.batch.stack_layer`) and raw
     rows, on the layer's device; the arguments and rules of :func:`kakeyaturbo.decode_attention`:
 
@@ -39,7 +40,9 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
       sealed row's position, a row of the table (``0 <= p < n_pos``; checked unless a tensor
       on a GPU, which is trusted: checking it would read the device). Each sealed key is
       synthesised, rotated to its position and dotted with the queries inside the kernel;
-      ``q`` and the raw rows are after RoPE, as the model hands them over.
+      ``q`` and the raw rows are after RoPE, as the model hands them over. ``synthesis``:
+      ``"bf16"`` (the default, as the Rust kernel's) multiplies ``M`` and the centroids rounded
+      to bfloat16, ``"f32"`` the decoded keys' float32 factors.
 
     Returns ``(out float32 [B, H_q, n_q, D_v], lse float32 [B, H_q, n_q])`` (0 and ``-inf``
     for a query that sees nothing). Raises ValueError on shapes, dtypes or devices that do not
@@ -74,8 +77,11 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         if m.dtype == torch.bool:
             m = torch.where(m, 0.0, float("-inf"))
         m = m.to(device=dev, dtype=torch.float32).contiguous()
+    if synthesis not in ("bf16", "f32"):
+        raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
     rb, pos = _rope(layer, rope, positions)
-    pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos)
+    pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos,
+                                          synthesis)
     return combine_attention(layer, pm, pl, pacc, ncode, q.shape[1], nq)
 
 

@@ -122,7 +122,7 @@ def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
 def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF, interleaved,
                 QP: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
-                BDC: tl.constexpr):
+                BDC: tl.constexpr, BF16: tl.constexpr):
     """Scores ``[QP, BN]`` of a tile of keys coded before RoPE: centroids ``kq [BN, MP]`` and
     scales ``gk [BN]`` of rows ``rows`` (``stream_rows``) of batch row ``b``, kv-head ``h``.
 
@@ -132,7 +132,14 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
     frequency-major tables ``[rot/2, NPOS]``), ``K_a' = K_a cos + (-K_b) sin``, ``K_b' = K_b
     cos + K_a sin``, ``s += (q_a scale) . K_a' + (q_b scale) . K_b'``; then the channels
     ``rot .. D`` in chunks of ``BDC``, unrotated. Rows past the tile's count read position 0
-    and cos = sin = 0 (their scores are masked later)."""
+    and cos = sin = 0 (their scores are masked later). ``BF16``: the centroids rounded to
+    bfloat16 (to nearest even; below 2^-56 to 0) as the Rust kernel's default synthesis rounds
+    them, ``M`` (``ksm``) already rounded by Rust (:attr:`~.batch.LayerBatch.key_synthesis_bf16`);
+    the products are then exact in float32 and only the order of the float32 sums differs."""
+    if BF16:  # round to nearest even on the bits (the cast's rounding is the backend's choice)
+        kb = kq.to(tl.uint32, bitcast=True)
+        kb = (kb + 0x7FFF + ((kb >> 16) & 1)) & 0xFFFF0000
+        kq = tl.where(tl.abs(kq) < 1.3877787807814457e-17, 0.0, kb.to(tl.float32, bitcast=True))
     hk = h * MP + tl.arange(0, MP)
     pos = tl.load(posn_ptr + b * TC + rows, mask=rmask, other=0).to(tl.int64)
     s = tl.zeros((QP, BN), tl.float32)
@@ -185,7 +192,7 @@ def _split_kernel(
     scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved,
     QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
     BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, SPLIT: tl.constexpr, BDC: tl.constexpr,
-    ROPE: tl.constexpr, BR: tl.constexpr,
+    ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -234,7 +241,7 @@ def _split_kernel(
             if ROPE:
                 s = rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF,
-                                interleaved, QP, BN, MPK, BR, BDC)
+                                interleaved, QP, BN, MPK, BR, BDC, BF16)
             else:
                 s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
             s = finish_scores(s, SROWS + rows, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap,
@@ -284,8 +291,8 @@ def query_rows(group: int, n_q: int) -> int:
 def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw_v: torch.Tensor,
                     sink_rows: int, mask: Optional[torch.Tensor], scale: float,
                     softcap: Optional[float], window: Optional[int],
-                    rope: Optional[RopeBatch] = None, positions: Optional[torch.Tensor] = None
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+                    rope: Optional[RopeBatch] = None, positions: Optional[torch.Tensor] = None,
+                    synthesis: str = "bf16") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The partial softmaxes of every pair and piece, on the layer's device.
 
     ``q``: float32 ``[B, H_q, n_q, D_k]`` contiguous; ``raw_k`` / ``raw_v``: float32 ``[BH,
@@ -334,7 +341,8 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
                              f"{positions.dtype} {tuple(positions.shape)}")
         check_device("rope", rope.cos, dev)
         check_device("positions", positions, dev)
-        ksm, cos, sin, posn = layer.key_synthesis, rope.cos, rope.sin, positions
+        ksm = layer.key_synthesis_bf16 if synthesis == "bf16" else layer.key_synthesis
+        cos, sin, posn = rope.cos, rope.sin, positions
         half, npos = rope.rot_dim // 2, rope.n_positions
     qp = query_rows(group, nq)
     mpk, mpv = kc.cal.slots, vc.cal.slots
@@ -362,6 +370,7 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         int(kc.cal.norm), int(vc.cal.norm), int(kc.has_outliers), int(vc.has_outliers),
         npos, half, int(rope is not None and rope.interleaved),
         BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"],
-        ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk), **shapes,
+        ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk),
+        BF16=rope is not None and synthesis == "bf16", **shapes,
     )
     return pm, pl, pacc, ncode

@@ -259,6 +259,20 @@ impl StreamTables {
         })
     }
 
+    /// [`Self::key_synthesis`] as the kernel multiplies it under `synthesis`: as it is
+    /// ([`super::Synthesis::F32`]) or each entry rounded to bfloat16 and widened back
+    /// ([`super::Synthesis::Bf16`]); for mirrors of the kernel (the Triton one).
+    pub fn key_synthesis_values(&self, synthesis: super::Synthesis) -> Vec<f32> {
+        let ms = self.key_synthesis();
+        match synthesis {
+            super::Synthesis::F32 => ms.to_vec(),
+            super::Synthesis::Bf16 => ms
+                .iter()
+                .map(|&x| f32::from_bits(super::kernel::bf16_round(x) << 16))
+                .collect(),
+        }
+    }
+
     /// [`Self::key_synthesis`] rounded to bfloat16 ([`super::kernel::bf16_round`]), two
     /// components per word: `[p * D + d]` holds component `2p` in its low half and `2p + 1` in
     /// its high half (0 past `m`), `ceil(m / 2) x D` words.
@@ -341,6 +355,27 @@ mod tests {
         assert_eq!(slots, [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
         assert_eq!(t.comps[0].lookup, Lookup::Gather);
         assert_eq!(t.comps[9].lookup, Lookup::Perm16);
+    }
+
+    #[test]
+    fn key_synthesis_values_are_the_kernels_factors() {
+        // f32: M itself; bf16: the halves of the packed words the kernel multiplies.
+        let c = codec(20, vec![6, 5, 4, 3, 3, 2, 1], true, Metric::Mse, None);
+        let t = StreamTables::new(&c);
+        assert_eq!(
+            t.key_synthesis_values(super::super::Synthesis::F32),
+            t.key_synthesis()
+        );
+        let b = t.key_synthesis_values(super::super::Synthesis::Bf16);
+        let w = t.key_synthesis_bf16();
+        for j in 0..c.m {
+            for i in 0..c.d {
+                let packed = super::super::kernel::bf16_half(w[(j / 2) * c.d + i], j % 2 == 1);
+                assert_eq!(b[j * c.d + i].to_bits(), packed.to_bits());
+                let m = t.key_synthesis()[j * c.d + i];
+                assert!((b[j * c.d + i] - m).abs() <= m.abs() / 256.0 + 1e-30);
+            }
+        }
     }
 
     #[test]
