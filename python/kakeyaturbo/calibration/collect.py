@@ -8,6 +8,7 @@ cached rows."""
 from __future__ import annotations
 
 import datetime
+import inspect
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -161,8 +162,6 @@ def _no_logits(model: Any) -> Dict[str, Any]:
     """Forward arguments that skip the LM head where the model's forward can (``logits_to_keep``:
     the statistics need no logits, and over a window the head is a fifth of a small model's
     forward pass)."""
-    import inspect
-
     try:
         accepted = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
