@@ -87,6 +87,8 @@ def test_rope_arguments_are_checked() -> None:
     wide = kt.RopeTable(np.ones((4, 17), np.float32), np.zeros((4, 17), np.float32))
     with pytest.raises(ValueError, match="exceeds D_k"):
         call(rope=wide, positions=np.zeros_like(pos))
+    with pytest.raises(ValueError, match="synthesis"):
+        call(rope=table, positions=pos, synthesis="f16")
     # A staged table gives the same bits as the table passed directly.
     a = K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(), rope=table, positions=pos)
     b = K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(),

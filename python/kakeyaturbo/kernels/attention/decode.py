@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ...codec.attention import RopeTable
+from ...codec.calibrated import SYNTHESES
 from .batch import LayerBatch, RopeBatch, raw_rows, stack_rope
 from .combine import combine_attention
 from .split import split_attention
@@ -77,7 +78,7 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         if m.dtype == torch.bool:
             m = torch.where(m, 0.0, float("-inf"))
         m = m.to(device=dev, dtype=torch.float32).contiguous()
-    if synthesis not in ("bf16", "f32"):
+    if synthesis not in SYNTHESES:
         raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
     rb, pos = _rope(layer, rope, positions)
     pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos,
