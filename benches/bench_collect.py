@@ -53,19 +53,15 @@ def main(argv: "List[str] | None" = None) -> int:
     model, tok = model_mod.load(path)
     wins = calibration.calibration_windows(tok, assets.default_text(), args.windows, args.window)
 
-    def forward() -> None:
+    def forward(**kw: Any) -> None:
         with torch.no_grad():
             for w in wins:
-                model(input_ids=torch.tensor([list(w)]), use_cache=False)
-
-    def forward_no_head() -> None:  # what the statistics pass runs: no logits
-        with torch.no_grad():
-            for w in wins:
-                model(input_ids=torch.tensor([list(w)]), use_cache=False, logits_to_keep=1)
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, **kw)
 
     jobs: List[Tuple[str, Callable[[], Any]]] = [
         ("forward", forward),
-        ("forward without the LM head", forward_no_head),
+        # what the statistics pass runs: no logits
+        ("forward without the LM head", lambda: forward(logits_to_keep=1)),
         ("statistics (attention)", lambda: calibration.collect(model, wins, weighting="attention")),
         ("statistics (uniform)", lambda: calibration.collect(model, wins, weighting="uniform")),
         ("sensitivity", lambda: calibration.collect_sensitivity(model, wins, score=args.score)),

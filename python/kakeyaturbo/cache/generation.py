@@ -19,7 +19,8 @@ from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, wants_rope
-from .layer import KakeyaLayer, Positions
+from .layer import KakeyaLayer
+from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
 

@@ -251,11 +251,12 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         return out
 
     cap = AttentionCapture(model, handler)
+    no_logits = _no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-            model(input_ids=torch.tensor([list(w)]), use_cache=False, **_no_logits(model))
+            model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if w_i == 0:
                 cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))

@@ -5,7 +5,7 @@ use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
 use kakeyaturbo::attention::{
     attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle,
-    StreamTables, Synthesis,
+    StreamTables,
 };
 use kakeyaturbo::threads::with_threads_inline;
 use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
@@ -313,16 +313,7 @@ impl PyLayerCodes {
                         ))
                     }
                 };
-                let synthesis = match synthesis.as_str() {
-                    "bf16" => Synthesis::Bf16,
-                    "f32" => Synthesis::F32,
-                    other => {
-                        return Err(crate::errors::invalid_parameter(
-                            py,
-                            format!("synthesis must be 'bf16' or 'f32', got {other:?}"),
-                        ))
-                    }
-                };
+                let synthesis = crate::params::synthesis(py, synthesis)?;
                 Some(KeyRope {
                     cos: c,
                     sin: sn,

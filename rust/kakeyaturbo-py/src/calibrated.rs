@@ -130,17 +130,8 @@ impl PyCalibratedCodec {
         py: Python<'py>,
         synthesis: &str,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        use kakeyaturbo::attention::{StreamTables, Synthesis};
-        let mode = match synthesis {
-            "bf16" => Synthesis::Bf16,
-            "f32" => Synthesis::F32,
-            other => {
-                return Err(crate::errors::invalid_parameter(
-                    py,
-                    format!("synthesis must be 'bf16' or 'f32', got {other:?}"),
-                ))
-            }
-        };
+        use kakeyaturbo::attention::StreamTables;
+        let mode = params::synthesis(py, synthesis)?;
         let (m, d) = (self.inner.m, self.inner.d);
         let values = StreamTables::new(&self.inner).key_synthesis_values(mode);
         to_array2(py, values, m, d)

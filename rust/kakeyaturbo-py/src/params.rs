@@ -55,6 +55,21 @@ pub fn metric(py: Python<'_>, m: &str) -> PyResult<Metric> {
     })
 }
 
+/// How keys coded before RoPE are synthesised, by name (`bf16`, `f32`).
+pub fn synthesis(py: Python<'_>, s: &str) -> PyResult<kakeyaturbo::attention::Synthesis> {
+    use kakeyaturbo::attention::Synthesis;
+    Ok(match s {
+        "bf16" => Synthesis::Bf16,
+        "f32" => Synthesis::F32,
+        _ => {
+            return Err(invalid_parameter(
+                py,
+                format!("synthesis must be 'bf16' or 'f32', got {s:?}"),
+            ))
+        }
+    })
+}
+
 /// Builds [`CodecParams`] from a dict of the keyword arguments (missing keys: defaults).
 pub fn parse(py: Python<'_>, d: &Bound<'_, PyDict>) -> PyResult<CodecParams> {
     let mut p = CodecParams::default();
