@@ -126,11 +126,15 @@ def test_batched_heads_equal_single_heads() -> None:
             one = K.encode_calibrated(torch.from_numpy(x[None]).to(DEVICE), one_batch, intermediates=True)
         a = K.head_parts(both, batch, ns, i)
         b = K.head_parts(one, one_batch, [len(x)], 0)
-        for key in ("indices", "scale_bits", "outlier_pos", "outlier_bits", "z", "g"):
-            assert np.array_equal(a[key], b[key]), key
-        assert a["codes"] == b["codes"] and a["scale_exp"] == b["scale_exp"]
+        # Through the parity checker, not bit for bit: the batched and the single launch may
+        # round a product an ulp apart (the interpreter's BLAS kernel depends on the CPU and the
+        # operands' layout), which can flip a code on a decision threshold; a padded row
+        # leaking into a head would not sit on one.
+        np.testing.assert_allclose(a["z"], b["z"], rtol=1e-5, atol=1e-6)
         cal = rc.calibration_of(codecs[i])
-        parity.compare_head(x, codecs[i], cal, codecs[i].encode_parts(x), a, f"head {i}")
+        rust = codecs[i].encode_parts(x)
+        parity.compare_head(x, codecs[i], cal, rust, a, f"head {i} of the batch")
+        parity.compare_head(x, codecs[i], cal, rust, b, f"head {i} alone")
 
 
 def test_nothing_is_written_past_a_heads_rows() -> None:

@@ -60,7 +60,13 @@ def _two_blocks(d: int = 96, metric: str = "mse", bits: int = 3, threshold: obje
 
 
 def test_batched_blocks_equal_single_blocks() -> None:
-    """Padding and masks: each block of a batch codes as it does alone."""
+    """Padding and masks: each block of a batch codes as it does alone, both as Rust codes it.
+
+    Compared through the parity checker, not bit for bit: the batched and the single launch
+    may round a matrix product differently (numpy's BLAS under the interpreter picks its
+    kernel by CPU model and operand layout: equal on one AMD EPYC, an ulp apart on another), so a
+    code may flip where its value sits on a decision threshold; a padded row leaking into a
+    block would not be near any threshold."""
     xs, parts, xb = _two_blocks()
     skel = K.stack_skeletons(parts, DEVICE)
     with K.poison_outputs():
@@ -71,9 +77,8 @@ def test_batched_blocks_equal_single_blocks() -> None:
             one = K.encode_blocks(torch.from_numpy(x[None]).to(DEVICE), one_skel)
         a = K.block_parts(both, skel, [100, 37], i)
         b = K.block_parts(one, one_skel, [len(x)], 0)
-        for key in ("seg_id", "t_bits", "norm_bits", "residual_codes", "outlier_pos", "outlier_bits"):
-            assert np.array_equal(a[key], b[key]), key
-        assert a["residual_packed"] == b["residual_packed"]
+        parity.compare_block(x, parts[i], a, f"block {i} of the batch")
+        parity.compare_block(x, parts[i], b, f"block {i} alone")
 
 
 def test_strided_input_and_shared_basis() -> None:
