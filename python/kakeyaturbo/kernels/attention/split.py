@@ -29,11 +29,8 @@ import triton
 import triton.language as tl
 
 from .._common import band_hadamard, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
-from ..calibrated.batch import TABLE_LEN, TABLE_ROWS
+from ..calibrated.decode import row_centroids
 from .batch import LayerBatch, RopeBatch
-
-_TLEN = tl.constexpr(TABLE_LEN)
-_TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
 
 
 @triton.jit
@@ -51,31 +48,8 @@ def stream_rows(codes_ptr, PB, sbits_ptr, sexp_ptr, rstart_ptr, opos_ptr, obits_
     """The centroids ``[BN, MP]`` (slot order, outliers applied, 0 in padding slots and past
     the rows) and scales ``[BN]`` (0 past the rows) of rows ``rows`` of pair ``bh``, whose
     kv-head ``h`` gives the calibration."""
-    slots = tl.arange(0, MP)
-    hs = h * MP + slots
-    b = tl.load(bits_ptr + hs)
-    valid = b > 0
-    m2 = rmask[:, None] & valid[None, :]
-    by = tl.load(byte_ptr + hs)
-    sh = tl.load(shift_ptr + hs)
-    rb = tl.load(rb_ptr + h)
-    base = codes_ptr + bh * PB + rows[:, None].to(tl.int64) * rb + by[None, :]
-    lo = tl.load(base, mask=m2, other=0).to(tl.int32)
-    hi = tl.load(base + 1, mask=m2 & (sh + b > 8)[None, :], other=0).to(tl.int32)
-    code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << b) - 1)[None, :]
-    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
-    q = tl.where(m2, q, 0.0)
-    if has_out != 0:
-        m_h = tl.load(m_ptr + h)
-        col = tl.load(col_ptr + hs)
-        start = tl.load(rstart_ptr + bh * (TC + 1) + rows, mask=rmask, other=0)
-        count = tl.load(rstart_ptr + bh * (TC + 1) + rows + 1, mask=rmask, other=0) - start
-        for j in range(0, tl.max(count, 0)):
-            has = j < count
-            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
-            c = p - rows.to(tl.int64) * m_h
-            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            q = tl.where(has[:, None] & (c[:, None] == col[None, :]) & valid[None, :], v[:, None], q)
+    q = row_centroids(codes_ptr + bh * PB, rstart_ptr + bh * (TC + 1), opos_ptr, obits_ptr, m_ptr, rb_ptr,
+                      col_ptr, bits_ptr, byte_ptr, shift_ptr, cent_ptr, h, rows, rmask, has_out, MP)
     g = tl.where(rmask, 1.0, 0.0)
     if norm != 0:
         g = from_scaled_f16(tl.load(sbits_ptr + bh * TC + rows, mask=rmask, other=0),

@@ -37,6 +37,41 @@ _TLEN = tl.constexpr(TABLE_LEN)
 _TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
 
 
+@triton.jit
+def row_centroids(codes_ptr, rstart_ptr, opos_ptr, obits_ptr, m_ptr, rb_ptr, col_ptr, bits_ptr,
+                  byte_ptr, shift_ptr, cent_ptr, h, rows, rmask, has_out, MP: tl.constexpr):
+    """The centroids ``[BN, MP]`` of rows ``rows`` of one head's packed codes (``codes_ptr``
+    at their first row, ``rstart_ptr`` at their outlier row starts; kv-head ``h`` gives the
+    calibration): slot order, outliers applied, 0 in padding slots and past the rows. Each
+    slot's index sits at row bits ``[8 byte + shift, + b)``, LSB first, in at most two bytes."""
+    slots = tl.arange(0, MP)
+    hs = h * MP + slots
+    b = tl.load(bits_ptr + hs)
+    valid = b > 0
+    m2 = rmask[:, None] & valid[None, :]
+    by = tl.load(byte_ptr + hs)
+    sh = tl.load(shift_ptr + hs)
+    rb = tl.load(rb_ptr + h)
+    base = codes_ptr + rows[:, None].to(tl.int64) * rb + by[None, :]
+    lo = tl.load(base, mask=m2, other=0).to(tl.int32)
+    hi = tl.load(base + 1, mask=m2 & (sh + b > 8)[None, :], other=0).to(tl.int32)
+    code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << b) - 1)[None, :]
+    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
+    q = tl.where(m2, q, 0.0)
+    if has_out != 0:
+        m_h = tl.load(m_ptr + h)
+        col = tl.load(col_ptr + hs)
+        start = tl.load(rstart_ptr + rows, mask=rmask, other=0)
+        count = tl.load(rstart_ptr + rows + 1, mask=rmask, other=0) - start
+        for j in range(0, tl.max(count, 0)):
+            has = j < count
+            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
+            c = p - rows.to(tl.int64) * m_h
+            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            q = tl.where(has[:, None] & (c[:, None] == col[None, :]) & valid[None, :], v[:, None], q)
+    return q
+
+
 @triton.jit(do_not_specialize=["PB", "N", "norm", "has_out"])
 def _decode_kernel(
     codes_ptr, PB, sbits_ptr, sexp_ptr, rstart_ptr, opos_ptr, obits_ptr,
@@ -49,34 +84,14 @@ def _decode_kernel(
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     n_h = tl.load(rows_ptr + h)
-    m_h = tl.load(m_ptr + h)
-    rb_h = tl.load(rb_ptr + h)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < n_h
     row_off = h * N + rows
     slots = tl.arange(0, MP)
     hs = h * MP + slots
-    b = tl.load(bits_ptr + hs)
-    valid = b > 0
-    m2 = rmask[:, None] & valid[None, :]
-    # Unpack: the slot's index sits at row bits [8 byte + shift, + b), LSB first.
-    by = tl.load(byte_ptr + hs)
-    sh = tl.load(shift_ptr + hs)
-    base = codes_ptr + h * PB + rows[:, None].to(tl.int64) * rb_h + by[None, :]
-    lo = tl.load(base, mask=m2, other=0).to(tl.int32)
-    hi = tl.load(base + 1, mask=m2 & (sh + b > 8)[None, :], other=0).to(tl.int32)
-    code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << b) - 1)[None, :]
-    q = tl.load(cent_ptr + h * _TSIZE + b[None, :] * _TLEN + code)
-    if has_out != 0:
-        col = tl.load(col_ptr + hs)
-        start = tl.load(rstart_ptr + h * (N + 1) + rows, mask=rmask, other=0)
-        count = tl.load(rstart_ptr + h * (N + 1) + rows + 1, mask=rmask, other=0) - start
-        for j in range(0, tl.max(count, 0)):
-            has = j < count
-            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
-            c = p - rows.to(tl.int64) * m_h
-            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            q = tl.where(has[:, None] & (c[:, None] == col[None, :]) & valid[None, :], v[:, None], q)
+    valid = tl.load(bits_ptr + hs) > 0
+    q = row_centroids(codes_ptr + h * PB, rstart_ptr + h * (N + 1), opos_ptr, obits_ptr, m_ptr, rb_ptr,
+                      col_ptr, bits_ptr, byte_ptr, shift_ptr, cent_ptr, h, rows, rmask, has_out, MP)
     g = tl.full((BN,), 1.0, tl.float32)
     if norm != 0:
         g = from_scaled_f16(tl.load(sbits_ptr + row_off, mask=rmask, other=0), tl.load(sexp_ptr + h))
