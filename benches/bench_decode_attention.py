@@ -6,8 +6,8 @@ For each shape (the default model's 9 query / 3 kv-heads at head_dim 64, and 32 
 context length T and bits per element: per kv-head a K and a V calibration fitted by
 ``calibration.fit_stream`` on a decaying spectrum (water-filled bits; the fp16 row scale
 counted), T rows of their model sealed in blocks of 512, one query token per query head, one
-raw tail row (the query's own). Timed, alternating within each repetition so that every
-method sees the same machine:
+raw tail row (the query's own). Timed in turns (``median_ms``: runs of up to 5 calls of one
+method after an untimed one) so that every method sees the same machine:
 
 - ``codes``: ``decode_attention`` over the codes (threads 1 and 2), keys coded after RoPE
   (scores from look-up tables);
@@ -16,7 +16,8 @@ method sees the same machine:
   the kernel, as the shipped recipes need;
 - ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
   cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
-  same over a bfloat16 cache;
+  same over a bfloat16 cache, timed in a pass of its own after the others (interleaved, its
+  one-thread call slowed the two-thread call after it to one thread's speed);
 - ``decode + SDPA``: today's ``KakeyaCache`` path at 2 threads (every block decoded by the
   Rust decoder, then SDPA fp32), fewer repetitions.
 
@@ -26,7 +27,7 @@ repetitions, speed-up against SDPA fp32 at the same thread
 count, bytes held, and the machine's load average before and after (``os.getloadavg``; 2
 cores here, shared). Writes ``bench-out/decode_attention.json`` and ``.md``.
 
-    PYTHONPATH=python python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
+    .venv/bin/python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
         [--bits 3,4] [--reps 15] [--pause-ms 5] [--out bench-out]
 """
 
@@ -84,20 +85,26 @@ PAUSE_S = 0.005
 
 
 def median_ms(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, float]:
-    """Median wall time of each function, the functions alternating within each repetition,
-    with a pause (``--pause-ms``, default 5) before each call: idle worker threads (rayon's,
-    OpenMP's) spin for a moment after a job, and on 2 cores that slowed whichever method ran
-    right after; with the pause every call starts with its threads asleep, as between the
-    layers of a model."""
-    for f in fns.values():
-        f()
+    """Median wall time of each function over ``reps`` timed calls, taken in runs of one
+    function at a time (a call, untimed, then up to 5 timed ones), the functions taking turns
+    until every one has its ``reps``; a pause (``--pause-ms``, default 5) before each call.
+    On 2 cores the thread pools of one method disturb the first call of the next (idle rayon
+    or OpenMP workers spinning, or torch re-sizing its pool): interleaved call by call, each
+    two-thread time depended on which method came before it (seen on 2026-12-04: up to 1.8x). The
+    untimed call absorbs that; the turns keep every method's calls spread over the run."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(reps):
+    while any(len(v) < reps for v in times.values()):
         for k, f in fns.items():
+            todo = min(5, reps - len(times[k]))
+            if todo <= 0:
+                continue
             time.sleep(PAUSE_S)
-            t0 = time.perf_counter()
             f()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            for _ in range(todo):
+                time.sleep(PAUSE_S)
+                t0 = time.perf_counter()
+                f()
+                times[k].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -144,9 +151,13 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                     fns[f"codes {n}t"] = codes_fn(n)
                     fns[f"codes pre-RoPE {n}t"] = rope_fn(n)
                     fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, kf, vf))
-                    fns[f"SDPA bf16 {n}t"] = with_torch_threads(n, sdpa(qb, kb, vb))
                 load0 = os.getloadavg()
                 ms = median_ms(fns, reps)
+                # bfloat16 SDPA apart: on one torch thread it left the second core busy for
+                # milliseconds after it returned (seen on a 2-core AMD EPYC, 2026-12-04), and
+                # whatever ran next on two threads ran as on one.
+                ms.update(median_ms({f"SDPA bf16 {n}t": with_torch_threads(n, sdpa(qb, kb, vb))
+                                     for n in (1, 2)}, reps))
 
                 def decode_then_sdpa() -> Any:
                     ks = [np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
@@ -213,8 +224,8 @@ def markdown(res: Dict[str, Any]) -> str:
         "# One decode step of attention over the codes vs torch SDPA over the float cache",
         "",
         f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
-        f"median of {res['reps']} repetitions (methods alternating, {res['pause_ms']:g} ms pause "
-        f"before each call) | load average (1 min) "
+        f"median of {res['reps']} repetitions (methods taking turns in runs of up to 5 calls after an "
+        f"untimed one, {res['pause_ms']:g} ms pause before each call) | load average (1 min) "
         f"{res['load_min']:.2f}..{res['load_max']:.2f}",
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
-
 
 def entropy_bits(idx: np.ndarray) -> float:
     """Order-0 entropy (bits) of every column of ``idx [n, m]``, each with its own table."""
