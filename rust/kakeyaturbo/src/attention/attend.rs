@@ -1,5 +1,6 @@
 //! One attention step of one layer over sealed codes and raw rows: input checks, the split of
-//! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon, and their
+//! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon (on a pool of two,
+//! called from outside it: half on the calling thread, half on one scoped thread), and their
 //! combination in a fixed order (so the result is the same at any thread count).
 
 use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
@@ -155,7 +156,8 @@ pub fn attend_with(
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
     let serial = crate::threads::inline();
-    let preps: Vec<Prep> = if serial {
+    let pair = !serial && pair_here();
+    let preps: Vec<Prep> = if serial || pair {
         (0..cx.batch * cx.kv_heads)
             .map(|bh| prep(&cx, bh))
             .collect()
@@ -178,6 +180,28 @@ pub fn attend_with(
     let ran: Vec<Part> = if serial {
         let mut s = Scratch::for_layer(codes);
         order.iter().map(|i| run(&mut s, i)).collect()
+    } else if pair {
+        // Two threads asked of a pool of two, from outside it: the caller runs the first half
+        // of the pieces and one scoped thread the second, instead of handing every piece to
+        // the pool's two workers and sleeping until they finish (one wake-up, not two).
+        let (a, b) = order.split_at(order.len().div_ceil(2));
+        std::thread::scope(|sc| {
+            let helper = std::thread::Builder::new().spawn_scoped(sc, || {
+                let mut s = Scratch::for_layer(codes);
+                b.iter().map(|i| run(&mut s, i)).collect::<Vec<Part>>()
+            });
+            let mut s = Scratch::for_layer(codes);
+            let mut parts: Vec<Part> = a.iter().map(|i| run(&mut s, i)).collect();
+            match helper {
+                Ok(h) => match h.join() {
+                    Ok(rest) => parts.extend(rest),
+                    Err(e) => std::panic::resume_unwind(e),
+                },
+                // No thread to be had: the caller runs the rest too.
+                Err(_) => parts.extend(b.iter().map(|i| run(&mut s, i))),
+            }
+            parts
+        })
     } else {
         order
             .par_iter()
@@ -582,6 +606,12 @@ impl<'a> Ctx<'a> {
 
 // The queries' transforms and the final combination and synthesis, compiled for FMA where the
 // CPU has it (`mul_add` is otherwise a library call; the result is the same).
+/// Whether this call splits its pieces between the calling thread and one scoped thread: the
+/// pool it would run on has two threads and the caller is not one of them.
+fn pair_here() -> bool {
+    rayon::current_num_threads() == 2 && rayon::current_thread_index().is_none()
+}
+
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
 fn prep(cx: &Ctx<'_>, bh: usize) -> Prep {
     cx.prep(bh)
