@@ -1,6 +1,6 @@
 //! One attention step of one layer over sealed codes and raw rows: input checks, the split of
-//! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon (on a pool of two,
-//! called from outside it: half on the calling thread, half on one scoped thread), and their
+//! every (batch row, kv-head) into fixed pieces of work, the pieces on rayon (small calls on a
+//! pool of two, from outside it: half on the calling thread, half on one scoped thread), and their
 //! combination in a fixed order (so the result is the same at any thread count).
 
 use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
@@ -22,6 +22,14 @@ pub const SPLIT_TILES: usize = 8;
 /// (`benches/bench_generate.py --kernel-threads 1,2`: one thread was the faster at 2k, two at
 /// 8k).
 pub const INLINE_WORK: usize = 1 << 19;
+
+/// The most sealed work (as for [`INLINE_WORK`]) that a call on a pool of two threads, from
+/// outside it, splits between the calling thread and one scoped thread instead of handing it
+/// to the pool (measured on a 2-core VM, 2026-12-04: in generation at 8k tokens, 1.6M
+/// elements, the split cut the attention from 45-61 to 34-38 ms per token; on calls of 6M and
+/// 8M elements after an idle pause the pool's workers were faster: a freshly spawned thread
+/// started late there).
+pub const PAIR_WORK: usize = 1 << 21;
 
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
 /// as asked, except that `None` becomes `Some(1)` (the calling thread) for at most
@@ -156,7 +164,10 @@ pub fn attend_with(
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
     let serial = crate::threads::inline();
-    let pair = !serial && pair_here();
+    let work = (cx.batch * cx.kv_heads)
+        .saturating_mul(cx.dk)
+        .saturating_mul(cx.sealed);
+    let pair = !serial && work <= PAIR_WORK && pair_here();
     let preps: Vec<Prep> = if serial || pair {
         (0..cx.batch * cx.kv_heads)
             .map(|bh| prep(&cx, bh))
@@ -606,8 +617,8 @@ impl<'a> Ctx<'a> {
 
 // The queries' transforms and the final combination and synthesis, compiled for FMA where the
 // CPU has it (`mul_add` is otherwise a library call; the result is the same).
-/// Whether this call splits its pieces between the calling thread and one scoped thread: the
-/// pool it would run on has two threads and the caller is not one of them.
+/// Whether a call of at most [`PAIR_WORK`] splits its pieces between the calling thread and one
+/// scoped thread: the pool it would run on has two threads and the caller is not one of them.
 fn pair_here() -> bool {
     rayon::current_num_threads() == 2 && rayon::current_thread_index().is_none()
 }
