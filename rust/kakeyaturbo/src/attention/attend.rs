@@ -615,14 +615,14 @@ impl<'a> Ctx<'a> {
     }
 }
 
-// The queries' transforms and the final combination and synthesis, compiled for FMA where the
-// CPU has it (`mul_add` is otherwise a library call; the result is the same).
 /// Whether a call of at most [`PAIR_WORK`] splits its pieces between the calling thread and one
 /// scoped thread: the pool it would run on has two threads and the caller is not one of them.
 fn pair_here() -> bool {
     rayon::current_num_threads() == 2 && rayon::current_thread_index().is_none()
 }
 
+// The queries' transforms and the final combination and synthesis, compiled for FMA where the
+// CPU has it (`mul_add` is otherwise a library call; the result is the same).
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
 fn prep(cx: &Ctx<'_>, bh: usize) -> Prep {
     cx.prep(bh)
