@@ -56,4 +56,7 @@ def test_eval_figures_unchanged(tool) -> None:
             if isinstance(v, str):
                 assert now[name][k] == v, (name, k)
             else:
-                assert now[name][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (name, k)
+                # A calibrated method's codec is fitted with numpy's LAPACK (CPU-dependent in
+                # its last bits, see tool.RTOL); every other figure is exact to 1e-9.
+                rel = tool.RTOL if "calibrated" in name else 1e-9
+                assert now[name][k] == pytest.approx(v, rel=rel, abs=1e-12), (name, k)

@@ -61,7 +61,8 @@ def synthetic_stats(layers: int, heads: int, d: int, seed: int = 3) -> Any:
 # bits of an eigenvector) depend on the CPU: a blob's calibration fingerprint, and a code that
 # sits on a decision threshold, may differ between two CPU models (seen: two AMD EPYCs). Their
 # blobs are checked by length and by the relative error of the decoded rows, to this tolerance
-# (a code flipped on a threshold moves it by about 1e-5; a changed quantiser or basis by more).
+# (a code flipped on a threshold moves it by about 1e-5; a changed quantiser or basis by more);
+# the eval figures of a calibrated method too.
 RTOL = 1e-3
 
 
