@@ -16,8 +16,7 @@ method after an untimed one) so that every method sees the same machine:
   the kernel, as the shipped recipes need;
 - ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
   cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
-  same over a bfloat16 cache, timed in a pass of its own after the others (interleaved, its
-  one-thread call slowed the two-thread call after it to one thread's speed);
+  same over a bfloat16 cache, timed in a pass of its own after the others;
 - ``decode + SDPA``: today's ``KakeyaCache`` path at 2 threads (every block decoded by the
   Rust decoder, then SDPA fp32), fewer repetitions.
 
@@ -90,8 +89,10 @@ def median_ms(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, float]:
     until every one has its ``reps``; a pause (``--pause-ms``, default 5) before each call.
     On 2 cores the thread pools of one method disturb the first call of the next (idle rayon
     or OpenMP workers spinning, or torch re-sizing its pool): interleaved call by call, each
-    two-thread time depended on which method came before it (seen on 2026-12-04: up to 1.8x). The
-    untimed call absorbs that; the turns keep every method's calls spread over the run."""
+    two-thread time depended on which method came before it (2026-12-04, 32/8 x 128 at 8k,
+    pre-RoPE on two threads: 7.17 ms interleaved, 4.49 ms in turns, README "Attention over the
+    codes"). The untimed call absorbs that; the turns keep every method's calls spread over
+    the run."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
     while any(len(v) < reps for v in times.values()):
         for k, f in fns.items():
@@ -153,9 +154,8 @@ def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]
                     fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, kf, vf))
                 load0 = os.getloadavg()
                 ms = median_ms(fns, reps)
-                # bfloat16 SDPA apart: on one torch thread it left the second core busy for
-                # milliseconds after it returned (seen on a 2-core AMD EPYC, 2026-12-04), and
-                # whatever ran next on two threads ran as on one.
+                # bfloat16 SDPA in a pass of its own: it is not a baseline of the ratios, and
+                # its one-thread call is the slowest neighbour a two-thread call could have.
                 ms.update(median_ms({f"SDPA bf16 {n}t": with_torch_threads(n, sdpa(qb, kb, vb))
                                      for n in (1, 2)}, reps))
 

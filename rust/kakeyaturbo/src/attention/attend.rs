@@ -25,10 +25,9 @@ pub const INLINE_WORK: usize = 1 << 19;
 
 /// The most sealed work (as for [`INLINE_WORK`]) that a call on a pool of two threads, from
 /// outside it, splits between the calling thread and one scoped thread instead of handing it
-/// to the pool (measured on a 2-core VM, 2026-12-04: in generation at 8k tokens, 1.6M
-/// elements, the split cut the attention from 45-61 to 34-38 ms per token; on calls of 6M and
-/// 8M elements after an idle pause the pool's workers were faster: a freshly spawned thread
-/// started late there).
+/// to the pool (measured on a 2-core VM, 2026-12-04, README "Generation through the codes": in
+/// generation at 8k tokens, 1.6M elements, the split cut the attention from 45-61 to 34-38 ms
+/// per token; on 8.4M-element calls after an idle pause the pool's workers were faster).
 pub const PAIR_WORK: usize = 1 << 21;
 
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
@@ -36,13 +35,17 @@ pub const PAIR_WORK: usize = 1 << 21;
 /// [`INLINE_WORK`] of sealed work. The result never depends on it.
 pub fn auto_threads(codes: &LayerCodes, threads: Option<usize>) -> Option<usize> {
     let rows = codes.common_rows().unwrap_or(usize::MAX);
-    let work = (codes.batch() * codes.kv_heads())
-        .saturating_mul(codes.k_dim())
-        .saturating_mul(rows);
+    let work = sealed_work(codes.batch() * codes.kv_heads(), codes.k_dim(), rows);
     match threads {
         None if work <= INLINE_WORK => Some(1),
         t => t,
     }
+}
+
+/// The sealed work of a call, as [`INLINE_WORK`] and [`PAIR_WORK`] count it: (batch rows x
+/// kv-heads) x `D_k` x sealed rows per (batch row, kv-head).
+fn sealed_work(pairs: usize, dk: usize, rows: usize) -> usize {
+    pairs.saturating_mul(dk).saturating_mul(rows)
 }
 
 /// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
@@ -164,9 +167,7 @@ pub fn attend_with(
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
     let serial = crate::threads::inline();
-    let work = (cx.batch * cx.kv_heads)
-        .saturating_mul(cx.dk)
-        .saturating_mul(cx.sealed);
+    let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed);
     let pair = !serial && work <= PAIR_WORK && pair_here();
     let preps: Vec<Prep> = if serial || pair {
         (0..cx.batch * cx.kv_heads)
