@@ -228,6 +228,26 @@ def timer(dry_run: bool) -> Callable[[Callable[[], Any]], float]:
     return bench_gpu
 
 
+def graph_timer(dry_run: bool) -> Callable[[Callable[[], Any]], Optional[float]]:
+    """Median milliseconds of a call replayed from a CUDA graph (``do_bench_cudagraph``): the
+    device's time without the host's launch overhead. None in a dry run or where the call
+    cannot be captured (the reason is printed)."""
+    def bench(fn: Callable[[], Any]) -> Optional[float]:
+        if dry_run:
+            return None
+        import torch
+        import triton.testing
+
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                return float(triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"))
+        except Exception as e:  # noqa: BLE001 - reported, the bench goes on
+            print(f"CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return None
+
+    return bench
+
+
 def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
     import numpy as np
     import torch
@@ -449,8 +469,9 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
             results.append(attention_parity.run(spec, device))
         except Exception as e:  # noqa: BLE001 - reported, the bench goes on
             failures.append(f"seed {spec.seed}: {str(e)[:500]}")
-    fuzz = {"cases": len(specs), "run": len(results) + len(failures), "not_run": not_run,
-            "failures": failures, **attention_parity.summary(results),
+    # The summary first: its "cases" (those that passed) and "seconds" (kernel time) give way.
+    fuzz = {**attention_parity.summary(results), "cases": len(specs), "run": len(results) + len(failures),
+            "not_run": not_run, "failures": failures,
             "seconds": time.perf_counter() - t0, "passed": not failures and not not_run}
     # Keys coded before RoPE: 20 of the 60 random pre-RoPE cases (the subset in a dry run).
     t1 = time.perf_counter()
@@ -464,10 +485,10 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
             rresults.append(attention_parity.run(rspec, device))
         except Exception as e:  # noqa: BLE001 - reported, the bench goes on
             rfailures.append(f"rope seed {rspec.seed}: {str(e)[:500]}")
-    rope_fuzz = {"cases": len(rspecs), "run": len(rresults) + len(rfailures), "not_run": rnot_run,
-                 "failures": rfailures, **attention_parity.summary(rresults),
+    rope_fuzz = {**attention_parity.summary(rresults), "cases": len(rspecs),
+                 "run": len(rresults) + len(rfailures), "not_run": rnot_run, "failures": rfailures,
                  "seconds": time.perf_counter() - t1, "passed": not rfailures and not rnot_run}
-    bench = timer(dry_run)
+    bench, graph = timer(dry_run), graph_timer(dry_run)
     rows: List[Dict[str, Any]] = []
     shapes = [(2, 1, 16)] if dry_run else ATTENTION_SHAPES
     for hq, hkv, d in shapes:
@@ -477,24 +498,43 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
                 k = torch.randn(1, hkv, tokens, d, device=device, dtype=dtype)
                 v = torch.randn_like(k)
                 qq = q.to(dtype)
+                sdpa = lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)  # noqa: E731
                 rows.append({"impl": f"torch SDPA ({str(dtype)[6:]} cache, enable_gqa)",
                              "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": 16 if dtype == torch.bfloat16 else 32,
-                             "ms": bench(lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True))})
+                             "ms": bench(sdpa), "graph_ms": graph(sdpa)})
             for bits in ((4.0,) if dry_run else ATTENTION_BITS):
                 codes = attention_layer(hq, hkv, d, tokens, bits)
                 layer = K.stack_layer(codes, device)
                 tail = torch.randn(1, hkv, 1, d, device=device)
                 held = 8 * codes.nbytes / (2 * tokens * hkv * d)
+                plain = lambda: K.decode_attention_triton(layer, q, tail, tail)  # noqa: E731
                 rows.append({"impl": "triton attention over the codes", "shape": f"{hq}/{hkv}x{d}",
-                             "T": tokens, "bits": round(held, 2),
-                             "ms": bench(lambda: K.decode_attention_triton(layer, q, tail, tail))})
+                             "T": tokens, "bits": round(held, 2), "ms": bench(plain), "graph_ms": graph(plain)})
                 # The same codes read as keys coded before RoPE: table staged once, positions
                 # on the device (trusted there, so no check reads them back).
                 rope, pos = attention_rope(tokens, d, layer.k.rows, device)
+                pre = lambda: K.decode_attention_triton(layer, q, tail, tail, rope=rope,  # noqa: E731
+                                                        positions=pos)
                 rows.append({"impl": "triton attention over the codes, keys pre-RoPE",
                              "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
-                             "ms": bench(lambda: K.decode_attention_triton(layer, q, tail, tail, rope=rope,
-                                                                           positions=pos))})
+                             "ms": bench(pre), "graph_ms": graph(pre)})
+                if dry_run or (hq, hkv, d, tokens) != (9, 3, 64, 8192) or bits != ATTENTION_BITS[0]:
+                    continue
+                # The launch settings before 2026-12-04 (tiles of 64 rows on 4 warps, pieces of
+                # 1024 rows), the same codes: what the smaller tiles and pieces bought.
+                from kakeyaturbo.kernels.attention import split as attention_split
+
+                new_settings = attention_split._settings
+                attention_split._settings = lambda tc, bh, mp, dev: {  # noqa: E731
+                    "BN": 64, "SPLIT": 1024 if tc >= 8192 else 512, "BDC": 64 if mp <= 128 else 32,
+                    "num_warps": 4 if mp <= 64 else 8, "num_stages": 3 if mp <= 64 else 2}
+                try:
+                    for label, fn in (("", plain), (", keys pre-RoPE", pre)):
+                        rows.append({"impl": f"triton attention over the codes{label}, old launch settings",
+                                     "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
+                                     "ms": bench(fn), "graph_ms": graph(fn)})
+                finally:
+                    attention_split._settings = new_settings
     return {"fuzz": fuzz, "rope_fuzz": rope_fuzz, "rows": rows}
 
 
@@ -533,9 +573,22 @@ def _attention_lines(at: Dict[str, Any]) -> List[str]:
                   f"attention_triton_rope); **{'PASS' if rf['passed'] else 'FAIL'}**", ""]
         lines += [f"- failure: {f}" for f in rf["failures"][:20]]
     lines += ["", "One decode step of one layer (1 query token per head); bits per element held "
-              "(all-in for the codes).", "", "| impl | q/kv heads x D | T | bits | ms |", "|---|---|---|---|---|"]
+              "(all-in for the codes). ms: do_bench, the host's launch overhead included; graph ms: "
+              "replayed from a CUDA graph (the device's time); x SDPA: the bf16 SDPA's time over "
+              "this row's (above 1: faster), each column against its own.", "",
+              "| impl | q/kv heads x D | T | bits | ms | graph ms | x SDPA | x SDPA (graph) |",
+              "|---|---|---|---|---|---|---|---|"]
+
+    def fmt(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.4g}"
+
+    base = {(r["shape"], r["T"]): r for r in at["rows"] if r["impl"].startswith("torch SDPA (bfloat16")}
     for r in at["rows"]:
-        lines.append(f"| {r['impl']} | {r['shape']} | {r['T']} | {r['bits']} | {r['ms']:.4g} |")
+        ref = base.get((r["shape"], r["T"]), {})
+        gm, rg = r.get("graph_ms"), ref.get("graph_ms")
+        lines.append(f"| {r['impl']} | {r['shape']} | {r['T']} | {r['bits']} | {r['ms']:.4g} | {fmt(gm)} | "
+                     f"{fmt(ref['ms'] / r['ms'] if ref else None)} | "
+                     f"{fmt(rg / gm if gm and rg else None)} |")
     return lines + [""]
 
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Tuple
 
@@ -143,6 +146,8 @@ def record_launches() -> List[Launch]:
         (dict(kv_heads=8, group=4, d=128, n_q=4, threshold=2.5, mask=True), 4.0),
         (dict(kv_heads=1, group=8, d=256, metric="inner_product", norm=True), 4.4),
         (dict(kv_heads=2, group=1, d=48, norm=False, n_q=2), 2.5),
+        # Fewer slots than the head dimension (MPV < BDV): Triton 3.6 rejected the kernel once.
+        (dict(kv_heads=2, group=2, d=64), 0.75),
     ]:
         d = spec["d"]
         x = (g.standard_normal((300, d)) * 0.97 ** np.arange(d)).astype(np.float32)
@@ -170,6 +175,25 @@ def record_launches() -> List[Launch]:
     return log
 
 
+def _registers(compiled: Any) -> str:
+    """``, N registers, S B stack`` per thread, read off the cubin by the ``cuobjdump`` that
+    Triton carries (no GPU needed; stack is local memory: spills and dynamically indexed
+    arrays, slow on the device), or nothing when either is missing."""
+    cubin = compiled.asm.get("cubin")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", out), re.search(r"STACK:(\d+)", out)
+    if not regs or not stack:
+        return ""
+    return f", {regs.group(1)} registers, {stack.group(1)} B stack"
+
+
 def main(argv: List[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
@@ -184,12 +208,13 @@ def main(argv: List[str]) -> int:
         if key in seen:
             continue
         seen.add(key)
-        opts = {k: kw[k] for k in ("num_warps", "enable_fp_fusion") if k in kw}
+        opts = {k: kw[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kw}
         t0 = time.perf_counter()
         c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=opts)
         dt = time.perf_counter() - t0
         total += dt
-        print(f"{fn.__name__} {consts} shared={c.metadata.shared} B, {dt:.1f} s", flush=True)
+        print(f"{fn.__name__} {consts} shared={c.metadata.shared} B, {dt:.1f} s{_registers(c)}",
+              flush=True)
         if c.metadata.shared > SHARED_LIMIT.get(args.arch, SHARED_LIMIT[90]):
             too_big.append(f"{fn.__name__} {consts}: {c.metadata.shared} B")
     print(f"{len(seen)} specialisations compiled for sm_{args.arch} in {total:.0f} s")

@@ -22,6 +22,7 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -85,11 +86,11 @@ def online_softmax(s, mx, den):
 
 def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
     """Frequencies per chunk of :func:`rope_scores`: at most ``BDC`` and the rotary half, and
-    ``BN * MP * BR <= 2**18`` so that the chunk's synthesis tiles fit an sm_90 block's shared
-    memory (measured by ``tests/kernels/compile_check.py``: ``BN * MP = 8192`` with ``BR = 64``
-    needs 295,936 bytes, over the 232,448 limit; with ``BR = 32``, 168,448 (``MP`` 128) and 217,600
-    (``MP`` 256))."""
-    return max(16, min(bdc, next_pow2(half), (1 << 18) // (bn * mp)))
+    ``BN * MP * BR <= 2**15`` so that the chunk's synthesis tiles stay in registers (measured by
+    ``tests/kernels/compile_check.py``, tiles of 16 rows on 8 warps: 328 B of stack per thread
+    at ``MP`` 128 with ``BR`` 16, 576 B with ``BR`` 64; with tiles of 64 rows the bound was
+    ``2**18``, for shared memory, and the kernel spilled 2.7-3.2 KB)."""
+    return max(16, min(bdc, next_pow2(half), (1 << 15) // (bn * mp)))
 
 
 @triton.jit
@@ -153,7 +154,7 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
 
 @triton.jit(do_not_specialize=["kpb", "vpb", "HKV", "G", "NQ", "TC", "SROWS", "RAW", "T", "DK", "DV",
                                "NCODE", "NS", "WACC", "scale", "softcap", "window", "has_mask",
-                               "knorm", "vnorm", "kout", "vout", "NPOS", "HALF", "interleaved"])
+                               "knorm", "vnorm", "kout", "vout", "NPOS", "HALF", "interleaved", "SPLIT"])
 def _split_kernel(
     q_ptr, rk_ptr, rv_ptr, mask_ptr,
     kc_ptr, kpb, ksb_ptr, kse_ptr, krs_ptr, kop_ptr, kob_ptr,
@@ -163,9 +164,9 @@ def _split_kernel(
     vm_ptr, vrb_ptr, vcol_ptr, vbits_ptr, vbyte_ptr, vshift_ptr, vcent_ptr,
     pm_ptr, pl_ptr, pacc_ptr,
     HKV, G, NQ, TC, SROWS, RAW, T, DK, DV, NCODE, NS, WACC,
-    scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved,
+    scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved, SPLIT,
     QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
-    BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, SPLIT: tl.constexpr, BDC: tl.constexpr,
+    BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BDC: tl.constexpr,
     ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
@@ -230,7 +231,7 @@ def _split_kernel(
     else:
         dv = tl.arange(0, BDV)
         dvm = dv < DV
-        acc = tl.zeros((QP, BDV), tl.float32)
+        racc = tl.zeros((QP, BDV), tl.float32)  # not `acc`: Triton 3.6 types names across branches
         for t0 in range(0, RAW, BN):
             rows = t0 + tl.arange(0, BN)
             rmask = rows < RAW
@@ -242,19 +243,35 @@ def _split_kernel(
                               has_mask)
             mx, den, p, alpha = online_softmax(s, mx, den)
             vt = tl.load(rv_ptr + at[:, None] * DV + dv[None, :], mask=rmask[:, None] & dvm[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-        tl.store(pacc_ptr + out_at[:, None] * WACC + dv[None, :], acc)
+            racc = racc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        tl.store(pacc_ptr + out_at[:, None] * WACC + dv[None, :], racc)
     tl.store(pm_ptr + out_at, mx)
     tl.store(pl_ptr + out_at, den)
 
 
-def _settings(tc: int, qp: int, mp: int) -> Dict[str, int]:
-    """Rows per tile and per piece, columns per chunk of the query transform, and warps (the
-    tiles of a dot sit in shared memory: at most 227 KB on sm_90)."""
+def _settings(tc: int, bh: int, mp: int, dev: torch.device) -> Dict[str, int]:
+    """Rows per tile and per piece, columns per chunk of the query transform, warps and
+    pipeline stages. On a GPU: tiles of 16 rows over 8 warps (larger tiles spill registers to
+    local memory: ``tests/kernels/compile_check.py`` prints each specialisation's stack) and
+    pieces of at least 64 rows, as many as make about two programs per multiprocessor (the
+    piece length is a run-time argument, so it compiles nothing new as the cache grows); two
+    pipeline stages past 64 slots, or Triton 3.6 asks for 270 KB of shared memory at 128."""
     if is_interpreter():
-        return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4}
-    return {"BN": 64 if mp <= 128 and qp <= 32 else 32, "SPLIT": 1024 if tc >= 8192 else 512,
-            "BDC": 64 if mp <= 128 else 32, "num_warps": 4 if mp <= 64 else 8}
+        return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4, "num_stages": 3}
+    bn = 16
+    pieces = max(1, -(-2 * _multiprocessors(dev) // bh))
+    split = max(4 * bn, -(-tc // pieces))
+    return {"BN": bn, "SPLIT": -(-split // bn) * bn, "BDC": 64 if mp <= 128 else 32, "num_warps": 8,
+            "num_stages": 3 if mp <= 64 else 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(dev: torch.device) -> int:
+    """The device's multiprocessor count (132 on an H100 / H200; 1 off CUDA)."""
+    dev = torch.device(dev)
+    if dev.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(dev).multi_processor_count)
 
 
 def query_rows(group: int, n_q: int) -> int:
@@ -322,7 +339,7 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
     mpk, mpv = kc.cal.slots, vc.cal.slots
     shapes = {"QP": qp, "MPK": mpk, "LOG_MPK": max(mpk - 1, 0).bit_length(), "MPV": mpv,
               "BDK": max(16, next_pow2(dk)), "BDV": max(16, next_pow2(dv))}
-    st = _settings(tc, qp, max(mpk, mpv))
+    st = _settings(tc, bh, max(mpk, mpv), dev)
     ncode = triton.cdiv(tc, st["SPLIT"])
     ns = ncode + 1
     wacc = max(mpv, shapes["BDV"])
@@ -342,8 +359,8 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         hkv, group, nq, tc, sink_rows, raw, total, dk, dv, ncode, ns, wacc,
         float(scale), float(softcap or 0.0), int(window or 0), int(mask is not None),
         int(kc.cal.norm), int(vc.cal.norm), int(kc.has_outliers), int(vc.has_outliers),
-        npos, half, int(rope is not None and rope.interleaved),
-        BN=st["BN"], SPLIT=st["SPLIT"], BDC=st["BDC"], num_warps=st["num_warps"],
+        npos, half, int(rope is not None and rope.interleaved), st["SPLIT"],
+        BN=st["BN"], BDC=st["BDC"], num_warps=st["num_warps"], num_stages=st["num_stages"],
         ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk),
         BF16=rope is not None and synthesis == "bf16", **shapes,
     )

@@ -63,12 +63,20 @@ def row_centroids(codes_ptr, rstart_ptr, opos_ptr, obits_ptr, m_ptr, rb_ptr, col
         col = tl.load(col_ptr + hs)
         start = tl.load(rstart_ptr + rows, mask=rmask, other=0)
         count = tl.load(rstart_ptr + rows + 1, mask=rmask, other=0) - start
+        # Row-wise values broadcast to the tile and clamped indices, not masked row loads:
+        # Triton 3.6's layout pass fails on the row-vector form of this loop ("mask type
+        # matches ptr type"). has_out means index 0 exists.
+        zi = tl.zeros_like(lo).to(tl.int64)
+        start2 = start[:, None] + zi
+        count2 = count[:, None] + zi
+        first = rows[:, None].to(tl.int64) * m_h + zi
+        want = tl.where(valid, col, -1)[None, :]
         for j in range(0, tl.max(count, 0)):
-            has = j < count
-            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
-            c = p - rows.to(tl.int64) * m_h
-            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            q = tl.where(has[:, None] & (c[:, None] == col[None, :]) & valid[None, :], v[:, None], q)
+            has = j < count2
+            at = tl.where(has, start2 + j, 0)
+            p = tl.load(opos_ptr + at)
+            v = tl.load(obits_ptr + at).to(tl.float16, bitcast=True).to(tl.float32)
+            q = tl.where(has & (p - first == want), v, q)
     return q
 
 

@@ -69,12 +69,19 @@ def _decode_kernel(
     if has_out != 0:
         start = tl.load(rstart_ptr + b * (N + 1) + rows, mask=rmask, other=0)
         count = tl.load(rstart_ptr + b * (N + 1) + rows + 1, mask=rmask, other=0) - start
+        # Row-wise values broadcast to the tile and clamped indices, not masked row loads:
+        # Triton 3.6's layout pass fails on the row-vector form of this loop ("mask type
+        # matches ptr type"). has_out means index 0 exists.
+        zi = tl.zeros((BN, W), tl.int64)
+        start2 = start[:, None] + zi
+        count2 = count[:, None] + zi
+        first = rows[:, None].to(tl.int64) * de + zi
         for j in range(0, tl.max(count, 0)):
-            has = j < count
-            p = tl.load(opos_ptr + start + j, mask=has, other=-1)
-            col = p - rows.to(tl.int64) * de
-            v = tl.load(obits_ptr + start + j, mask=has, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            q = tl.where(has[:, None] & (col[:, None] == cols[None, :]), v[:, None], q)
+            has = j < count2
+            at = tl.where(has, start2 + j, 0)
+            p = tl.load(opos_ptr + at)
+            v = tl.load(obits_ptr + at).to(tl.float16, bitcast=True).to(tl.float32)
+            q = tl.where(has & (p - first == cols[None, :]), v, q)
     t_hat = from_scaled_f16(tl.load(tbits_ptr + row_off, mask=rmask, other=0), tl.load(texp_ptr + b))
     scale = from_scaled_f16(tl.load(sbits_ptr + row_off, mask=rmask, other=0), tl.load(sexp_ptr + b))
     live = band_live(de, cols)
