@@ -448,6 +448,12 @@ def attention_layer(hq: int, hkv: int, d: int, tokens: int, bits: float, seed: i
     return codes
 
 
+def _add(rows: List[Dict[str, Any]], row: Dict[str, Any]) -> None:
+    """Appends a timing row and prints it at once (a run cut short keeps what it measured)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]:
     """Parity of the Triton decode attention with the Rust kernel, then its timing."""
     import torch
@@ -500,7 +506,7 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
                 v = torch.randn_like(k)
                 qq = q.to(dtype)
                 sdpa = lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)  # noqa: E731
-                rows.append({"impl": f"torch SDPA ({str(dtype)[6:]} cache, enable_gqa)",
+                _add(rows, {"impl": f"torch SDPA ({str(dtype)[6:]} cache, enable_gqa)",
                              "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": 16 if dtype == torch.bfloat16 else 32,
                              "ms": bench(sdpa), "graph_ms": graph(sdpa)})
             for bits in ((4.0,) if dry_run else ATTENTION_BITS):
@@ -509,31 +515,38 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
                 tail = torch.randn(1, hkv, 1, d, device=device)
                 held = 8 * codes.nbytes / (2 * tokens * hkv * d)
                 plain = lambda: K.decode_attention_triton(layer, q, tail, tail)  # noqa: E731
-                rows.append({"impl": "triton attention over the codes", "shape": f"{hq}/{hkv}x{d}",
+                _add(rows, {"impl": "triton attention over the codes", "shape": f"{hq}/{hkv}x{d}",
                              "T": tokens, "bits": round(held, 2), "ms": bench(plain), "graph_ms": graph(plain)})
                 # The same codes read as keys coded before RoPE: table staged once, positions
                 # on the device (trusted there, so no check reads them back).
                 rope, pos = attention_rope(tokens, d, layer.k.rows, device)
                 pre = lambda: K.decode_attention_triton(layer, q, tail, tail, rope=rope,  # noqa: E731
                                                         positions=pos)
-                rows.append({"impl": "triton attention over the codes, keys pre-RoPE",
+                _add(rows, {"impl": "triton attention over the codes, keys pre-RoPE",
                              "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
                              "ms": bench(pre), "graph_ms": graph(pre)})
-                if dry_run or (hq, hkv, d, tokens) != (9, 3, 64, 8192) or bits != ATTENTION_BITS[0]:
+                if dry_run or tokens != 8192 or bits != ATTENTION_BITS[0]:
                     continue
-                # The launch settings before 2026-12-04 (tiles of 64 rows on 4 warps, pieces of
-                # 1024 rows), the same codes: what the smaller tiles and pieces bought.
+                # Ablations, the same codes: the bf16 synthesis on the FMA units (the tensor
+                # cores' share), and for the default shape the launch settings before
+                # 2026-12-04 (tiles of 64 rows on 4 warps, pieces of 1024 rows, no tensor cores).
                 from kakeyaturbo.kernels.attention import split as attention_split
 
                 new_settings = attention_split._settings
-                attention_split._settings = lambda tc, bh, mp, dev: {  # noqa: E731
-                    "BN": 64, "SPLIT": 1024 if tc >= 8192 else 512, "BDC": 64 if mp <= 128 else 32,
-                    "num_warps": 4 if mp <= 64 else 8, "num_stages": 3 if mp <= 64 else 2}
+                variants = [(", keys pre-RoPE, bf16 synthesis on the FMA units", [pre],
+                             lambda tc, bh, mp, dev: {**new_settings(tc, bh, mp, dev), "MMA": False})]
+                if (hq, hkv, d) == (9, 3, 64):
+                    variants.append((", old launch settings", [plain, pre], lambda tc, bh, mp, dev: {
+                        "BN": 64, "SPLIT": 1024 if tc >= 8192 else 512, "BDC": 64 if mp <= 128 else 32,
+                        "num_warps": 4 if mp <= 64 else 8, "num_stages": 3 if mp <= 64 else 2, "MMA": False}))
                 try:
-                    for label, fn in (("", plain), (", keys pre-RoPE", pre)):
-                        rows.append({"impl": f"triton attention over the codes{label}, old launch settings",
-                                     "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
-                                     "ms": bench(fn), "graph_ms": graph(fn)})
+                    for label, fns, settings_fn in variants:
+                        attention_split._settings = settings_fn
+                        for fn in fns:
+                            tag = ", keys pre-RoPE" if fn is pre and "pre-RoPE" not in label else ""
+                            _add(rows, {"impl": f"triton attention over the codes{tag}{label}",
+                                         "shape": f"{hq}/{hkv}x{d}", "T": tokens, "bits": round(held, 2),
+                                         "ms": bench(fn), "graph_ms": graph(fn)})
                 finally:
                     attention_split._settings = new_settings
     return {"fuzz": fuzz, "rope_fuzz": rope_fuzz, "rows": rows}
@@ -635,21 +648,24 @@ def _fuzz_lines(fz: Dict[str, Any]) -> List[str]:
 
 
 def markdown(res: Dict[str, Any]) -> str:
-    env, tm = res["environment"], res["timing"]
-    lay = tm["layer"]
+    env = res["environment"]
     lines = [
         f"# Triton kernels: parity and timing{' (dry run)' if res['dry_run'] else ''}",
         "",
         f"{env['date']} | {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
         f"kakeyaturbo {env['kakeyaturbo']} | Python {env['python']} | {env['cpu_count']} CPUs",
         "",
-        "## Parity with the Rust codec",
-        "",
     ]
-    for fz in res["fuzz"].values():
-        lines += _fuzz_lines(fz)
-    if "attention" in res:
+    if res.get("fuzz"):
+        lines += ["## Parity with the Rust codec", ""]
+        for fz in res["fuzz"].values():
+            lines += _fuzz_lines(fz)
+    if res.get("attention"):
         lines += _attention_lines(res["attention"])
+    tm = res.get("timing")
+    if not tm:
+        return "\n".join(lines) + "\n"
+    lay = tm["layer"]
     lines += [
         f"## Timing: {lay['heads']} heads x {lay['tokens']} tokens x {lay['dim']}, bf16, "
         f"blocks of {lay['block']} (per-block mode), one calibration per head (calibrated mode)",
@@ -687,6 +703,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--workers", type=int, default=8, help="fuzz worker processes")
     ap.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--parts", default="codec,attention",
+                    help="comma-separated: codec (its fuzz and timing), attention (its parity and timing)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.dry_run:
@@ -701,7 +719,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The timings need about two and a half minutes on the GPU; the three fuzzes share the
     # rest equally.
     share = max(10.0, args.budget_s - 180.0) / 3
-    fuzz = {
+    parts = set(args.parts.split(","))
+    if not parts or not parts <= {"codec", "attention"}:
+        print(f"--parts takes codec and/or attention, got {args.parts!r}", file=sys.stderr)
+        return 2
+    fuzz = {} if "codec" not in parts else {
         mode: run_fuzz(
             full=not args.dry_run,
             device=device,
@@ -712,10 +734,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         for mode in ("blocks", "calibrated")
     }
-    timing = run_timing(layer, device, args.dry_run)
+    timing = run_timing(layer, device, args.dry_run) if "codec" in parts else None
     # The attention's parity takes what is left but its timing's minute and a bit (its cases
     # compile a specialisation each, about 5 s apiece on the device).
-    attention = run_attention(device, args.dry_run, max(share, args.budget_s - (time.perf_counter() - t0) - 75))
+    attention = None if "attention" not in parts else run_attention(
+        device, args.dry_run, max(share, args.budget_s - (time.perf_counter() - t0) - 75))
     res = {"dry_run": args.dry_run, "environment": environment(device), "fuzz": fuzz, "timing": timing,
            "attention": attention, "seconds": time.perf_counter() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -724,8 +747,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (args.out / "gpu_bench.md").write_text(md)
     print(md)
     print(f"total {res['seconds']:.0f} s; wrote gpu_bench.json and gpu_bench.md under {args.out}")
-    passed = all(f["passed"] for f in fuzz.values()) and attention["fuzz"]["passed"] \
-        and attention["rope_fuzz"]["passed"]
+    passed = all(f["passed"] for f in fuzz.values()) and (
+        attention is None or (attention["fuzz"]["passed"] and attention["rope_fuzz"]["passed"]))
     return 0 if passed else 1
 
 

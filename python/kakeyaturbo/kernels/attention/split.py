@@ -97,7 +97,7 @@ def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
 def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF, interleaved,
                 QP: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
-                BDC: tl.constexpr, BF16: tl.constexpr):
+                BDC: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr):
     """Scores ``[QP, BN]`` of a tile of keys coded before RoPE: centroids ``kq [BN, MP]`` and
     scales ``gk [BN]`` of rows ``rows`` (``stream_rows``) of batch row ``b``, kv-head ``h``.
 
@@ -110,11 +110,14 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
     and cos = sin = 0 (their scores are masked later). ``BF16``: the centroids rounded to
     bfloat16 (to nearest even; below 2^-56 to 0) as the Rust kernel's default synthesis rounds
     them, ``M`` (``ksm``) already rounded by Rust (:attr:`~.batch.LayerBatch.key_synthesis_bf16`);
-    the products are then exact in float32 and only the order of the float32 sums differs."""
+    the products are then exact in float32 and only the order of the float32 sums differs;
+    ``MMA`` (with ``BF16``) takes those dots in bfloat16 on the tensor cores, float32 sums (the
+    operands are bfloat16 values already, so the products are the same)."""
     if BF16:  # round to nearest even on the bits (the cast's rounding is the backend's choice)
         kb = kq.to(tl.uint32, bitcast=True)
         kb = (kb + 0x7FFF + ((kb >> 16) & 1)) & 0xFFFF0000
         kq = tl.where(tl.abs(kq) < 1.3877787807814457e-17, 0.0, kb.to(tl.float32, bitcast=True))
+    kq_mma = kq.to(tl.bfloat16)  # exact when BF16 (the low bits are 0); used only with MMA
     hk = h * MP + tl.arange(0, MP)
     pos = tl.load(posn_ptr + b * TC + rows, mask=rmask, other=0).to(tl.int64)
     s = tl.zeros((QP, BN), tl.float32)
@@ -125,10 +128,14 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
         cb = tl.where(interleaved != 0, 2 * f + 1, f + HALF)
         ma = tl.load(ksm_ptr + hk[:, None] * DK + ca[None, :], mask=fm[None, :], other=0.0)
         mb = tl.load(ksm_ptr + hk[:, None] * DK + cb[None, :], mask=fm[None, :], other=0.0)
-        ya = gk[:, None] * tl.dot(kq, ma, input_precision="ieee") \
-            + tl.load(kmean_ptr + h * DK + ca, mask=fm, other=0.0)[None, :]
-        yb = gk[:, None] * tl.dot(kq, mb, input_precision="ieee") \
-            + tl.load(kmean_ptr + h * DK + cb, mask=fm, other=0.0)[None, :]
+        if BF16 and MMA:
+            ca_ = tl.dot(kq_mma, ma.to(tl.bfloat16), out_dtype=tl.float32)
+            cb_ = tl.dot(kq_mma, mb.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            ca_ = tl.dot(kq, ma, input_precision="ieee")
+            cb_ = tl.dot(kq, mb, input_precision="ieee")
+        ya = gk[:, None] * ca_ + tl.load(kmean_ptr + h * DK + ca, mask=fm, other=0.0)[None, :]
+        yb = gk[:, None] * cb_ + tl.load(kmean_ptr + h * DK + cb, mask=fm, other=0.0)[None, :]
         at = f.to(tl.int64)[None, :] * NPOS + pos[:, None]
         m2 = rmask[:, None] & fm[None, :]
         c = tl.load(cos_ptr + at, mask=m2, other=0.0)
@@ -144,8 +151,11 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
         dc = d0 + tl.arange(0, BDC)
         dcm = dc < DK
         md = tl.load(ksm_ptr + hk[:, None] * DK + dc[None, :], mask=dcm[None, :], other=0.0)
-        y = gk[:, None] * tl.dot(kq, md, input_precision="ieee") \
-            + tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :]
+        if BF16 and MMA:
+            cd_ = tl.dot(kq_mma, md.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            cd_ = tl.dot(kq, md, input_precision="ieee")
+        y = gk[:, None] * cd_ + tl.load(kmean_ptr + h * DK + dc, mask=dcm, other=0.0)[None, :]
         qc = tl.load(q_ptr + qrow[:, None] * DK + dc[None, :], mask=rvalid[:, None] & dcm[None, :],
                      other=0.0) * scale
         s += tl.dot(qc, tl.trans(y), input_precision="ieee")
@@ -167,7 +177,7 @@ def _split_kernel(
     scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved, SPLIT,
     QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
     BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BDC: tl.constexpr,
-    ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr,
+    ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -216,7 +226,7 @@ def _split_kernel(
             if ROPE:
                 s = rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF,
-                                interleaved, QP, BN, MPK, BR, BDC, BF16)
+                                interleaved, QP, BN, MPK, BR, BDC, BF16, MMA)
             else:
                 s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
             s = finish_scores(s, SROWS + rows, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap,
@@ -257,12 +267,14 @@ def _settings(tc: int, bh: int, mp: int, dev: torch.device) -> Dict[str, int]:
     piece length is a run-time argument, so it compiles nothing new as the cache grows); two
     pipeline stages past 64 slots, or Triton 3.6 asks for 270 KB of shared memory at 128."""
     if is_interpreter():
-        return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4, "num_stages": 3}
+        # No tensor-core synthesis here: the interpreter's bfloat16 dot returns garbage (Triton
+        # 3.9, numpy 2.4); the GPU script fuzzes that path on the device.
+        return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4, "num_stages": 3, "MMA": False}
     bn = 16
     pieces = max(1, -(-2 * _multiprocessors(dev) // bh))
     split = max(4 * bn, -(-tc // pieces))
     return {"BN": bn, "SPLIT": -(-split // bn) * bn, "BDC": 64 if mp <= 128 else 32, "num_warps": 8,
-            "num_stages": 3 if mp <= 64 else 2}
+            "num_stages": 3 if mp <= 64 else 2, "MMA": True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,6 +374,6 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         npos, half, int(rope is not None and rope.interleaved), st["SPLIT"],
         BN=st["BN"], BDC=st["BDC"], num_warps=st["num_warps"], num_stages=st["num_stages"],
         ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk),
-        BF16=rope is not None and synthesis == "bf16", **shapes,
+        BF16=rope is not None and synthesis == "bf16", MMA=st["MMA"], **shapes,
     )
     return pm, pl, pacc, ncode
