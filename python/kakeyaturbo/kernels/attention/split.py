@@ -265,7 +265,10 @@ def _settings(tc: int, bh: int, mp: int, dev: torch.device) -> Dict[str, int]:
     local memory: ``tests/kernels/compile_check.py`` prints each specialisation's stack) and
     pieces of at least 64 rows, as many as make about two programs per multiprocessor (the
     piece length is a run-time argument, so it compiles nothing new as the cache grows); two
-    pipeline stages past 64 slots, or Triton 3.6 asks for 270 KB of shared memory at 128."""
+    pipeline stages past 64 slots, or Triton 3.6 asks for 270 KB of shared memory at 128. The
+    bf16 synthesis on the tensor cores past 64 slots only (H200, CUDA-graph times of one step
+    at 8k, benches/results/gpu_bench-2026-12-04-h200-attention.md: 32/8 x 128 1.03 ms with them,
+    1.90 ms without; 9/3 x 64 0.288 ms with them, 0.252 ms without)."""
     if is_interpreter():
         # No tensor-core synthesis here: the interpreter's bfloat16 dot returns garbage (Triton
         # 3.9, numpy 2.4); the GPU script fuzzes that path on the device.
@@ -274,7 +277,7 @@ def _settings(tc: int, bh: int, mp: int, dev: torch.device) -> Dict[str, int]:
     pieces = max(1, -(-2 * _multiprocessors(dev) // bh))
     split = max(4 * bn, -(-tc // pieces))
     return {"BN": bn, "SPLIT": -(-split // bn) * bn, "BDC": 64 if mp <= 128 else 32, "num_warps": 8,
-            "num_stages": 3 if mp <= 64 else 2, "MMA": True}
+            "num_stages": 3 if mp <= 64 else 2, "MMA": mp > 64}
 
 
 @functools.lru_cache(maxsize=None)
