@@ -274,7 +274,7 @@ def _settings(tc: int, bh: int, mp: int, dev: torch.device) -> Dict[str, int]:
         # 3.9, numpy 2.4); the GPU script fuzzes that path on the device.
         return {"BN": 64, "SPLIT": 512, "BDC": 64, "num_warps": 4, "num_stages": 3, "MMA": False}
     bn = 16
-    pieces = max(1, -(-2 * _multiprocessors(dev) // bh))
+    pieces = max(1, -(-2 * _multiprocessors(dev) // max(1, bh)))
     split = max(4 * bn, -(-tc // pieces))
     return {"BN": bn, "SPLIT": -(-split // bn) * bn, "BDC": 64 if mp <= 128 else 32, "num_warps": 8,
             "num_stages": 3 if mp <= 64 else 2, "MMA": mp > 64}
