@@ -5,6 +5,7 @@
 #   make ci      formatting, clippy, Rust tests, then `make test`
 #   make kernels-fuzz     the full GPU-kernel parity fuzz (Triton's interpreter without a GPU)
 #   make gpu-bench        on a GPU machine: parity fuzz + timings of the prebuilt wheel in dist/
+#   make gpu-profile      on a GPU machine: ncu over a few decode-attention steps of the prebuilt wheel
 #   make fuzz             the long run of the container fuzzer (FUZZ_INPUTS mutated containers of both modes)
 #   make cargo-fuzz       coverage-guided fuzzing of both readers (cargo-fuzz, nightly), CARGO_FUZZ_SECONDS each
 PY ?= python3
@@ -21,7 +22,7 @@ FUZZ_INPUTS ?= 100000000
 FUZZ_SEED ?= 1
 CARGO_FUZZ_SECONDS ?= 600
 
-.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench fuzz cargo-fuzz
+.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench gpu-profile fuzz cargo-fuzz
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,9 @@ kernels-compile: install
 gpu-bench:
 	bash benches/gpu_run.sh gpu-bench-out
 
+gpu-profile:
+	bash benches/gpu_profile.sh gpu-profile-out
+
 fuzz:
 	cargo run --release -p kakeyaturbo --example fuzz_containers -- $(FUZZ_INPUTS) $(FUZZ_SEED)
 
@@ -69,4 +73,4 @@ rust-check:
 ci: rust-check test
 
 clean:
-	rm -rf $(VENV) dist target bench-out gpu-bench-out
+	rm -rf $(VENV) dist target bench-out gpu-bench-out gpu-profile-out

@@ -47,3 +47,20 @@ def test_unknown_part_is_refused(tmp_path: Path) -> None:
     r = _dry_run(tmp_path, "--parts", "kernels")
     assert r.returncode == 2 and "--parts takes codec and/or attention" in r.stderr
 
+
+
+PROFILE = SCRIPT.with_name("gpu_profile.py")
+
+
+def test_profile_script_dry_run() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(PROFILE), "--dry-run", "--heads", "2/1", "--dim", "16", "--steps", "2"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "plain: median" in r.stdout and "pre-RoPE: median" in r.stdout
+
+
+def test_profile_script_refuses_bad_heads() -> None:
+    r = subprocess.run([sys.executable, str(PROFILE), "--dry-run", "--heads", "9/2"], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 2 and "KV dividing Q" in r.stderr
