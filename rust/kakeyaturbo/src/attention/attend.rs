@@ -3,7 +3,9 @@
 //! pool of two, from outside it: half on the calling thread, half on one scoped thread), and their
 //! combination in a fixed order (so the result is the same at any thread count).
 
-use super::kernel::{centroid_at, zeroed, Portable, Scratch, Tile, TILE};
+use super::kernel::{
+    bf16_round, centroid_at, rotate_tile, zeroed, Portable, Rot, Scratch, Tile, TILE,
+};
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
 use super::rope::{KeyRope, Synthesis};
 use super::store::LayerCodes;
@@ -675,8 +677,26 @@ fn run_task_generic<K: Tile>(k: K, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut 
 /// `+inf`.
 #[inline(always)]
 fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool) -> Option<f32> {
-    *overflow |= s.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
-    let top = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    // Lane-wise over the four groups of 16, then across the lanes: `max` is exact and skips
+    // NaN, so this is the largest non-NaN score (or -inf) in any order; written so that it
+    // vectorises (a fold over the 64 scores is a chain of scalar comparisons).
+    let s: &mut [f32; TILE] = s.try_into().expect("a tile of scores");
+    let (mut lanes, mut bad) = ([f32::NEG_INFINITY; 16], [false; 16]);
+    for group in s.chunks_exact(16) {
+        for ((m, b), &v) in lanes.iter_mut().zip(&mut bad).zip(group) {
+            *m = m.max(v);
+            *b |= v.is_nan() | (v == f32::INFINITY);
+        }
+    }
+    *overflow |= bad.iter().any(|&b| b);
+    let mut h = 8;
+    while h > 0 {
+        for l in 0..h {
+            lanes[l] = lanes[l].max(lanes[l + h]);
+        }
+        h /= 2;
+    }
+    let top = lanes[0];
     if top == f32::NEG_INFINITY {
         s.fill(0.0);
         return None;
@@ -686,7 +706,7 @@ fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool)
     for v in s.iter_mut() {
         *v = exp_neg(*v - new);
     }
-    *l = l.mul_add(alpha, tile_sum(s));
+    *l = l.mul_add(alpha, tile_sum(&s[..]));
     *mx = new;
     Some(alpha)
 }
@@ -723,14 +743,32 @@ fn code_part<K: Tile>(
         let lo = (row0 * mk) as u32;
         let hi = ((row0 + rows) * mk) as u32;
         if let Some(kr) = &cx.rope {
-            k.centroids(kt, kb, row0, rows, scratch);
+            // The rows' centroids (rounded to bfloat16 pairs for that synthesis), each
+            // outlier's value in its place.
+            let bf16 = kr.synthesis == Synthesis::Bf16;
+            if bf16 {
+                // Every word is written before it is read.
+                scratch.packed.resize(mk.div_ceil(2) * TILE, 0);
+                k.centroids_bf16(kt, kb, row0, rows, scratch);
+            } else {
+                k.centroids(kt, kb, row0, rows, scratch);
+            }
             for o in kb.first_outlier_from(lo)..kb.outliers {
                 let (pos, val) = kb.outlier(o);
                 if pos >= hi {
                     break;
                 }
                 let (row, j) = (pos as usize / mk, pos as usize % mk);
-                scratch.tile[j * TILE + row - row0] = val;
+                if bf16 {
+                    let w = &mut scratch.packed[(j / 2) * TILE + row - row0];
+                    *w = if j % 2 == 0 {
+                        (*w & 0xffff_0000) | bf16_round(val)
+                    } else {
+                        (*w & 0xffff) | bf16_round(val) << 16
+                    };
+                } else {
+                    scratch.tile[j * TILE + row - row0] = val;
+                }
             }
             let first = b * cx.sealed + pos0 - cx.sink.rows;
             rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
@@ -839,24 +877,6 @@ fn rope_scores<K: Tile>(
     // Every value of `keys` and `trig` is written below before it is read.
     keys.resize(d * TILE, 0.0);
     let keys = &mut keys[..d * TILE];
-    match kr.synthesis {
-        Synthesis::F32 => {
-            k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys);
-            for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
-                for (v, &gt) in x.iter_mut().zip(g) {
-                    *v = gt.mul_add(*v, mu);
-                }
-            }
-        }
-        Synthesis::Bf16 => {
-            let pairs = kt.m.div_ceil(2);
-            packed.resize(pairs * TILE, 0);
-            let packed = &mut packed[..pairs * TILE];
-            k.pack_bf16(kt.m, tile, packed);
-            let mb = kt.key_synthesis_bf16();
-            k.synthesize_bf16(d, pairs, packed, mb, g, &kt.mean, keys);
-        }
-    }
     // cos and sin of each row's position, frequency-major: a full tile of consecutive
     // positions reads them from the table in place; otherwise they are gathered into
     // trig[i * 64 + t], then the sines (the previous tile of this worker may have been the
@@ -867,24 +887,43 @@ fn rope_scores<K: Tile>(
         kr.gather(first, rows, &mut trig[..2 * half * TILE]);
         *trig_at = Some((first, rows));
     }
-    let n_pos = kr.n_pos();
-    let (ct, st): (&[f32], &[f32]) = match direct {
-        Some(_) => (kr.cos, kr.sin),
-        None => trig[..2 * half * TILE].split_at(half * TILE),
+    let rot = match direct {
+        Some(p0) => Rot {
+            cos: kr.cos,
+            sin: kr.sin,
+            stride: kr.n_pos(),
+            offset: p0,
+            half,
+            style: kr.style,
+        },
+        None => {
+            let (cos, sin) = trig[..2 * half * TILE].split_at(half * TILE);
+            Rot {
+                cos,
+                sin,
+                stride: TILE,
+                offset: 0,
+                half,
+                style: kr.style,
+            }
+        }
     };
-    for i in 0..half {
-        let (a, b) = kr.pair(i);
-        let (lo, hi) = keys.split_at_mut(b * TILE);
-        let (xa, xb) = (&mut lo[a * TILE..(a + 1) * TILE], &mut hi[..TILE]);
-        let at = match direct {
-            Some(p0) => i * n_pos + p0,
-            None => i * TILE,
-        };
-        let (c, sn) = (&ct[at..at + TILE], &st[at..at + TILE]);
-        for t in 0..TILE {
-            let (u, v) = (xa[t], xb[t]);
-            xa[t] = u * c[t] + (-v) * sn[t];
-            xb[t] = v * c[t] + u * sn[t];
+    match kr.synthesis {
+        Synthesis::F32 => {
+            k.synthesize(d, kt.m, tile, kt.key_synthesis(), keys);
+            for (x, &mu) in keys.chunks_exact_mut(TILE).zip(&kt.mean) {
+                for (v, &gt) in x.iter_mut().zip(g) {
+                    *v = gt.mul_add(*v, mu);
+                }
+            }
+            rotate_tile(&rot, keys);
+        }
+        Synthesis::Bf16 => {
+            // `packed` holds the tile's centroids (`code_part`).
+            let pairs = kt.m.div_ceil(2);
+            let packed = &packed[..pairs * TILE];
+            let mb = kt.key_synthesis_bf16();
+            k.synthesize_bf16_rotated(d, pairs, packed, mb, g, &kt.mean, &rot, keys);
         }
     }
     let keys = &*keys;
@@ -905,10 +944,11 @@ fn rope_scores<K: Tile>(
 #[inline(always)]
 fn tile_dots<const R: usize>(qs: &[f32], d: usize, r0: usize, keys: &[f32], s: &mut [f32]) {
     let mut acc = [[0f32; TILE]; R];
-    for (dd, x) in keys.chunks_exact(TILE).enumerate() {
+    let qrows: [&[f32]; R] = std::array::from_fn(|r| &qs[(r0 + r) * d..(r0 + r + 1) * d]);
+    for (dd, x) in keys[..d * TILE].chunks_exact(TILE).enumerate() {
         let x: &[f32; TILE] = x.try_into().expect("a tile");
-        for (r, a) in acc.iter_mut().enumerate() {
-            let q = qs[(r0 + r) * d + dd];
+        for (a, q) in acc.iter_mut().zip(&qrows) {
+            let q = q[dd];
             for t in 0..TILE {
                 a[t] = q.mul_add(x[t], a[t]);
             }

@@ -10,7 +10,7 @@
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
 //! fused multiply-adds with every query row: the centroids are never stored.
 
-use super::kernel::{bf16_half, Scratch, Tile, BF16_FLOOR, TILE};
+use super::kernel::{bf16_half, rotate_tile, Rot, Scratch, Tile, BF16_FLOOR, TILE};
 use super::store::SealedBlock;
 use super::tables::{Component, Lookup, StreamTables};
 use std::arch::x86_64::*;
@@ -47,6 +47,24 @@ impl Tile for Avx512 {
         unsafe {
             unpack(t, b, row0, rows, s);
             centroids(t, &s.bytes, &mut s.tile);
+        }
+    }
+
+    #[inline(always)]
+    fn centroids_bf16(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        assert!(s.packed.len() >= t.m.div_ceil(2) * TILE);
+        // SAFETY: as in `scales`; `unpack` checks what it reads, the packed tile's size was
+        // checked.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            centroids_bf16(t, &s.bytes, &mut s.packed);
         }
     }
 
@@ -109,6 +127,65 @@ impl Tile for Avx512 {
                     synthesize_bf16_fma::<1>(d, d0, pairs, packed, mb, &y, keys);
                     d0 += 1;
                 }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn synthesize_bf16_rotated(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        rot: &Rot<'_>,
+        keys: &mut [f32],
+    ) {
+        let h = rot.half;
+        if !has_bf16() || h == 0 {
+            self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
+            rotate_tile(rot, keys);
+            return;
+        }
+        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
+        assert!(mean.len() >= d && 2 * h <= d);
+        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
+        let y = Affine { g, mean };
+        // SAFETY: as in `scales` (and `has_bf16`); the sizes were checked: every channel is
+        // below `d`, every frequency's run inside the tables.
+        unsafe {
+            // Both channels of two frequencies per block, rotated in registers; then the
+            // channels past the rotation as `synthesize_bf16` does them.
+            let mut i = 0;
+            while i + 2 <= h {
+                let ((a0, b0), (a1, b1)) = (rot.pair(i), rot.pair(i + 1));
+                synthesize_bf16_rot::<4, 2>(
+                    d,
+                    [a0, a1, b0, b1],
+                    [i, i + 1],
+                    pairs,
+                    packed,
+                    mb,
+                    &y,
+                    rot,
+                    keys,
+                );
+                i += 2;
+            }
+            if i < h {
+                let (a, b) = rot.pair(i);
+                synthesize_bf16_rot::<2, 1>(d, [a, b], [i], pairs, packed, mb, &y, rot, keys);
+            }
+            let mut d0 = 2 * h;
+            while d0 + 4 <= d {
+                synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, &y, keys);
+                d0 += 4;
+            }
+            while d0 < d {
+                synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, &y, keys);
+                d0 += 1;
             }
         }
     }
@@ -429,32 +506,60 @@ pub fn has_bf16() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
 }
 
+/// [`super::kernel::bf16_round`] of 16 lanes (the bfloat16 in the low half of each).
+#[inline(always)]
+unsafe fn round_bf16(x: __m512i) -> __m512i {
+    let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
+    let keep = _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(BF16_FLOOR as i32));
+    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+    let r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    _mm512_maskz_srli_epi32::<16>(keep, r)
+}
+
+/// Two components' values of 16 rows as bfloat16 pairs (`lo` in the low half).
+#[inline(always)]
+unsafe fn pair_bf16(lo: __m512, hi: Option<__m512>) -> __m512i {
+    let l = round_bf16(_mm512_castps_si512(lo));
+    match hi {
+        Some(h) => _mm512_or_si512(
+            l,
+            _mm512_slli_epi32::<16>(round_bf16(_mm512_castps_si512(h))),
+        ),
+        None => l,
+    }
+}
+
 /// [`super::kernel::pack_tile`], 16 rows at a time in integer lanes.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_bf16(m: usize, tile: &[f32], packed: &mut [u32]) {
     let tp = tile.as_ptr();
     let pp = packed.as_mut_ptr();
-    let floor = _mm512_set1_epi32(BF16_FLOOR as i32);
-    let abs = _mm512_set1_epi32(0x7fff_ffff);
-    let half = _mm512_set1_epi32(0x7fff);
-    let one = _mm512_set1_epi32(1);
-    let round = |x: __m512i| {
-        let keep = _mm512_cmpge_epu32_mask(_mm512_and_si512(x, abs), floor);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), one);
-        let r = _mm512_add_epi32(x, _mm512_add_epi32(half, lsb));
-        _mm512_maskz_srli_epi32::<16>(keep, r)
-    };
     for p in 0..m.div_ceil(2) {
         for g in 0..4 {
-            let a = _mm512_loadu_si512(tp.add(2 * p * TILE + 16 * g) as *const _);
-            let lo = round(a);
-            let w = if 2 * p + 1 < m {
-                let b = _mm512_loadu_si512(tp.add((2 * p + 1) * TILE + 16 * g) as *const _);
-                _mm512_or_si512(lo, _mm512_slli_epi32::<16>(round(b)))
-            } else {
-                lo
-            };
-            _mm512_storeu_si512(pp.add(p * TILE + 16 * g) as *mut _, w);
+            let a = _mm512_loadu_ps(tp.add(2 * p * TILE + 16 * g));
+            let b = (2 * p + 1 < m).then(|| _mm512_loadu_ps(tp.add((2 * p + 1) * TILE + 16 * g)));
+            _mm512_storeu_si512(pp.add(p * TILE + 16 * g) as *mut _, pair_bf16(a, b));
+        }
+    }
+}
+
+/// The unpacked indices of a tile looked up and rounded to bfloat16 pairs: [`centroids`]
+/// then [`pack_bf16`] without the float32 tile between them.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
+    let slots = 8 * t.groups.len();
+    let bp = bytes.as_ptr();
+    let pp = packed.as_mut_ptr();
+    for (p, pair) in t.comps.chunks(2).enumerate() {
+        let (ta, tb) = (table(t, &pair[0]), pair.get(1).map(|c| table(t, c)));
+        for rg in 0..4 {
+            let at = |c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
+            let a = look_up(pair[0].lookup, &ta, at(&pair[0]));
+            let b = pair
+                .get(1)
+                .zip(tb.as_ref())
+                .map(|(c, tab)| look_up(c.lookup, tab, at(c)));
+            _mm512_storeu_si512(pp.add(p * TILE + 16 * rg) as *mut _, pair_bf16(a, b));
         }
     }
 }
@@ -488,8 +593,35 @@ impl Affine<'_> {
     }
 }
 
-/// Dimensions `d0 .. d0 + N` of [`Tile::synthesize_bf16`] with `vdpbf16ps` (high pair member
-/// first, then the low one, each rounded as an `fma`: the definition's chain).
+/// The `vdpbf16ps` chains of channels `dims` (high pair member first, then the low one, each
+/// rounded as an `fma`: the definition's chain), rows in lanes.
+#[inline(always)]
+unsafe fn bf16_sums<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+) -> [[__m512; 4]; N] {
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
+    let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
+    for p in 0..pairs {
+        let c: [__m512bh; 4] = std::array::from_fn(|g| {
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                tp.add(p * TILE + 16 * g) as *const _
+            ))
+        });
+        for (a, &dd) in acc.iter_mut().zip(&dims) {
+            let w: __m512bh = std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + dd) as i32));
+            for (x, &cg) in a.iter_mut().zip(&c) {
+                *x = _mm512_dpbf16_ps(*x, w, cg);
+            }
+        }
+    }
+    acc
+}
+
+/// Dimensions `d0 .. d0 + N` of [`Tile::synthesize_bf16`] with `vdpbf16ps`.
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn synthesize_bf16_block<const N: usize>(
     d: usize,
@@ -500,23 +632,50 @@ unsafe fn synthesize_bf16_block<const N: usize>(
     y: &Affine<'_>,
     keys: &mut [f32],
 ) {
-    let mut acc = [[_mm512_setzero_ps(); 4]; N];
-    let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
-    for p in 0..pairs {
-        let c: [__m512bh; 4] = std::array::from_fn(|g| {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE + 16 * g) as *const _
-            ))
-        });
-        for (k, a) in acc.iter_mut().enumerate() {
-            let w: __m512bh =
-                std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + d0 + k) as i32));
-            for (x, &cg) in a.iter_mut().zip(&c) {
-                *x = _mm512_dpbf16_ps(*x, w, cg);
-            }
+    let acc = bf16_sums::<N>(d, std::array::from_fn(|k| d0 + k), pairs, packed, mb);
+    y.store(d0, &acc, keys);
+}
+
+/// Channels `dims` of [`Tile::synthesize_bf16_rotated`]: `dims[k]` and `dims[k + F]` are the
+/// two channels of frequency `freqs[k]`; synthesised, scaled, shifted and rotated in registers
+/// (the operations of [`rotate_tile`], in its order), then stored.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn synthesize_bf16_rot<const N: usize, const F: usize>(
+    d: usize,
+    dims: [usize; N],
+    freqs: [usize; F],
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    y: &Affine<'_>,
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    let acc = bf16_sums::<N>(d, dims, pairs, packed, mb);
+    let gp = y.g.as_ptr();
+    let gv: [__m512; 4] = std::array::from_fn(|g| _mm512_loadu_ps(gp.add(16 * g)));
+    let kp = keys.as_mut_ptr();
+    for (k, &i) in freqs.iter().enumerate() {
+        let (a, b) = (dims[k], dims[k + F]);
+        let (mua, mub) = (_mm512_set1_ps(y.mean[a]), _mm512_set1_ps(y.mean[b]));
+        let (cp, sp) = (
+            rot.cos.as_ptr().add(rot.at(i)),
+            rot.sin.as_ptr().add(rot.at(i)),
+        );
+        for g in 0..4 {
+            let u = _mm512_fmadd_ps(gv[g], acc[k][g], mua);
+            let v = _mm512_fmadd_ps(gv[g], acc[k + F][g], mub);
+            let (c, sn) = (
+                _mm512_loadu_ps(cp.add(16 * g)),
+                _mm512_loadu_ps(sp.add(16 * g)),
+            );
+            let ya = _mm512_sub_ps(_mm512_mul_ps(u, c), _mm512_mul_ps(v, sn));
+            let yb = _mm512_add_ps(_mm512_mul_ps(v, c), _mm512_mul_ps(u, sn));
+            _mm512_storeu_ps(kp.add(a * TILE + 16 * g), ya);
+            _mm512_storeu_ps(kp.add(b * TILE + 16 * g), yb);
         }
     }
-    y.store(d0, &acc, keys);
 }
 
 /// [`synthesize_bf16_block`] without AVX-512 BF16: each pair as two float32 `fma`s.

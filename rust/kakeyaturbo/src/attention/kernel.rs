@@ -7,6 +7,7 @@
 //! code-domain sums are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of
 //! every tile. Rows past a tile's count read as component `j`'s centroid 0 with scale 0.
 
+use super::rope::RopeStyle;
 use super::store::{LayerCodes, SealedBlock};
 use super::tables::StreamTables;
 
@@ -102,6 +103,19 @@ pub(crate) trait Tile: Copy + Send + Sync {
     fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
         pack_tile(m, tile, packed)
     }
+    /// [`Tile::centroids`], then [`Tile::pack_bf16`] into `s.packed` (sized by the caller):
+    /// the same bits, without the float32 tile where an implementation can round as it looks up.
+    fn centroids_bf16(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        self.centroids(t, b, row0, rows, s);
+        self.pack_bf16(t.m, &s.tile, &mut s.packed);
+    }
     /// `keys[d * 64 + t] = fma(g_t, x_dt, mean_d)`, `x_dt` = over the pairs `p` in order,
     /// `fma(M_(2p+1)d, c_(2p+1)t, acc)` then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` =
     /// [`StreamTables::key_synthesis_bf16`]).
@@ -117,6 +131,23 @@ pub(crate) trait Tile: Copy + Send + Sync {
         keys: &mut [f32],
     ) {
         synthesize_bf16_tile(d, pairs, packed, mb, g, mean, keys)
+    }
+    /// [`Tile::synthesize_bf16`], then [`rotate_tile`] with `rot`: the same bits, in one pass
+    /// where an implementation can hold a pair's two channels at once.
+    #[allow(clippy::too_many_arguments)]
+    fn synthesize_bf16_rotated(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        rot: &Rot<'_>,
+        keys: &mut [f32],
+    ) {
+        self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
+        rotate_tile(rot, keys);
     }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
     /// `k = 0..4` in order.
@@ -327,6 +358,55 @@ pub(crate) fn synthesize_bf16_tile(
         }
         for ((o, &a), &gt) in keys[dd * TILE..(dd + 1) * TILE].iter_mut().zip(&acc).zip(g) {
             *o = gt.mul_add(a, mean[dd]);
+        }
+    }
+}
+
+/// The rotation of one tile of keys: frequency `i` turns channels `pair(i)` by the angle whose
+/// cos and sin for the tile's rows are `cos[at(i) .. at(i) + 64]` and `sin[..]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rot<'a> {
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+    /// Where frequency `i`'s run starts: `i * stride + offset`.
+    pub stride: usize,
+    pub offset: usize,
+    /// Rotated frequencies (`rot / 2`).
+    pub half: usize,
+    pub style: RopeStyle,
+}
+
+impl Rot<'_> {
+    #[inline(always)]
+    pub fn at(&self, i: usize) -> usize {
+        i * self.stride + self.offset
+    }
+
+    /// The channels of frequency `i`.
+    #[inline(always)]
+    pub fn pair(&self, i: usize) -> (usize, usize) {
+        match self.style {
+            RopeStyle::Half => (i, i + self.half),
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+        }
+    }
+}
+
+/// The rotation of a tile of keys (`keys[d * 64 + t]`), per frequency `i` and row `t`:
+/// `y_a' = y_a cos + (-y_b) sin`, `y_b' = y_b cos + y_a sin` (each product rounded, then the
+/// sum).
+#[inline(always)]
+pub(crate) fn rotate_tile(rot: &Rot<'_>, keys: &mut [f32]) {
+    for i in 0..rot.half {
+        let (a, b) = rot.pair(i);
+        let (lo, hi) = keys.split_at_mut(b * TILE);
+        let (xa, xb) = (&mut lo[a * TILE..(a + 1) * TILE], &mut hi[..TILE]);
+        let at = rot.at(i);
+        let (c, sn) = (&rot.cos[at..at + TILE], &rot.sin[at..at + TILE]);
+        for t in 0..TILE {
+            let (u, v) = (xa[t], xb[t]);
+            xa[t] = u * c[t] + (-v) * sn[t];
+            xb[t] = v * c[t] + u * sn[t];
         }
     }
 }

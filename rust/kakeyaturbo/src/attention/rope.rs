@@ -139,13 +139,4 @@ impl KeyRope<'_> {
         }
         Ok(())
     }
-
-    /// The channels of pair `i` (`i < rot/2`).
-    #[inline(always)]
-    pub(crate) fn pair(&self, i: usize) -> (usize, usize) {
-        match self.style {
-            RopeStyle::Half => (i, i + self.rot / 2),
-            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-        }
-    }
 }
