@@ -86,13 +86,6 @@ impl Tile for Avx512 {
     }
 
     #[inline(always)]
-    fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
-        assert!(tile.len() >= m * TILE && packed.len() >= m.div_ceil(2) * TILE);
-        // SAFETY: as in `scales`; the sizes were checked.
-        unsafe { pack_bf16(m, tile, packed) }
-    }
-
-    #[inline(always)]
     fn synthesize_bf16(
         self,
         d: usize,
@@ -110,14 +103,7 @@ impl Tile for Avx512 {
         unsafe {
             let mut d0 = 0;
             if has_bf16() {
-                while d0 + 4 <= d {
-                    synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, &y, keys);
-                    d0 += 4;
-                }
-                while d0 < d {
-                    synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, &y, keys);
-                    d0 += 1;
-                }
+                synthesize_bf16_from(d, 0, pairs, packed, mb, &y, keys);
             } else {
                 while d0 + 4 <= d {
                     synthesize_bf16_fma::<4>(d, d0, pairs, packed, mb, &y, keys);
@@ -178,15 +164,7 @@ impl Tile for Avx512 {
                 let (a, b) = rot.pair(i);
                 synthesize_bf16_rot::<2, 1>(d, [a, b], [i], pairs, packed, mb, &y, rot, keys);
             }
-            let mut d0 = 2 * h;
-            while d0 + 4 <= d {
-                synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, &y, keys);
-                d0 += 4;
-            }
-            while d0 < d {
-                synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, &y, keys);
-                d0 += 1;
-            }
+            synthesize_bf16_from(d, 2 * h, pairs, packed, mb, &y, keys);
         }
     }
 
@@ -529,22 +507,8 @@ unsafe fn pair_bf16(lo: __m512, hi: Option<__m512>) -> __m512i {
     }
 }
 
-/// [`super::kernel::pack_tile`], 16 rows at a time in integer lanes.
-#[target_feature(enable = "avx512f")]
-unsafe fn pack_bf16(m: usize, tile: &[f32], packed: &mut [u32]) {
-    let tp = tile.as_ptr();
-    let pp = packed.as_mut_ptr();
-    for p in 0..m.div_ceil(2) {
-        for g in 0..4 {
-            let a = _mm512_loadu_ps(tp.add(2 * p * TILE + 16 * g));
-            let b = (2 * p + 1 < m).then(|| _mm512_loadu_ps(tp.add((2 * p + 1) * TILE + 16 * g)));
-            _mm512_storeu_si512(pp.add(p * TILE + 16 * g) as *mut _, pair_bf16(a, b));
-        }
-    }
-}
-
 /// The unpacked indices of a tile looked up and rounded to bfloat16 pairs: [`centroids`]
-/// then [`pack_bf16`] without the float32 tile between them.
+/// then [`super::kernel::pack_tile`] without the float32 tile between them.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
     let slots = 8 * t.groups.len();
@@ -634,6 +598,29 @@ unsafe fn synthesize_bf16_block<const N: usize>(
 ) {
     let acc = bf16_sums::<N>(d, std::array::from_fn(|k| d0 + k), pairs, packed, mb);
     y.store(d0, &acc, keys);
+}
+
+/// Channels `d0 .. d` of [`Tile::synthesize_bf16`] with `vdpbf16ps`, in blocks of 4, then 1.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn synthesize_bf16_from(
+    d: usize,
+    d0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    y: &Affine<'_>,
+    keys: &mut [f32],
+) {
+    let mut d0 = d0;
+    while d0 + 4 <= d {
+        synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, y, keys);
+        d0 += 4;
+    }
+    while d0 < d {
+        synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, y, keys);
+        d0 += 1;
+    }
 }
 
 /// Channels `dims` of [`Tile::synthesize_bf16_rotated`]: `dims[k]` and `dims[k + F]` are the
@@ -827,8 +814,17 @@ mod tests {
                 .collect();
             let mut want_p = vec![0u32; pairs * TILE];
             pack_tile(m, &tile, &mut want_p);
+            // The rounding `centroids_bf16` applies, 16 lanes at a time.
             let mut got_p = vec![0u32; pairs * TILE];
-            unsafe { pack_bf16(m, &tile, &mut got_p) };
+            for p in 0..pairs {
+                for l in (0..TILE).step_by(16) {
+                    let at = |j: usize| {
+                        (j < m).then(|| unsafe { _mm512_loadu_ps(tile[j * TILE + l..].as_ptr()) })
+                    };
+                    let w = unsafe { pair_bf16(at(2 * p).expect("a component"), at(2 * p + 1)) };
+                    unsafe { _mm512_storeu_si512(got_p[p * TILE + l..].as_mut_ptr() as *mut _, w) };
+                }
+            }
             assert_eq!(got_p, want_p);
             let gs: [f32; TILE] = std::array::from_fn(|t| 0.5 + t as f32 / 64.0);
             let mean: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();

@@ -98,13 +98,8 @@ pub(crate) trait Tile: Copy + Send + Sync {
     fn synthesize(self, d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
         synthesize_tile(d, m, tile, msyn, keys)
     }
-    /// `packed[p * 64 + t]` = centroids `2p` (low half) and `2p + 1` (high half; 0 past `m`)
-    /// of row `t`, rounded to bfloat16 ([`bf16_pair`]).
-    fn pack_bf16(self, m: usize, tile: &[f32], packed: &mut [u32]) {
-        pack_tile(m, tile, packed)
-    }
-    /// [`Tile::centroids`], then [`Tile::pack_bf16`] into `s.packed` (sized by the caller):
-    /// the same bits, without the float32 tile where an implementation can round as it looks up.
+    /// [`Tile::centroids`], then [`pack_tile`] into `s.packed` (sized by the caller): the
+    /// same bits, without the float32 tile where an implementation can round as it looks up.
     fn centroids_bf16(
         self,
         t: &StreamTables,
@@ -114,7 +109,7 @@ pub(crate) trait Tile: Copy + Send + Sync {
         s: &mut Scratch,
     ) {
         self.centroids(t, b, row0, rows, s);
-        self.pack_bf16(t.m, &s.tile, &mut s.packed);
+        pack_tile(t.m, &s.tile, &mut s.packed);
     }
     /// `keys[d * 64 + t] = fma(g_t, x_dt, mean_d)`, `x_dt` = over the pairs `p` in order,
     /// `fma(M_(2p+1)d, c_(2p+1)t, acc)` then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` =
