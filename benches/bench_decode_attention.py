@@ -26,14 +26,28 @@ repetitions, speed-up against SDPA fp32 at the same thread
 count, bytes held, and the machine's load average before and after (``os.getloadavg``; 2
 cores here, shared). Writes ``bench-out/decode_attention.json`` and ``.md``.
 
+With ``--recipes calibrated-3bit,calibrated-4bit`` the codes are those of the default model's
+calibrated codecs for each recipe (its shape, 9 / 3 x 64; the statistics collected on first use
+as ``make eval`` does, minutes on 2 cores), copy ``i`` of ``--layers`` coded with the model's
+layer ``i``: the components and bits the shipped recipes really synthesise (fewer key
+components than the synthetic spectrum's). The rows are random; the kernel's time does not
+depend on their values.
+
+With ``--layers N`` every method attends N copies of the layer in turn (codes with codecs of
+their own, float caches cloned; at most ``--layers-mb`` of them per row), as a model's decode
+step reads one layer's cache after the others': with one copy the float cache of a layer stays
+in this CPU's L3 cache from call to call (12.6 MB at 8k for the default model's shape), which
+no model with more than a couple of layers sees at 8k.
+
     .venv/bin/python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
-        [--bits 3,4] [--reps 15] [--pause-ms 5] [--out bench-out]
+        [--bits 3,4] [--reps 15] [--pause-ms 5] [--layers 1] [--recipes ''] [--out bench-out]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -41,7 +55,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # torch's OpenMP threads spin for a while after each parallel region; on 2 cores that took the
 # cores from whatever ran next (a 0.25 ms step measured 2 ms right after SDPA). They sleep
@@ -60,24 +74,57 @@ BLOCK = 512
 
 
 def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
-          ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray]:
+          ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray, Callable[[], kt.LayerCodes]]:
     """Codes of ``tokens`` rows per kv-head (calibrations water-filled at ``bits`` on a decaying
-    spectrum) and the float K and V they code, ``[1, H_kv, T, D]``."""
+    spectrum), the float K and V they code, ``[1, H_kv, T, D]``, and a function that makes
+    another copy of the codes in memory of its own (codecs built again, bytes copied): one
+    more layer of a model for ``--layers``."""
     g = np.random.default_rng(seed)
-    heads = []
+    heads, fits = [], []
     for _ in range(2 * hkv):
         q, _ = np.linalg.qr(g.standard_normal((d, d)))
         lam = 0.9 ** np.arange(d) * g.uniform(0.5, 1.5, d)
         mean = 0.3 * g.standard_normal(d)
         fit = calibration.fit_stream(mean, (q * lam) @ q.T, bits)
+        fits.append(fit)
         heads.append((fit.codec(), mean, q, lam))
-    codes = kt.LayerCodes([h[0] for h in heads[:hkv]], [h[0] for h in heads[hkv:]])
     x = np.stack([(h[1] + (g.standard_normal((tokens, d)) * np.sqrt(h[3])) @ h[2].T).astype(np.float32)
                   for h in heads])
-    for start in range(0, tokens, BLOCK):
-        blobs = [h[0].encode(x[i, start:start + BLOCK], threads=1) for i, h in enumerate(heads)]
-        codes.append_blocks([blobs[:hkv]], [blobs[hkv:]])
-    return codes, x[None, :hkv], x[None, hkv:]
+    blocks = [[h[0].encode(x[i, start:start + BLOCK], threads=1) for i, h in enumerate(heads)]
+              for start in range(0, tokens, BLOCK)]
+
+    def build(codecs: List[Any], copy: bool) -> kt.LayerCodes:
+        codes = kt.LayerCodes(codecs[:hkv], codecs[hkv:])
+        for blobs in blocks:
+            if copy:
+                blobs = [bytes(bytearray(b)) for b in blobs]
+            codes.append_blocks([blobs[:hkv]], [blobs[hkv:]])
+        return codes
+
+    codes = build([h[0] for h in heads], False)
+    return (codes, x[None, :hkv], x[None, hkv:],
+            lambda i: build([fit.codec() for fit in fits], True))
+
+
+def model_layer(mc: Any, hkv: int, d: int, tokens: int, seed: int = 0
+                ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray, Callable[[int], kt.LayerCodes]]:
+    """:func:`layer` with the calibrated codecs of a model (``mc``, a ``ModelCodec``): the
+    codes of layer 0, the float K and V (random rows; the kernel's time does not depend on
+    their values), and a function making the codes of the same rows for layer ``i`` (modulo
+    the model's layers) with that layer's own codecs."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((2 * hkv, tokens, d)).astype(np.float32)
+    n_layers = 1 + max(layer for _, layer, _ in mc.codecs)
+
+    def build(i: int) -> kt.LayerCodes:
+        codecs = [mc.codecs[(s, i % n_layers, h)] for s in "kv" for h in range(hkv)]
+        codes = kt.LayerCodes(codecs[:hkv], codecs[hkv:])
+        for start in range(0, tokens, BLOCK):
+            blobs = [c.encode(x[j, start:start + BLOCK], threads=1) for j, c in enumerate(codecs)]
+            codes.append_blocks([blobs[:hkv]], [blobs[hkv:]])
+        return codes
+
+    return build(0), x[None, :hkv], x[None, hkv:], build
 
 
 PAUSE_S = 0.005
@@ -121,82 +168,134 @@ def with_torch_threads(n: int, f: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def run(tokens: List[int], bits: List[float], reps: int) -> List[Dict[str, Any]]:
+def cycle(fns: List[Callable[[], Any]]) -> Callable[[], Any]:
+    """Each call runs the next of ``fns`` in turn: one layer after another, as a model's decode
+    step reads its layers' caches."""
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def sources(bits: List[float], model_recipes: List[str]
+            ) -> List[Tuple[int, int, int, Any, Callable, int]]:
+    """``(q heads, kv-heads, D, bits label, builder(T), default --layers)`` of every row group: the synthetic
+    calibrations of :data:`SHAPES` at each of ``bits``, or (``--recipes``) the default model's
+    codecs of each recipe (its statistics collected on first use, as ``make eval`` does)."""
+    if not model_recipes:
+        return [(hq, hkv, d, b, lambda t, hkv=hkv, d=d, b=b: layer(hkv, d, t, b), 1)
+                for hq, hkv, d in SHAPES for b in bits]
+    from kakeyaturbo import assets, calibration, recipes
+    from kakeyaturbo.cache import codec_for
+    from kakeyaturbo.eval import model as model_mod
+    model_path, text_path = assets.default_model(), assets.default_text()
+    model, tok = model_mod.load(model_path)
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    out = []
+    for name in model_recipes:
+        rec = recipes.load(name)
+        stats, sens = calibration.for_recipe(rec, model, tok, model_path, text_path)
+        mc = codec_for(rec, stats=stats, sensitivity=sens)
+        out.append((hq, hkv, d, rec.name, lambda t, mc=mc: model_layer(mc, hkv, d, t),
+                    cfg.num_hidden_layers))
+    return out
+
+
+def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] = None,
+        layers_mb: float = 6000.0, model_recipes: List[str] = ()) -> List[Dict[str, Any]]:
     rows = []
-    for hq, hkv, d in SHAPES:
+    for hq, hkv, d, b, build, all_layers in sources(bits, list(model_recipes)):
         for t in tokens:
-            for b in bits:
-                codes, k, v = layer(hkv, d, t, b)
-                g = np.random.default_rng(1)
-                q = (g.standard_normal((1, hq, 1, d)) / np.sqrt(d)).astype(np.float32)
-                tail_k = k[:, :, -1:].copy()
-                tail_v = v[:, :, -1:].copy()
-                qt = torch.from_numpy(q)
-                kf, vf = torch.from_numpy(k), torch.from_numpy(v)
-                kb, vb, qb = kf.to(torch.bfloat16), vf.to(torch.bfloat16), qt.to(torch.bfloat16)
+            codes, k, v, another = build(t)
+            g = np.random.default_rng(1)
+            q = (g.standard_normal((1, hq, 1, d)) / np.sqrt(d)).astype(np.float32)
+            tail_k = k[:, :, -1:].copy()
+            tail_v = v[:, :, -1:].copy()
+            qt = torch.from_numpy(q)
+            kf, vf = torch.from_numpy(k), torch.from_numpy(v)
+            kb, vb, qb = kf.to(torch.bfloat16), vf.to(torch.bfloat16), qt.to(torch.bfloat16)
+            # --layers: as many copies of the layer as fit in --layers-mb (codes, float32
+            # and bfloat16 caches together), each call of a method attending the next.
+            per_mb = (codes.nbytes + 1.5 * (k.nbytes + v.nbytes)) / 1e6
+            n_layers = max(1, min(layers or all_layers, int(layers_mb // per_mb)))
+            cache = [(codes, kf, vf, kb, vb)] + [
+                (another(i), kf.clone(), vf.clone(), kb.clone(), vb.clone())
+                for i in range(1, n_layers)]
 
-                table, positions = rope_table(t, d)
+            table, positions = rope_table(t, d)
 
-                def codes_fn(threads: int) -> Callable[[], Any]:
-                    return lambda: kt.decode_attention(codes, q, tail_k, tail_v, threads=threads)
+            def codes_fn(threads: int) -> Callable[[], Any]:
+                return cycle([lambda c=c: kt.decode_attention(c[0], q, tail_k, tail_v, threads=threads)
+                              for c in cache])
 
-                def rope_fn(threads: int) -> Callable[[], Any]:
-                    return lambda: kt.decode_attention(codes, q, tail_k, tail_v, threads=threads,
-                                                       rope=table, positions=positions)
+            def rope_fn(threads: int) -> Callable[[], Any]:
+                return cycle([lambda c=c: kt.decode_attention(c[0], q, tail_k, tail_v, threads=threads,
+                                                              rope=table, positions=positions)
+                              for c in cache])
 
-                def sdpa(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> Callable[[], Any]:
-                    return lambda: F.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)
+            def sdpa(qq: torch.Tensor, at: int) -> Callable[[], Any]:
+                return cycle([lambda c=c: F.scaled_dot_product_attention(qq, c[at], c[at + 1], enable_gqa=True)
+                              for c in cache])
 
-                fns = {}
-                for n in (1, 2):
-                    fns[f"codes {n}t"] = codes_fn(n)
-                    fns[f"codes pre-RoPE {n}t"] = rope_fn(n)
-                    fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, kf, vf))
-                load0 = os.getloadavg()
-                ms = median_ms(fns, reps)
-                # bfloat16 SDPA in a pass of its own: it is not a baseline of the ratios, and
-                # its one-thread call is the slowest neighbour a two-thread call could have.
-                ms.update(median_ms({f"SDPA bf16 {n}t": with_torch_threads(n, sdpa(qb, kb, vb))
-                                     for n in (1, 2)}, reps))
+            fns = {}
+            for n in (1, 2):
+                fns[f"codes {n}t"] = codes_fn(n)
+                fns[f"codes pre-RoPE {n}t"] = rope_fn(n)
+                fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, 1))
+            # Every copy once per method, untimed: a codec derives its synthesis tables for
+            # keys coded before RoPE on first use (once per layer in a model's life).
+            for f in fns.values():
+                for _ in cache:
+                    f()
+            load0 = os.getloadavg()
+            ms = median_ms(fns, reps)
+            # bfloat16 SDPA in a pass of its own: it is not a baseline of the ratios, and
+            # its one-thread call is the slowest neighbour a two-thread call could have.
+            ms.update(median_ms({f"SDPA bf16 {n}t": with_torch_threads(n, sdpa(qb, 3))
+                                 for n in (1, 2)}, reps))
 
-                def decode_then_sdpa() -> Any:
-                    ks = [np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
-                                          for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
-                    vs = [np.concatenate([codes.v_codecs[h].decode(codes.blob(0, h, "v", i))
-                                          for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
-                    kk = torch.from_numpy(np.stack(ks)[None])
-                    vv = torch.from_numpy(np.stack(vs)[None])
-                    return F.scaled_dot_product_attention(qt, kk, vv, enable_gqa=True)
+            def decode_then_sdpa() -> Any:
+                ks = [np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
+                                      for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
+                vs = [np.concatenate([codes.v_codecs[h].decode(codes.blob(0, h, "v", i))
+                                      for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
+                kk = torch.from_numpy(np.stack(ks)[None])
+                vv = torch.from_numpy(np.stack(vs)[None])
+                return F.scaled_dot_product_attention(qt, kk, vv, enable_gqa=True)
 
-                ms.update(median_ms({"decode + SDPA 2t": with_torch_threads(2, decode_then_sdpa)},
-                                    max(3, reps // 5)))
-                load1 = os.getloadavg()
-                # Agreement with SDPA over the decoded cache (the same numbers, another order).
-                ours = kt.decode_attention(codes, q, tail_k, tail_v)
-                dec = decode_then_sdpa().numpy()
-                ours_r = rope_fn(2)()
-                ks = np.stack([np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
-                                               for i in range(codes.num_blocks(0, h))]) for h in range(hkv)])
-                kr = torch.from_numpy(np.concatenate([rotate(ks, table), tail_k[0]], axis=1)[None])
-                vr = torch.from_numpy(np.concatenate([np.stack([np.concatenate(
-                    [codes.v_codecs[h].decode(codes.blob(0, h, "v", i)) for i in range(codes.num_blocks(0, h))])
-                    for h in range(hkv)]), tail_v[0]], axis=1)[None])
-                dec_r = F.scaled_dot_product_attention(qt, kr, vr, enable_gqa=True).numpy()
-                row = {
-                    "q_heads": hq, "kv_heads": hkv, "head_dim": d, "T": t, "bits_target": b,
-                    "bits_held": 8 * codes.nbytes / (2 * t * hkv * d),
-                    "m_k": [c.m for c in codes.k_codecs], "m_v": [c.m for c in codes.v_codecs],
-                    "codes_bytes": codes.nbytes, "fp32_bytes": 2 * t * hkv * d * 4,
-                    "ms": ms, "load_before": load0, "load_after": load1,
-                    "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
-                    "max_abs_diff_pre_rope_vs_decoded_rotated_sdpa": float(np.abs(ours_r - dec_r).max()),
-                }
-                for n in (1, 2):
-                    row[f"speedup_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes {n}t"]
-                    row[f"speedup_pre_rope_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes pre-RoPE {n}t"]
-                rows.append(row)
-                print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
-                      + f" | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
+            ms.update(median_ms({"decode + SDPA 2t": with_torch_threads(2, decode_then_sdpa)},
+                                max(3, reps // 5)))
+            load1 = os.getloadavg()
+            # Agreement with SDPA over the decoded cache (the same numbers, another order).
+            ours = kt.decode_attention(codes, q, tail_k, tail_v)
+            dec = decode_then_sdpa().numpy()
+            ours_r = kt.decode_attention(codes, q, tail_k, tail_v, threads=2, rope=table,
+                                         positions=positions)
+            ks = np.stack([np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
+                                           for i in range(codes.num_blocks(0, h))]) for h in range(hkv)])
+            kr = torch.from_numpy(np.concatenate([rotate(ks, table), tail_k[0]], axis=1)[None])
+            vr = torch.from_numpy(np.concatenate([np.stack([np.concatenate(
+                [codes.v_codecs[h].decode(codes.blob(0, h, "v", i)) for i in range(codes.num_blocks(0, h))])
+                for h in range(hkv)]), tail_v[0]], axis=1)[None])
+            dec_r = F.scaled_dot_product_attention(qt, kr, vr, enable_gqa=True).numpy()
+            row = {
+                "q_heads": hq, "kv_heads": hkv, "head_dim": d, "T": t, "bits_target": b,
+                # over every copy (with --recipes each its own layer's codecs)
+                "bits_held": 8 * sum(c[0].nbytes for c in cache) / (2 * t * hkv * d * len(cache)),
+                "m_k_mean": float(np.mean([m.m for c in cache for m in c[0].k_codecs])),
+                "m_k": [c.m for c in codes.k_codecs], "m_v": [c.m for c in codes.v_codecs],
+                "codes_bytes": sum(c[0].nbytes for c in cache) / len(cache), "fp32_bytes": 2 * t * hkv * d * 4, "layers": n_layers,
+                "ms": ms, "load_before": load0, "load_after": load1,
+                "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
+                "max_abs_diff_pre_rope_vs_decoded_rotated_sdpa": float(np.abs(ours_r - dec_r).max()),
+            }
+            for n in (1, 2):
+                row[f"speedup_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes {n}t"]
+                row[f"speedup_pre_rope_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes pre-RoPE {n}t"]
+            rows.append(row)
+            print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
+                  + f" | {n_layers} layer(s) | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
+            del cache
     return rows
 
 
@@ -230,23 +329,28 @@ def markdown(res: Dict[str, Any]) -> str:
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
         "time at the same thread count (> 1: the codes are faster); pre-RoPE: keys coded before "
-        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes).",
+        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes)."
+        + (f" Each call attends the next of up to {res['layers']} copies of the layer (`--layers`; the "
+           "column says how many), so that, as in a model's decode step, its cache is not the one the "
+           "previous call read; `decode + SDPA` uses the first copy only." if res["layers"] > 1 else ""),
         "",
         "| q/kv heads x D | T | bits held | codes 1t | SDPA fp32 1t | x 1t | codes 2t | SDPA fp32 2t "
         "| x 2t | pre-RoPE 1t | x 1t | pre-RoPE 2t | x 2t | SDPA bf16 2t | decode + SDPA 2t "
-        "| MB codes / fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MB codes / fp32 |" + (" layers |" if res["layers"] > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res["layers"] > 1 else ""),
     ]
     for r in res["rows"]:
         ms = r["ms"]
         lines.append(
-            f"| {r['q_heads']}/{r['kv_heads']}x{r['head_dim']} | {r['T']} | {r['bits_held']:.2f} | "
+            f"| {r['q_heads']}/{r['kv_heads']}x{r['head_dim']}"
+            + (f" {r['bits_target']}" if isinstance(r['bits_target'], str) else "") + f" | {r['T']} | {r['bits_held']:.2f} | "
             f"{ms['codes 1t']:.3f} | {ms['SDPA fp32 1t']:.3f} | {r['speedup_vs_sdpa_fp32_1t']:.2f} | "
             f"{ms['codes 2t']:.3f} | {ms['SDPA fp32 2t']:.3f} | {r['speedup_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['codes pre-RoPE 1t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_1t']:.2f} | "
             f"{ms['codes pre-RoPE 2t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['SDPA bf16 2t']:.3f} | {ms['decode + SDPA 2t']:.1f} | "
-            f"{r['codes_bytes'] / 1e6:.2f} / {r['fp32_bytes'] / 1e6:.1f} |")
+            f"{r['codes_bytes'] / 1e6:.2f} / {r['fp32_bytes'] / 1e6:.1f} |"
+            + (f" {r['layers']} |" if res["layers"] > 1 else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -257,6 +361,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--pause-ms", type=float, default=5.0,
                     help="sleep before each timed call (0: back to back, threads kept warm)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="copies of each layer, attended in turn (a model's layers: 30 for the "
+                         "default model); 1: the same layer every call, its caches warm (default: "
+                         "1, or every layer of the model with --recipes)")
+    ap.add_argument("--layers-mb", type=float, default=6000.0,
+                    help="at most this many MB of copies per row (fewer layers where they would not fit)")
+    ap.add_argument("--recipes", default="",
+                    help="comma-separated calibrated recipes: time the default model's own codecs of "
+                         "each (its shape; layer i of --layers uses the model's layer i) instead of "
+                         "the synthetic calibrations (--bits is then unused)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     global PAUSE_S
@@ -270,13 +384,14 @@ def main() -> int:
     except OSError:
         pass
     rows = run([int(t) for t in args.tokens.split(",")], [float(b) for b in args.bits.split(",")],
-               args.reps)
+               args.reps, args.layers, args.layers_mb,
+               [r for r in args.recipes.split(",") if r])
     loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
     res = {
         "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
                         "kakeyaturbo": kt.__version__, "python": platform.python_version()},
-        "reps": args.reps, "pause_ms": args.pause_ms, "load_min": min(loads), "load_max": max(loads),
+        "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows), "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }
     out = Path(args.out)
