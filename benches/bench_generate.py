@@ -12,12 +12,15 @@ Per run: prefill seconds, decode tokens/s (between the first and the last genera
 the prompt is not counted), wall seconds; per KakeyaCache run the bits per element held
 (sealed blobs + raw sink and staging rows at 16 bits, over every element a `DynamicCache`
 holds), the generated tokens identical to the DynamicCache's and to the slow path's before the
-first difference, and a profile of a decode step (attention, cache update, sealing, and the
+first difference, the mean KL divergence of their next-token distributions from the
+DynamicCache's and the slow path's over the steps whose prefixes are still the same (up to and
+including the first differing token), and a profile of a decode step (attention, cache update, sealing, and the
 rest of the model: time inside the attention functions and the cache's `update`, summed over
 the layers, per generated token). Prints a table and writes JSON.
 
-    flock /work/notes/cpu.lock .venv/bin/python benches/bench_generate.py \\
+    .venv/bin/python benches/bench_generate.py \\
         --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
+        [--synthesis bf16,i8] [--kernel-threads 1,2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -105,6 +108,29 @@ class Profile:
             undo()
 
 
+class LogProbs(transformers.LogitsProcessor):
+    """Keeps each generated token's log-probabilities (after transformers' own processors: the
+    end of text is forbidden before ``--new-tokens``)."""
+
+    def __init__(self) -> None:
+        self.steps: List[torch.Tensor] = []
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.steps.append(torch.log_softmax(scores[0].float(), -1))
+        return scores
+
+
+def mean_kl(ref: List[torch.Tensor], other: List[torch.Tensor], upto: Optional[int]) -> float:
+    """Mean KL(ref || other) over the steps whose prefixes are the same: every step up to and
+    including the first divergent token ``upto`` (None: all)."""
+    n = min(len(ref), len(other)) if upto is None else min(upto + 1, len(ref), len(other))
+    # Tokens a logits processor forbids (-inf in both: the end of text before
+    # --new-tokens) carry no mass and are left out.
+    kls = [float(torch.where(a > -torch.inf, a.exp() * (a - b), 0.0).sum())
+           for a, b in zip(ref[:n], other[:n])]
+    return sum(kls) / len(kls) if kls else float("nan")
+
+
 def first_divergence(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
@@ -127,6 +153,9 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", default="2000,8000", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
+    ap.add_argument("--synthesis", default="bf16",
+                    help="comma-separated syntheses of keys coded before RoPE for the codes path, each "
+                         "as its own KakeyaCache row: bf16 (the default), f32, i8")
     ap.add_argument("--kernel-threads", default="",
                     help="comma-separated thread counts of the codes' attention kernel to run, each "
                          "as its own KakeyaCache row (default: the cache's default, all cores)")
@@ -159,7 +188,7 @@ def main() -> int:
                                        return_dict=True)["input_ids"]
 
     def gen(ids: torch.Tensor, cache: Any) -> Dict[str, Any]:
-        clock = Clock()
+        clock, logp = Clock(), LogProbs()
         n0 = ids.shape[1]
         with Profile() as prof, torch.no_grad():
             def step_on(input_ids: Any, scores: Any) -> Any:
@@ -169,7 +198,7 @@ def main() -> int:
             t0 = time.perf_counter()
             out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                  do_sample=False, cache=cache, pad_token_id=pad,
-                                 logits_processor=transformers.LogitsProcessorList([clock, step_on]))
+                                 logits_processor=transformers.LogitsProcessorList([clock, logp, step_on]))
             t1 = time.perf_counter()
         steps = len(clock.t) - 1
         decode_s = clock.t[-1] - clock.t[0]
@@ -178,7 +207,8 @@ def main() -> int:
             per["attention"] -= per["seal"]  # the fast path seals inside its attention function
         if steps:
             per["model_rest"] = 1e3 * decode_s / steps - sum(per.values())
-        return {"tokens": out[0, n0:], "prefill_s": clock.t[0] - t0, "decode_s": decode_s,
+        return {"tokens": out[0, n0:], "logp": logp.steps, "prefill_s": clock.t[0] - t0,
+                "decode_s": decode_s,
                 "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
                 "wall_s": t1 - t0, "step_ms": per}
 
@@ -192,16 +222,17 @@ def main() -> int:
         ref = gen(ids, transformers.DynamicCache(config=model.config))
         texts[f"{n0}/DynamicCache"] = tok.decode(ref["tokens"], skip_special_tokens=True)
         rows.append({"prompt_tokens": n0, "cache": "DynamicCache", "recipe": "-", "repeat": repeat,
-                     **{k: v for k, v in ref.items() if k != "tokens"}})
+                     **{k: v for k, v in ref.items() if k not in ("tokens", "logp")}})
         for rec, codec in codecs:
             runs = {}
-            modes = [("fast", None)] if not args.kernel_threads else \
-                [("fast", int(t)) for t in args.kernel_threads.split(",")]
-            for mode, threads in modes + ([("slow", None)] if args.slow else []):
+            counts = [None] if not args.kernel_threads else \
+                [int(t) for t in args.kernel_threads.split(",")]
+            modes = [("fast", t, syn) for syn in args.synthesis.split(",") for t in counts]
+            for mode, threads, syn in modes + ([("slow", None, "bf16")] if args.slow else []):
                 cache = KakeyaCache(codec, model=model, block_size=args.block_size, n_sink=rec.n_sink,
                                     boundary=rec.boundary(model.config.num_hidden_layers),
                                     streams=rec.streams, fast=None if mode == "fast" else False,
-                                    threads=threads)
+                                    threads=threads, synthesis=syn)
                 r = gen(ids, cache)
                 mem = cache.memory()
                 elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
@@ -212,7 +243,8 @@ def main() -> int:
                 extra = mem.get("positions", 0) + mem.get("rope_table", 0)
                 how = "codes" if cache.fast else "decode-then-attend"
                 how += f", {threads} thread{'s' if threads != 1 else ''}" if threads is not None else ""
-                r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads,
+                how += f", {syn} synthesis" if cache.fast and syn != "bf16" else ""
+                r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads, synthesis=syn,
                          fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
                          prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
                          raw_elements=raw_elems, bits_per_element=bits / elems,
@@ -220,18 +252,24 @@ def main() -> int:
                          bits_per_element_with_positions_and_table=(bits + 8 * extra) / elems,
                          speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
                          wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
-                runs[mode if threads is None else f"{mode}-{threads}t"] = r
+                key = mode if threads is None else f"{mode}-{threads}t"
+                runs[key if syn == "bf16" or mode == "slow" else f"{key}-{syn}"] = r
+            slow = runs.get("slow")
             for mode, r in runs.items():
-                toks = r.pop("tokens")
+                toks, logp = r["tokens"], r["logp"]
                 d = first_divergence(toks, ref["tokens"])
                 r["identical_to_dynamic"] = len(toks) if d is None else d
                 r["first_divergence_vs_dynamic"] = d
-                if "slow" in runs:
+                r["kl_vs_dynamic"] = mean_kl(ref["logp"], logp, d)
+                if slow is not None:
                     fast = mode.startswith("fast")
-                    other = runs["slow"].get("tokens", toks) if fast else toks
-                    ds = first_divergence(toks, other) if fast else None
+                    ds = first_divergence(toks, slow["tokens"]) if fast else None
                     r["first_divergence_vs_slow"] = ds
                     r["identical_to_slow"] = len(toks) if ds is None else ds
+                    r["kl_vs_slow"] = mean_kl(slow["logp"], logp, ds) if fast else 0.0
+            for mode, r in runs.items():
+                toks = r.pop("tokens")
+                r.pop("logp")
                 r["new_tokens"] = len(toks)
                 r["repeat"] = repeat
                 texts[f"{n0}/{rec.name}/{mode}"] = tok.decode(toks, skip_special_tokens=True)
@@ -240,13 +278,16 @@ def main() -> int:
     print(f"{model_path.name} | {args.new_tokens} new tokens | block {args.block_size} | "
           f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f}")
     print("| prompt | cache | recipe | bits/elem held | prefill s | decode tok/s | vs DynamicCache "
-          "| identical (vs DynamicCache) | identical (vs decode-then-attend) | decode step ms: "
-          "attention / update / seal / rest |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| identical (vs DynamicCache) | identical (vs decode-then-attend) | KL vs DynamicCache "
+          "| KL vs decode-then-attend | decode step ms: attention / update / seal / rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     shown = summarize(rows) if args.repeats > 1 else rows
     if args.repeats > 1:
         print(f"(medians over {args.repeats} alternating runs; each ratio taken within its run)")
     for r in shown:
+        def kl(key: str) -> str:
+            return f"{r[key]:.2e}" if r.get(key) is not None else "-"
+
         sm = r["step_ms"]
         prof = " / ".join(f"{sm.get(k, 0):.1f}" for k in ("attention", "update", "seal", "model_rest"))
         bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "16 (bf16) / 32 held"
@@ -255,7 +296,8 @@ def main() -> int:
         same_s = (f"{r['identical_to_slow']}/{r['new_tokens']}" if r.get("identical_to_slow") is not None
                   else "-")
         print(f"| {r['prompt_tokens']} | {r['cache']} | {r['recipe']} | {bits} | {r['prefill_s']:.1f} | "
-              f"{r['decode_tokens_per_s']:.2f} | {vs} | {same} | {same_s} | {prof} |")
+              f"{r['decode_tokens_per_s']:.2f} | {vs} | {same} | {same_s} | {kl('kl_vs_dynamic')} | "
+              f"{kl('kl_vs_slow')} | {prof} |")
     for k, v in texts.items():
         print(f"\n{k}: {v}")
     out_dir = Path(args.out)
