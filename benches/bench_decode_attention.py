@@ -13,8 +13,7 @@ method after an untimed one) so that every method sees the same machine:
   (scores from look-up tables);
 - ``codes pre-RoPE``: the same codes read as keys coded before RoPE (a ``RopeTable`` of base
   10000 for positions ``0 .. T-1``): each tile of keys synthesised, rotated and dotted inside
-  the kernel, as the shipped recipes need; ``i8`` the same with ``synthesis="i8"`` (the
-  synthesis in bytes and exact integer sums, AVX-512 VNNI);
+  the kernel, as the shipped recipes need;
 - ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
   cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
   same over a bfloat16 cache, timed in a pass of its own after the others;
@@ -229,10 +228,9 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
                 return cycle([lambda c=c: kt.decode_attention(c[0], q, tail_k, tail_v, threads=threads)
                               for c in cache])
 
-            def rope_fn(threads: int, synthesis: str = "bf16") -> Callable[[], Any]:
+            def rope_fn(threads: int) -> Callable[[], Any]:
                 return cycle([lambda c=c: kt.decode_attention(c[0], q, tail_k, tail_v, threads=threads,
-                                                              rope=table, positions=positions,
-                                                              synthesis=synthesis)
+                                                              rope=table, positions=positions)
                               for c in cache])
 
             def sdpa(qq: torch.Tensor, at: int) -> Callable[[], Any]:
@@ -243,7 +241,6 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
             for n in (1, 2):
                 fns[f"codes {n}t"] = codes_fn(n)
                 fns[f"codes pre-RoPE {n}t"] = rope_fn(n)
-                fns[f"codes pre-RoPE i8 {n}t"] = rope_fn(n, "i8")
                 fns[f"SDPA fp32 {n}t"] = with_torch_threads(n, sdpa(qt, 1))
             # Every copy once per method, untimed: a codec derives its synthesis tables for
             # keys coded before RoPE on first use (once per layer in a model's life).
@@ -274,8 +271,6 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
             dec = decode_then_sdpa().numpy()
             ours_r = kt.decode_attention(codes, q, tail_k, tail_v, threads=2, rope=table,
                                          positions=positions)
-            ours_i8 = kt.decode_attention(codes, q, tail_k, tail_v, threads=2, rope=table,
-                                          positions=positions, synthesis="i8")
             ks = np.stack([np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
                                            for i in range(codes.num_blocks(0, h))]) for h in range(hkv)])
             kr = torch.from_numpy(np.concatenate([rotate(ks, table), tail_k[0]], axis=1)[None])
@@ -293,13 +288,10 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
                 "ms": ms, "load_before": load0, "load_after": load1,
                 "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
                 "max_abs_diff_pre_rope_vs_decoded_rotated_sdpa": float(np.abs(ours_r - dec_r).max()),
-                "max_abs_diff_pre_rope_i8_vs_decoded_rotated_sdpa": float(np.abs(ours_i8 - dec_r).max()),
             }
             for n in (1, 2):
                 row[f"speedup_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes {n}t"]
                 row[f"speedup_pre_rope_vs_sdpa_fp32_{n}t"] = ms[f"SDPA fp32 {n}t"] / ms[f"codes pre-RoPE {n}t"]
-                row[f"speedup_pre_rope_i8_vs_sdpa_fp32_{n}t"] = (ms[f"SDPA fp32 {n}t"]
-                                                                 / ms[f"codes pre-RoPE i8 {n}t"])
             rows.append(row)
             print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
                   + f" | {n_layers} layer(s) | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
@@ -337,17 +329,15 @@ def markdown(res: Dict[str, Any]) -> str:
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
         "time at the same thread count (> 1: the codes are faster); pre-RoPE: keys coded before "
-        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes); i8: the same "
-        "with `synthesis=\"i8\"` (bytes, integer sums)."
+        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes)."
         + (f" Each call attends the next of up to {res['layers']} copies of the layer (`--layers`; the "
            "column says how many), so that, as in a model's decode step, its cache is not the one the "
            "previous call read; `decode + SDPA` uses the first copy only." if res["layers"] > 1 else ""),
         "",
         "| q/kv heads x D | T | bits held | codes 1t | SDPA fp32 1t | x 1t | codes 2t | SDPA fp32 2t "
-        "| x 2t | pre-RoPE 1t | x 1t | pre-RoPE 2t | x 2t | i8 1t | x 1t | i8 2t | x 2t | SDPA bf16 2t "
-        "| decode + SDPA 2t | MB codes / fp32 |" + (" layers |" if res["layers"] > 1 else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-        + ("---|" if res["layers"] > 1 else ""),
+        "| x 2t | pre-RoPE 1t | x 1t | pre-RoPE 2t | x 2t | SDPA bf16 2t | decode + SDPA 2t "
+        "| MB codes / fp32 |" + (" layers |" if res["layers"] > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if res["layers"] > 1 else ""),
     ]
     for r in res["rows"]:
         ms = r["ms"]
@@ -358,8 +348,6 @@ def markdown(res: Dict[str, Any]) -> str:
             f"{ms['codes 2t']:.3f} | {ms['SDPA fp32 2t']:.3f} | {r['speedup_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['codes pre-RoPE 1t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_1t']:.2f} | "
             f"{ms['codes pre-RoPE 2t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_2t']:.2f} | "
-            f"{ms['codes pre-RoPE i8 1t']:.3f} | {r['speedup_pre_rope_i8_vs_sdpa_fp32_1t']:.2f} | "
-            f"{ms['codes pre-RoPE i8 2t']:.3f} | {r['speedup_pre_rope_i8_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['SDPA bf16 2t']:.3f} | {ms['decode + SDPA 2t']:.1f} | "
             f"{r['codes_bytes'] / 1e6:.2f} / {r['fp32_bytes'] / 1e6:.1f} |"
             + (f" {r['layers']} |" if res["layers"] > 1 else ""))

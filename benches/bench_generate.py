@@ -20,7 +20,7 @@ the layers, per generated token). Prints a table and writes JSON.
 
     .venv/bin/python benches/bench_generate.py \\
         --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
-        [--synthesis bf16,i8] [--kernel-threads 1,2] [--repeats 3]
+        [--synthesis bf16,f32] [--kernel-threads 1,2] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def main() -> int:
     ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
     ap.add_argument("--synthesis", default="bf16",
                     help="comma-separated syntheses of keys coded before RoPE for the codes path, each "
-                         "as its own KakeyaCache row: bf16 (the default), f32, i8")
+                         "as its own KakeyaCache row: bf16 (the default), f32")
     ap.add_argument("--kernel-threads", default="",
                     help="comma-separated thread counts of the codes' attention kernel to run, each "
                          "as its own KakeyaCache row (default: the cache's default, all cores)")

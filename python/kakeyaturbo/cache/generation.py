@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache
 
 from ..calibration import ModelCodec
 from ..codec import _checks
-from ..codec.attention import ATTENTION_SYNTHESES
+from ..codec.attention import SYNTHESES
 from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
@@ -57,8 +57,8 @@ class KakeyaCache(Cache):
     cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
     (None: all cores, a layer of little sealed work on the calling thread; see
     :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
-    before RoPE, ``"bf16"`` (default, twice the speed), ``"f32"`` (the decoded keys to float32
-    rounding) or ``"i8"`` (bytes; see :func:`kakeyaturbo.decode_attention`).
+    before RoPE, ``"bf16"`` (default, twice the speed) or ``"f32"`` (the decoded keys to float32
+    rounding); see :func:`kakeyaturbo.decode_attention`.
 
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the
@@ -102,7 +102,7 @@ class KakeyaCache(Cache):
                 _watch_positions(model, self)
         self.rope = rope
         self.threads = _checks.threads(threads)
-        self.synthesis = _checks.choice(synthesis, "synthesis", ATTENTION_SYNTHESES)
+        self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)

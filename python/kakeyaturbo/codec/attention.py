@@ -26,11 +26,6 @@ from ..errors import InvalidInputError
 from . import _checks
 from .calibrated import SYNTHESES, CalibratedCodec
 
-#: How :func:`decode_attention` may synthesise keys coded before RoPE: the syntheses of
-#: :meth:`CalibratedCodec.key_synthesis` (which mirrors of the kernel multiply) and ``"i8"``
-#: (bytes, CPU only).
-ATTENTION_SYNTHESES = SYNTHESES + ("i8",)
-
 STREAMS = ("k", "v")
 
 #: The pairings of channels a :class:`RopeTable` knows (as ``kakeyaturbo.families.rope``).
@@ -266,12 +261,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
       model hands them over. ``synthesis``: how those keys are synthesised from their
       centroids: ``"bf16"`` (the default: the synthesis matrix and the centroids rounded to
       bfloat16, float32 sums, AVX-512 BF16's dot product where the CPU has it; the keys then
-      differ from the decoded ones by that rounding, about 2**-8 of the terms that make them),
-      ``"f32"`` (the decoded keys to float32 rounding, half the speed) or ``"i8"`` (the
-      synthesis matrix and the centroids as bytes, scaled per channel and group of components,
-      exact integer sums: four products per instruction with AVX-512 VNNI; the keys differ
-      from the decoded ones by the bytes' rounding, measured in the README; refused with
-      InvalidParameterError for keys whose calibration keeps outliers).
+      differ from the decoded ones by that rounding, about 2**-8 of the terms that make them)
+      or ``"f32"`` (the decoded keys to float32 rounding, half the speed).
 
     Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
@@ -295,7 +286,7 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
     win = None if window is None else _checks.integer(window, "window", 1)
     rot = None
-    synthesis = _checks.choice(synthesis, "synthesis", ATTENTION_SYNTHESES)
+    synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
     if (rope is None) != (positions is None):
         raise InvalidInputError("pass both rope and positions, or neither")
     if rope is not None:

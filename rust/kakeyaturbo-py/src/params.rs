@@ -61,11 +61,10 @@ pub fn synthesis(py: Python<'_>, s: &str) -> PyResult<kakeyaturbo::attention::Sy
     Ok(match s {
         "bf16" => Synthesis::Bf16,
         "f32" => Synthesis::F32,
-        "i8" => Synthesis::I8,
         _ => {
             return Err(invalid_parameter(
                 py,
-                format!("synthesis must be 'bf16', 'f32' or 'i8', got {s:?}"),
+                format!("synthesis must be 'bf16' or 'f32', got {s:?}"),
             ))
         }
     })

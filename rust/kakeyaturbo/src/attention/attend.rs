@@ -424,17 +424,7 @@ impl<'a> Ctx<'a> {
             r.check(batch, sealed, dk)?;
             // Derived here, once, so that the workers only read it.
             for bh in 0..batch * kv_heads {
-                let ks = codes.k_store(bh);
-                ks.tables().key_synthesis();
-                if r.synthesis == Synthesis::I8 {
-                    if ks.blocks().iter().any(|b| b.outliers > 0) {
-                        return param(
-                            "the 8-bit synthesis takes no outliers, and a sealed key block has \
-                             some (its calibration keeps outliers): use 'bf16'",
-                        );
-                    }
-                    ks.tables().key_synthesis_i8();
-                }
+                codes.k_store(bh).tables().key_synthesis();
             }
         }
         Ok(Self {
@@ -756,13 +746,7 @@ fn code_part<K: Tile>(
             // The rows' centroids (rounded to bfloat16 pairs for that synthesis), each
             // outlier's value in its place.
             let bf16 = kr.synthesis == Synthesis::Bf16;
-            if kr.synthesis == Synthesis::I8 {
-                // No outliers (checked with the call).
-                let s8 = kt.key_synthesis_i8();
-                // Every word is written before it is read.
-                scratch.packed.resize(s8.quads * TILE, 0);
-                k.centroids_i8(kt, s8, kb, row0, rows, scratch);
-            } else if bf16 {
+            if bf16 {
                 // Every word is written before it is read.
                 scratch.packed.resize(mk.div_ceil(2) * TILE, 0);
                 k.centroids_bf16(kt, kb, row0, rows, scratch);
@@ -933,12 +917,6 @@ fn rope_scores<K: Tile>(
                 }
             }
             rotate_tile(&rot, keys);
-        }
-        Synthesis::I8 => {
-            // `packed` holds the tile's centroid bytes (`code_part`).
-            let s8 = kt.key_synthesis_i8();
-            let packed = &packed[..s8.quads * TILE];
-            k.synthesize_i8_rotated(s8, packed, g, &kt.mean, &rot, keys);
         }
         Synthesis::Bf16 => {
             // `packed` holds the tile's centroids (`code_part`).

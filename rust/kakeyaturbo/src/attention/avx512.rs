@@ -10,7 +10,6 @@
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
 //! fused multiply-adds with every query row: the centroids are never stored.
 
-use super::i8::{synthesize_i8_tile, I8Synthesis, NONE};
 use super::kernel::{bf16_half, rotate_tile, Rot, Scratch, Tile, BF16_FLOOR, TILE};
 use super::store::SealedBlock;
 use super::tables::{Component, Lookup, StreamTables};
@@ -166,84 +165,6 @@ impl Tile for Avx512 {
                 synthesize_bf16_rot::<2, 1>(d, [a, b], [i], pairs, packed, mb, &y, rot, keys);
             }
             synthesize_bf16_from(d, 2 * h, pairs, packed, mb, &y, keys);
-        }
-    }
-
-    #[inline(always)]
-    fn centroids_i8(
-        self,
-        t: &StreamTables,
-        s8: &I8Synthesis,
-        b: &SealedBlock,
-        row0: usize,
-        rows: usize,
-        s: &mut Scratch,
-    ) {
-        assert!(s.packed.len() >= s8.quads * TILE && s8.comp.len() >= 4 * s8.quads);
-        assert!(s8.comp.iter().all(|&j| j == NONE || (j as usize) < t.m));
-        assert!(s8.tab.len() >= t.m && s8.bits.len() >= t.m);
-        assert!((0..t.m).all(|j| s8.tab[j] as usize + table_len(s8.bits[j]) <= s8.lut.len()));
-        // SAFETY: as in `scales`; `unpack` checks what it reads; the packed tile, the slots
-        // and every table read (whole registers of it) were checked above.
-        unsafe {
-            unpack(t, b, row0, rows, s);
-            centroids_i8(t, s8, &s.bytes, &mut s.packed);
-        }
-    }
-
-    #[inline(always)]
-    fn synthesize_i8_rotated(
-        self,
-        s8: &I8Synthesis,
-        packed: &[u32],
-        g: &[f32; TILE],
-        mean: &[f32],
-        rot: &Rot<'_>,
-        keys: &mut [f32],
-    ) {
-        let (d, h) = (s8.d, rot.half);
-        if !has_vnni() {
-            synthesize_i8_tile(s8, packed, g, mean, keys);
-            rotate_tile(rot, keys);
-            return;
-        }
-        assert!(packed.len() >= s8.quads * TILE && s8.w.len() >= s8.quads * d);
-        assert!(s8.ends.iter().all(|&e| e <= s8.quads));
-        assert!(s8.shift.len() >= s8.ends.len() * d && s8.corr.len() >= d && s8.scale.len() >= d);
-        assert!(keys.len() >= d * TILE && mean.len() >= d && 2 * h <= d);
-        assert!(
-            h == 0
-                || (rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE)
-        );
-        let y = Affine { g, mean };
-        // SAFETY: as in `scales` (and `has_vnni`); the sizes were checked: every channel is
-        // below `d`, every quad inside `packed` and `w`, every frequency's run inside the tables.
-        unsafe {
-            let mut i = 0;
-            while i + 2 <= h {
-                let ((a0, b0), (a1, b1)) = (rot.pair(i), rot.pair(i + 1));
-                let x = i8_values::<4>(s8, [a0, a1, b0, b1], packed);
-                rotate_store::<4, 2>(&x, [a0, a1, b0, b1], [i, i + 1], &y, rot, keys);
-                i += 2;
-            }
-            if i < h {
-                let (a, b) = rot.pair(i);
-                let x = i8_values::<2>(s8, [a, b], packed);
-                rotate_store::<2, 1>(&x, [a, b], [i], &y, rot, keys);
-            }
-            let mut d0 = 2 * h;
-            while d0 + 4 <= d {
-                y.store(
-                    d0,
-                    &i8_values::<4>(s8, std::array::from_fn(|k| d0 + k), packed),
-                    keys,
-                );
-                d0 += 4;
-            }
-            while d0 < d {
-                y.store(d0, &i8_values::<1>(s8, [d0], packed), keys);
-                d0 += 1;
-            }
         }
     }
 
@@ -719,21 +640,6 @@ unsafe fn synthesize_bf16_rot<const N: usize, const F: usize>(
     keys: &mut [f32],
 ) {
     let acc = bf16_sums::<N>(d, dims, pairs, packed, mb);
-    rotate_store::<N, F>(&acc, dims, freqs, y, rot, keys);
-}
-
-/// The synthesised channels `dims` (`x`, rows in lanes; `dims[k]` and `dims[k + F]` the two
-/// channels of frequency `freqs[k]`) scaled, shifted and rotated in registers (the operations
-/// of [`rotate_tile`], in its order), then stored.
-#[inline(always)]
-unsafe fn rotate_store<const N: usize, const F: usize>(
-    acc: &[[__m512; 4]; N],
-    dims: [usize; N],
-    freqs: [usize; F],
-    y: &Affine<'_>,
-    rot: &Rot<'_>,
-    keys: &mut [f32],
-) {
     let gp = y.g.as_ptr();
     let gv: [__m512; 4] = std::array::from_fn(|g| _mm512_loadu_ps(gp.add(16 * g)));
     let kp = keys.as_mut_ptr();
@@ -757,125 +663,6 @@ unsafe fn rotate_store<const N: usize, const F: usize>(
             _mm512_storeu_ps(kp.add(b * TILE + 16 * g), yb);
         }
     }
-}
-
-/// Whether this CPU has AVX-512 VNNI (`vpdpbusd`); without it the 8-bit synthesis runs as
-/// its definition.
-pub fn has_vnni() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
-}
-
-/// Bytes of a byte-centroid table of width `bits` that the look-up reads.
-fn table_len(bits: u8) -> usize {
-    (1usize << bits).max(64)
-}
-
-/// The byte-centroid table of a component in registers (64, 128 or 256 bytes).
-#[inline(always)]
-unsafe fn table_u8(s8: &I8Synthesis, j: usize) -> [__m512i; 4] {
-    let p = s8.lut.as_ptr().add(s8.tab[j] as usize);
-    let b = s8.bits[j];
-    let z = _mm512_setzero_si512();
-    let at = |k: usize, need: u8| {
-        if b >= need {
-            _mm512_loadu_si512(p.add(64 * k) as *const _)
-        } else {
-            z
-        }
-    };
-    [at(0, 0), at(1, 7), at(2, 8), at(3, 8)]
-}
-
-/// The byte centroids of 16 rows of a component of width `bits` from their index bytes.
-#[inline(always)]
-unsafe fn look_up_u8(tab: &[__m512i; 4], bits: u8, bytes: *const u8) -> __m128i {
-    let idx = _mm512_zextsi128_si512(_mm_loadu_si128(bytes as *const __m128i));
-    let r = match bits {
-        0..=6 => _mm512_permutexvar_epi8(idx, tab[0]),
-        7 => _mm512_permutex2var_epi8(tab[0], idx, tab[1]),
-        _ => {
-            let lo = _mm512_permutex2var_epi8(tab[0], idx, tab[1]);
-            let hi = _mm512_permutex2var_epi8(tab[2], idx, tab[3]);
-            _mm512_mask_blend_epi8(_mm512_movepi8_mask(idx), lo, hi)
-        }
-    };
-    _mm512_castsi512_si128(r)
-}
-
-/// [`super::i8::centroids_i8_tile`] from the unpacked index bytes: per quad and 16 rows, the
-/// four components looked up, then interleaved into one word per row.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi")]
-unsafe fn centroids_i8(t: &StreamTables, s8: &I8Synthesis, bytes: &[u8], packed: &mut [u32]) {
-    let slots = 8 * t.groups.len();
-    let bp = bytes.as_ptr();
-    let pp = packed.as_mut_ptr() as *mut u8;
-    let pad = _mm_set1_epi8(i8::MIN);
-    for q in 0..s8.quads {
-        let tabs: [Option<([__m512i; 4], u8, usize)>; 4] = std::array::from_fn(|i| {
-            let j = s8.comp[4 * q + i];
-            (j != NONE).then(|| {
-                let j = j as usize;
-                (table_u8(s8, j), s8.bits[j], t.comps[j].slot as usize)
-            })
-        });
-        for rg in 0..TILE / 16 {
-            let v: [__m128i; 4] = std::array::from_fn(|i| match &tabs[i] {
-                Some((tab, b, slot)) => look_up_u8(tab, *b, bp.add((rg * slots + slot) * 16)),
-                None => pad,
-            });
-            let (ab_lo, ab_hi) = (_mm_unpacklo_epi8(v[0], v[1]), _mm_unpackhi_epi8(v[0], v[1]));
-            let (cd_lo, cd_hi) = (_mm_unpacklo_epi8(v[2], v[3]), _mm_unpackhi_epi8(v[2], v[3]));
-            let dst = pp.add((q * TILE + 16 * rg) * 4);
-            _mm_storeu_si128(dst as *mut _, _mm_unpacklo_epi16(ab_lo, cd_lo));
-            _mm_storeu_si128(dst.add(16) as *mut _, _mm_unpackhi_epi16(ab_lo, cd_lo));
-            _mm_storeu_si128(dst.add(32) as *mut _, _mm_unpacklo_epi16(ab_hi, cd_hi));
-            _mm_storeu_si128(dst.add(48) as *mut _, _mm_unpackhi_epi16(ab_hi, cd_hi));
-        }
-    }
-}
-
-/// Channels `dims` of [`super::i8::synthesize_i8_tile`] before the scale and mean: the
-/// integer sums with `vpdpbusd`, group by group (shifted before each), less the correction,
-/// as float32 times the channel's scale; rows in lanes.
-#[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn i8_values<const N: usize>(
-    s8: &I8Synthesis,
-    dims: [usize; N],
-    packed: &[u32],
-) -> [[__m512; 4]; N] {
-    let d = s8.d;
-    let mut acc = [[_mm512_setzero_si512(); 4]; N];
-    let (tp, wp) = (packed.as_ptr(), s8.w.as_ptr());
-    let mut q0 = 0;
-    for (gi, &end) in s8.ends.iter().enumerate() {
-        if gi > 0 {
-            for (a, &dd) in acc.iter_mut().zip(&dims) {
-                let k = _mm_cvtsi32_si128(s8.shift[gi * d + dd] as i32);
-                for x in a.iter_mut() {
-                    *x = _mm512_sll_epi32(*x, k);
-                }
-            }
-        }
-        for q in q0..end {
-            let c: [__m512i; 4] =
-                std::array::from_fn(|g| _mm512_loadu_si512(tp.add(q * TILE + 16 * g) as *const _));
-            for (a, &dd) in acc.iter_mut().zip(&dims) {
-                let w = _mm512_set1_epi32(*wp.add(q * d + dd) as i32);
-                for (x, &cg) in a.iter_mut().zip(&c) {
-                    *x = _mm512_dpbusd_epi32(*x, cg, w);
-                }
-            }
-        }
-        q0 = end;
-    }
-    std::array::from_fn(|k| {
-        let dd = dims[k];
-        let (c, s) = (_mm512_set1_epi32(s8.corr[dd]), _mm512_set1_ps(s8.scale[dd]));
-        std::array::from_fn(|g| {
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[k][g], c)), s)
-        })
-    })
 }
 
 /// [`synthesize_bf16_block`] without AVX-512 BF16: each pair as two float32 `fma`s.

@@ -7,7 +7,6 @@
 //! code-domain sums are `acc[(r * m + j) * 16 + l]`, lane `l` holding rows `t = l mod 16` of
 //! every tile. Rows past a tile's count read as component `j`'s centroid 0 with scale 0.
 
-use super::i8::{centroids_i8_tile, synthesize_i8_tile, I8Synthesis};
 use super::rope::RopeStyle;
 use super::store::{LayerCodes, SealedBlock};
 use super::tables::StreamTables;
@@ -143,32 +142,6 @@ pub(crate) trait Tile: Copy + Send + Sync {
         keys: &mut [f32],
     ) {
         self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
-        rotate_tile(rot, keys);
-    }
-    /// The rows' centroids as bytes, four components per word, into `s.packed` (sized by the
-    /// caller): [`super::i8::centroids_i8_tile`].
-    fn centroids_i8(
-        self,
-        t: &StreamTables,
-        s8: &I8Synthesis,
-        b: &SealedBlock,
-        row0: usize,
-        rows: usize,
-        s: &mut Scratch,
-    ) {
-        centroids_i8_tile(t, s8, b, row0, rows, &mut s.packed);
-    }
-    /// [`super::i8::synthesize_i8_tile`], then [`rotate_tile`] with `rot`.
-    fn synthesize_i8_rotated(
-        self,
-        s8: &I8Synthesis,
-        packed: &[u32],
-        g: &[f32; TILE],
-        mean: &[f32],
-        rot: &Rot<'_>,
-        keys: &mut [f32],
-    ) {
-        synthesize_i8_tile(s8, packed, g, mean, keys);
         rotate_tile(rot, keys);
     }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for

@@ -35,10 +35,7 @@
 //! - A sealed row of keys coded before RoPE ([`rope`]): `x_d` = `fma` chain over `j` from 0
 //!   of `M_jd c_j` (outliers' values in place of their centroids), `y_d = fma(g, x_d, mean_d)`,
 //!   per pair `(a, b)` of the rotation `y_a' = y_a cos + (-y_b) sin`, `y_b' = y_b cos + y_a sin`
-//!   (each product rounded, then the sum, as transformers rotates); with the bfloat16
-//!   synthesis `M` and `c` rounded to bfloat16 first (each pair of components, the high one's
-//!   `fma` first), with the 8-bit one `x_d = f32(I_d) * s_d` from an exact integer sum
-//!   ([`i8`]); then the score
+//!   (each product rounded, then the sum, as transformers rotates), then the score
 //!   `s` = `fma` chain over `d` from 0 of `q_d y'_d`.
 //! - Then `s = cap * tanh(s / cap)` with a softcap, then `s + mask` (`-inf` where the position
 //!   is not seen: causal, outside the window, past the rows).
@@ -60,7 +57,6 @@
 pub mod attend;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
-pub mod i8;
 pub mod kernel;
 pub mod math;
 pub mod rope;

@@ -30,11 +30,6 @@ pub enum Synthesis {
     Bf16,
     /// `M` and the centroids in float32: the decoded keys to float32 rounding.
     F32,
-    /// `M` and the centroids as bytes, scaled per channel and component group, summed
-    /// exactly in 32-bit integers ([`super::i8`]): four products per lane and instruction
-    /// with AVX-512 VNNI. An approximation of the keys (measured in the README); calibrations
-    /// with outliers are refused.
-    I8,
 }
 
 /// The rotation of the sealed keys of one call.

@@ -75,8 +75,6 @@ pub struct StreamTables {
     key_synth: std::sync::OnceLock<Vec<f32>>,
     /// `M` rounded to bfloat16, pairs of components packed ([`Self::key_synthesis_bf16`]).
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
-    /// `M` and the centroids as bytes ([`Self::key_synthesis_i8`]).
-    key_synth_i8: std::sync::OnceLock<super::i8::I8Synthesis>,
 }
 
 impl StreamTables {
@@ -187,7 +185,6 @@ impl StreamTables {
             mean: codec.mean.clone(),
             key_synth: std::sync::OnceLock::new(),
             key_synth_bf16: std::sync::OnceLock::new(),
-            key_synth_i8: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
     }
@@ -268,7 +265,7 @@ impl StreamTables {
     pub fn key_synthesis_values(&self, synthesis: super::Synthesis) -> Vec<f32> {
         let ms = self.key_synthesis();
         match synthesis {
-            super::Synthesis::F32 | super::Synthesis::I8 => ms.to_vec(),
+            super::Synthesis::F32 => ms.to_vec(),
             super::Synthesis::Bf16 => ms
                 .iter()
                 .map(|&x| f32::from_bits(super::kernel::bf16_round(x) << 16))
@@ -290,12 +287,6 @@ impl StreamTables {
                 })
                 .collect()
         })
-    }
-
-    /// The 8-bit integer synthesis of keys coded before RoPE ([`super::i8`]), derived once.
-    pub fn key_synthesis_i8(&self) -> &super::i8::I8Synthesis {
-        self.key_synth_i8
-            .get_or_init(|| super::i8::I8Synthesis::new(self))
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
