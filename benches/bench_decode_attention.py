@@ -74,11 +74,11 @@ BLOCK = 512
 
 
 def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
-          ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray, Callable[[], kt.LayerCodes]]:
+          ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray, Callable[[int], kt.LayerCodes]]:
     """Codes of ``tokens`` rows per kv-head (calibrations water-filled at ``bits`` on a decaying
     spectrum), the float K and V they code, ``[1, H_kv, T, D]``, and a function that makes
-    another copy of the codes in memory of its own (codecs built again, bytes copied): one
-    more layer of a model for ``--layers``."""
+    another copy of the codes (its argument, the copy's index, unused) in memory of its own
+    (codecs built again, bytes copied): one more layer of a model for ``--layers``."""
     g = np.random.default_rng(seed)
     heads, fits = [], []
     for _ in range(2 * hkv):
@@ -177,9 +177,10 @@ def cycle(fns: List[Callable[[], Any]]) -> Callable[[], Any]:
 
 def sources(bits: List[float], model_recipes: List[str]
             ) -> List[Tuple[int, int, int, Any, Callable, int]]:
-    """``(q heads, kv-heads, D, bits label, builder(T), default --layers)`` of every row group: the synthetic
-    calibrations of :data:`SHAPES` at each of ``bits``, or (``--recipes``) the default model's
-    codecs of each recipe (its statistics collected on first use, as ``make eval`` does)."""
+    """``(q heads, kv-heads, D, bits label, builder(T), default --layers)`` of every row group:
+    the synthetic calibrations of :data:`SHAPES` at each of ``bits``, or (``--recipes``) the
+    default model's codecs of each recipe (its statistics collected on first use, as ``make
+    eval`` does)."""
     if not model_recipes:
         return [(hq, hkv, d, b, lambda t, hkv=hkv, d=d, b=b: layer(hkv, d, t, b), 1)
                 for hq, hkv, d in SHAPES for b in bits]
@@ -234,7 +235,8 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
                               for c in cache])
 
             def sdpa(qq: torch.Tensor, at: int) -> Callable[[], Any]:
-                return cycle([lambda c=c: F.scaled_dot_product_attention(qq, c[at], c[at + 1], enable_gqa=True)
+                return cycle([lambda c=c: F.scaled_dot_product_attention(qq, c[at], c[at + 1],
+                                                                          enable_gqa=True)
                               for c in cache])
 
             fns = {}
@@ -284,7 +286,8 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
                 "bits_held": 8 * sum(c[0].nbytes for c in cache) / (2 * t * hkv * d * len(cache)),
                 "m_k_mean": float(np.mean([m.m for c in cache for m in c[0].k_codecs])),
                 "m_k": [c.m for c in codes.k_codecs], "m_v": [c.m for c in codes.v_codecs],
-                "codes_bytes": sum(c[0].nbytes for c in cache) / len(cache), "fp32_bytes": 2 * t * hkv * d * 4, "layers": n_layers,
+                "codes_bytes": sum(c[0].nbytes for c in cache) / len(cache),
+                "fp32_bytes": 2 * t * hkv * d * 4, "layers": n_layers,
                 "ms": ms, "load_before": load0, "load_after": load1,
                 "max_abs_diff_vs_decoded_sdpa": float(np.abs(ours - dec).max()),
                 "max_abs_diff_pre_rope_vs_decoded_rotated_sdpa": float(np.abs(ours_r - dec_r).max()),
@@ -343,7 +346,8 @@ def markdown(res: Dict[str, Any]) -> str:
         ms = r["ms"]
         lines.append(
             f"| {r['q_heads']}/{r['kv_heads']}x{r['head_dim']}"
-            + (f" {r['bits_target']}" if isinstance(r['bits_target'], str) else "") + f" | {r['T']} | {r['bits_held']:.2f} | "
+            + (f" {r['bits_target']}" if isinstance(r['bits_target'], str) else "")
+            + f" | {r['T']} | {r['bits_held']:.2f} | "
             f"{ms['codes 1t']:.3f} | {ms['SDPA fp32 1t']:.3f} | {r['speedup_vs_sdpa_fp32_1t']:.2f} | "
             f"{ms['codes 2t']:.3f} | {ms['SDPA fp32 2t']:.3f} | {r['speedup_vs_sdpa_fp32_2t']:.2f} | "
             f"{ms['codes pre-RoPE 1t']:.3f} | {r['speedup_pre_rope_vs_sdpa_fp32_1t']:.2f} | "
@@ -369,8 +373,9 @@ def main() -> int:
                     help="at most this many MB of copies per row (fewer layers where they would not fit)")
     ap.add_argument("--recipes", default="",
                     help="comma-separated calibrated recipes: time the default model's own codecs of "
-                         "each (its shape; layer i of --layers uses the model's layer i) instead of "
-                         "the synthetic calibrations (--bits is then unused)")
+                         "each (its shape; layer i of --layers uses the model's layer i, so that "
+                         "--layers 1 is layer 0 alone, whose keys get few bits) instead of the "
+                         "synthetic calibrations (--bits is then unused)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     global PAUSE_S
@@ -391,7 +396,8 @@ def main() -> int:
         "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
                         "kakeyaturbo": kt.__version__, "python": platform.python_version()},
-        "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows), "load_min": min(loads), "load_max": max(loads),
+        "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows),
+        "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }
     out = Path(args.out)

@@ -14,8 +14,8 @@ the prompt is not counted), wall seconds; per KakeyaCache run the bits per eleme
 holds), the generated tokens identical to the DynamicCache's and to the slow path's before the
 first difference, the mean KL divergence of their next-token distributions from the
 DynamicCache's and the slow path's over the steps whose prefixes are still the same (up to and
-including the first differing token), and a profile of a decode step (attention, cache update, sealing, and the
-rest of the model: time inside the attention functions and the cache's `update`, summed over
+including the first differing token), and a profile of a decode step (attention, cache update,
+sealing, and the rest of the model: time inside the attention functions and the cache's `update`, summed over
 the layers, per generated token). Prints a table and writes JSON.
 
     .venv/bin/python benches/bench_generate.py \\
