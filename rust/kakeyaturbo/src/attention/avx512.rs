@@ -585,21 +585,6 @@ unsafe fn bf16_sums<const N: usize>(
     acc
 }
 
-/// Dimensions `d0 .. d0 + N` of [`Tile::synthesize_bf16`] with `vdpbf16ps`.
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn synthesize_bf16_block<const N: usize>(
-    d: usize,
-    d0: usize,
-    pairs: usize,
-    packed: &[u32],
-    mb: &[u32],
-    y: &Affine<'_>,
-    keys: &mut [f32],
-) {
-    let acc = bf16_sums::<N>(d, std::array::from_fn(|k| d0 + k), pairs, packed, mb);
-    y.store(d0, &acc, keys);
-}
-
 /// Channels `d0 .. d` of [`Tile::synthesize_bf16`] with `vdpbf16ps`, in blocks of 4, then 1.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -614,11 +599,12 @@ unsafe fn synthesize_bf16_from(
 ) {
     let mut d0 = d0;
     while d0 + 4 <= d {
-        synthesize_bf16_block::<4>(d, d0, pairs, packed, mb, y, keys);
+        let acc = bf16_sums::<4>(d, std::array::from_fn(|k| d0 + k), pairs, packed, mb);
+        y.store(d0, &acc, keys);
         d0 += 4;
     }
     while d0 < d {
-        synthesize_bf16_block::<1>(d, d0, pairs, packed, mb, y, keys);
+        y.store(d0, &bf16_sums::<1>(d, [d0], pairs, packed, mb), keys);
         d0 += 1;
     }
 }
@@ -665,7 +651,7 @@ unsafe fn synthesize_bf16_rot<const N: usize, const F: usize>(
     }
 }
 
-/// [`synthesize_bf16_block`] without AVX-512 BF16: each pair as two float32 `fma`s.
+/// A block of [`synthesize_bf16_from`] without AVX-512 BF16: each pair as two float32 `fma`s.
 #[target_feature(enable = "avx512f,fma")]
 unsafe fn synthesize_bf16_fma<const N: usize>(
     d: usize,
