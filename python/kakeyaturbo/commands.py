@@ -209,7 +209,7 @@ def calibrate(args: argparse.Namespace) -> int:
     settings = recipes.CalibrationSettings(
         windows=args.windows, window=args.window, weighting=args.weighting,
         sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score,
-        corpus=text).checked()
+        labels=args.labels, corpus=text).checked()
     plan = [("statistics", d, c) for d, c in corpus.composition(text, args.windows, tok)]
     if args.sensitivity_windows > 0:
         plan += [("sensitivity", d, c)
@@ -238,6 +238,7 @@ def calibrate(args: argparse.Namespace) -> int:
         for d, c in corpus.composition(text, args.sensitivity_windows, tok):
             wins = calibration_windows(tok, d, c, args.window)
             one = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
+                                      labels=args.labels,
                                       progress=_progress(f"sensitivity {d}"),
                                       meta={"model": model_path.name, **corpus.meta(d)})
             if to_cache:
@@ -250,6 +251,7 @@ def calibrate(args: argparse.Namespace) -> int:
                   "windows": args.windows, "window": args.window, "weighting": args.weighting,
                   "n_sink": args.n_sink, "samples": args.samples,
                   "sensitivity_windows": args.sensitivity_windows, "score": args.score,
+                  "labels": args.labels,
                   "dtype": dtype, "rope": args.rope}
         cal = Calibration.for_model(m, stats, sens, record)
         out = cal.save(Path(args.out).expanduser())

@@ -149,6 +149,41 @@ def test_sensitivity_is_the_gradient_second_moment(tiny, tmp_path) -> None:
         calibration.collect_sensitivity(model, [w[:5]], n_sink=1, score=score)
 
 
+def test_model_labels_score_a_label_the_model_drew(tiny, monkeypatch) -> None:
+    """labels="model": with one scored position the sensitivity is the outer product of the
+    gradient of one label's NLL, the label the model's prediction there was sampled for (the
+    same as scoring a text whose next token is that label); reproducible for a seed, and other
+    seeds draw other labels (a 97-token random model predicts nearly uniformly)."""
+    model, windows = tiny
+    score = 1
+    w = list(windows[0][:1 + 1 + score + 1])
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.tensor([w])).logits[0, -2].double(), -1)
+    drawn = []
+    real = torch.multinomial
+
+    def spy(probs, *args, **kwargs):
+        torch.testing.assert_close(probs, p[None], rtol=1e-5, atol=1e-9)
+        out = real(probs, *args, **kwargs)
+        drawn.append(int(out[0, 0]))
+        return out
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    runs = [calibration.collect_sensitivity(model, [w], n_sink=1, score=score, labels="model",
+                                            seed=seed) for seed in range(6)]
+    monkeypatch.undo()
+    assert len(drawn) == 6 and len(set(drawn)) > 1
+    for y, sens in zip(drawn, runs):
+        text = calibration.collect_sensitivity(model, [w[:-1] + [y]], n_sink=1, score=score)
+        assert np.array_equal(text.k, sens.k) and np.array_equal(text.v, sens.v)
+        assert sens.meta["labels"] == "model" and text.meta["labels"] == "text"
+    again = calibration.collect_sensitivity(model, [w], n_sink=1, score=score, labels="model",
+                                            seed=5)
+    assert np.array_equal(again.k, runs[5].k)
+    with pytest.raises(kt.InvalidParameterError, match="labels"):
+        calibration.collect_sensitivity(model, [w], n_sink=1, score=score, labels="truth")
+
+
 def test_sensitivity_allocation_follows_the_loss(tiny, tmp_path) -> None:
     """allocation = "sensitivity" pools the bits of K and V of every layer and head and moves
     them to where the measured sensitivity is large, within the pooled budget."""

@@ -65,3 +65,13 @@ def test_missing_names_each_domain_still_to_collect(tmp_path, monkeypatch, word_
     est_all = commands.announce_calibration(None, None, tmp_path, st, True, False)
     assert est_all == pytest.approx(2.0 * 8 * commands.STATS_PER_FORWARD)
     assert "statistics on 8 windows" in said[0] and "sensitivity" not in said[0]
+
+
+def test_sensitivity_of_model_labels_is_cached_apart() -> None:
+    """A recipe whose sensitivity scores the model's own labels reads and writes its own file;
+    the text labels' file keeps its name (caches made before the option stay valid)."""
+    st = recipes.CalibrationSettings().checked()
+    text = gather.sensitivity_path("m", "wiki-en", st, 1)
+    model = gather.sensitivity_path("m", "wiki-en", replace(st, labels="model"), 1)
+    assert text != model and "labels" not in text.name and "labelsmodel" in model.name
+    assert text.parent == model.parent

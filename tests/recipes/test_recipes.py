@@ -107,12 +107,14 @@ def test_sensitivity_recipe_fields(tmp_path) -> None:
                  '[v]\nwhiten = "fisher"\n[calibration]\nsensitivity_windows = 4\n'
                  'sensitivity_path = "f.safetensors"\n')
     r = recipes.load(p)
-    assert r.needs_sensitivity and r.calibration.score == 64
+    assert r.needs_sensitivity and r.calibration.score == 64 and r.calibration.labels == "text"
     assert r.calibration.sensitivity_path == str(tmp_path / "f.safetensors")
     for bad in ('mode = "calibrated"\n[k]\nallocation = "fisher"\n',
                 'mode = "calibrated"\n[k]\nwhiten = "gradient"\n',
                 'mode = "calibrated"\n[calibration]\nscore = 0\n',
-                'mode = "calibrated"\n[calibration]\nsensitivity_windows = true\n'):
+                'mode = "calibrated"\n[calibration]\nsensitivity_windows = true\n',
+                'mode = "calibrated"\n[calibration]\nlabels = "truth"\n',
+                'mode = "calibrated"\n[calibration]\nlabels = 1\n'):
         p.write_text(bad)
         with pytest.raises(kt.InvalidParameterError):
             recipes.load(p)

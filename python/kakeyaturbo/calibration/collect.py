@@ -170,6 +170,8 @@ def _no_logits(model: Any) -> Dict[str, Any]:
 
 
 ROPE_SIDES = ("before", "after")
+#: Whose next tokens the sensitivity's loss scores (:func:`collect_sensitivity`).
+LABELS = ("text", "model")
 
 
 def _side(rope: str) -> str:
@@ -283,7 +285,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
                         score: int = 64,
                         progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
-                        meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> Sensitivity:
+                        meta: Optional[Dict[str, Any]] = None, rope: str = "before",
+                        labels: str = "text", seed: int = 0) -> Sensitivity:
     """Runs ``model`` over ``windows`` (token id lists) with gradients and gathers its
     :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
     1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
@@ -295,13 +298,22 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     layer's cached rows does not reach the other layers' cached rows, which were filled before
     it), while the fed tokens stay differentiable through every layer. ``rope="after"`` keeps
     the keys' gradients as attention receives the keys (RoPE applied), for codecs that code them
-    that way."""
+    that way.
+
+    ``labels`` names the next tokens whose NLL is the loss: ``"text"``, the window's own (the
+    empirical Fisher: positions weigh by how surprised the model is), or ``"model"``, each drawn
+    from the model's own next-token distribution at that position (independently, seeded by
+    ``seed`` and the window's index): the expected outer product of those gradients is the
+    Gauss-Newton curvature of the loss, the same for any label, which is what a small
+    zero-mean coding error costs in expectation, in NLL as in KL from the uncompressed model."""
     import torch
 
     from ..families import AttentionCapture
     from ..families.capture import positions as call_positions
 
     side = _side(rope)
+    if labels not in LABELS:
+        raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
     rope, n_layers, hq, hkv, d = _shapes(model)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
@@ -328,7 +340,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     cap = AttentionCapture(model, handler)
     try:
         with torch.enable_grad(), cap:
-            for w in progress(windows):
+            for n, w in enumerate(progress(windows)):
                 leaves.clear()
                 ids = torch.tensor([list(w)])
                 t = len(w)
@@ -338,8 +350,13 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                                    logits_to_keep=score + 1).logits[0, :-1]
                 else:
                     logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
-                nll = -torch.log_softmax(logits.double(), dim=-1).gather(
-                    1, ids[0, ctx + 1:, None]).sum()
+                logp = torch.log_softmax(logits.double(), dim=-1)
+                if labels == "text":
+                    target = ids[0, ctx + 1:, None]
+                else:
+                    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
+                    target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
+                nll = -logp.gather(1, target).sum()
                 cap.check(n_layers)
                 keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
                 grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
@@ -354,7 +371,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
             p.requires_grad_(True)
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                score=score, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
+                score=score, labels=labels, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
                 hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
     n = max(len(windows), 1)

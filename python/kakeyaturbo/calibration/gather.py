@@ -48,6 +48,10 @@ def _rope_part(rope: str) -> str:
     return "" if rope == "before" else f"-rope{rope}"
 
 
+def _labels_part(labels: str) -> str:
+    return "" if labels == "text" else f"-labels{labels}"
+
+
 def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
                settings: CalibrationSettings, dtype: str = "float32", rope: str = "before") -> Path:
     """Where :func:`cached_stats` keeps the statistics of a (model, corpus, settings, dtype, side
@@ -64,7 +68,8 @@ def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLi
     """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, corpus, settings, dtype,
     side of RoPE)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
-           f"score{settings.score}-sink{n_sink}{_dtype_part(dtype)}{_rope_part(rope)}-"
+           f"score{settings.score}{_labels_part(settings.labels)}-sink{n_sink}"
+           f"{_dtype_part(dtype)}{_rope_part(rope)}-"
            f"{COLLECTION}-sensitivity")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
@@ -125,6 +130,7 @@ def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str
         return Sensitivity.load(path)
     wins = corpus.calibration_windows(tok, text, settings.sensitivity_windows, settings.window)
     sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
+                               labels=settings.labels,
                                progress=progress, meta=_meta(model_path, text), rope=rope)
     sens.save(path)
     return sens

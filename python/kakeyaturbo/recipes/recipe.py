@@ -160,6 +160,10 @@ class CalibrationSettings:
     #: text whose loss gradients are gathered, and the tokens at the end of each that are scored.
     sensitivity_windows: int = 16
     score: int = 64
+    #: The next tokens the sensitivity's loss scores: ``text`` (the window's own) or ``model``
+    #: (drawn from the model's own prediction: the Gauss-Newton curvature, see
+    #: :func:`kakeyaturbo.calibration.collect_sensitivity`).
+    labels: str = "text"
     sensitivity_path: Optional[str] = None
     #: The calibration text: ``mixture`` (the shipped multi-domain mixture), ``mixture:D=W,...``,
     #: a domain (``wiki-en``, ``wiki-fr``, ``wiki-es``, ``code``, ``prose``, ``chat``) or a file
@@ -168,6 +172,7 @@ class CalibrationSettings:
     corpus: str = "mixture"
 
     WEIGHTING = ("attention", "uniform")
+    LABELS = ("text", "model")
 
     def checked(self) -> "CalibrationSettings":
         def path(v: Any, name: str) -> Optional[str]:
@@ -189,7 +194,8 @@ class CalibrationSettings:
             weighting=_checks.choice(self.weighting, "weighting", self.WEIGHTING),
             path=path(self.path, "path"),
             sensitivity_windows=_checks.integer(self.sensitivity_windows, "sensitivity_windows", 1),
-            score=score, sensitivity_path=path(self.sensitivity_path, "sensitivity_path"),
+            score=score, labels=_checks.choice(self.labels, "labels", self.LABELS),
+            sensitivity_path=path(self.sensitivity_path, "sensitivity_path"),
             corpus=check_spec(self.corpus))
 
 
