@@ -170,3 +170,41 @@ def test_levers_are_checked() -> None:
         _recipe(fisher_prior="flat")
     with pytest.raises(InvalidParameterError, match="min_bits"):
         _recipe(min_bits=9)
+
+
+def test_per_head_tables_fit_each_heads_own_rows(stats_and_sensitivity) -> None:
+    """tables = "per-head": each (layer, kv-head) gets Lloyd-Max tables fitted on its own rows'
+    z instead of the stream's pooled rows ("calibrated"): the same bits in every mode, other
+    codecs where the heads' rows differ, and the very same codecs as the pooled tables where
+    every head has the same rows, statistics and sensitivity (pooling copies changes nothing)."""
+    stats, sens = stats_and_sensitivity
+    rows = np.array(stats.k_samples, copy=True)
+    rows[1, 1] = (np.random.default_rng(3).laplace(size=rows[1, 1].shape)
+                  * 0.8 ** np.arange(D)).astype(np.float32)
+    mean = rows.mean(axis=2).astype(np.float64)
+    centred = rows - mean[:, :, None]
+    cov = np.einsum("lhsi,lhsj->lhij", centred, centred) / rows.shape[2]
+
+    def codecs(rows, mean, cov, sens):
+        st = replace(stats, k_samples=rows, v_samples=rows, k_mean=mean, v_mean=mean, k_cov=cov,
+                     v_cov=cov)
+        return {t: model_codec.ModelCodec(st, _recipe(tables=t), sensitivity=sens)
+                for t in ("gaussian", "calibrated", "per-head")}
+
+    differ = codecs(rows, mean, cov, sens)
+    assert set(differ["calibrated"].tables) == {"k", "v"} and not differ["per-head"].tables
+    for key in differ["per-head"].codecs:
+        assert np.array_equal(_bits(differ["per-head"].codecs[key]),
+                              _bits(differ["gaussian"].codecs[key]))
+    assert not _same(differ["per-head"], differ["calibrated"])
+    # Every head the same; the rows repeated so that each head alone has enough of every width
+    # for its own tables (a width with fewer than 64 * 2**b values keeps the N(0, 1) table).
+    one = lambda a: np.broadcast_to(a[:1, :1], a.shape).copy()
+    many = np.broadcast_to(np.tile(rows[:1, :1], (1, 1, 64, 1)), (L, H, 64 * rows.shape[2], D))
+    alike = codecs(np.ascontiguousarray(many), one(mean), one(cov),
+                   Sensitivity(meta={}, k=one(sens.k), v=one(sens.v)))
+    assert _same(alike["per-head"], alike["calibrated"])
+    assert not _same(alike["per-head"], alike["gaussian"])
+    rec = recipes.load("calibrated-3bit")
+    with pytest.raises(InvalidParameterError, match="tables"):
+        replace(rec.k, tables="per-layer").checked("k")

@@ -87,13 +87,17 @@ class ModelCodec:
                                                           st.min_bits)):
                     alloc[(s, *key)] = b
             samples = stats.k_samples if s == "k" else stats.v_samples
-            tables: Optional[Dict[int, np.ndarray]] = None
-            if st.tables == "calibrated":
+            tables: Dict[Tuple[int, int], Optional[Dict[int, np.ndarray]]] = {}
+            if st.tables != "gaussian":
                 first = {key: fit_codec(spectra[(s, *key)], st, bits=alloc[(s, *key)])
                          for key in keys}
-                tables = self.tables[s] = fit_tables(first, samples)
+                if st.tables == "calibrated":
+                    self.tables[s] = fit_tables(first, samples)
+                    tables = {key: self.tables[s] for key in keys}
+                else:  # per-head: each (layer, kv-head) its own rows' tables
+                    tables = {key: fit_tables({key: first[key]}, samples) for key in keys}
             for key in keys:
-                self.codecs[(s, *key)] = fit_codec(spectra[(s, *key)], st, tables,
+                self.codecs[(s, *key)] = fit_codec(spectra[(s, *key)], st, tables.get(key),
                                                    alloc[(s, *key)])
         self.model_bytes = sum(c.model_bytes for c in self.codecs.values())
 

@@ -88,8 +88,9 @@ class CalibratedStream:
     rotation_seed: int = DEFAULT_ROTATION_SEED
     #: At most this many bits for one component, 1..8.
     max_bits: int = 8
-    #: ``gaussian`` (the N(0, 1) Lloyd-Max tables) or ``calibrated`` (fitted per width on the
-    #: codec's own ``z`` of the calibration rows).
+    #: ``gaussian`` (the N(0, 1) Lloyd-Max tables), ``calibrated`` (fitted per width on the
+    #: codec's own ``z`` of the calibration rows, pooled over the stream's layers and kv-heads)
+    #: or ``per-head`` (the same, fitted on each (layer, kv-head)'s own rows).
     tables: str = "gaussian"
     #: ``per-head`` water-filling, ``global`` (over every layer and kv-head of the stream) or
     #: ``sensitivity`` (one water-filling over every layer, kv-head and stream that asks for
@@ -109,7 +110,7 @@ class CalibratedStream:
     min_bits: int = 0
 
     WHITEN = ("none", "query", "output", "fisher")
-    TABLES = ("gaussian", "calibrated")
+    TABLES = ("gaussian", "calibrated", "per-head")
     ALLOCATION = ("per-head", "global", "sensitivity")
     ROPE = ("before", "after")
     PRIORS = ("identity", "proxy")
