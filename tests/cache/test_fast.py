@@ -305,3 +305,28 @@ def test_unsupported_family_falls_back(ropeafter) -> None:
     assert not cache.fast and "gpt2" in cache.fast_reason
     with pytest.raises(ValueError):
         KakeyaCache(codec, model=model, fast=True)
+
+
+@pytest.mark.parametrize("rope", ["after", "before"])
+def test_fast_path_with_sparse_outliers(tmp_path_factory, rope, no_decode) -> None:
+    """A calibrated recipe that stores |z| > T sparsely (``outlier_threshold``): the sealed
+    blocks hold outliers, and the fast path (which puts each outlier's value in place of its
+    centroid) generates the tokens of decode-then-attend, logits within ``LOGIT_ATOL``."""
+    p = tmp_path_factory.mktemp("recipe") / f"out-{rope}.toml"
+    p.write_text(RECIPE.format(rope=rope).replace("[k]\n", "[k]\noutlier_threshold = 1.5\n")
+                 .replace("[v]\n", "[v]\noutlier_threshold = 1.5\n"))
+    rec = recipes.load(p)
+    model = build("qwen2")
+    codec = _codec(model, rec, rope)
+    fast, slow = _pair(model, codec)
+    ids = _ids()
+    seq_s, log_s = generate(model, ids, slow, n=12)
+    no_decode["armed"] = True
+    seq_f, log_f = generate(model, ids, fast, n=12)
+    no_decode["armed"] = False
+    assert torch.equal(seq_f, seq_s)
+    assert (log_f - log_s).abs().max().item() <= LOGIT_ATOL
+    layer = fast.layers[1]
+    c = codec.codecs[("k", 1, 0)]
+    info = c.inspect(layer._s["k"].blocks[0][0][0])  # block 0, sequence 0, kv-head 0
+    assert info["num_outliers"] > 0, info
