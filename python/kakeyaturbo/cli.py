@@ -240,7 +240,7 @@ def parser() -> argparse.ArgumentParser:
                    help="windows for the model's sensitivity (gradients; 0: skip it)")
     c.add_argument("--score", type=_count(1), default=256,
                    help="tokens at the end of each sensitivity window that are scored")
-    c.add_argument("--labels", choices=("text", "model"), default="text",
+    c.add_argument("--labels", choices=recipes.CalibrationSettings.LABELS, default="text",
                    help="next tokens the sensitivity's loss scores: the text's own, or drawn from "
                         "the model's prediction (recipes' [calibration] labels)")
     c.add_argument("--out", metavar="FILE",

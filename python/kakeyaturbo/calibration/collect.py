@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 
 from ..errors import InvalidParameterError, UnsupportedModelError
+from ..recipes import CalibrationSettings
 from .stats import AttentionStats, Sensitivity
 
 # `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
@@ -171,7 +172,7 @@ def _no_logits(model: Any) -> Dict[str, Any]:
 
 ROPE_SIDES = ("before", "after")
 #: Whose next tokens the sensitivity's loss scores (:func:`collect_sensitivity`).
-LABELS = ("text", "model")
+LABELS = CalibrationSettings.LABELS
 
 
 def _side(rope: str) -> str:
