@@ -113,6 +113,65 @@ def test_floors_per_spectrum_and_per_stream(stats_and_sensitivity) -> None:
     assert any(len(_bits(c)) < D for (s, _, _), c in m.codecs.items() if s == "k")
 
 
+def test_allocate_bits_component_cap() -> None:
+    """``max_components`` bounds how many components get any bits and spends the same budget
+    on the others; a cap at or past the count changes nothing; a floor that needs more
+    components than the cap, or a cap below one, is refused."""
+    lam = 0.8 ** np.arange(16)
+    free = allocate_bits(lam, 40)
+    assert np.count_nonzero(free) > 8
+    for cap in (1, 4, 8):
+        b = allocate_bits(lam, 40, max_components=cap)
+        assert np.count_nonzero(b) == cap and b.sum() == min(40, 8 * cap)
+        assert np.array_equal(np.flatnonzero(b), np.arange(cap))  # the strongest ones
+    assert np.array_equal(allocate_bits(lam, 40, max_components=16), free)
+    assert np.array_equal(allocate_bits(lam, 40, max_components=None), free)
+    # One cap per segment.
+    two = allocate_bits(np.concatenate([lam, lam]), 80, max_components=[3, None],
+                        segments=np.repeat([0, 1], 16))
+    assert np.count_nonzero(two[:16]) == 3 and np.count_nonzero(two[16:]) > 3 and two.sum() == 80
+    with pytest.raises(InvalidParameterError, match="max_components"):
+        allocate_bits(lam, 40, floor=1, max_components=8)
+    with pytest.raises(InvalidParameterError, match="max_components"):
+        allocate_bits(lam, 40, max_components=0)
+    with pytest.raises(InvalidParameterError, match="caps"):
+        allocate_bits(lam, 40, max_components=[2, 3], segments=np.zeros(16, np.int64))
+
+
+def test_global_allocation_component_cap_per_spectrum() -> None:
+    lam = 0.8 ** np.arange(16)
+    free = global_allocation([lam, lam * 2], [40, 40])
+    capped = global_allocation([lam, lam * 2], [40, 40], max_components=[5, None])
+    assert np.count_nonzero(capped[0]) <= 5 < np.count_nonzero(free[0])
+    assert all(int(b.sum()) % 8 == 0 for b in capped)
+    assert sum(int(b.sum()) for b in capped) <= 80
+    assert [np.array_equal(a, b) for a, b in zip(global_allocation([lam, lam * 2], [40, 40],
+                                                                    max_components=16), free)] == [True, True]
+    with pytest.raises(InvalidParameterError, match="caps"):
+        global_allocation([lam, lam], [24, 24], max_components=[1])
+
+
+def test_max_components_holds_in_every_head(stats_and_sensitivity) -> None:
+    """A recipe's ``max_components`` on K alone: every key codec keeps at most that many
+    components, the values are as without it only where the pooled budget allows (not checked),
+    and the pooled bits stay within the budget."""
+    stats, sens = stats_and_sensitivity
+    rec = _recipe()
+    plain = model_codec.ModelCodec(stats, rec, sensitivity=sens)
+    most = max(len(_bits(c)) for (s, _, _), c in plain.codecs.items() if s == "k")
+    cap = most - 3
+    capped = model_codec.ModelCodec(stats, replace(rec, k=replace(rec.k, max_components=cap)),
+                                    sensitivity=sens)
+    assert all(len(_bits(c)) <= cap for (s, _, _), c in capped.codecs.items() if s == "k")
+    total = lambda m: sum(int(_bits(c).sum()) for c in m.codecs.values())
+    assert total(capped) <= total(plain) + 8 * len(plain.codecs)
+    # The per-head allocation takes the cap too.
+    per_head = replace(rec, k=replace(rec.k, allocation="per-head", whiten="none", max_components=cap),
+                       v=replace(rec.v, allocation="per-head", whiten="none", min_bits=0))
+    m = model_codec.ModelCodec(stats, per_head, sensitivity=sens)
+    assert all(len(_bits(c)) <= cap for (s, _, _), c in m.codecs.items() if s == "k")
+
+
 def test_shrink_fisher_endpoints() -> None:
     g = np.random.default_rng(1)
     f = _psd(g, 50, 0.6)
@@ -170,6 +229,10 @@ def test_levers_are_checked() -> None:
         _recipe(fisher_prior="flat")
     with pytest.raises(InvalidParameterError, match="min_bits"):
         _recipe(min_bits=9)
+    with pytest.raises(InvalidParameterError, match="max_components"):
+        _recipe(max_components=0)
+    with pytest.raises((InvalidParameterError, TypeError), match="max_components"):
+        _recipe(max_components="all")
 
 
 def test_per_head_tables_fit_each_heads_own_rows(stats_and_sensitivity) -> None:

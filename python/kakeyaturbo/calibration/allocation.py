@@ -5,7 +5,7 @@ pooled over many heads, layers and streams (`global_allocation`)."""
 from __future__ import annotations
 
 import heapq
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -18,7 +18,9 @@ LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.000644
 
 def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
                   distortion: Sequence[float] = LLOYD_MAX_MSE,
-                  floor: "int | Sequence[int]" = 0) -> np.ndarray:
+                  floor: "int | Sequence[int]" = 0,
+                  max_components: "int | Sequence[Optional[int]] | None" = None,
+                  segments: Optional[Sequence[int]] = None) -> np.ndarray:
     """Integer reverse water-filling: ``budget`` bits over components of the given variances,
     at most ``max_bits`` each and at least ``floor`` each (one for all, or one per component;
     paid first, out of the budget), minimising ``sum_j var_j * distortion[b_j]``.
@@ -27,6 +29,11 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     handing out one bit at a time to the component whose error falls most is optimal. Ties go
     to the lower index. Returns int64 bits, non-increasing when the variances are. Raises
     InvalidParameterError when the budget cannot pay the floor.
+
+    ``max_components`` caps how many components get any bits: one cap for all, or (with
+    ``segments``, a segment index per component) one cap per segment, ``None`` for none. A
+    component past its segment's cap gets no first bit, the bits go on to the others (greedy:
+    no longer optimal in general, since a capped component's later bits are never weighed).
     """
     lam = np.asarray(variances, dtype=np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
@@ -42,20 +49,48 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     if paid > budget:
         raise InvalidParameterError(f"a floor of {floor} bits for {len(lam)} components needs "
                                     f"{paid} bits, the budget is {budget}")
+    seg, caps = _segment_caps(len(lam), max_components, segments)
     bits = floors.astype(np.int64)
+    used = np.bincount(seg[bits > 0], minlength=len(caps))
+    if np.any(used > caps):
+        raise InvalidParameterError(f"a floor of {floor} bits gives {int(used.max())} components "
+                                    f"bits, more than max_components = {int(caps.min())}")
     budget -= paid
     heap = [(-(v * (distortion[bits[j]] - distortion[bits[j] + 1])), j) for j, v in enumerate(lam)
             if max_bits > bits[j]]
     heapq.heapify(heap)
-    for _ in range(min(budget, int((max_bits - bits).sum()))):
+    while budget > 0 and heap:
         gain, j = heapq.heappop(heap)
         if gain >= 0:  # nothing left to gain: zero-variance components get no bits
             break
+        if bits[j] == 0:
+            if used[seg[j]] >= caps[seg[j]]:
+                continue  # its segment has all the components it may have
+            used[seg[j]] += 1
         bits[j] += 1
+        budget -= 1
         b = bits[j]
         if b < max_bits:
             heapq.heappush(heap, (-(lam[j] * (distortion[b] - distortion[b + 1])), j))
     return bits
+
+
+def _segment_caps(n: int, max_components: "int | Sequence[Optional[int]] | None",
+                  segments: Optional[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """(segment index per component, cap per segment) of :func:`allocate_bits`' arguments; no
+    cap is ``n``."""
+    seg = np.zeros(n, np.int64) if segments is None else np.asarray(segments)
+    if seg.shape != (n,) or seg.dtype.kind not in "iu" or (n and seg.min() < 0):
+        raise InvalidParameterError("segments must be one index >= 0 per component")
+    count = int(seg.max()) + 1 if n else 1
+    given = [max_components] * count if max_components is None or np.ndim(max_components) == 0 \
+        else list(max_components)
+    if len(given) != count:
+        raise InvalidParameterError(f"{len(given)} caps for {count} segments")
+    caps = np.array([n if c is None else int(c) for c in given], np.int64)
+    if np.any(caps < 1):
+        raise InvalidParameterError(f"max_components must be at least 1, got {max_components}")
+    return seg.astype(np.int64), caps
 
 
 def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarray, float]:
@@ -81,14 +116,18 @@ def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
     return max(0, b // 8 * 8)
 
 
-def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int) -> Tuple[float, np.ndarray]:
-    """``n`` more bits for one head's components, one at a time where the error falls most:
-    (the fall in ``sum_j sp_j * mse(b_j)``, the new bits); ``-inf`` if they do not fit."""
+def _add_bits(sp: np.ndarray, b: np.ndarray, n: int, max_bits: int,
+              cap: Optional[int] = None) -> Tuple[float, np.ndarray]:
+    """``n`` more bits for one head's components (at most ``cap`` of them with any), one at a
+    time where the error falls most: (the fall in ``sum_j sp_j * mse(b_j)``, the new bits);
+    ``-inf`` if they do not fit."""
     lm = np.asarray(LLOYD_MAX_MSE)
     b = b.copy()
     gain = 0.0
     for _ in range(n):
         room = b < max_bits
+        if cap is not None and np.count_nonzero(b) >= cap:
+            room &= b > 0
         if not np.any(room):
             return -np.inf, b
         g = np.where(room, sp * (lm[b] - lm[np.minimum(b + 1, len(lm) - 1)]), -np.inf)
@@ -116,11 +155,14 @@ def _take_bits(sp: np.ndarray, b: np.ndarray, n: int, floor: int = 0) -> Tuple[f
 
 
 def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
-                      max_bits: int = 8, floor: "int | Sequence[int]" = 0) -> List[np.ndarray]:
+                      max_bits: int = 8, floor: "int | Sequence[int]" = 0,
+                      max_components: "int | Sequence[Optional[int]] | None" = None
+                      ) -> List[np.ndarray]:
     """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
     (whitened or weighted) variances are largest, whichever head they belong to (every component
     given at least ``floor`` bits first: one floor for all, or one per spectrum, e.g. per
-    stream); then each head's row is trimmed to whole bytes by
+    stream; at most ``max_components`` components of a spectrum given any bits: one cap for
+    all, or one per spectrum, ``None`` for none); then each head's row is trimmed to whole bytes by
     taking back its least useful bits above the floor, and the bytes so freed go back, one byte
     at a time, to the head whose error falls most with it (so the total never exceeds the pooled
     budget, and every head keeps at least one byte)."""
@@ -129,18 +171,24 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
     floors = [int(floor)] * len(sps) if np.ndim(floor) == 0 else [int(f) for f in floor]
     if len(floors) != len(sps):
         raise InvalidParameterError(f"{len(floors)} floors for {len(sps)} spectra")
+    caps = [max_components] * len(sps) if max_components is None or np.ndim(max_components) == 0 \
+        else list(max_components)
+    if len(caps) != len(sps):
+        raise InvalidParameterError(f"{len(caps)} caps for {len(sps)} spectra")
     per = np.concatenate([np.full(len(sp), f, dtype=np.int64) for sp, f in zip(sps, floors)])
-    bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=per)
+    seg = np.concatenate([np.full(len(sp), i, dtype=np.int64) for i, sp in enumerate(sps)])
+    bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=per, max_components=caps,
+                         segments=seg)
     out, at = [], 0
-    for sp, floor in zip(sps, floors):
+    for sp, floor, cap in zip(sps, floors, caps):
         b = bits[at:at + len(sp)]
         at += len(sp)
         extra = int(b.sum()) % 8
         trimmed = _take_bits(sp, b, extra, floor)
         # whole bytes: take the odd bits back, or (all at the floor) add up to the next byte
-        b = trimmed[1] if np.isfinite(trimmed[0]) else _add_bits(sp, b, 8 - extra, max_bits)[1]
+        b = trimmed[1] if np.isfinite(trimmed[0]) else _add_bits(sp, b, 8 - extra, max_bits, cap)[1]
         if b.sum() == 0:  # every head keeps at least one byte of codes
-            b = _add_bits(sp, b, min(8, max_bits * len(b)), max_bits)[1]
+            b = _add_bits(sp, b, min(8, max_bits * len(b)), max_bits, cap)[1]
         out.append(b)
     left = total - sum(int(b.sum()) for b in out)
     while left < 0:  # the minimum bytes overdrew the budget: take bytes back where it costs least
@@ -151,12 +199,12 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
             raise InvalidParameterError("the pooled budget cannot give every head one byte")
         out[worst] = asks[worst][1]
         left += 8
-    offers = [_add_bits(sp, b, 8, max_bits) for sp, b in zip(sps, out)] if left >= 8 else []
+    offers = [_add_bits(sp, b, 8, max_bits, c) for sp, b, c in zip(sps, out, caps)] if left >= 8 else []
     while left >= 8:
         best = int(np.argmax([g for g, _ in offers]))
         if not np.isfinite(offers[best][0]) or offers[best][0] <= 0:
             break
         out[best] = offers[best][1]
-        offers[best] = _add_bits(sps[best], out[best], 8, max_bits)
+        offers[best] = _add_bits(sps[best], out[best], 8, max_bits, caps[best])
         left -= 8
     return out

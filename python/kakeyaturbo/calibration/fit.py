@@ -108,7 +108,7 @@ class HeadSpectrum:
 
 def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True,
                  max_bits: int = 8, bits: Optional[np.ndarray] = None,
-                 min_bits: int = 0) -> StreamFit:
+                 min_bits: int = 0, max_components: Optional[int] = None) -> StreamFit:
     """The calibration of one head from its spectrum, water-filled to the target (or given
     ``bits`` per component, in the order of the spectrum).
 
@@ -122,7 +122,7 @@ def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True
     w = None if sp.whitening is None else np.asarray(sp.whitening, dtype=np.float64)
     if bits is None:
         bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits,
-                             floor=min_bits)
+                             floor=min_bits, max_components=max_components)
     bits = np.asarray(bits, dtype=np.int64)
     keep = np.flatnonzero(bits > 0)
     if keep.size == 0:
@@ -253,7 +253,8 @@ def fit_codec(sp: HeadSpectrum, settings: CalibratedStream,
     stream, with optional custom Lloyd-Max tables by bit width and an optional given
     allocation (bits per component in the order of the spectrum)."""
     fit = fit_spectrum(sp, settings.bits, norm=settings.norm, max_bits=settings.max_bits,
-                       bits=bits, min_bits=settings.min_bits)
+                       bits=bits, min_bits=settings.min_bits,
+                       max_components=settings.max_components)
     widths = set(int(b) for b in fit.bits)
     tables = {b: t for b, t in (centroids or {}).items() if b in widths} or None
     return fit.codec(rotation_seed=settings.rotation_seed, metric=settings.metric,

@@ -108,6 +108,10 @@ class CalibratedStream:
     fisher_prior: str = "identity"
     #: At least this many bits for every component (paid out of the row's bits first), 0..max_bits.
     min_bits: int = 0
+    #: At most this many components of a (layer, kv-head) get any bits (None: no cap). Keys
+    #: coded before RoPE are synthesised per row at ``m x D`` multiply-adds (``m`` the components
+    #: with bits) by attention over the codes, so a cap bounds that work.
+    max_components: Optional[int] = None
 
     WHITEN = ("none", "query", "output", "fisher")
     TABLES = ("gaussian", "calibrated", "per-head")
@@ -143,7 +147,9 @@ class CalibratedStream:
             allocation=_checks.choice(self.allocation, "allocation", self.ALLOCATION), rope=rope,
             fisher_shrink=shrink,
             fisher_prior=_checks.choice(self.fisher_prior, "fisher_prior", self.PRIORS),
-            min_bits=_checks.integer(self.min_bits, "min_bits", 0, max_bits))
+            min_bits=_checks.integer(self.min_bits, "min_bits", 0, max_bits),
+            max_components=None if self.max_components is None
+            else _checks.integer(self.max_components, "max_components", 1, 1 << 16))
 
 
 @dataclass(frozen=True)
