@@ -153,8 +153,8 @@ def test_global_allocation_component_cap_per_spectrum() -> None:
 
 def test_max_components_holds_in_every_head(stats_and_sensitivity) -> None:
     """A recipe's ``max_components`` on K alone: every key codec keeps at most that many
-    components, the values are as without it only where the pooled budget allows (not checked),
-    and the pooled bits stay within the budget."""
+    components, in the pooled allocation and the per-head one, and the pooled bits stay within
+    the budget."""
     stats, sens = stats_and_sensitivity
     rec = _recipe()
     plain = model_codec.ModelCodec(stats, rec, sensitivity=sens)

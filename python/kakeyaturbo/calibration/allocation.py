@@ -33,7 +33,8 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     ``max_components`` caps how many components get any bits: one cap for all, or (with
     ``segments``, a segment index per component) one cap per segment, ``None`` for none. A
     component past its segment's cap gets no first bit, the bits go on to the others (greedy:
-    no longer optimal in general, since a capped component's later bits are never weighed).
+    which components get bits is decided by the gain of their first bit, so with a cap the
+    result need not be optimal).
     """
     lam = np.asarray(variances, dtype=np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
@@ -171,12 +172,9 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
     floors = [int(floor)] * len(sps) if np.ndim(floor) == 0 else [int(f) for f in floor]
     if len(floors) != len(sps):
         raise InvalidParameterError(f"{len(floors)} floors for {len(sps)} spectra")
-    caps = [max_components] * len(sps) if max_components is None or np.ndim(max_components) == 0 \
-        else list(max_components)
-    if len(caps) != len(sps):
-        raise InvalidParameterError(f"{len(caps)} caps for {len(sps)} spectra")
     per = np.concatenate([np.full(len(sp), f, dtype=np.int64) for sp, f in zip(sps, floors)])
     seg = np.concatenate([np.full(len(sp), i, dtype=np.int64) for i, sp in enumerate(sps)])
+    _, caps = _segment_caps(len(seg), max_components, seg)  # no cap: the total count
     bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=per, max_components=caps,
                          segments=seg)
     out, at = [], 0
