@@ -36,19 +36,10 @@ from kakeyaturbo.eval import model as model_mod
 
 def predicted(mc, stats, sens) -> np.ndarray:
     """``[stream, layer]`` of ``tr(F E) / 2`` summed over kv-heads, on the statistics' rows."""
-    L, H = stats.num_layers, stats.kv_heads
-    out = np.zeros((2, L))
-    for si, s in enumerate(("k", "v")):
-        rows = stats.k_samples if s == "k" else stats.v_samples
-        for layer in range(L):
-            for h in range(H):
-                c = mc.codecs.get((s, layer, h))
-                if c is None:
-                    continue
-                x = np.ascontiguousarray(rows[layer, h], dtype=np.float32)
-                e = (c.decode(c.encode(x)) - x).astype(np.float64)
-                out[si, layer] += 0.5 * float(np.sum(sens.of(s)[layer, h] * (e.T @ e / len(e))))
-    return out
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from domain_error import predicted as per_domain
+
+    return per_domain(mc, [("pooled", 0, stats, sens)])["pooled"].sum(axis=2)
 
 
 def main(argv: "List[str] | None" = None) -> int:
