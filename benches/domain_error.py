@@ -3,11 +3,13 @@ pooled mixture (as ``eval`` builds them), each domain's own calibration rows (th
 and ``v_samples`` its statistics keep) coded and decoded through them, and the error weighed by
 that domain's own measured sensitivity: ``tr(F_d E_d) / 2`` per (stream, layer, kv-head), ``E_d``
 the second moment of the decoding error of the domain's rows and ``F_d`` its sensitivity, the
-second-order prediction of what the coding costs that domain's loss (nats, summed over the scored tokens of a window).
-Printed per domain and group of layers, for keys and values apart.
+second-order prediction of what the coding costs that domain's loss (nats, summed over the
+scored tokens of a window). Printed per domain and group of layers, for keys and values apart.
+``--minimax N`` first moves the pooling weights of the domains, N multiplicative steps, toward
+the domains whose predicted loss is largest (an allocation that bounds the worst domain).
 
     .venv/bin/python benches/domain_error.py [--model hard-case] --recipes calibrated-3bit \
-        [--weights minimax] [--groups 6]
+        [--minimax 3] [--groups 6]
 
 Only calibration text is read (the evaluation split is never touched): a diagnostic of the
 calibration, not a quality figure.

@@ -22,6 +22,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import List
 
@@ -66,7 +67,7 @@ def main(argv: "List[str] | None" = None) -> int:
     for s in ("k", "v"):
         for layer in range(L):
             others = sorted(set(range(L)) - {layer} | set(base.boundary))
-            methods.append(harness.replace(base, name=f"{s}{layer}", streams=(s,), boundary=others))
+            methods.append(replace(base, name=f"{s}{layer}", streams=(s,), boundary=others))
     win = rec.calibration.window
     wins = corpus.calibration_windows(tok, args.text or rec.calibration.corpus, args.windows, win)
     ctx = win - args.n_eval - 1
@@ -77,9 +78,10 @@ def main(argv: "List[str] | None" = None) -> int:
         prog = lambda it: it  # noqa: E731
     res = harness.evaluate(model, wins, ctx, methods, progress=prog)
     meas = np.array([[res[f"{s}{layer}"]["kl"] for layer in range(L)] for s in ("k", "v")])
-    ratio = np.maximum(meas, 1e-12) / np.maximum(pred, 1e-30)
-    ratio = ratio ** args.power
-    ratio = ratio / np.exp(np.mean(np.log(ratio)))
+    coded = pred > 0  # a stream a recipe leaves uncoded keeps its sensitivity
+    ratio = np.ones_like(pred)
+    ratio[coded] = (np.maximum(meas[coded], 1e-12) / pred[coded]) ** args.power
+    ratio[coded] /= np.exp(np.mean(np.log(ratio[coded])))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     k = sens.k * ratio[0][:, None, None, None]
