@@ -6,7 +6,10 @@ calibration split) against the loss the sensitivity **predicts** for it (``tr(F 
 the second moment of the decoding error of the calibration's sampled rows). The sensitivity of
 every (stream, layer) is then multiplied by its ratio (normalised to a geometric mean of 1, so
 only the allocation between them moves) and written as a sensitivity file with a recipe that
-names it; ``eval`` / ``bench_domains.py --recipes OUT/RECIPE.toml`` measures it.
+names it; ``eval`` / ``bench_domains.py --recipes OUT/RECIPE.toml`` measures it. With
+``--groups G`` runs of consecutive layers are coded together (G groups, each stream apart) and
+every layer of a group gets the group's ratio (its printed "measured" KL is the group's, shared
+in proportion to the predicted losses).
 
     .venv/bin/python benches/refine_sensitivity.py --recipes calibrated-3bit \
         --windows 16 --n-eval 64 --out bench-out/refine3
@@ -51,6 +54,9 @@ def main(argv: "List[str] | None" = None) -> int:
     ap.add_argument("--n-eval", type=int, default=64, help="tokens scored per window")
     ap.add_argument("--text", help="score windows of this text's calibration split instead of the "
                     "recipe's calibration corpus (a domain of the mixture, say)")
+    ap.add_argument("--groups", type=int, default=0,
+                    help="measure runs of consecutive layers together, this many groups (0: every "
+                         "layer on its own)")
     ap.add_argument("--power", type=float, default=1.0,
                     help="the ratio's exponent (1: the full correction)")
     ap.add_argument("--out", required=True)
@@ -63,11 +69,14 @@ def main(argv: "List[str] | None" = None) -> int:
     L = stats.num_layers
     base = harness.codec_method(rec, L, stats=stats, sensitivity=sens)
     pred = predicted(base.codec, stats, sens)
+    n_groups = args.groups if 0 < args.groups < L else L
+    edges = np.linspace(0, L, n_groups + 1).round().astype(int)
+    groups = [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
     methods = []
     for s in ("k", "v"):
-        for layer in range(L):
-            others = sorted(set(range(L)) - {layer} | set(base.boundary))
-            methods.append(replace(base, name=f"{s}{layer}", streams=(s,), boundary=others))
+        for gi, g in enumerate(groups):
+            others = sorted(set(range(L)) - set(g) | set(base.boundary))
+            methods.append(replace(base, name=f"{s}{gi}", streams=(s,), boundary=others))
     win = rec.calibration.window
     wins = corpus.calibration_windows(tok, args.text or rec.calibration.corpus, args.windows, win)
     ctx = win - args.n_eval - 1
@@ -77,7 +86,13 @@ def main(argv: "List[str] | None" = None) -> int:
     except ImportError:  # pragma: no cover
         prog = lambda it: it  # noqa: E731
     res = harness.evaluate(model, wins, ctx, methods, progress=prog)
-    meas = np.array([[res[f"{s}{layer}"]["kl"] for layer in range(L)] for s in ("k", "v")])
+    group_kl = np.array([[res[f"{s}{gi}"]["kl"] for gi in range(len(groups))] for s in ("k", "v")])
+    # A group's measured loss shared over its layers in proportion to their predicted losses, so
+    # that every layer of a group gets the group's ratio.
+    meas = np.zeros_like(pred)
+    for gi, g in enumerate(groups):
+        share = pred[:, g] / np.maximum(pred[:, g].sum(axis=1, keepdims=True), 1e-30)
+        meas[:, g] = group_kl[:, gi:gi + 1] * share
     coded = pred > 0  # a stream a recipe leaves uncoded keeps its sensitivity
     ratio = np.ones_like(pred)
     ratio[coded] = (np.maximum(meas[coded], 1e-12) / pred[coded]) ** args.power
@@ -87,7 +102,7 @@ def main(argv: "List[str] | None" = None) -> int:
     k = sens.k * ratio[0][:, None, None, None]
     v = sens.v * ratio[1][:, None, None, None]
     meta = dict(sens.meta, refined={"recipe": rec.name, "windows": len(wins), "n_eval": args.n_eval,
-                                    "power": args.power})
+                                    "power": args.power, "groups": n_groups})
     Sensitivity(meta=meta, k=k, v=v).save(out / "sensitivity.safetensors")
     src = (Path(args.recipes) if args.recipes.endswith(".toml")
            else Path(recipes.__file__).parent / f"{rec.name}.toml").read_text()
@@ -109,7 +124,7 @@ def main(argv: "List[str] | None" = None) -> int:
               f"{meas[1, layer]:.5f} | {pred[1, layer]:.4f} | {ratio[1, layer]:.2f} |")
     (out / "refine.json").write_text(json.dumps({
         "model": path.name, "recipe": rec.name, "windows": len(wins), "ctx": ctx,
-        "text": args.text or rec.calibration.corpus,
+        "text": args.text or rec.calibration.corpus, "groups": n_groups,
         "measured_kl": meas.tolist(), "predicted": pred.tolist(), "ratio": ratio.tolist()},
         indent=1))
     print(f"wrote {out / (name + '.toml')}")
