@@ -10,7 +10,7 @@
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
 //! fused multiply-adds with every query row: the centroids are never stored.
 
-use super::kernel::{bf16_half, rotate_tile, Rot, Scratch, Tile, BF16_FLOOR, TILE};
+use super::kernel::{bf16_half, rotate_tile, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
 use super::tables::{Component, Lookup, StreamTables};
 use std::arch::x86_64::*;
@@ -484,46 +484,66 @@ pub fn has_bf16() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
 }
 
-/// [`super::kernel::bf16_round`] of 16 lanes (the bfloat16 in the low half of each).
-#[inline(always)]
-unsafe fn round_bf16(x: __m512i) -> __m512i {
-    let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
-    let keep = _mm512_cmpge_epu32_mask(abs, _mm512_set1_epi32(BF16_FLOOR as i32));
-    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-    let r = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    _mm512_maskz_srli_epi32::<16>(keep, r)
-}
-
-/// Two components' values of 16 rows as bfloat16 pairs (`lo` in the low half).
-#[inline(always)]
-unsafe fn pair_bf16(lo: __m512, hi: Option<__m512>) -> __m512i {
-    let l = round_bf16(_mm512_castps_si512(lo));
-    match hi {
-        Some(h) => _mm512_or_si512(
-            l,
-            _mm512_slli_epi32::<16>(round_bf16(_mm512_castps_si512(h))),
-        ),
-        None => l,
-    }
-}
-
 /// The unpacked indices of a tile looked up and rounded to bfloat16 pairs: [`centroids`]
-/// then [`super::kernel::pack_tile`] without the float32 tile between them.
+/// then [`super::kernel::pack_tile`] without the float32 tile between them. Each component is
+/// looked up from its table rounded beforehand ([`StreamTables::tables_bf16`]), 32 rows per
+/// 16-bit permute of 64 entries (blended by the index's bits 6 and 7 past 6 bits), and the
+/// two members of a pair interleaved into packed words by two more permutes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
     let slots = 8 * t.groups.len();
     let bp = bytes.as_ptr();
     let pp = packed.as_mut_ptr();
-    for (p, pair) in t.comps.chunks(2).enumerate() {
-        let (ta, tb) = (table(t, &pair[0]), pair.get(1).map(|c| table(t, c)));
-        for rg in 0..4 {
-            let at = |c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
-            let a = look_up(pair[0].lookup, &ta, at(&pair[0]));
-            let b = pair
-                .get(1)
-                .zip(tb.as_ref())
-                .map(|(c, tab)| look_up(c.lookup, tab, at(c)));
-            _mm512_storeu_si512(pp.add(p * TILE + 16 * rg) as *mut _, pair_bf16(a, b));
+    let tabs = t.tables_bf16();
+    assert_eq!(tabs.len(), t.comps.len());
+    // Word `2l` from word `l` of the first source, word `2l + 1` from word `l` of the second:
+    // rows 0-15 of the 32 (`h = 0`), rows 16-31 (`h = 1`).
+    let inter = |h: u16| {
+        let w: [u16; 32] = std::array::from_fn(|i| (i as u16 / 2) + 16 * h + 32 * (i as u16 % 2));
+        _mm512_loadu_si512(w.as_ptr() as *const _)
+    };
+    let (inter_lo, inter_hi) = (inter(0), inter(1));
+    let at = |rg: usize, c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
+    // Rows 32 h .. 32 h + 31 of component `j`: its index bytes as words, looked up.
+    let words = |j: usize, h: usize| {
+        let (c, tab) = (&t.comps[j], &tabs[j]);
+        let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
+            _mm_loadu_si128(at(2 * h + 1, c) as *const __m128i),
+            _mm_loadu_si128(at(2 * h, c) as *const __m128i),
+        ));
+        let chunk = |k: usize| {
+            let p = tab.as_ptr().add(64 * k);
+            _mm512_permutex2var_epi16(
+                _mm512_loadu_si512(p as *const _),
+                idx,
+                _mm512_loadu_si512(p.add(32) as *const _),
+            )
+        };
+        let bit = |b: u16| _mm512_test_epi16_mask(idx, _mm512_set1_epi16(b as i16));
+        match tab.len() {
+            64 => chunk(0),
+            128 => _mm512_mask_blend_epi16(bit(64), chunk(0), chunk(1)),
+            _ => {
+                let lo = _mm512_mask_blend_epi16(bit(64), chunk(0), chunk(1));
+                let hi = _mm512_mask_blend_epi16(bit(64), chunk(2), chunk(3));
+                _mm512_mask_blend_epi16(bit(128), lo, hi)
+            }
+        }
+    };
+    for p in 0..t.comps.len().div_ceil(2) {
+        for h in 0..2 {
+            let a = words(2 * p, h);
+            let b = if 2 * p + 1 < t.comps.len() {
+                words(2 * p + 1, h)
+            } else {
+                _mm512_setzero_si512()
+            };
+            let out = pp.add(p * TILE + 32 * h);
+            _mm512_storeu_si512(out as *mut _, _mm512_permutex2var_epi16(a, inter_lo, b));
+            _mm512_storeu_si512(
+                out.add(16) as *mut _,
+                _mm512_permutex2var_epi16(a, inter_hi, b),
+            );
         }
     }
 }
@@ -775,8 +795,8 @@ mod tests {
     use super::*;
     use crate::rng::SplitMix64;
 
-    /// Packing and both BF16 syntheses (`vdpbf16ps` where the CPU has it, float32 `fma`
-    /// pairs) against the definition, on values spread over the exponent range and around
+    /// Both BF16 syntheses (`vdpbf16ps` where the CPU has it, float32 `fma` pairs) against
+    /// the definition, on values spread over the exponent range and around
     /// the floor (products near the smallest normal float32).
     #[test]
     fn bf16_synthesis_matches_the_definition() {
@@ -800,18 +820,6 @@ mod tests {
                 .collect();
             let mut want_p = vec![0u32; pairs * TILE];
             pack_tile(m, &tile, &mut want_p);
-            // The rounding `centroids_bf16` applies, 16 lanes at a time.
-            let mut got_p = vec![0u32; pairs * TILE];
-            for p in 0..pairs {
-                for l in (0..TILE).step_by(16) {
-                    let at = |j: usize| {
-                        (j < m).then(|| unsafe { _mm512_loadu_ps(tile[j * TILE + l..].as_ptr()) })
-                    };
-                    let w = unsafe { pair_bf16(at(2 * p).expect("a component"), at(2 * p + 1)) };
-                    unsafe { _mm512_storeu_si512(got_p[p * TILE + l..].as_mut_ptr() as *mut _, w) };
-                }
-            }
-            assert_eq!(got_p, want_p);
             let gs: [f32; TILE] = std::array::from_fn(|t| 0.5 + t as f32 / 64.0);
             let mean: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
             let y = Affine {

@@ -75,6 +75,8 @@ pub struct StreamTables {
     key_synth: std::sync::OnceLock<Vec<f32>>,
     /// `M` rounded to bfloat16, pairs of components packed ([`Self::key_synthesis_bf16`]).
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
+    /// The centroid table of each component rounded to bfloat16 ([`Self::tables_bf16`]).
+    lut_bf16: std::sync::OnceLock<Vec<Vec<u16>>>,
 }
 
 impl StreamTables {
@@ -185,6 +187,7 @@ impl StreamTables {
             mean: codec.mean.clone(),
             key_synth: std::sync::OnceLock::new(),
             key_synth_bf16: std::sync::OnceLock::new(),
+            lut_bf16: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
     }
@@ -284,6 +287,25 @@ impl StreamTables {
             (0..m.div_ceil(2))
                 .flat_map(|p| {
                     (0..d).map(move |i| super::kernel::bf16_pair(at(2 * p, i), at(2 * p + 1, i)))
+                })
+                .collect()
+        })
+    }
+
+    /// Per component, its centroid table rounded to bfloat16 ([`super::kernel::bf16_round`])
+    /// in `max(64, 2^bits)` words (zeros past its entries), so that 16-bit permutes of two
+    /// registers look up 32 rows at a time (one permute up to 6 bits, two and a blend at 7, four
+    /// and three blends at 8). Derived once, on first use.
+    pub(crate) fn tables_bf16(&self) -> &[Vec<u16>] {
+        self.lut_bf16.get_or_init(|| {
+            (0..self.m)
+                .map(|j| {
+                    let n = self.comps[j].mask as usize + 1;
+                    let mut tab = vec![0u16; n.max(64)];
+                    for (code, w) in tab[..n].iter_mut().enumerate() {
+                        *w = super::kernel::bf16_round(self.centroid(j, code as u32)) as u16;
+                    }
+                    tab
                 })
                 .collect()
         })

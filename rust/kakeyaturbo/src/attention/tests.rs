@@ -550,6 +550,17 @@ fn keys_coded_before_rope_match_the_rotated_decode() {
         rope: Some((64, false)),
         ..Spec::default()
     });
+    // Widths from 8 bits down: pairs of components looked up from float32 tables (over 5
+    // bits), from paired bfloat16 tables, and mixed, with an odd number of components.
+    for seed in [3, 4] {
+        check(&Spec {
+            seed,
+            dk: 64,
+            bmax: 8,
+            rope: Some((64, false)),
+            ..Spec::default()
+        });
+    }
 }
 
 #[test]
