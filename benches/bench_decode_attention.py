@@ -40,7 +40,8 @@ in this CPU's L3 cache from call to call (12.6 MB at 8k for the default model's 
 no model with more than a couple of layers sees at 8k.
 
     .venv/bin/python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
-        [--bits 3,4] [--reps 15] [--pause-ms 5] [--layers 1] [--recipes ''] [--out bench-out]
+        [--bits 3,4] [--reps 15] [--pause-ms 5] [--layers 1] [--recipes ''] [--first-layer 0]
+        [--out bench-out]
 """
 
 from __future__ import annotations
@@ -203,7 +204,8 @@ def sources(bits: List[float], model_recipes: List[str]
 
 
 def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] = None,
-        layers_mb: float = 6000.0, model_recipes: List[str] = ()) -> List[Dict[str, Any]]:
+        layers_mb: float = 6000.0, model_recipes: List[str] = (), first_layer: int = 0
+        ) -> List[Dict[str, Any]]:
     rows = []
     for hq, hkv, d, b, build, all_layers in sources(bits, list(model_recipes)):
         for t in tokens:
@@ -219,8 +221,10 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
             # and bfloat16 caches together), each call of a method attending the next.
             per_mb = (codes.nbytes + 1.5 * (k.nbytes + v.nbytes)) / 1e6
             n_layers = max(1, min(layers or all_layers, int(layers_mb // per_mb)))
+            if first_layer:
+                codes = another(first_layer)
             cache = [(codes, kf, vf, kb, vb)] + [
-                (another(i), kf.clone(), vf.clone(), kb.clone(), vb.clone())
+                (another(first_layer + i), kf.clone(), vf.clone(), kb.clone(), vb.clone())
                 for i in range(1, n_layers)]
 
             table, positions = rope_table(t, d)
@@ -376,6 +380,10 @@ def main() -> int:
                          "each (its shape; layer i of --layers uses the model's layer i, so that "
                          "--layers 1 is layer 0 alone, whose keys get few bits) instead of the "
                          "synthetic calibrations (--bits is then unused)")
+    ap.add_argument("--first-layer", type=int, default=0,
+                    help="with --recipes: the model's layer the first copy is coded with (copy i "
+                         "with layer first + i); e.g. --layers 1 --first-layer 15 times one layer "
+                         "whose keys get a typical number of components")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     global PAUSE_S
@@ -390,13 +398,14 @@ def main() -> int:
         pass
     rows = run([int(t) for t in args.tokens.split(",")], [float(b) for b in args.bits.split(",")],
                args.reps, args.layers, args.layers_mb,
-               [r for r in args.recipes.split(",") if r])
+               [r for r in args.recipes.split(",") if r], args.first_layer)
     loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
     res = {
         "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
                         "kakeyaturbo": kt.__version__, "python": platform.python_version()},
         "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows),
+        "first_layer": args.first_layer,
         "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }
