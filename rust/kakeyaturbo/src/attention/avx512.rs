@@ -8,7 +8,9 @@
 //! turns rows-by-components into components-by-rows bytes. Per component and 16 rows then:
 //! widen 16 index bytes and look the centroids up (a permute of the table held in one, two or
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
-//! fused multiply-adds with every query row: the centroids are never stored.
+//! fused multiply-adds with every query row: the centroids are never stored. Keys coded before
+//! RoPE with the bfloat16 synthesis instead store their centroids as bfloat16 pairs, looked up
+//! 32 rows at a time from tables rounded once ([`centroids_bf16`]).
 
 use super::kernel::{bf16_half, rotate_tile, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;

@@ -550,8 +550,8 @@ fn keys_coded_before_rope_match_the_rotated_decode() {
         rope: Some((64, false)),
         ..Spec::default()
     });
-    // Widths from 8 bits down: pairs of components looked up from float32 tables (over 5
-    // bits), from paired bfloat16 tables, and mixed, with an odd number of components.
+    // Widths from 8 bits down: the bfloat16 look-up's one, two and four permutes per 32 rows
+    // (up to 6, 7 and 8 bits), pairs of mixed widths.
     for seed in [3, 4] {
         check(&Spec {
             seed,
