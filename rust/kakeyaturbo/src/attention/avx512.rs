@@ -488,7 +488,7 @@ pub fn has_bf16() -> bool {
 
 /// The unpacked indices of a tile looked up and rounded to bfloat16 pairs: [`centroids`]
 /// then [`super::kernel::pack_tile`] without the float32 tile between them. Each component is
-/// looked up from its table rounded beforehand ([`StreamTables::tables_bf16`]), 32 rows per
+/// looked up from its table rounded beforehand ([`StreamTables::table_bf16`]), 32 rows per
 /// 16-bit permute of 64 entries (blended by the index's bits 6 and 7 past 6 bits), and the
 /// two members of a pair interleaved into packed words by two more permutes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
@@ -496,8 +496,6 @@ unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
     let slots = 8 * t.groups.len();
     let bp = bytes.as_ptr();
     let pp = packed.as_mut_ptr();
-    let tabs = t.tables_bf16();
-    assert_eq!(tabs.len(), t.comps.len());
     // Word `2l` from word `l` of the first source, word `2l + 1` from word `l` of the second:
     // rows 0-15 of the 32 (`h = 0`), rows 16-31 (`h = 1`).
     let inter = |h: u16| {
@@ -508,7 +506,7 @@ unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
     let at = |rg: usize, c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
     // Rows 32 h .. 32 h + 31 of component `j`: its index bytes as words, looked up.
     let words = |j: usize, h: usize| {
-        let (c, tab) = (&t.comps[j], &tabs[j]);
+        let (c, tab) = (&t.comps[j], t.table_bf16(j));
         let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
             _mm_loadu_si128(at(2 * h + 1, c) as *const __m128i),
             _mm_loadu_si128(at(2 * h, c) as *const __m128i),

@@ -75,8 +75,8 @@ pub struct StreamTables {
     key_synth: std::sync::OnceLock<Vec<f32>>,
     /// `M` rounded to bfloat16, pairs of components packed ([`Self::key_synthesis_bf16`]).
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
-    /// The centroid table of each component rounded to bfloat16 ([`Self::tables_bf16`]).
-    lut_bf16: std::sync::OnceLock<Vec<Vec<u16>>>,
+    /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]).
+    lut_bf16: std::sync::OnceLock<Vec<u16>>,
 }
 
 impl StreamTables {
@@ -292,23 +292,29 @@ impl StreamTables {
         })
     }
 
-    /// Per component, its centroid table rounded to bfloat16 ([`super::kernel::bf16_round`])
+    /// The centroid table of component `j` rounded to bfloat16 ([`super::kernel::bf16_round`])
     /// in `max(64, 2^bits)` words (zeros past its entries), so that 16-bit permutes of two
     /// registers look up 32 rows at a time (one permute up to 6 bits, two and a blend at 7, four
-    /// and three blends at 8). Derived once, on first use.
-    pub(crate) fn tables_bf16(&self) -> &[Vec<u16>] {
-        self.lut_bf16.get_or_init(|| {
-            (0..self.m)
-                .map(|j| {
-                    let n = self.comps[j].mask as usize + 1;
-                    let mut tab = vec![0u16; n.max(64)];
-                    for (code, w) in tab[..n].iter_mut().enumerate() {
-                        *w = super::kernel::bf16_round(self.centroid(j, code as u32)) as u16;
-                    }
-                    tab
-                })
-                .collect()
-        })
+    /// and three blends at 8). One table per width in use, like [`Self::centroid`]'s; derived
+    /// once, on first use.
+    pub(crate) fn table_bf16(&self, j: usize) -> &[u16] {
+        // Width `b` at word `64 (b - 1)` up to 6 bits, then 7 bits at 384 and 8 bits at 512.
+        let at = |n: usize| match n {
+            128 => 384..512,
+            256 => 512..768,
+            _ => 64 * (n.trailing_zeros() as usize - 1)..64 * n.trailing_zeros() as usize,
+        };
+        let all = self.lut_bf16.get_or_init(|| {
+            let mut all = vec![0u16; 768];
+            for (j, c) in self.comps.iter().enumerate() {
+                let n = c.mask as usize + 1;
+                for (code, w) in all[at(n)][..n].iter_mut().enumerate() {
+                    *w = super::kernel::bf16_round(self.centroid(j, code as u32)) as u16;
+                }
+            }
+            all
+        });
+        &all[at(self.comps[j].mask as usize + 1)]
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
