@@ -8,7 +8,7 @@ use super::kernel::{
 };
 use super::math::{exp_neg, hsum16, tanh, tile_sum};
 use super::rope::{KeyRope, Synthesis};
-use super::store::LayerCodes;
+use super::store::{LayerCodes, SealedBlock};
 use super::tables::StreamTables;
 use crate::error::{input, param, Result};
 use rayon::prelude::*;
@@ -711,6 +711,30 @@ fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool)
     Some(alpha)
 }
 
+/// Where the outliers of the next tile of a stream start: the tiles of a piece run in
+/// order, so a tile that begins where the last one read ended (same block) continues from
+/// the outlier after the last one it read, and the binary search runs once per block.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cursor(Option<(usize, usize, usize)>);
+
+impl Cursor {
+    /// After reading rows up to `row` of block `block`, the next outlier is `next`.
+    #[inline(always)]
+    fn after(block: usize, row: usize, next: usize) -> Self {
+        Self(Some((block, row, next)))
+    }
+
+    /// The index of the first outlier of block `b` (number `bi`) at flat position `>= lo`
+    /// (`lo` = row `row0`'s first).
+    #[inline(always)]
+    fn start(&self, b: &SealedBlock, bi: usize, row0: usize, lo: u32) -> usize {
+        match self.0 {
+            Some((block, row, next)) if block == bi && row == row0 => next,
+            _ => b.first_outlier_from(lo),
+        }
+    }
+}
+
 #[inline(always)]
 fn code_part<K: Tile>(
     k: K,
@@ -734,6 +758,7 @@ fn code_part<K: Tile>(
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
     let mut overflow = false;
+    let (mut kcur, mut vcur) = (Cursor::default(), Cursor::default());
     for &(bi, row0, rows, pos0) in tiles {
         if !cx.visibility(b, pos0, rows, &mut add) {
             continue;
@@ -753,11 +778,13 @@ fn code_part<K: Tile>(
             } else {
                 k.centroids(kt, kb, row0, rows, scratch);
             }
-            for o in kb.first_outlier_from(lo)..kb.outliers {
+            let mut o = kcur.start(kb, bi, row0, lo);
+            while o < kb.outliers {
                 let (pos, val) = kb.outlier(o);
                 if pos >= hi {
                     break;
                 }
+                o += 1;
                 let (row, j) = (pos as usize / mk, pos as usize % mk);
                 if bf16 {
                     let w = &mut scratch.packed[(j / 2) * TILE + row - row0];
@@ -770,15 +797,18 @@ fn code_part<K: Tile>(
                     scratch.tile[j * TILE + row - row0] = val;
                 }
             }
+            kcur = Cursor::after(bi, row0 + rows, o);
             let first = b * cx.sealed + pos0 - cx.sink.rows;
             rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
         } else {
             k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
-            for o in kb.first_outlier_from(lo)..kb.outliers {
+            let mut o = kcur.start(kb, bi, row0, lo);
+            while o < kb.outliers {
                 let (pos, val) = kb.outlier(o);
                 if pos >= hi {
                     break;
                 }
+                o += 1;
                 let (row, j) = (pos as usize / mk, pos as usize % mk);
                 let diff = val - centroid_at(kt, kb, row, j);
                 let t = row - row0;
@@ -786,6 +816,7 @@ fn code_part<K: Tile>(
                     s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
                 }
             }
+            kcur = Cursor::after(bi, row0 + rows, o);
             for r in 0..qr {
                 let qm = prep.qm[r];
                 for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
@@ -818,11 +849,13 @@ fn code_part<K: Tile>(
         k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, scratch);
         let lo = (row0 * mv) as u32;
         let hi = ((row0 + rows) * mv) as u32;
-        for o in vb.first_outlier_from(lo)..vb.outliers {
+        let mut o = vcur.start(vb, bi, row0, lo);
+        while o < vb.outliers {
             let (pos, val) = vb.outlier(o);
             if pos >= hi {
                 break;
             }
+            o += 1;
             let (row, j) = (pos as usize / mv, pos as usize % mv);
             let diff = val - centroid_at(vt, vb, row, j);
             let t = row - row0;
@@ -831,11 +864,10 @@ fn code_part<K: Tile>(
                 *a = s[r * TILE + t].mul_add(diff, *a);
             }
         }
+        vcur = Cursor::after(bi, row0 + rows, o);
     }
     let mut sums = vec![0f32; qr * mv];
-    for (dst, lanes) in sums.iter_mut().zip(acc.chunks_exact(16)) {
-        *dst = hsum16(lanes.try_into().expect("16 lanes"));
-    }
+    k.lane_sums(&acc, &mut sums);
     (scratch.scores, scratch.add, scratch.acc) = (s, add, acc);
     Part {
         code: true,

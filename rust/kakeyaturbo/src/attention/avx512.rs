@@ -171,6 +171,13 @@ impl Tile for Avx512 {
     }
 
     #[inline(always)]
+    fn lane_sums(self, acc: &[f32], sums: &mut [f32]) {
+        assert!(acc.len() >= 16 * sums.len());
+        // SAFETY: as in `scales`; every chunk read is inside `acc` (checked).
+        unsafe { lane_sums(acc, sums) }
+    }
+
+    #[inline(always)]
     fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
         // SAFETY: only reached through `attend::run_task_avx512`, which `available` guards.
         unsafe { scales(b, row0, rows, g) }
@@ -276,6 +283,23 @@ unsafe fn scales(b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE])
             None => _mm512_maskz_mov_ps(live, _mm512_set1_ps(1.0)),
         };
         _mm512_storeu_ps(g.as_mut_ptr().add(first), v);
+    }
+}
+
+/// [`super::math::hsum16`] of each chunk of 16 in registers: lanes `l + 8`, `+ 4`, `+ 2`,
+/// `+ 1` added by halving the register (the same additions, in the same tree).
+#[target_feature(enable = "avx512f")]
+unsafe fn lane_sums(acc: &[f32], sums: &mut [f32]) {
+    let ap = acc.as_ptr();
+    for (i, dst) in sums.iter_mut().enumerate() {
+        let v = _mm512_loadu_ps(ap.add(16 * i));
+        let a = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        );
+        let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        *dst = _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
     }
 }
 

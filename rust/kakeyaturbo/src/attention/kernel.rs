@@ -144,6 +144,13 @@ pub(crate) trait Tile: Copy + Send + Sync {
         self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
         rotate_tile(rot, keys);
     }
+    /// `sums[i]` = [`super::math::hsum16`] of `acc[16 i .. 16 i + 16]` (the same tree of
+    /// additions).
+    fn lane_sums(self, acc: &[f32], sums: &mut [f32]) {
+        for (dst, lanes) in sums.iter_mut().zip(acc.chunks_exact(16)) {
+            *dst = super::math::hsum16(lanes.try_into().expect("16 lanes"));
+        }
+    }
     /// `acc[(r * m + j) * 16 + l] = fma(pg[r * 64 + 16 k + l], c_(16k+l)j, acc)` for
     /// `k = 0..4` in order.
     #[allow(clippy::too_many_arguments)]

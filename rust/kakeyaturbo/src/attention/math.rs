@@ -16,7 +16,10 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 pub fn exp_neg(x: f32) -> f32 {
     // Branch-free (it vectorises): the polynomial runs on the clamped input and the result is
     // selected afterwards; `!(x >= LOW)` also sends NaN to 0 (the kernel never makes one).
-    let xc = x.clamp(EXP_LOW, 0.0);
+    // `max` then `min` (not `clamp`, which keeps NaN) so that `n` is an integer in
+    // `[-126, 0]` for every input: its conversion below then needs no saturation, which `as`
+    // would add as scalar compares and moves per lane.
+    let xc = x.max(EXP_LOW).min(0.0);
     let n = (xc * LOG2E).round_ties_even();
     let r = n.mul_add(-LN2_HI, xc);
     let r = n.mul_add(-LN2_LO, r);
@@ -28,7 +31,9 @@ pub fn exp_neg(x: f32) -> f32 {
     p = p.mul_add(r, 0.5);
     p = p.mul_add(r, 1.0);
     p = p.mul_add(r, 1.0);
-    let y = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // SAFETY: `n` is finite and in `[-126, 0]` (above).
+    let ni: i32 = unsafe { n.to_int_unchecked() };
+    let y = p * f32::from_bits(((ni + 127) as u32) << 23);
     if x >= EXP_LOW {
         y
     } else {
@@ -80,6 +85,9 @@ mod tests {
         assert_eq!(exp_neg(-0.0), 1.0);
         assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_neg(-1000.0), 0.0);
+        assert_eq!(exp_neg(f32::NAN).to_bits(), 0.0f32.to_bits());
+        assert_eq!(exp_neg(f32::INFINITY), 1.0);
+        assert_eq!(exp_neg(1e-30), 1.0);
         assert!(exp_neg(-87.0) > 0.0 && exp_neg(-87.0).is_normal());
         let mut worst = 0f64;
         let mut x = -87.0f32;
