@@ -19,6 +19,7 @@ pub fn exp_neg(x: f32) -> f32 {
     // `max` then `min` (not `clamp`, which keeps NaN) so that `n` is an integer in
     // `[-126, 0]` for every input: its conversion below then needs no saturation, which `as`
     // would add as scalar compares and moves per lane.
+    #[allow(clippy::manual_clamp)] // `clamp` keeps NaN, which is what this avoids.
     let xc = x.max(EXP_LOW).min(0.0);
     let n = (xc * LOG2E).round_ties_even();
     let r = n.mul_add(-LN2_HI, xc);
