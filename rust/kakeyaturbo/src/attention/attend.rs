@@ -718,20 +718,33 @@ fn softmax_update(s: &mut [f32], mx: &mut f32, l: &mut f32, overflow: &mut bool)
 struct Cursor(Option<(usize, usize, usize)>);
 
 impl Cursor {
-    /// After reading rows up to `row` of block `block`, the next outlier is `next`.
+    /// Calls `f(row, j, value)` for each outlier of rows `row0 .. row0 + rows` of block `b`
+    /// (number `bi`, `m` components per row), in order, and remembers where the next tile
+    /// continues.
     #[inline(always)]
-    fn after(block: usize, row: usize, next: usize) -> Self {
-        Self(Some((block, row, next)))
-    }
-
-    /// The index of the first outlier of block `b` (number `bi`) at flat position `>= lo`
-    /// (`lo` = row `row0`'s first).
-    #[inline(always)]
-    fn start(&self, b: &SealedBlock, bi: usize, row0: usize, lo: u32) -> usize {
-        match self.0 {
+    fn each(
+        &mut self,
+        b: &SealedBlock,
+        bi: usize,
+        row0: usize,
+        rows: usize,
+        m: usize,
+        mut f: impl FnMut(usize, usize, f32),
+    ) {
+        let hi = ((row0 + rows) * m) as u32;
+        let mut o = match self.0 {
             Some((block, row, next)) if block == bi && row == row0 => next,
-            _ => b.first_outlier_from(lo),
+            _ => b.first_outlier_from((row0 * m) as u32),
+        };
+        while o < b.outliers {
+            let (pos, val) = b.outlier(o);
+            if pos >= hi {
+                break;
+            }
+            o += 1;
+            f(pos as usize / m, pos as usize % m, val);
         }
+        self.0 = Some((bi, row0 + rows, o));
     }
 }
 
@@ -765,8 +778,6 @@ fn code_part<K: Tile>(
         }
         let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
         k.scales(kb, row0, rows, &mut gk);
-        let lo = (row0 * mk) as u32;
-        let hi = ((row0 + rows) * mk) as u32;
         if let Some(kr) = &cx.rope {
             // The rows' centroids (rounded to bfloat16 pairs for that synthesis), each
             // outlier's value in its place.
@@ -778,14 +789,7 @@ fn code_part<K: Tile>(
             } else {
                 k.centroids(kt, kb, row0, rows, scratch);
             }
-            let mut o = kcur.start(kb, bi, row0, lo);
-            while o < kb.outliers {
-                let (pos, val) = kb.outlier(o);
-                if pos >= hi {
-                    break;
-                }
-                o += 1;
-                let (row, j) = (pos as usize / mk, pos as usize % mk);
+            kcur.each(kb, bi, row0, rows, mk, |row, j, val| {
                 if bf16 {
                     let w = &mut scratch.packed[(j / 2) * TILE + row - row0];
                     *w = if j % 2 == 0 {
@@ -796,27 +800,18 @@ fn code_part<K: Tile>(
                 } else {
                     scratch.tile[j * TILE + row - row0] = val;
                 }
-            }
-            kcur = Cursor::after(bi, row0 + rows, o);
+            });
             let first = b * cx.sealed + pos0 - cx.sink.rows;
             rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
         } else {
             k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
-            let mut o = kcur.start(kb, bi, row0, lo);
-            while o < kb.outliers {
-                let (pos, val) = kb.outlier(o);
-                if pos >= hi {
-                    break;
-                }
-                o += 1;
-                let (row, j) = (pos as usize / mk, pos as usize % mk);
+            kcur.each(kb, bi, row0, rows, mk, |row, j, val| {
                 let diff = val - centroid_at(kt, kb, row, j);
                 let t = row - row0;
                 for r in 0..qr {
                     s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
                 }
-            }
-            kcur = Cursor::after(bi, row0 + rows, o);
+            });
             for r in 0..qr {
                 let qm = prep.qm[r];
                 for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
@@ -847,24 +842,14 @@ fn code_part<K: Tile>(
             }
         }
         k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, scratch);
-        let lo = (row0 * mv) as u32;
-        let hi = ((row0 + rows) * mv) as u32;
-        let mut o = vcur.start(vb, bi, row0, lo);
-        while o < vb.outliers {
-            let (pos, val) = vb.outlier(o);
-            if pos >= hi {
-                break;
-            }
-            o += 1;
-            let (row, j) = (pos as usize / mv, pos as usize % mv);
+        vcur.each(vb, bi, row0, rows, mv, |row, j, val| {
             let diff = val - centroid_at(vt, vb, row, j);
             let t = row - row0;
             for r in 0..qr {
                 let a = &mut acc[(r * mv + j) * 16 + t % 16];
                 *a = s[r * TILE + t].mul_add(diff, *a);
             }
-        }
-        vcur = Cursor::after(bi, row0 + rows, o);
+        });
     }
     let mut sums = vec![0f32; qr * mv];
     k.lane_sums(&acc, &mut sums);
