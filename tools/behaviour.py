@@ -62,8 +62,15 @@ def synthetic_stats(layers: int, heads: int, d: int, seed: int = 3) -> Any:
 # sits on a decision threshold, may differ between two CPU models (seen: two AMD EPYCs). Their
 # blobs are checked by length and by the relative error of the decoded rows, to this tolerance
 # (a code flipped on a threshold moves it by about 1e-5; a changed quantiser or basis by more);
-# the eval figures of a calibrated method too.
+# the eval figures of a calibrated method too. Where a head's weakest components have nearly
+# equal variances, which of them get the last bits (and their eigenvectors) can differ between
+# CPUs too, moving that one head's error by up to about 1 % (seen: 0.7 % on one key head of
+# `calibrated-4bit-sens`, a Zen 4 EPYC against the Zen 5 that recorded it): each head is held
+# to RTOL_HEAD, and the mean over a recipe's six heads of a stream to RTOL_MEAN (one such head
+# moves it by a sixth of its own change).
 RTOL = 1e-3
+RTOL_HEAD = 2e-2
+RTOL_MEAN = 3e-3
 
 
 def codec_bytes() -> Dict[str, Any]:
