@@ -12,7 +12,7 @@ import pytest
 
 from kakeyaturbo import recipes
 from kakeyaturbo.calibration import AttentionStats, Sensitivity, allocate_bits, model_codec
-from kakeyaturbo.calibration.allocation import global_allocation
+from kakeyaturbo.calibration.allocation import LLOYD_MAX_MSE, global_allocation
 from kakeyaturbo.calibration.fit import shrink_fisher
 from kakeyaturbo.errors import InvalidParameterError
 
@@ -151,6 +151,77 @@ def test_global_allocation_component_cap_per_spectrum() -> None:
         global_allocation([lam, lam], [24, 24], max_components=[1])
 
 
+def test_allocate_bits_component_cost() -> None:
+    """``component_cost`` charges a component's first bit that many times the water level: 0
+    is the allocation without it; a rising cost gives fewer components bits, never more, the
+    strongest ones kept, the same budget spent, the loss rising with the cost; bad costs are
+    refused."""
+    lam = np.sort(np.concatenate([0.8 ** np.arange(24), 0.05 * 0.9 ** np.arange(24)]))[::-1]
+    mse = np.asarray(LLOYD_MAX_MSE)
+    free = allocate_bits(lam, 96)
+    assert np.array_equal(allocate_bits(lam, 96, component_cost=0.0), free)
+    assert np.array_equal(allocate_bits(lam, 96, component_cost=np.zeros(48)), free)
+    counts, losses = [], []
+    for cost in (0.5, 1.0, 2.0, 4.0, 16.0):
+        b = allocate_bits(lam, 96, component_cost=cost)
+        assert b.sum() == free.sum()
+        kept = np.flatnonzero(b)
+        assert np.array_equal(kept, np.arange(len(kept)))  # lam is descending
+        counts.append(len(kept))
+        losses.append(float((lam * mse[b]).sum()))
+    assert counts == sorted(counts, reverse=True) and counts[0] < np.count_nonzero(free)
+    assert counts[-1] < counts[0]
+    assert losses == sorted(losses) and losses[0] > float((lam * mse[free]).sum())
+    # One cost per component: only the charged ones lose bits.
+    half = allocate_bits(lam, 96, component_cost=np.r_[np.zeros(24), np.full(24, 4.0)])
+    assert np.count_nonzero(half[24:]) < np.count_nonzero(free[24:])
+    assert np.array_equal(half[:24] > 0, free[:24] > 0)
+    # A floor is kept whatever the cost.
+    assert allocate_bits(lam, 60, floor=1, component_cost=16.0).min() == 1
+    for bad in (-1.0, np.nan, np.inf, np.zeros(3)):
+        with pytest.raises(InvalidParameterError, match="component_cost"):
+            allocate_bits(lam, 96, component_cost=bad)
+
+
+def test_global_allocation_component_cost_per_spectrum() -> None:
+    """A cost on one spectrum of a pooled allocation: that spectrum's heads keep fewer
+    components (none it did not have before the bytes were rounded), the other keeps at least
+    as many, rows stay whole bytes within the pooled budget."""
+    g = np.random.default_rng(3)
+    sps = [np.sort(g.exponential(1.0, 32))[::-1] * 0.85 ** np.arange(32) for _ in range(6)]
+    budgets = [64] * 6
+    free = global_allocation(sps, budgets)
+    costs = [3.0, 3.0, 3.0, 0.0, 0.0, 0.0]
+    priced = global_allocation(sps, budgets, component_cost=costs)
+    assert all(int(b.sum()) % 8 == 0 for b in priced)
+    assert sum(int(b.sum()) for b in priced) <= sum(budgets)
+    nz = lambda bs: [int(np.count_nonzero(b)) for b in bs]
+    assert sum(nz(priced)[:3]) < sum(nz(free)[:3])
+    assert sum(nz(priced)[3:]) >= sum(nz(free)[3:])
+    assert [np.array_equal(a, b) for a, b in zip(global_allocation(sps, budgets, component_cost=0.0),
+                                                  free)] == [True] * 6
+    with pytest.raises(InvalidParameterError, match="component costs"):
+        global_allocation(sps, budgets, component_cost=[1.0])
+
+
+def test_component_cost_lowers_key_components(stats_and_sensitivity) -> None:
+    """A recipe's ``component_cost`` on K: fewer key components in all, the values' codecs
+    never fewer, in the pooled allocation and the per-head one."""
+    stats, sens = stats_and_sensitivity
+    rec = _recipe()
+    count = lambda m, s: sum(len(_bits(c)) for (t, _, _), c in m.codecs.items() if t == s)
+    plain = model_codec.ModelCodec(stats, rec, sensitivity=sens)
+    priced = model_codec.ModelCodec(stats, replace(rec, k=replace(rec.k, component_cost=4.0)),
+                                    sensitivity=sens)
+    assert count(priced, "k") < count(plain, "k") and count(priced, "v") >= count(plain, "v")
+    per_head = replace(rec, k=replace(rec.k, allocation="per-head", whiten="none"),
+                       v=replace(rec.v, allocation="per-head", whiten="none", min_bits=0))
+    a = model_codec.ModelCodec(stats, per_head, sensitivity=sens)
+    b = model_codec.ModelCodec(stats, replace(per_head, k=replace(per_head.k, component_cost=4.0)),
+                               sensitivity=sens)
+    assert count(b, "k") < count(a, "k")
+
+
 def test_max_components_holds_in_every_head(stats_and_sensitivity) -> None:
     """A recipe's ``max_components`` on K alone: every key codec keeps at most that many
     components, in the pooled allocation and the per-head one, and the pooled bits stay within
@@ -233,6 +304,10 @@ def test_levers_are_checked() -> None:
         _recipe(max_components=0)
     with pytest.raises((InvalidParameterError, TypeError), match="max_components"):
         _recipe(max_components="all")
+    with pytest.raises(InvalidParameterError, match="component_cost"):
+        _recipe(component_cost=-0.5)
+    with pytest.raises((InvalidParameterError, TypeError), match="component_cost"):
+        _recipe(component_cost="high")
 
 
 def test_per_head_tables_fit_each_heads_own_rows(stats_and_sensitivity) -> None:

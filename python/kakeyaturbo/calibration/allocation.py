@@ -20,7 +20,8 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
                   distortion: Sequence[float] = LLOYD_MAX_MSE,
                   floor: "int | Sequence[int]" = 0,
                   max_components: "int | Sequence[Optional[int]] | None" = None,
-                  segments: Optional[Sequence[int]] = None) -> np.ndarray:
+                  segments: Optional[Sequence[int]] = None,
+                  component_cost: "float | Sequence[float]" = 0.0) -> np.ndarray:
     """Integer reverse water-filling: ``budget`` bits over components of the given variances,
     at most ``max_bits`` each and at least ``floor`` each (one for all, or one per component;
     paid first, out of the budget), minimising ``sum_j var_j * distortion[b_j]``.
@@ -35,6 +36,15 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     component past its segment's cap gets no first bit, the bits go on to the others (greedy:
     which components get bits is decided by the gain of their first bit, so with a cap the
     result need not be optimal).
+
+    ``component_cost`` (one for all, or one per component, each ``>= 0``) charges a component's
+    first bit that many times the water level, the gain of the best bit the allocation without
+    costs leaves unspent: the bits are then handed out again, one at a time, in the order of
+    their gain less that charge, so a weak component's first bit waits until the bits of the
+    components that have some gain less than it does; the whole budget is still spent where
+    anything is left to gain. It prices work that grows with the number of components
+    (attention over keys coded before RoPE synthesises each key at ``m x D`` multiply-adds).
+    All zero: the allocation without costs.
     """
     lam = np.asarray(variances, dtype=np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
@@ -57,23 +67,51 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
         raise InvalidParameterError(f"a floor of {floor} bits gives {int(used.max())} components "
                                     f"bits, more than max_components = {int(caps.min())}")
     budget -= paid
-    heap = [(-(v * (distortion[bits[j]] - distortion[bits[j] + 1])), j) for j, v in enumerate(lam)
-            if max_bits > bits[j]]
+    cost = np.broadcast_to(np.asarray(component_cost, dtype=np.float64), lam.shape) \
+        if np.ndim(component_cost) == 0 else np.asarray(component_cost, dtype=np.float64)
+    if cost.shape != lam.shape or np.any(~np.isfinite(cost)) or np.any(cost < 0):
+        raise InvalidParameterError(f"component_cost must be one finite value >= 0, or one per "
+                                    f"component, got {component_cost!r}")
+    free, level = _greedy(lam, bits, budget, max_bits, distortion, seg, caps, used, None)
+    if level <= 0 or not np.any(cost > 0):
+        return free
+    return _greedy(lam, bits, budget, max_bits, distortion, seg, caps, used, cost * level)[0]
+
+
+def _greedy(lam: np.ndarray, bits: np.ndarray, budget: int, max_bits: int,
+            distortion: Sequence[float], seg: np.ndarray, caps: np.ndarray, used: np.ndarray,
+            first: Optional[np.ndarray]) -> Tuple[np.ndarray, float]:
+    """:func:`allocate_bits`' hand-out of ``budget`` bits on top of ``bits`` (the floors, of
+    which ``used`` counts the components per segment), a component's first bit charged
+    ``first[j]`` (None: nothing): (the bits, the largest gain left unspent, 0 if none)."""
+    bits, used = bits.copy(), used.copy()
+
+    def gain(j: int) -> float:
+        return float(lam[j] * (distortion[bits[j]] - distortion[bits[j] + 1]))
+
+    def key(j: int) -> float:  # the order of the hand-out: the gain less any charge
+        return -(gain(j) - first[j]) if first is not None and bits[j] == 0 else -gain(j)
+
+    heap = [(key(j), j) for j in range(len(lam)) if max_bits > bits[j]]
     heapq.heapify(heap)
     while budget > 0 and heap:
-        gain, j = heapq.heappop(heap)
-        if gain >= 0:  # nothing left to gain: zero-variance components get no bits
-            break
+        _, j = heapq.heappop(heap)
+        if gain(j) <= 0:  # nothing to gain: zero-variance components get no bits
+            continue
         if bits[j] == 0:
             if used[seg[j]] >= caps[seg[j]]:
                 continue  # its segment has all the components it may have
             used[seg[j]] += 1
         bits[j] += 1
         budget -= 1
-        b = bits[j]
-        if b < max_bits:
-            heapq.heappush(heap, (-(lam[j] * (distortion[b] - distortion[b + 1])), j))
-    return bits
+        if bits[j] < max_bits:
+            heapq.heappush(heap, (key(j), j))
+    # The water level: the best bit left (a first bit its segment's cap forbids does not count).
+    level = 0.0
+    for _, j in heap:
+        if bits[j] > 0 or used[seg[j]] < caps[seg[j]]:
+            level = max(level, gain(j))
+    return bits, level
 
 
 def _segment_caps(n: int, max_components: "int | Sequence[Optional[int]] | None",
@@ -157,16 +195,19 @@ def _take_bits(sp: np.ndarray, b: np.ndarray, n: int, floor: int = 0) -> Tuple[f
 
 def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
                       max_bits: int = 8, floor: "int | Sequence[int]" = 0,
-                      max_components: "int | Sequence[Optional[int]] | None" = None
-                      ) -> List[np.ndarray]:
+                      max_components: "int | Sequence[Optional[int]] | None" = None,
+                      component_cost: "float | Sequence[float]" = 0.0) -> List[np.ndarray]:
     """Water-filling across several (layer, kv-head) at once: the pooled budget goes where the
     (whitened or weighted) variances are largest, whichever head they belong to (every component
     given at least ``floor`` bits first: one floor for all, or one per spectrum, e.g. per
     stream; at most ``max_components`` components of a spectrum given any bits: one cap for
-    all, or one per spectrum, ``None`` for none); then each head's row is trimmed to whole bytes by
-    taking back its least useful bits above the floor, and the bytes so freed go back, one byte
-    at a time, to the head whose error falls most with it (so the total never exceeds the pooled
-    budget, and every head keeps at least one byte)."""
+    all, or one per spectrum, ``None`` for none; each component's first bit charged
+    ``component_cost`` times the water level, one for all or one per spectrum, see
+    :func:`allocate_bits`); then each head's row is trimmed to whole bytes by taking back its
+    least useful bits above the floor, and the bytes so freed go back, one byte at a time, to
+    the head whose error falls most with it (so the total never exceeds the pooled budget, and
+    every head keeps at least one byte; a head with a cost gives the bytes it gains to the
+    components that have bits already)."""
     sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
     total = int(sum(row_budgets))
     floors = [int(floor)] * len(sps) if np.ndim(floor) == 0 else [int(f) for f in floor]
@@ -175,12 +216,20 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
     per = np.concatenate([np.full(len(sp), f, dtype=np.int64) for sp, f in zip(sps, floors)])
     seg = np.concatenate([np.full(len(sp), i, dtype=np.int64) for i, sp in enumerate(sps)])
     _, caps = _segment_caps(len(seg), max_components, seg)  # no cap: the total count
+    costs = [float(component_cost)] * len(sps) if np.ndim(component_cost) == 0 \
+        else [float(c) for c in component_cost]
+    if len(costs) != len(sps):
+        raise InvalidParameterError(f"{len(costs)} component costs for {len(sps)} spectra")
     bits = allocate_bits(np.concatenate(sps), total, max_bits, floor=per, max_components=caps,
-                         segments=seg)
+                         segments=seg, component_cost=np.concatenate(
+                             [np.full(len(sp), c) for sp, c in zip(sps, costs)]))
     out, at = [], 0
-    for sp, floor, cap in zip(sps, floors, caps):
+    for i, (sp, floor) in enumerate(zip(sps, floors)):
         b = bits[at:at + len(sp)]
         at += len(sp)
+        if costs[i] > 0 and b.any():  # bytes added below go to components with bits
+            caps[i] = min(int(caps[i]), int(np.count_nonzero(b)))
+        cap = int(caps[i])
         extra = int(b.sum()) % 8
         trimmed = _take_bits(sp, b, extra, floor)
         # whole bytes: take the odd bits back, or (all at the floor) add up to the next byte

@@ -108,7 +108,8 @@ class HeadSpectrum:
 
 def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True,
                  max_bits: int = 8, bits: Optional[np.ndarray] = None,
-                 min_bits: int = 0, max_components: Optional[int] = None) -> StreamFit:
+                 min_bits: int = 0, max_components: Optional[int] = None,
+                 component_cost: float = 0.0) -> StreamFit:
     """The calibration of one head from its spectrum, water-filled to the target (or given
     ``bits`` per component, in the order of the spectrum).
 
@@ -122,7 +123,8 @@ def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True
     w = None if sp.whitening is None else np.asarray(sp.whitening, dtype=np.float64)
     if bits is None:
         bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits,
-                             floor=min_bits, max_components=max_components)
+                             floor=min_bits, max_components=max_components,
+                             component_cost=component_cost)
     bits = np.asarray(bits, dtype=np.int64)
     keep = np.flatnonzero(bits > 0)
     if keep.size == 0:
@@ -254,7 +256,8 @@ def fit_codec(sp: HeadSpectrum, settings: CalibratedStream,
     allocation (bits per component in the order of the spectrum)."""
     fit = fit_spectrum(sp, settings.bits, norm=settings.norm, max_bits=settings.max_bits,
                        bits=bits, min_bits=settings.min_bits,
-                       max_components=settings.max_components)
+                       max_components=settings.max_components,
+                       component_cost=settings.component_cost)
     widths = set(int(b) for b in fit.bits)
     tables = {b: t for b, t in (centroids or {}).items() if b in widths} or None
     return fit.codec(rotation_seed=settings.rotation_seed, metric=settings.metric,

@@ -78,15 +78,17 @@ class ModelCodec:
             max_bits = min(st.max_bits for _, st in pooled)
             floors = [st.min_bits for _, st in pooled]  # each stream's own floor
             caps = [st.max_components for _, st in pooled]  # and cap
+            costs = [st.component_cost for _, st in pooled]  # and component cost
             for (k, _), b in zip(pooled, global_allocation(weighted, budgets, max_bits, floors,
-                                                           caps)):
+                                                           caps, costs)):
                 alloc[k] = b
         for s, st in streams:
             if st.allocation == "global":
                 lams = [spectra[(s, *key)].variances for key in keys]
                 budget = row_budget(st.bits, lams[0].size, st.norm)
                 for key, b in zip(keys, global_allocation(lams, [budget] * len(keys), st.max_bits,
-                                                          st.min_bits, st.max_components)):
+                                                          st.min_bits, st.max_components,
+                                                          st.component_cost)):
                     alloc[(s, *key)] = b
             samples = stats.k_samples if s == "k" else stats.v_samples
             tables: Dict[Tuple[int, int], Optional[Dict[int, np.ndarray]]] = {}

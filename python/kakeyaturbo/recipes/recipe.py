@@ -112,6 +112,12 @@ class CalibratedStream:
     #: coded before RoPE are synthesised per row at ``m x D`` multiply-adds (``m`` the components
     #: with bits) by attention over the codes, so a cap bounds that work.
     max_components: Optional[int] = None
+    #: What a component costs to have any bits, in multiples of the water level (the gain of
+    #: the best bit the allocation without it leaves unspent; ``allocate_bits``): a component
+    #: gets bits only where its first bit earns more than that, the budget going to the others.
+    #: On K it trades accuracy for the attention kernel's ``m x D`` work per key where that
+    #: costs least, instead of a cap in every head; 0 (the default): no cost.
+    component_cost: float = 0.0
 
     WHITEN = ("none", "query", "output", "fisher")
     TABLES = ("gaussian", "calibrated", "per-head")
@@ -137,6 +143,9 @@ class CalibratedStream:
         if not 0.0 <= shrink <= 1.0:
             raise InvalidParameterError(f"fisher_shrink must be in [0, 1], got {shrink}")
         max_bits = _checks.integer(self.max_bits, "max_bits", 1, 8)
+        cost = _checks.real(self.component_cost, "component_cost")
+        if not 0.0 <= cost <= 1e6:
+            raise InvalidParameterError(f"component_cost must be in [0, 1e6], got {cost}")
         return CalibratedStream(
             bits=bits, whiten=whiten, center=_checks.boolean(self.center, "center"),
             norm=_checks.boolean(self.norm, "norm"), metric=_checks.choice(self.metric, "metric", METRICS),
@@ -149,7 +158,8 @@ class CalibratedStream:
             fisher_prior=_checks.choice(self.fisher_prior, "fisher_prior", self.PRIORS),
             min_bits=_checks.integer(self.min_bits, "min_bits", 0, max_bits),
             max_components=None if self.max_components is None
-            else _checks.integer(self.max_components, "max_components", 1, 1 << 16))
+            else _checks.integer(self.max_components, "max_components", 1, 1 << 16),
+            component_cost=cost)
 
 
 @dataclass(frozen=True)
