@@ -28,7 +28,6 @@ blobs`` bytes (:func:`overhead`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -99,19 +98,7 @@ def codec_identity(codec: StreamCodec) -> Dict[str, Any]:
 
 
 def _recipe_json(recipe: Optional[Recipe]) -> Optional[Dict[str, Any]]:
-    if recipe is None:
-        return None
-    out: Dict[str, Any] = {
-        "name": recipe.name, "description": recipe.description, "mode": recipe.mode,
-        "boundary_layers": list(recipe.boundary_layers), "n_sink": recipe.n_sink,
-        "streams": list(recipe.streams),
-    }
-    for s in STREAMS:
-        st = recipe.stream(s)
-        out[s] = dataclasses.asdict(st) if dataclasses.is_dataclass(st) else dict(st)
-    if recipe.mode == "calibrated":
-        out["calibration"] = dataclasses.asdict(recipe.calibration)
-    return out
+    return None if recipe is None else recipe.as_dict()
 
 
 # --- writing ---------------------------------------------------------------------------------

@@ -308,6 +308,21 @@ class Recipe:
         except (TypeError, KakeyaError) as e:
             raise InvalidParameterError(f"[calibration] {e}") from None
 
+    def as_dict(self) -> Dict[str, Any]:
+        """Every field as plain values (JSON-ready): ``Recipe(**recipe.as_dict())`` is the same
+        recipe. Saved prefixes and codec files record their recipe this way."""
+        out: Dict[str, Any] = {
+            "name": self.name, "description": self.description, "mode": self.mode,
+            "boundary_layers": list(self.boundary_layers), "n_sink": self.n_sink,
+            "streams": list(self.streams),
+        }
+        for s in STREAMS:
+            st = self.stream(s)
+            out[s] = dataclasses.asdict(st) if dataclasses.is_dataclass(st) else dict(st)
+        if self.mode == "calibrated":
+            out["calibration"] = dataclasses.asdict(self.calibration)
+        return out
+
     def stream(self, name: str) -> Stream:
         """The settings of stream ``"k"`` or ``"v"``."""
         return self.k if _checks.choice(name, "stream", STREAMS) == "k" else self.v
