@@ -203,6 +203,34 @@ def test_another_model_codec_or_dtype_is_refused(llama, qwen2, cal_file, tmp_pat
         KakeyaCache.load(tmp_path / "nothing.kkpfx", llama)
 
 
+def test_a_codec_file_serves_in_place_of_the_calibration(llama, qwen2, cal_file, tmp_path) -> None:
+    """The codecs fitted once and saved (``ModelCodec.save(path, model)``): a saved prefix loads
+    with them as with the calibration it was fitted from (the same fingerprints, so the same
+    continuation), ``from_pretrained`` takes them too; refused for another recipe or model."""
+    cpath = tmp_path / "c.kkpfx"
+    cache = _saved("calibrated", llama, cpath, cal_file)
+    codec_file = cache.codec.save(tmp_path / "llama.kkcodec", llama)
+    want, _ = generate(llama, _ids(), KakeyaCache.load(cpath, llama, calibration=cal_file), n=NEW)
+    got, _ = generate(llama, _ids(), KakeyaCache.load(cpath, llama, calibration=codec_file), n=NEW)
+    assert got.tolist() == want.tolist()
+    fresh = KakeyaCache.from_pretrained(llama, "calibrated-3bit", calibration=codec_file, block_size=16)
+    assert persist.codec_identity(fresh.codec) == persist.codec_identity(cache.codec)
+    with pytest.raises(InvalidParameterError, match="fitted for recipe 'calibrated-3bit', not 'calibrated-4bit'"):
+        KakeyaCache.from_pretrained(llama, "calibrated-4bit", calibration=codec_file)
+    with pytest.raises(ModelMismatchError, match="llama.kkcodec"):
+        KakeyaCache.from_pretrained(qwen2, "calibrated-3bit", calibration=codec_file)
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=16,
+        max_position_embeddings=512)).eval()
+    with pytest.raises(ModelMismatchError, match="fitted for another model: fingerprint"):
+        KakeyaCache.from_pretrained(other, "calibrated-3bit", calibration=codec_file)
+    # Saved without a model, it is checked by its shapes alone.
+    anon = cache.codec.save(tmp_path / "anon.kkcodec")
+    assert calibration.ModelCodec.load(anon).check_model(other).model_info is None
+
+
 def test_save_needs_the_model_and_an_identified_codec(llama, tmp_path) -> None:
     class Anonymous(IdentityCodec):
         pass

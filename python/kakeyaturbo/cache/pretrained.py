@@ -7,6 +7,7 @@ import os
 from typing import Any, Optional, Tuple, Union
 
 from ..calibration import Calibration, ModelCodec
+from ..calibration.model_codec import is_codec_file
 from ..errors import InvalidParameterError
 from ..recipes import Recipe
 from ..recipes import load as load_recipe
@@ -26,7 +27,9 @@ def codec_for_model(model: Any, recipe: Union[Recipe, str, "os.PathLike[str]"],
     """``(codec, recipe)`` for a loaded ``model``: a per-block recipe's :class:`BlockCodec`, or
     a calibrated recipe's :class:`~kakeyaturbo.calibration.ModelCodec` fitted from
     ``calibration`` (a :class:`~kakeyaturbo.calibration.Calibration` or its file; default: the
-    file the recipe's ``[calibration] path`` names).
+    file the recipe's ``[calibration] path`` names), or loaded from it where it is a codec file
+    (``ModelCodec.save``: the codecs fitted once, the same on every machine; it must have
+    been fitted for this recipe and, where it records one, this model).
 
     Raises InvalidParameterError when a calibrated recipe has no calibration or a per-block one
     is given one, ModelMismatchError (one) when the calibration was made for another model,
@@ -41,6 +44,14 @@ def codec_for_model(model: Any, recipe: Union[Recipe, str, "os.PathLike[str]"],
         raise InvalidParameterError(
             f"recipe {rec.name!r} is calibrated: pass calibration=FILE (written by "
             "`kakeyaturbo calibrate --out FILE` for this model)")
+    if not isinstance(source, Calibration) and is_codec_file(source):
+        # Codecs fitted once and saved (ModelCodec.save): the same on every machine.
+        codec = ModelCodec.load(source, threads=threads)
+        if codec.recipe != rec:
+            raise InvalidParameterError(
+                f"codec file {str(source)!r} was fitted for recipe {codec.recipe.name!r}, not "
+                f"{rec.name!r} (or with other settings)")
+        return codec.check_model(model), rec
     cal = source if isinstance(source, Calibration) else Calibration.load(source)
     stats, sens = cal.check_model(model).parts(rec)
     return ModelCodec(stats, rec, threads=threads, sensitivity=sens), rec

@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
+from .._core import __version__
 from ..codec import CalibratedCodec, _checks
-from ..errors import InvalidParameterError
+from ..errors import (
+    CorruptDataError,
+    InvalidParameterError,
+    KakeyaError,
+    ModelMismatchError,
+    UnsupportedVersionError,
+)
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
+from .bundle import _checksum, _read, fingerprint
 from .fit import fit_codec, fit_tables, head_spectrum, shrunk_sensitivity, weighted_variances
 from .stats import AttentionStats, Sensitivity
+
+
+#: The ``format`` entry of a codec file's metadata, and the version this build writes and reads.
+CODEC_FORMAT = "kakeyaturbo-codec"
+CODEC_VERSION = 1
+_ARRAYS = ("mean", "analysis", "synthesis", "spread", "bits")
+
+
+def _codec_checksum(arrays: Dict[str, np.ndarray], meta: Dict[str, str]) -> str:
+    """SHA-256 of a codec file's arrays and of its recipe and per-calibration records."""
+    h = hashlib.sha256(_checksum(arrays).encode())
+    for k in ("recipe", "heads", "model"):
+        h.update(f"\n{k}:{meta.get(k, '')}".encode())
+    return h.hexdigest()
 
 
 class ModelCodec:
@@ -57,6 +83,9 @@ class ModelCodec:
         if sensitivity is not None:
             sensitivity = shrunk_sensitivity(sensitivity, stats, dict(recipe.calibrated_streams()))
         self.recipe = recipe
+        #: The model a loaded codec file was fitted for (``{"type", "fingerprint"}``), and the file.
+        self.model_info: Optional[Dict[str, str]] = None
+        self.path: Optional[Path] = None
         self.threads = _checks.threads(threads)
         self.codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
         #: Custom Lloyd-Max tables by stream and bit width (``tables = "calibrated"``).
@@ -108,6 +137,148 @@ class ModelCodec:
     def __repr__(self) -> str:
         return f"ModelCodec({self.recipe.name!r}, {len(self.codecs)} calibrations)"
 
+    # --- the codec file ---------------------------------------------------------------------
+
+    def save(self, path: "os.PathLike[str] | str", model: Any = None) -> Path:
+        """Writes the fitted codecs to one file (safetensors: every calibration's float32
+        arrays as the codec holds them, the recipe, each calibration's fingerprint, a checksum;
+        with ``model``, also its type and the fingerprint of its attention weights, which
+        :meth:`check_model` compares) and returns its path. :meth:`load` gives back the same
+        codecs on any machine; fitting again from the statistics need not (its
+        eigendecompositions differ in their last bits between BLAS kernels, and with them the
+        fingerprints every container records: ``benches/codec_portability.py``)."""
+        from safetensors.numpy import save_file
+
+
+        arrays: Dict[str, np.ndarray] = {}
+        heads: Dict[str, Any] = {}
+        for (s, layer, h), c in sorted(self.codecs.items()):
+            key = f"{s}.{layer}.{h}"
+            d = c.as_dict()
+            for name in _ARRAYS:
+                arrays[f"{key}.{name}"] = np.ascontiguousarray(d[name])
+            for b, t in (d["centroids"] or {}).items():
+                arrays[f"{key}.table{b}"] = np.ascontiguousarray(t)
+            heads[key] = {"rotation_seed": d["rotation_seed"], "metric": d["metric"], "norm": d["norm"],
+                          "outlier_threshold": d["outlier_threshold"],
+                          "tables": sorted(int(b) for b in (d["centroids"] or {})),
+                          "fingerprint": f"{c.fingerprint:016x}"}
+        meta = {"format": CODEC_FORMAT, "version": str(CODEC_VERSION),
+                "library": f"kakeyaturbo {__version__}",
+                "recipe": json.dumps(self.recipe.as_dict(), sort_keys=True),
+                "heads": json.dumps(heads, sort_keys=True)}
+        made_for = self.model_info
+        if model is not None:
+            from ..families import describe
+
+            made_for = {"type": describe(model).model_type, "fingerprint": fingerprint(model)}
+            self.check_model(model)  # the codecs fit its shapes
+        meta["model"] = json.dumps(made_for, sort_keys=True)
+        meta["sha256"] = _codec_checksum(arrays, meta)
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        save_file(arrays, str(tmp), metadata=meta)
+        tmp.replace(p)
+        return p
+
+    @classmethod
+    def load(cls, path: "os.PathLike[str] | str", *, threads: Optional[int] = None) -> "ModelCodec":
+        """The codecs a :meth:`save` wrote, each rebuilt from its arrays and checked against
+        the fingerprint recorded for it. Raises InvalidParameterError when the file does not
+        exist, CorruptDataError naming the file when it is not such a file, is truncated or
+        damaged (checksum, fingerprints), lacks a calibration of its recipe's streams or holds
+        unusable ones, UnsupportedVersionError when a newer version wrote it."""
+        p = Path(path)
+        where = f"codec file {str(p)!r}"
+        if not p.is_file():
+            raise InvalidParameterError(f"{where} does not exist")
+        meta, arrays = _read(p, where)
+        if meta.get("format") != CODEC_FORMAT:
+            raise CorruptDataError(f"{where} is not a kakeyaturbo codec file (format "
+                                   f"{meta.get('format')!r}); write one with ModelCodec.save")
+        try:
+            version = int(meta.get("version", ""))
+        except ValueError:
+            raise CorruptDataError(f"{where}: version {meta.get('version')!r} is not a number") from None
+        if version > CODEC_VERSION:
+            raise UnsupportedVersionError(f"{where} is version {version}; this build reads up to {CODEC_VERSION}")
+        if _codec_checksum(arrays, meta) != meta.get("sha256"):
+            raise CorruptDataError(f"{where} is damaged: the checksum of its arrays and records "
+                                   "does not match")
+        try:
+            recipe = Recipe(**json.loads(meta["recipe"]))
+            if recipe.mode != "calibrated":
+                raise CorruptDataError(f"{where}: its recipe {recipe.name!r} is not calibrated")
+            heads = json.loads(meta["heads"])
+            codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
+            for key, st in heads.items():
+                s, layer, h = key.split(".")
+                kw = {name: arrays[f"{key}.{name}"] for name in _ARRAYS}
+                tables = {int(b): arrays[f"{key}.table{int(b)}"] for b in st["tables"]}
+                c = CalibratedCodec(**kw, rotation_seed=st["rotation_seed"], metric=st["metric"],
+                                    norm=st["norm"], outlier_threshold=st["outlier_threshold"],
+                                    centroids=tables or None)
+                if f"{c.fingerprint:016x}" != st["fingerprint"]:
+                    raise CorruptDataError(f"{where}: calibration {key} does not rebuild to its "
+                                           f"fingerprint {st['fingerprint']}")
+                codecs[(s, int(layer), int(h))] = c
+        except CorruptDataError:
+            raise
+        except (KeyError, ValueError, TypeError, AttributeError, KakeyaError) as e:
+            raise CorruptDataError(f"{where}: {e}") from None
+        layers = sorted({k[1] for k in codecs})
+        kv = sorted({k[2] for k in codecs})
+        want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer in layers for h in kv}
+        if not codecs or set(codecs) != want or layers != list(range(len(layers))) \
+                or kv != list(range(len(kv))):
+            raise CorruptDataError(f"{where}: its calibrations do not cover the recipe's streams "
+                                   f"over layers 0..{len(layers) - 1} and kv-heads 0..{len(kv) - 1}")
+        try:
+            made_for = json.loads(meta.get("model", "null"))
+            if made_for is not None:
+                made_for = {"type": str(made_for["type"]), "fingerprint": str(made_for["fingerprint"])}
+        except (KeyError, ValueError, TypeError) as e:
+            raise CorruptDataError(f"{where}: its model record does not read ({e})") from None
+        out = cls.__new__(cls)
+        out.model_info = made_for
+        out.path = p
+        out.recipe = recipe
+        out.threads = _checks.threads(threads)
+        out.pre_rope_keys = recipe.key_rope == "before"
+        out.codecs = codecs
+        # A stream's pooled tables: each codec holds those of the widths it uses.
+        out.tables = {s: {b: t for (s2, _, _), c in sorted(codecs.items()) if s2 == s
+                          for b, t in (c.as_dict()["centroids"] or {}).items()}
+                      for s, st in recipe.calibrated_streams() if st.tables == "calibrated"}
+        out.model_bytes = sum(c.model_bytes for c in codecs.values())
+        return out
+
+    def check_model(self, model: Any) -> "ModelCodec":
+        """Itself when its codecs fit ``model`` ((layers, kv-heads, head_dim), and where a
+        codec file recorded one, the model's type and the fingerprint of its attention
+        weights); ModelMismatchError saying what differs otherwise."""
+        from ..families import describe
+
+        where = f"codec file {str(self.path)!r}" if self.path else "the codec"
+        layout = describe(model)
+        _, kv, d = layout.uniform_heads()
+        have = (1 + max(k[1] for k in self.codecs), 1 + max(k[2] for k in self.codecs),
+                next(iter(self.codecs.values())).d)
+        if have != (layout.num_layers, kv, d):
+            raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
+                                     f"model ({layout.model_type!r}) has {(layout.num_layers, kv, d)}")
+        if self.model_info is not None:
+            if self.model_info["type"] != layout.model_type:
+                raise ModelMismatchError(f"{where} was fitted for a {self.model_info['type']!r} model, "
+                                         f"not {layout.model_type!r}")
+            got = fingerprint(model)
+            if got != self.model_info["fingerprint"]:
+                raise ModelMismatchError(
+                    f"{where} was fitted for another model: fingerprint of the attention weights "
+                    f"{self.model_info['fingerprint']} in the file, {got} for this model")
+        return self
+
     def _codec(self, stream: str, layer: int, head: int) -> CalibratedCodec:
         try:
             return self.codecs[(stream, layer, head)]
@@ -120,3 +291,17 @@ class ModelCodec:
 
     def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
         return self._codec(stream, layer, head).decode(blob, threads=self.threads)
+
+
+def is_codec_file(path: "os.PathLike[str] | str") -> bool:
+    """Whether ``path`` is a file :meth:`ModelCodec.save` wrote (its metadata says so)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="np") as f:
+            return (f.metadata() or {}).get("format") == CODEC_FORMAT
+    except Exception:
+        return False
