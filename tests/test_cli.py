@@ -34,8 +34,19 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
     cal = tmp_path / "cal.safetensors"
     assert cli.main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text),
                      "--windows", "2", "--window", "96", "--sensitivity-windows", "2",
-                     "--score", "16", "--samples", "20", "--out", str(cal)]) == 0
-    assert [p.name for p in tmp_path.iterdir()] == ["cal.safetensors"]
+                     "--score", "16", "--samples", "20", "--out", str(cal),
+                     "--codec", "calibrated-4bit", "--codec-out", str(tmp_path / "c4.kkcodec")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c4.kkcodec", "cal.safetensors"]
+    # The codecs fitted with it: what the calibration file gives that recipe (the same fingerprints).
+    from kakeyaturbo import recipes
+    from kakeyaturbo.calibration import Calibration, ModelCodec
+
+    loaded = ModelCodec.load(tmp_path / "c4.kkcodec")
+    stats, sens = Calibration.load(cal).parts(recipes.load("calibrated-4bit"))
+    fitted = ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens)
+    assert {k: c.fingerprint for k, c in loaded.codecs.items()} == \
+        {k: c.fingerprint for k, c in fitted.codecs.items()}
+    (tmp_path / "c4.kkcodec").unlink()
     recipe = tmp_path / "cal.toml"
     recipe.write_text('name = "cal"\nmode = "calibrated"\nn_sink = 1\n'
                       '[calibration]\npath = "cal.safetensors"\nscore = 16\n'

@@ -58,6 +58,12 @@ def one_line(p) -> str:
     (["eval", "--out", "README.md"], "--out", "is a file"),
     (["calibrate", "--window", "64", "--score", "63"], "--score", "at most --window - 2 = 62"),
     (["calibrate", "--out", "/nonexistent-dir/c.safetensors"], "--out", "does not exist"),
+    (["calibrate", "--codec", "calibrated-4bit"], "--codec", "--codec-out FILE go together"),
+    (["calibrate", "--codec", "balanced", "--codec-out", "c.kkcodec"], "--codec", "is per-block"),
+    (["calibrate", "--codec", "calibrated-4bit", "--codec-out", "c.kkcodec", "--rope", "after"], "--codec",
+     "calibrate with --rope before"),
+    (["calibrate", "--codec", "calibrated-4bit", "--codec-out", "/nonexistent-dir/c.kkcodec"], "--codec-out",
+     "does not exist"),
     (["calibrate", "--weighting", "magic"], "--weighting", "invalid choice: 'magic'"),
 ])
 def test_bad_argument_is_one_line_and_status_2_before_loading(args, flag, expected) -> None:

@@ -167,6 +167,21 @@ def check(args: argparse.Namespace) -> None:
                 raise _Bad("--out", f"{args.out!r} is a directory (expected the calibration file to write)")
             if not p.parent.is_dir():
                 raise _Bad("--out", f"directory {str(p.parent)!r} does not exist")
+        if (args.codec is None) != (args.codec_out is None):
+            raise _Bad("--codec", "--codec RECIPE and --codec-out FILE go together")
+        if args.codec is not None:
+            try:
+                rec = recipes.load(args.codec)
+            except KakeyaError as e:
+                raise _Bad("--codec", str(e)) from None
+            if rec.mode != "calibrated":
+                raise _Bad("--codec", f"recipe {rec.name!r} is per-block: it has no codecs to fit")
+            if rec.key_rope != args.rope:
+                raise _Bad("--codec", f"recipe {rec.name!r} codes keys {rec.key_rope} RoPE; "
+                                      f"calibrate with --rope {rec.key_rope}")
+            p = Path(args.codec_out).expanduser()
+            if p.is_dir() or not p.parent.is_dir():
+                raise _Bad("--codec-out", f"{args.codec_out!r} is a directory or its directory does not exist")
     require(f"kakeyaturbo {args.command}")
 
 
@@ -247,6 +262,11 @@ def parser() -> argparse.ArgumentParser:
                    help="write ONE self-contained calibration file (safetensors: statistics, "
                         "sensitivity, the model's fingerprint) for KakeyaCache.from_pretrained, "
                         "eval --calibration and recipes; default: the cache eval looks in")
+    c.add_argument("--codec", metavar="RECIPE",
+                   help="also fit this calibrated recipe's codecs from the calibration and write them "
+                        "to --codec-out (ModelCodec.save): the same codecs on every machine, where "
+                        "fitting them again from the statistics may differ with the CPU's BLAS")
+    c.add_argument("--codec-out", metavar="FILE", help="where --codec writes the codecs")
     return ap
 
 

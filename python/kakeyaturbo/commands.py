@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import __version__, assets, recipes
 from .calibration import (Calibration, calibration_windows, collect, collect_sensitivity,
                           for_recipe, sensitivity_path, stats_path)
+from .cache.pretrained import codec_for_model
 from .calibration import corpus
 from .calibration.bundle import is_calibration_file
 from .calibration.gather import missing, model_dtype
@@ -246,14 +247,18 @@ def calibrate(args: argparse.Namespace) -> int:
                                             args.n_sink, dtype, args.rope))
             sgot.append((one, c))
         sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
+    record = {"model": model_path.name, "text": text, "split": "calibration",
+              "windows": args.windows, "window": args.window, "weighting": args.weighting,
+              "n_sink": args.n_sink, "samples": args.samples,
+              "sensitivity_windows": args.sensitivity_windows, "score": args.score,
+              "labels": args.labels,
+              "dtype": dtype, "rope": args.rope}
+    cal = Calibration.for_model(m, stats, sens, record)
     if args.out:
-        record = {"model": model_path.name, "text": text, "split": "calibration",
-                  "windows": args.windows, "window": args.window, "weighting": args.weighting,
-                  "n_sink": args.n_sink, "samples": args.samples,
-                  "sensitivity_windows": args.sensitivity_windows, "score": args.score,
-                  "labels": args.labels,
-                  "dtype": dtype, "rope": args.rope}
-        cal = Calibration.for_model(m, stats, sens, record)
         out = cal.save(Path(args.out).expanduser())
         _say(f"wrote {out} (made for {cal.model_type} {cal.fingerprint})")
+    if args.codec:
+        codec, rec = codec_for_model(m, recipes.load(args.codec), cal)
+        out = codec.save(Path(args.codec_out).expanduser(), m)
+        _say(f"wrote {out} ({rec.name}: {len(codec.codecs)} codecs, {codec.model_bytes} bytes)")
     return 0
