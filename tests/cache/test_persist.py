@@ -168,16 +168,21 @@ def test_file_bits_equal_the_eval_bits(cal_file, tmp_path, kind) -> None:
 # --- refusals ------------------------------------------------------------------------------
 
 
+def _other_llama():
+    """A llama of the same shapes as the fixture's, with other weights."""
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=16,
+        max_position_embeddings=512)).eval()
+
+
 def test_another_model_codec_or_dtype_is_refused(llama, qwen2, cal_file, tmp_path) -> None:
     path = tmp_path / "p.kkpfx"
     _saved("balanced", llama, path)
     with pytest.raises(ModelMismatchError, match="p.kkpfx.*'llama' model, not 'qwen2'"):
         KakeyaCache.load(path, qwen2)
-    torch.manual_seed(1)
-    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=16,
-        max_position_embeddings=512)).eval()
+    other = _other_llama()
     with pytest.raises(ModelMismatchError, match="another model: fingerprint"):
         KakeyaCache.load(path, other)
     with pytest.raises(ModelMismatchError, match="another codec"):
@@ -219,11 +224,7 @@ def test_a_codec_file_serves_in_place_of_the_calibration(llama, qwen2, cal_file,
         KakeyaCache.from_pretrained(llama, "calibrated-4bit", calibration=codec_file)
     with pytest.raises(ModelMismatchError, match="llama.kkcodec"):
         KakeyaCache.from_pretrained(qwen2, "calibrated-3bit", calibration=codec_file)
-    torch.manual_seed(1)
-    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=16,
-        max_position_embeddings=512)).eval()
+    other = _other_llama()
     with pytest.raises(ModelMismatchError, match="fitted for another model: fingerprint"):
         KakeyaCache.from_pretrained(other, "calibrated-3bit", calibration=codec_file)
     # Saved without a model, it is checked by its shapes alone.

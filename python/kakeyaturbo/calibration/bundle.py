@@ -142,8 +142,6 @@ class Calibration:
 
     def save(self, path: "os.PathLike[str] | str") -> Path:
         """Writes the one file (safetensors; see the module doc) and returns its path."""
-        from safetensors.numpy import save_file
-
         arrays = {_STATS + k: np.ascontiguousarray(getattr(self.stats, k)) for k in self.stats.ARRAYS}
         if self.sensitivity is not None:
             arrays.update({_SENS + k: np.ascontiguousarray(getattr(self.sensitivity, k))
@@ -158,12 +156,7 @@ class Calibration:
                                            sort_keys=True),
             "sha256": _checksum(arrays),
         }
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        save_file(arrays, str(tmp), metadata=meta)
-        tmp.replace(p)
-        return p
+        return write_file(path, arrays, meta)
 
     @classmethod
     def load(cls, path: "os.PathLike[str] | str") -> "Calibration":
@@ -173,18 +166,8 @@ class Calibration:
         values, UnsupportedVersionError when a newer version wrote it."""
         p = Path(path)
         where = f"calibration file {str(p)!r}"
-        if not p.is_file():
-            raise InvalidParameterError(f"{where} does not exist")
-        meta, arrays = _read(p, where)
-        if meta.get("format") != FORMAT:
-            raise CorruptDataError(f"{where} is not a kakeyaturbo calibration (format "
-                                   f"{meta.get('format')!r}); write one with kakeyaturbo calibrate --out")
-        try:
-            version = int(meta.get("version", ""))
-        except ValueError:
-            raise CorruptDataError(f"{where}: version {meta.get('version')!r} is not a number") from None
-        if version > VERSION:
-            raise UnsupportedVersionError(f"{where} is version {version}; this build reads up to {VERSION}")
+        meta, arrays = read_file(p, where, FORMAT, VERSION, "a kakeyaturbo calibration",
+                                 "kakeyaturbo calibrate --out")
         if _checksum(arrays) != meta.get("sha256"):
             raise CorruptDataError(f"{where} is damaged: the checksum of its arrays does not match")
         try:
@@ -212,6 +195,42 @@ class Calibration:
         return cal
 
 
+def write_file(path: "os.PathLike[str] | str", arrays: Dict[str, np.ndarray],
+               meta: Dict[str, str]) -> Path:
+    """One safetensors file of ``arrays`` and ``meta``, written beside it and then moved into
+    place (a reader never sees half a file); its directory made if need be."""
+    from safetensors.numpy import save_file
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    save_file(arrays, str(tmp), metadata=meta)
+    tmp.replace(p)
+    return p
+
+
+def read_file(p: Path, where: str, fmt: str, version: int, what: str, writer: str
+              ) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
+    """The metadata and arrays of one of this package's safetensors files, after the checks
+    every such file gets: InvalidParameterError when ``p`` does not exist, CorruptDataError
+    naming it (``where``) when it cannot be read or its ``format`` is not ``fmt`` (``what`` it
+    should be, and ``writer``, what writes one), UnsupportedVersionError when its version is
+    above ``version``."""
+    if not p.is_file():
+        raise InvalidParameterError(f"{where} does not exist")
+    meta, arrays = _read(p, where)
+    if meta.get("format") != fmt:
+        raise CorruptDataError(f"{where} is not {what} (format {meta.get('format')!r}); "
+                               f"write one with {writer}")
+    try:
+        got = int(meta.get("version", ""))
+    except ValueError:
+        raise CorruptDataError(f"{where}: version {meta.get('version')!r} is not a number") from None
+    if got > version:
+        raise UnsupportedVersionError(f"{where} is version {got}; this build reads up to {version}")
+    return meta, arrays
+
+
 def _read(p: Path, where: str) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
     from safetensors import safe_open
 
@@ -224,18 +243,23 @@ def _read(p: Path, where: str) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
     return meta, arrays
 
 
-def is_calibration_file(path: "os.PathLike[str] | str") -> bool:
-    """Whether ``path`` is a file :meth:`Calibration.save` wrote (its metadata says so)."""
+def file_format(path: "os.PathLike[str] | str") -> Optional[str]:
+    """The ``format`` a safetensors file's metadata records (None: not such a file, or none)."""
     p = Path(path)
     if not p.is_file():
-        return False
+        return None
     try:
         from safetensors import safe_open
 
         with safe_open(str(p), framework="np") as f:
-            return (f.metadata() or {}).get("format") == FORMAT
+            return (f.metadata() or {}).get("format")
     except Exception:
-        return False
+        return None
+
+
+def is_calibration_file(path: "os.PathLike[str] | str") -> bool:
+    """Whether ``path`` is a file :meth:`Calibration.save` wrote (its metadata says so)."""
+    return file_format(path) == FORMAT
 
 
 def load(path: "os.PathLike[str] | str") -> Calibration:

@@ -12,16 +12,10 @@ import numpy as np
 
 from .._core import __version__
 from ..codec import CalibratedCodec, _checks
-from ..errors import (
-    CorruptDataError,
-    InvalidParameterError,
-    KakeyaError,
-    ModelMismatchError,
-    UnsupportedVersionError,
-)
+from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
-from .bundle import _checksum, _read, fingerprint
+from .bundle import _checksum, file_format, fingerprint, read_file, write_file
 from .fit import fit_codec, fit_tables, head_spectrum, shrunk_sensitivity, weighted_variances
 from .stats import AttentionStats, Sensitivity
 
@@ -147,9 +141,6 @@ class ModelCodec:
         codecs on any machine; fitting again from the statistics need not (its
         eigendecompositions differ in their last bits between BLAS kernels, and with them the
         fingerprints every container records: ``benches/codec_portability.py``)."""
-        from safetensors.numpy import save_file
-
-
         arrays: Dict[str, np.ndarray] = {}
         heads: Dict[str, Any] = {}
         for (s, layer, h), c in sorted(self.codecs.items()):
@@ -175,12 +166,7 @@ class ModelCodec:
             self.check_model(model)  # the codecs fit its shapes
         meta["model"] = json.dumps(made_for, sort_keys=True)
         meta["sha256"] = _codec_checksum(arrays, meta)
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        save_file(arrays, str(tmp), metadata=meta)
-        tmp.replace(p)
-        return p
+        return write_file(path, arrays, meta)
 
     @classmethod
     def load(cls, path: "os.PathLike[str] | str", *, threads: Optional[int] = None) -> "ModelCodec":
@@ -191,18 +177,8 @@ class ModelCodec:
         unusable ones, UnsupportedVersionError when a newer version wrote it."""
         p = Path(path)
         where = f"codec file {str(p)!r}"
-        if not p.is_file():
-            raise InvalidParameterError(f"{where} does not exist")
-        meta, arrays = _read(p, where)
-        if meta.get("format") != CODEC_FORMAT:
-            raise CorruptDataError(f"{where} is not a kakeyaturbo codec file (format "
-                                   f"{meta.get('format')!r}); write one with ModelCodec.save")
-        try:
-            version = int(meta.get("version", ""))
-        except ValueError:
-            raise CorruptDataError(f"{where}: version {meta.get('version')!r} is not a number") from None
-        if version > CODEC_VERSION:
-            raise UnsupportedVersionError(f"{where} is version {version}; this build reads up to {CODEC_VERSION}")
+        meta, arrays = read_file(p, where, CODEC_FORMAT, CODEC_VERSION, "a kakeyaturbo codec file",
+                                 "ModelCodec.save")
         if _codec_checksum(arrays, meta) != meta.get("sha256"):
             raise CorruptDataError(f"{where} is damaged: the checksum of its arrays and records "
                                    "does not match")
@@ -295,13 +271,4 @@ class ModelCodec:
 
 def is_codec_file(path: "os.PathLike[str] | str") -> bool:
     """Whether ``path`` is a file :meth:`ModelCodec.save` wrote (its metadata says so)."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(p), framework="np") as f:
-            return (f.metadata() or {}).get("format") == CODEC_FORMAT
-    except Exception:
-        return False
+    return file_format(path) == CODEC_FORMAT
