@@ -368,9 +368,16 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     got = codec_identity(codec)
     want = header["codec"]
     if (got["kind"], got["fingerprint"]) != (want["kind"], want["fingerprint"]):
+        hint = ""
+        if isinstance(codec, ModelCodec) and codec.path is None and want["kind"] == "calibrated":
+            # Fitted here from statistics: the same calibration fits to other bits on another
+            # CPU's BLAS kernels (README, "A compressed prefix on disk").
+            hint = ("; codecs fitted from a calibration can differ between machines: load the "
+                    "prefix with the codec file it was coded with (ModelCodec.save, kakeyaturbo "
+                    "calibrate --codec)")
         raise ModelMismatchError(
             f"{where} was coded by another codec: {want['kind']} {want['fingerprint']} in the file, "
-            f"{got['kind']} {got['fingerprint']} given ({codec!r})")
+            f"{got['kind']} {got['fingerprint']} given ({codec!r}){hint}")
     c = header["cache"]
     cache = KakeyaCache(codec, model=model, block_size=c["block_size"], n_sink=c["n_sink"],
                         boundary=c["boundary"], streams=c["streams"], keep_decoded=keep_decoded)
