@@ -66,6 +66,23 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
             "partial rotary split off by the attention before RoPE, q/k layer norms off"),
     "gpt2": (lambda: _make(T.GPT2Config, T.GPT2LMHeadModel, n_embd=64, n_layer=3, n_head=4, n_positions=256),
              "learned absolute positions: keys carry no rotation"),
+    "mixtral": (lambda: _make(T.MixtralConfig, T.MixtralForCausalLM, num_key_value_heads=2, head_dim=16,
+                              sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
+                "sparse MoE MLP (4 experts, 2 per token), sliding window on every layer"),
+    "qwen2_moe": (lambda: _make(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, num_key_value_heads=2,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=64),
+                  "biased q/k/v, sparse MoE MLP with a shared expert"),
+    "qwen3_moe": (lambda: _make(T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, num_key_value_heads=2, head_dim=16,
+                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                  "q/k RMSNorm per head before RoPE, sparse MoE MLP"),
+    "granite": (lambda: _make(T.GraniteConfig, T.GraniteForCausalLM, num_key_value_heads=2,
+                              attention_multiplier=0.05, embedding_multiplier=4.0, residual_multiplier=0.5,
+                              logits_scaling=2.0),
+                "attention scale 0.05 instead of 1/sqrt(head_dim), scaled embeddings, residuals and logits"),
+    "olmo3": (lambda: _make(T.Olmo3Config, T.Olmo3ForCausalLM, num_key_value_heads=2, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+              "q/k RMSNorm over the whole projection, sliding and full layers"),
 }
 
 

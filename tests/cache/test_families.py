@@ -240,6 +240,13 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
         KakeyaCache(IdentityCodec(), model=m4)
     with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
         describe(torch.nn.Linear(2, 2))
+    # GLM-4's partial rotation pairs channels neither as rotate_half nor interleaved does: keys
+    # without RoPE are refused, keys as the model caches them are served.
+    glm = transformers.Glm4ForCausalLM(transformers.Glm4Config(head_dim=16, partial_rotary_factor=0.5,
+                                                               **common)).eval()
+    with pytest.raises(kt.UnsupportedModelError, match="'glm4'.*neither rotate_half nor interleaved"):
+        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=glm)
+    KakeyaCache(IdentityCodec(), model=glm)
 
 
 @pytest.mark.parametrize("name", ["gpt_neox", "gemma3_text"])
