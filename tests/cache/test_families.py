@@ -244,9 +244,18 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     # without RoPE are refused, keys as the model caches them are served.
     glm = transformers.Glm4ForCausalLM(transformers.Glm4Config(head_dim=16, partial_rotary_factor=0.5,
                                                                **common)).eval()
-    with pytest.raises(kt.UnsupportedModelError, match="'glm4'.*neither rotate_half nor interleaved"):
-        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=glm)
-    KakeyaCache(IdentityCodec(), model=glm)
+    ernie = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(head_dim=16, **common)).eval()
+    for m in (glm, ernie):
+        with pytest.raises(kt.UnsupportedModelError, match="neither rotate_half nor interleaved"):
+            KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m)
+        KakeyaCache(IdentityCodec(), model=m)
+    # HunYuan normalises its keys after RoPE: removing RoPE from what it caches gives no
+    # position-free keys, so they are not calibrated that way (after RoPE they are).
+    hy = transformers.HunYuanDenseV1ForCausalLM(transformers.HunYuanDenseV1Config(head_dim=16, **common)).eval()
+    wins = [[3, 4, 5, 6, 7, 8, 9, 10]] * 2
+    with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
+        calibration.collect(hy, wins, samples=2)
+    assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
 
 
 @pytest.mark.parametrize("name", ["gpt_neox", "gemma3_text"])

@@ -44,7 +44,8 @@ NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
 #: function (checked on a tiny model of each in ``tests/cache/test_fast.py``).
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
                       "olmo2", "cohere", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
-                      "olmo3"})
+                      "olmo3", "starcoder2", "stablelm", "exaone4", "ministral", "seed_oss", "apertus",
+                      "arcee"})
 
 #: The attribute of a key tensor that names the layer which returned it.
 TAG = "_kakeyaturbo_layer"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -83,6 +84,61 @@ def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
     rope = layout.require_rope()
     hq, hkv, d = layout.uniform_heads()
     return rope, layout.num_layers, hq, hkv, d
+
+
+class _RotatedKeys:
+    """While open, the keys the model's own ``apply_rotary_pos_emb`` returns, per call (one per
+    layer that applies RoPE, in layer order); nothing where the modeling module has none."""
+
+    def __init__(self, model: Any) -> None:
+        from ..families import attention_modules
+
+        names = [type(m).__module__ for m in attention_modules(model).values()][:1] + [type(model).__module__]
+        self.module = next((sys.modules[n] for n in names
+                            if callable(getattr(sys.modules.get(n), "apply_rotary_pos_emb", None))), None)
+        self.keys: List[Any] = []
+
+    def __enter__(self) -> "_RotatedKeys":
+        if self.module is not None:
+            orig = self.orig = self.module.apply_rotary_pos_emb
+
+            def spy(*a: Any, **kw: Any) -> Any:
+                out = orig(*a, **kw)
+                if isinstance(out, tuple) and len(out) == 2:
+                    self.keys.append(out[1].detach())
+                return out
+
+            self.module.apply_rotary_pos_emb = spy
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.module is not None:
+            self.module.apply_rotary_pos_emb = self.orig
+
+
+def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated: List[Any]) -> None:
+    """UnsupportedModelError when a layer's keys as attention receives them are not those its
+    ``apply_rotary_pos_emb`` returned (``rotated``, in order of the layers that apply RoPE): the
+    family changes its keys after RoPE (a k norm on the rotated keys, HunYuan), so removing RoPE
+    from what the cache holds does not give position-free keys to calibrate on. Nothing is
+    checked where the calls cannot be matched to the layers."""
+    from ..families.layout import model_type
+
+    layers = [i for i in sorted(got) if rope.layer(i) is not None]
+    if not layers or len(rotated) != len(layers):
+        return
+    for i, r in zip(layers, rotated):
+        k = got[i]
+        w = r.shape[-1]
+        if r.shape[:-1] != k.shape[:-1] or w > k.shape[-1]:
+            return
+        a, b = k[..., :w].double(), r.double()
+        if (a - b).abs().max().item() > 1e-4 * max(b.abs().max().item(), 1e-30):
+            raise UnsupportedModelError(
+                f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
+                "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "
+                "rotated keys), so they have no RoPE-free form to code; code them as the cache holds "
+                "them ([k] rope = 'after', statistics collected with rope='after')")
 
 
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
@@ -205,8 +261,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     RoPE applied (for codecs that code keys the way the cache holds them, so that attention can
     be computed from the codes; values are the same either way).
 
-    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed or
-    whose layers differ in shape, InvalidParameterError on a bad ``weighting`` or ``rope``.
+    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed,
+    whose keys change after RoPE (checked on the first window, keys before RoPE only) or whose
+    layers differ in shape, InvalidParameterError on a bad ``weighting`` or ``rope``.
     """
     import torch
 
@@ -243,6 +300,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             out = attend(q, k, v)
             wq = torch.ones((hkv, group * t), dtype=torch.float64)
             wk = None
+        if first_keys is not None:
+            first_keys[i] = k.detach()
         q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
         q_count[i] += wq.sum(dim=1)
         for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
@@ -253,13 +312,21 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                     acc.samples[i][h].append(x[h, sel].numpy().astype(np.float32))
         return out
 
+    # Keys before RoPE: the first window also checks that attention reads the keys RoPE returned.
+    first_keys: Optional[Dict[int, Any]] = {} if side == "before" else None
     cap = AttentionCapture(model, handler)
     no_logits = _no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-            model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
+            if w_i == 0 and first_keys is not None:
+                with _RotatedKeys(model) as spy:
+                    model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
+                _check_keys_rotate_last(model, rope, first_keys, spy.keys)
+                first_keys = None
+            else:
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if w_i == 0:
                 cap.check(n_layers)
     o_gram = np.zeros((n_layers, hkv, d, d))
