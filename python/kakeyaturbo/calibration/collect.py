@@ -122,6 +122,8 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
     family changes its keys after RoPE (a k norm on the rotated keys, HunYuan), so removing RoPE
     from what the cache holds does not give position-free keys to calibrate on. Nothing is
     checked where the calls cannot be matched to the layers."""
+    import torch
+
     from ..families.layout import model_type
 
     layers = [i for i in sorted(got) if rope.layer(i) is not None]
@@ -133,7 +135,9 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
         if r.shape[:-1] != k.shape[:-1] or w > k.shape[-1]:
             return
         a, b = k[..., :w].double(), r.double()
-        if (a - b).abs().max().item() > 1e-4 * max(b.abs().max().item(), 1e-30):
+        # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.
+        tol = max(1e-4, 4 * float(torch.finfo(k.dtype).eps)) if k.dtype.is_floating_point else 1e-4
+        if (a - b).abs().max().item() > tol * max(b.abs().max().item(), 1e-30):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
                 "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "
