@@ -247,6 +247,8 @@ def calibrate(args: argparse.Namespace) -> int:
                                             args.n_sink, dtype, args.rope))
             sgot.append((one, c))
         sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
+    if not (args.out or args.codec):
+        return 0
     record = {"model": model_path.name, "text": text, "split": "calibration",
               "windows": args.windows, "window": args.window, "weighting": args.weighting,
               "n_sink": args.n_sink, "samples": args.samples,
