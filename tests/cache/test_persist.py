@@ -3,6 +3,7 @@ token for token as it would have in the first; every kind of damage is a typed e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -227,6 +228,11 @@ def test_a_codec_file_serves_in_place_of_the_calibration(llama, qwen2, cal_file,
     other = _other_llama()
     with pytest.raises(ModelMismatchError, match="fitted for another model: fingerprint"):
         KakeyaCache.from_pretrained(other, "calibrated-3bit", calibration=codec_file)
+    # The statistics path (eval, the benches) says what to do with one instead of reading it.
+    named = dataclasses.replace(recipes.load("calibrated-3bit"), calibration=dataclasses.replace(
+        recipes.load("calibrated-3bit").calibration, path=str(codec_file)))
+    with pytest.raises(InvalidParameterError, match="is a codec file.*calibration file"):
+        calibration.for_recipe(named, llama, None, "unused")
     # Saved without a model, it is checked by its shapes alone.
     anon = cache.codec.save(tmp_path / "anon.kkcodec")
     assert calibration.ModelCodec.load(anon).check_model(other).model_info is None

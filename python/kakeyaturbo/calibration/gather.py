@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from .. import assets
+from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings, Recipe
 from . import corpus
 from .bundle import Calibration, is_calibration_file
 from .collect import collect, collect_sensitivity
 from .mixture import pool_sensitivity, pool_stats
+from .model_codec import is_codec_file
 from .stats import AttentionStats, Sensitivity
 
 Progress = Callable[[Iterable[Any]], Iterable[Any]]
@@ -177,6 +179,12 @@ def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[st
     both, refused with ModelMismatchError when it was made for another model."""
     if recipe.mode != "calibrated":
         return None, None
+    if recipe.calibration.path and is_codec_file(recipe.calibration.path):
+        raise InvalidParameterError(
+            f"recipe {recipe.name!r}: [calibration] path {recipe.calibration.path!r} is a codec file "
+            "(ModelCodec.save); this fits codecs from statistics: name the calibration file "
+            "(kakeyaturbo calibrate --out) instead, or load the codec file with "
+            "KakeyaCache.from_pretrained(model, recipe, calibration=FILE)")
     if recipe.calibration.path and is_calibration_file(recipe.calibration.path):
         # One file made by `kakeyaturbo calibrate --out`: checked against this model.
         return Calibration.load(recipe.calibration.path).check_model(model).parts(recipe)
