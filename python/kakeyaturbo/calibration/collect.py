@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import sys
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -91,11 +90,9 @@ class _RotatedKeys:
     layer that applies RoPE, in layer order); nothing where the modeling module has none."""
 
     def __init__(self, model: Any) -> None:
-        from ..families import attention_modules
+        from ..families.layout import rope_module
 
-        names = [type(m).__module__ for m in attention_modules(model).values()][:1] + [type(model).__module__]
-        self.module = next((sys.modules[n] for n in names
-                            if callable(getattr(sys.modules.get(n), "apply_rotary_pos_emb", None))), None)
+        self.module = rope_module(model)
         self.keys: List[Any] = []
 
     def __enter__(self) -> "_RotatedKeys":

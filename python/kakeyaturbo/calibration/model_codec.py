@@ -188,6 +188,7 @@ class ModelCodec:
                 raise CorruptDataError(f"{where}: its recipe {recipe.name!r} is not calibrated")
             heads = json.loads(meta["heads"])
             codecs: Dict[Tuple[str, int, int], CalibratedCodec] = {}
+            pooled: Dict[str, Dict[int, np.ndarray]] = {}  # a stream's tables, every width in use
             for key, st in heads.items():
                 s, layer, h = key.split(".")
                 kw = {name: arrays[f"{key}.{name}"] for name in _ARRAYS}
@@ -199,6 +200,7 @@ class ModelCodec:
                     raise CorruptDataError(f"{where}: calibration {key} does not rebuild to its "
                                            f"fingerprint {st['fingerprint']}")
                 codecs[(s, int(layer), int(h))] = c
+                pooled.setdefault(s, {}).update(tables)
         except CorruptDataError:
             raise
         except (KeyError, ValueError, TypeError, AttributeError, KakeyaError) as e:
@@ -223,10 +225,9 @@ class ModelCodec:
         out.threads = _checks.threads(threads)
         out.pre_rope_keys = recipe.key_rope == "before"
         out.codecs = codecs
-        # A stream's pooled tables: each codec holds those of the widths it uses.
-        out.tables = {s: {b: t for (s2, _, _), c in sorted(codecs.items()) if s2 == s
-                          for b, t in (c.as_dict()["centroids"] or {}).items()}
-                      for s, st in recipe.calibrated_streams() if st.tables == "calibrated"}
+        # Each codec holds the tables of the widths it uses; the stream's are their union.
+        out.tables = {s: pooled.get(s, {}) for s, st in recipe.calibrated_streams()
+                      if st.tables == "calibrated"}
         out.model_bytes = sum(c.model_bytes for c in codecs.values())
         return out
 

@@ -60,13 +60,6 @@ class CalibratedCodec:
                       for k, v in _checks.mapping(centroids, "centroids").items()]
         self._c = _core.CalibratedCodec(mean_, a_, s_, spread_, bits_, seed, metric, norm,
                                         threshold, tables)
-        # What it was made from, as float32 (read-only copies): `as_dict` hands them out.
-        self._arrays = {k: np.array(v) for k, v in (("mean", mean_), ("analysis", a_),
-                                                     ("synthesis", s_), ("spread", spread_),
-                                                     ("bits", bits_))}
-        self._tables = {b: np.asarray(t, dtype=np.float32) for b, t in (tables or [])}
-        for a in (*self._arrays.values(), *self._tables.values()):
-            a.flags.writeable = False
         self.metric = metric
         self.norm = norm
         self.rotation_seed = seed
@@ -76,9 +69,9 @@ class CalibratedCodec:
         """Everything this codec was made from, its arrays as the float32 (``bits`` uint8) it
         holds: ``CalibratedCodec(**c.as_dict())`` is the same codec (the same fingerprint and
         bytes), whatever CPU runs it. ``ModelCodec.save`` stores a model's codecs this way."""
-        return {**self._arrays, "rotation_seed": self.rotation_seed, "metric": self.metric,
-                "norm": self.norm, "outlier_threshold": self.outlier_threshold,
-                "centroids": dict(self._tables) or None}
+        d = self._c.arrays()
+        return {**d, "rotation_seed": self.rotation_seed, "metric": self.metric, "norm": self.norm,
+                "outlier_threshold": self.outlier_threshold, "centroids": d["centroids"] or None}
 
     @property
     def d(self) -> int:

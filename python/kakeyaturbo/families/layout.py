@@ -166,14 +166,21 @@ def _rotary_module(model: Any) -> Any:
     return None
 
 
-def _apply_fn(model: Any) -> Any:
-    """The modeling module's own ``apply_rotary_pos_emb`` (the oracle of the pairing)."""
+def rope_module(model: Any) -> Any:
+    """The modeling module that defines the model's ``apply_rotary_pos_emb`` (its attention's,
+    else the model's), or None."""
     mods = [type(m).__module__ for m in attention_modules(model).values()][:1] + [type(model).__module__]
     for name in mods:
-        fn = getattr(sys.modules.get(name), "apply_rotary_pos_emb", None)
-        if callable(fn):
-            return fn
+        mod = sys.modules.get(name)
+        if callable(getattr(mod, "apply_rotary_pos_emb", None)):
+            return mod
     return None
+
+
+def _apply_fn(model: Any) -> Any:
+    """The modeling module's own ``apply_rotary_pos_emb`` (the oracle of the pairing)."""
+    mod = rope_module(model)
+    return None if mod is None else mod.apply_rotary_pos_emb
 
 
 def _mentions_rotary(model: Any) -> bool:

@@ -137,6 +137,25 @@ impl PyCalibratedCodec {
         to_array2(py, values, m, d)
     }
 
+    /// What the calibration holds, as the arrays it was made from: `mean [D]`, `analysis` and
+    /// `synthesis [m, D]`, `spread [m]` (float32), `bits [m]` (uint8) and `centroids` (the custom
+    /// tables by bit width, float32; empty for none).
+    fn arrays<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
+        let out = PyDict::new(py);
+        out.set_item("mean", vec1(py, c.mean.clone()))?;
+        out.set_item("analysis", to_array2(py, c.analysis.clone(), c.m, c.d)?)?;
+        out.set_item("synthesis", to_array2(py, c.synthesis.clone(), c.m, c.d)?)?;
+        out.set_item("spread", vec1(py, c.spread.clone()))?;
+        out.set_item("bits", vec1(py, c.bits.clone()))?;
+        let tables = PyDict::new(py);
+        for (b, t) in &c.custom_tables {
+            tables.set_item(*b, vec1(py, t.clone()))?;
+        }
+        out.set_item("centroids", tables)?;
+        Ok(out)
+    }
+
     fn canonical_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.canonical_bytes())
     }
