@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import UnsupportedModelError
-from .rope import LayerRope, ModelRope, detect_style
+from .rope import LayerRope, ModelRope, detect_rope
 
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
@@ -206,7 +206,7 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
     rope_type = getattr(module, "rope_type", "default")
     uses = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
     apply_fn = _apply_fn(model)
-    styles: Dict[Optional[str], str] = {}
+    found: Dict[Optional[str], LayerRope] = {}
     layers: List[Optional[LayerRope]] = []
     for i, lt in enumerate(types):
         if isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]:
@@ -220,15 +220,15 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")
-        if key not in styles:
+        if key not in found:
             if apply_fn is None:
                 return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
-            style = detect_style(apply_fn, LayerRope(module, key, "half"), head_dim)
-            if style is None:
+            rope = detect_rope(apply_fn, module, key, head_dim)
+            if rope is None:
                 return None, ("its apply_rotary_pos_emb pairs channels in a way kakeyaturbo does not "
                               "reproduce bit for bit (neither rotate_half nor interleaved)")
-            styles[key] = style
-        layers.append(LayerRope(module, key, styles[key]))
+            found[key] = rope
+        layers.append(found[key])
     return ModelRope(layers), None
 
 

@@ -11,6 +11,10 @@ which channels pair up:
   ``i + rot_dim/2``, ``rot(x) = cat(-x2, x1)`` (``rotate_half``), cos/sin ``cat(f, f)``;
 - ``"interleaved"`` (Cohere): channel ``2i`` with ``2i + 1``, cos/sin repeated per pair.
 
+Some rotary modules hand out one cos/sin per frequency, ``[batch, T, rot_dim/2]``, and their
+``apply_rotary_pos_emb`` pairs the two halves itself (GPT-OSS); :class:`LayerRope` widens such
+tables to the per-channel form above (``per_frequency``), so everything downstream sees one form.
+
 Both channels of a pair share one angle, so per pair the map is ``s * R(theta)`` (``s`` the
 scaling) and ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)`` inverts it exactly; without the
 division it is the transpose ``s * R(theta)^T``, which carries a gradient taken after RoPE back
@@ -107,19 +111,22 @@ class LayerRope:
 
     ``module``: the model's rotary module; ``layer_type``: passed to it when it serves several
     layer types (Gemma 3: a local and a global base frequency), else None; ``style``: the
-    pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`.
+    pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`;
+    ``per_frequency``: the module gives one cos/sin per rotary frequency (GPT-OSS), widened here
+    to one per channel.
 
     Calling it with integer positions ``[T]`` or ``[batch, T]`` gives float32 ``cos``/``sin``
-    ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model, so that
-    :meth:`apply` reproduces the model's cached keys bit for bit.
+    ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (widened where
+    ``per_frequency``), so that :meth:`apply` reproduces the model's cached keys bit for bit.
     """
 
-    def __init__(self, module: Any, layer_type: Optional[str], style: str) -> None:
+    def __init__(self, module: Any, layer_type: Optional[str], style: str, per_frequency: bool = False) -> None:
         if style not in STYLES:
             raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
         self.module = module
         self.layer_type = layer_type
         self.style = style
+        self.per_frequency = bool(per_frequency)
         inv = getattr(module, "inv_freq", None)
         if layer_type is not None:
             inv = getattr(module, f"{layer_type}_inv_freq", inv)
@@ -127,14 +134,25 @@ class LayerRope:
 
     def __repr__(self) -> str:
         lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
-        return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r})"
+        pf = ", per_frequency=True" if self.per_frequency else ""
+        return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{pf})"
 
     def same_as(self, other: "Optional[LayerRope]") -> bool:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
-                and other.layer_type == self.layer_type and other.style == self.style)
+                and other.layer_type == self.layer_type and other.style == self.style
+                and other.per_frequency == self.per_frequency)
 
     def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.module_tables(positions)
+        if not self.per_frequency:
+            return cos, sin
+        if self.style == "half":
+            return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+    def module_tables(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin as the rotary module gives them (not widened)."""
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
@@ -174,12 +192,13 @@ class FnRope(LayerRope):
         self.module = fn
         self.layer_type = None
         self.style = style
+        self.per_frequency = False
         self.device = torch.device("cpu")
 
     def __repr__(self) -> str:
         return f"FnRope({self.module!r}, style={self.style!r})"
 
-    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def module_tables(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.module(positions)
         return cos.float(), sin.float()
 
@@ -230,30 +249,36 @@ class ModelRope:
         return self.layers[0](positions)
 
 
-def detect_style(apply_fn: Any, rope: LayerRope, head_dim: int) -> Optional[str]:
-    """The pairing under which :func:`apply_rope` reproduces ``apply_fn(q, k, cos, sin)`` (a
-    modeling module's ``apply_rotary_pos_emb``) bit for bit on random rows with ``rope``'s
-    cos/sin, or None when neither does (or the function does not take those arguments).
+def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim: int) -> Optional[LayerRope]:
+    """The :class:`LayerRope` of ``module`` (and ``layer_type``) under which :func:`apply_rope`
+    reproduces ``apply_fn(q, k, cos, sin)`` (a modeling module's ``apply_rotary_pos_emb``, handed
+    the module's own cos/sin) bit for bit on random rows, or None when no pairing does (or the
+    function does not take those arguments).
 
     Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
     itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
     attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
-    channels)."""
+    channels). Tables of one entry per channel are tried before tables of one per frequency."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
-    cos, sin = rope(pos)
-    widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
-    for width in widths:
-        x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
-        x = x.to(cos.device)
-        try:
-            with torch.no_grad():
-                out = apply_fn(x, x.clone(), cos, sin)
-        except Exception:  # a different signature or convention: not one we can reproduce
-            continue
-        if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
-            continue
+    for per_frequency in (False, True):
         for style in STYLES:
-            mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
-            if mine.shape == out[1].shape and torch.equal(mine, out[1]):
-                return style
+            rope = LayerRope(module, layer_type, style, per_frequency)
+            cos_m, sin_m = rope.module_tables(pos)
+            cos, sin = rope(pos)
+            widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
+            for width in widths:
+                if cos.shape[-1] > width:
+                    continue
+                x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
+                x = x.to(cos.device)
+                try:
+                    with torch.no_grad():
+                        out = apply_fn(x, x.clone(), cos_m, sin_m)
+                except Exception:  # a different signature or convention: not one we can reproduce
+                    continue
+                if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
+                    continue
+                mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
+                if mine.shape == out[1].shape and torch.equal(mine, out[1]):
+                    return rope
     return None
