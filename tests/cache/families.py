@@ -1,7 +1,7 @@
 """Tiny random-weight decoders of every family the cache supports, built from a transformers config
 (no download), with what sets each apart: sliding windows (8 tokens, so prompts cross them),
 q/k norms, MQA, head_dim 256, per-layer-type RoPE, partial rotary, interleaved RoPE, NoPE layers,
-attention softcapping."""
+attention softcapping, learnt attention sinks."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
 def _make(cfg_cls: Any, model_cls: Any, **kw: Any) -> Any:
     torch.manual_seed(0)
     return model_cls(cfg_cls(**dict(_COMMON, **kw))).eval()
+
+
+def _with_sinks(model: Any) -> Any:
+    """Learnt sinks that weigh: logits -1 .. 3 (the initialisation draws them near 0, where a
+    kernel ignoring them would still come close)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            s = layer.self_attn.sinks
+            s.copy_(torch.rand(s.shape, generator=g) * 4 - 1)
+    return model
 
 
 #: family -> (builder, what differs), the table of the README's "Model families".
@@ -101,6 +112,15 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                 "q/k RMSNorm per head, xIELU MLP"),
     "arcee": (lambda: _make(T.ArceeConfig, T.ArceeForCausalLM, num_key_value_heads=2, head_dim=16),
               "ReLU-squared MLP"),
+    "gpt_oss": (lambda: _with_sinks(_make(
+                    T.GptOssConfig, T.GptOssForCausalLM, num_key_value_heads=2, head_dim=16,
+                    sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64})),
+                "learnt attention sinks (a logit per query head), cos/sin per frequency, yarn RoPE, "
+                "sliding and full layers, sparse MoE MLP"),
 }
 
 

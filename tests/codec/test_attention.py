@@ -86,6 +86,36 @@ def test_a_query_that_sees_nothing_gives_zero() -> None:
     assert np.all(np.isfinite(lse[:, :, 0]))
 
 
+@pytest.mark.parametrize("spec", [GRID[2], GRID[4], GRID[6]], ids=lambda s: f"seed{s.seed}")
+def test_learnt_sink_logits_join_every_softmax(spec: Spec) -> None:
+    """GPT-OSS's learnt sinks (one logit per query head, no value): against the reference that
+    appends each head's logit to every row of scores and drops its weight after the softmax;
+    they change the result, and a query that sees nothing keeps 0 with the sink's lse."""
+    c = build(spec)
+    sinks = np.random.default_rng(spec.seed).uniform(-1, 4, c.q.shape[1]).astype(np.float32)
+    got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call(),
+                              sink_logits=sinks)
+    want = reference_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call(), sink_logits=sinks)
+    s_mag, v_mag = magnitudes(c)
+    compare(f"{spec} with sinks", got, (want[0].numpy(), want[1].numpy()), s_mag, v_mag,
+            TOL["attention_out"], TOL["attention_lse"])
+    plain = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+    assert np.abs(plain - got[0]).max() > 1e-3 * v_mag
+    as_tensor = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call(),
+                                    sink_logits=torch.from_numpy(sinks).double())
+    assert np.array_equal(as_tensor, got[0])
+
+
+def test_sink_logits_for_a_query_that_sees_nothing() -> None:
+    c = build(Spec(seed=12, n_q=2))
+    mask = np.zeros((1, 2, c.spec.total), np.float32)
+    mask[:, 1] = -np.inf
+    sinks = np.linspace(-1, 2, c.q.shape[1], dtype=np.float32)
+    out, lse = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, sink_k=c.sink_k,
+                                   sink_v=c.sink_v, mask=mask, return_lse=True, sink_logits=sinks)
+    assert np.all(out[:, :, 1] == 0) and np.array_equal(lse[0, :, 1], sinks)
+
+
 def test_torch_tensors_and_boolean_masks() -> None:
     c = build(Spec(seed=13, n_q=2, mask="bool"))
     m = c.kwargs["mask"]
@@ -187,6 +217,10 @@ def test_bad_arguments_are_typed_errors() -> None:
         (dict(mask=np.zeros((1, 2, c.spec.total), np.float64)), TypeError),
         (dict(mask=np.full((1, 2, c.spec.total), np.inf, np.float32)), kt.InvalidInputError),
         (dict(codes="x"), TypeError),
+        (dict(sink_logits=np.zeros(5, np.float32)), kt.InvalidInputError),  # not [H_q]
+        (dict(sink_logits=np.array([0, 0, 0, 0, 0, np.nan], np.float32)), kt.InvalidInputError),
+        (dict(sink_logits=np.zeros(6, np.int64)), TypeError),
+        (dict(sink_logits="x"), TypeError),
     ]:
         with pytest.raises(err):
             call(**kw)

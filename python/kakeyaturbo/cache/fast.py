@@ -45,7 +45,7 @@ NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
                       "olmo2", "cohere", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
                       "olmo3", "starcoder2", "stablelm", "exaone4", "ministral", "seed_oss", "apertus",
-                      "arcee"})
+                      "arcee", "gpt_oss"})
 
 #: The attribute of a key tensor that names the layer which returned it.
 TAG = "_kakeyaturbo_layer"
@@ -188,6 +188,10 @@ def _f32(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
+def _f32_or_none(x: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    return None if x is None else _f32(x)
+
+
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
               base: str, **kwargs: Any) -> Tuple[Any, Any]:
     """The attention function of :data:`NAMES` (see the module docstring). ``query``
@@ -213,14 +217,20 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
         layer.settle()
 
 
+def _sink_logits(module: Any, kwargs: Dict[str, Any]) -> Any:
+    """The learnt sinks the model's attention takes (GPT-OSS passes its ``sinks`` as ``s_aux``;
+    its eager function reads ``module.sinks``), or None."""
+    s = kwargs.get("s_aux")
+    return getattr(module, "sinks", None) if s is None else s
+
+
 def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
     """Whether the kernel computes what the model's own attention would: causal, no dropout,
-    no learnt sinks, no position bias, no attention weights asked for."""
+    no position bias, no attention weights asked for (learnt sinks, one logit per query head,
+    are applied: :func:`_sink_logits`)."""
     if kwargs.get("dropout", 0.0) or getattr(module, "training", False):
         return False
-    if kwargs.get("output_attentions") or kwargs.get("s_aux") is not None:
-        return False
-    if kwargs.get("position_bias") is not None or getattr(module, "sinks", None) is not None:
+    if kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
         return False
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         return False
@@ -243,6 +253,6 @@ def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
                            scale=float(scale), softcap=None if softcap is None else float(softcap),
                            window=layer.window, mask=_bool_mask(mask, n_q, total),
                            threads=layer.threads, rope=table, positions=positions,
-                           synthesis=layer.synthesis)
+                           synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None

@@ -167,16 +167,12 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     ``v [1, Hkv, T, D]`` the attention output is computed from the same probabilities and
     returned third, ``[1, T, Hq, D]`` in ``q``'s dtype, as transformers' attention functions
     return it (the statistics pass uses it instead of running the model's attention a second
-    time; equal to the model's own output to float32 rounding, checked per family). A family
-    whose probabilities hold more than this (attention sinks) is refused rather than
-    mis-weighed."""
+    time; equal to the model's own output to float32 rounding, checked per family). A module
+    with learnt sinks (``module.sinks``, one logit per query head: GPT-OSS) has each query's
+    softmax taken with its head's sink logit as one more entry, which holds no value and is
+    dropped from the sums, as the model's attention does."""
     import torch
 
-    if getattr(module, "sinks", None) is not None:
-        mt = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-        raise UnsupportedModelError(
-            f"model type {mt!r}: attention sinks change the probabilities the statistics are "
-            "weighted by; use weighting='uniform' for this model")
     _, hq, t, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -189,6 +185,9 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     wq = torch.empty((hkv, group, t), dtype=torch.float64)
     wk = torch.zeros((hkv, t), dtype=torch.float64)
     pos = torch.arange(t)
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().float().reshape(hkv, group, 1, 1)
     vf = None if v is None else v[0].detach().float()[:, None]  # [hkv, 1, t, d]
     out = None if v is None else torch.empty((hkv, group, t, vf.shape[-1]), dtype=torch.float32)
     for a in range(0, t, chunk):
@@ -205,7 +204,10 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
             logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
         else:
             logits += mask[0, 0, a:b, :b].float()
-        p2 = torch.softmax(logits, dim=-1)
+        if sinks is None:
+            p2 = torch.softmax(logits, dim=-1)
+        else:
+            p2 = torch.softmax(torch.cat([logits, sinks.expand(-1, -1, b - a, 1)], dim=-1), dim=-1)[..., :-1]
         if out is not None:
             out[:, :, a:b] = torch.matmul(p2, vf[:, :, :b])
         p2.square_()

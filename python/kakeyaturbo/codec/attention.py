@@ -229,12 +229,43 @@ def _mask(mask: Any, batch: int, n_q: int) -> Optional[np.ndarray]:
     return np.ascontiguousarray(m)
 
 
+def sink_logits_array(sink_logits: Any, q_heads: int) -> np.ndarray:
+    """``sink_logits`` as float32 ``[H_q]`` (numpy, a CPU torch tensor, a sequence), checked:
+    TypeError for a non-float dtype, InvalidInputError for another shape or a non-finite value."""
+    a = sink_logits
+    if not isinstance(a, np.ndarray):
+        try:
+            a = np.asarray(a.detach().cpu() if hasattr(a, "detach") else a)
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"sink_logits must be a float array or tensor ({e})") from None
+    if a.dtype.kind != "f":
+        raise TypeError(f"sink_logits must be floating point, got {a.dtype}")
+    if a.shape != (q_heads,):
+        raise InvalidInputError(f"sink_logits must be [H_q={q_heads}], got shape {a.shape}")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise InvalidInputError("sink_logits must be finite")
+    return a
+
+
+def with_sink_logits(out: Any, lse: Any, sink_logits: Any) -> Tuple[Any, Any]:
+    """Attention ``(out [B, H_q, n_q, D_v], lse [B, H_q, n_q])`` with one more softmax entry per
+    query head, ``sink_logits [H_q]``, that holds no value (GPT-OSS's learnt sinks): every weight
+    shrinks by ``exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``, the same as taking the
+    softmax over the scores and the sink and dropping the sink's weight. numpy arrays or torch
+    tensors (all of one kind); a query that saw nothing stays 0 with ``lse' = sink``."""
+    xp = np if isinstance(out, np.ndarray) else __import__("torch")
+    s = sink_logits[None, :, None]
+    new = xp.logaddexp(lse, s)
+    return out * xp.exp(lse - new)[..., None], new
+
+
 def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                      sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window: Optional[int] = None,
                      mask: Any = None, threads: Optional[int] = None, return_lse: bool = False,
                      rope: Optional[RopeTable] = None, positions: Any = None,
-                     synthesis: str = "bf16"
+                     synthesis: str = "bf16", sink_logits: Any = None
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """One attention step of a layer over its sealed codes and raw rows.
 
@@ -263,6 +294,9 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
       bfloat16, float32 sums, AVX-512 BF16's dot product where the CPU has it; the keys then
       differ from the decoded ones by that rounding, about 2**-8 of the terms that make them)
       or ``"f32"`` (the decoded keys to float32 rounding, half the speed).
+    - ``sink_logits``: float ``[H_q]`` or None: learnt attention sinks (GPT-OSS), one logit per
+      query head that joins every softmax of that head and holds no value
+      (:func:`with_sink_logits`; not to be confused with the raw sink rows above).
 
     Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
@@ -302,6 +336,9 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                                     f"got {pos.min()} .. {pos.max()}")
         rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style,
                synthesis)
+    sinks = None if sink_logits is None else sink_logits_array(sink_logits, qa.shape[1])
     out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
                                _checks.threads(threads), rot)
+    if sinks is not None:
+        out, lse = with_sink_logits(out, lse, sinks)
     return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

@@ -71,11 +71,13 @@ def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v:
 def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                         sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                         softcap: Optional[float] = None, window: Optional[int] = None,
-                        mask: Any = None, rope: Optional[RopeTable] = None, positions: Any = None
-                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+                        mask: Any = None, rope: Optional[RopeTable] = None, positions: Any = None,
+                        sink_logits: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention over the decoded cache in float64; the arguments of
     :func:`kakeyaturbo.decode_attention`. Returns ``(out [B, H_q, n_q, D_v], lse [B, H_q,
-    n_q])`` float64 tensors: a query that sees no position has output 0 and lse ``-inf``."""
+    n_q])`` float64 tensors: a query that sees no position has output 0 and lse ``-inf`` (with
+    ``sink_logits``, the softmax is taken over the scores and the head's sink logit, whose
+    weight is then dropped, as GPT-OSS's attention does: lse is the sink's there)."""
     k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v, rope, positions)
     qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
     b, hq, nq, dk = qd.shape
@@ -95,6 +97,10 @@ def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     m = _mask(mask, b, nq)
     if m is not None:
         s = s + torch.from_numpy(m.astype(np.float64))[:, None]
+    if sink_logits is not None:
+        sl = torch.as_tensor(np.asarray(sink_logits, dtype=np.float64))
+        s = torch.cat([s, sl[None, :, None, None].expand(b, hq, nq, 1)], dim=-1)
+        v = torch.cat([v, torch.zeros_like(v[..., :1, :])], dim=-2)  # the sink holds no value
     top = s.amax(dim=-1, keepdim=True)
     none = torch.isinf(top) & (top < 0)
     p = torch.exp(s - torch.where(none, torch.zeros_like(top), top))

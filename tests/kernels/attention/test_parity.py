@@ -57,6 +57,26 @@ def test_the_rotation_changes_the_result() -> None:
     assert np.abs(outs[2] - outs[1]).max() > 1e-3 * scale
 
 
+def test_learnt_sink_logits_as_in_rust() -> None:
+    """GPT-OSS's learnt sinks, one logit per query head, through the Triton kernel as through the
+    Rust one (keys before RoPE); a bad one is refused alike."""
+    r = parity.ROPE_SUBSET[0]
+    c = parity.build(r.spec)
+    table, pos = parity.rope_inputs(r)
+    sinks = np.linspace(-1.0, 3.0, c.q.shape[1], dtype=np.float32)
+    kw = dict(**c.call(), rope=table, positions=pos, sink_logits=sinks)
+    want = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **kw)
+    layer = K.stack_layer(c.codes, DEVICE)
+    out, lse = K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v, **kw)
+    s_mag, v_mag = parity.rope_magnitudes(c, r, table, pos)
+    limit = parity.TOL["attention_triton_rope"]
+    parity.compare("triton vs rust, sinks", (out.cpu().numpy(), lse.cpu().numpy()), want, s_mag, v_mag,
+                   limit, limit)
+    with pytest.raises(ValueError, match="sink_logits"):
+        K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v,
+                                  **dict(kw, sink_logits=sinks[:-1]))
+
+
 def test_rope_arguments_are_checked() -> None:
     r = parity.ROPE_SUBSET[2]
     c = parity.build(r.spec)

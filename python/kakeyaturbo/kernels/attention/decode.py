@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ...codec.attention import RopeTable
+from ...codec.attention import RopeTable, sink_logits_array, with_sink_logits
 from ...codec.calibrated import SYNTHESES
 from .batch import LayerBatch, RopeBatch, raw_rows, stack_rope
 from .combine import combine_attention
@@ -22,7 +22,7 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
                             sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                             softcap: Optional[float] = None, window: Optional[int] = None,
                             mask: Any = None, rope: Union[None, RopeTable, RopeBatch] = None,
-                            positions: Any = None, synthesis: str = "bf16"
+                            positions: Any = None, synthesis: str = "bf16", sink_logits: Any = None
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One attention step over a layer's sealed codes (:func:`~.batch.stack_layer`) and raw
     rows, on the layer's device; the arguments and rules of :func:`kakeyaturbo.decode_attention`:
@@ -44,6 +44,9 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
       ``q`` and the raw rows are after RoPE, as the model hands them over. ``synthesis``:
       ``"bf16"`` (the default, as the Rust kernel's) multiplies ``M`` and the centroids rounded
       to bfloat16, ``"f32"`` the decoded keys' float32 factors.
+    - ``sink_logits``: ``[H_q]`` or None, learnt sinks (GPT-OSS), applied to the result as
+      :func:`kakeyaturbo.codec.attention.with_sink_logits` does (checked as
+      :func:`kakeyaturbo.decode_attention` checks them).
 
     Returns ``(out float32 [B, H_q, n_q, D_v], lse float32 [B, H_q, n_q])`` (0 and ``-inf``
     for a query that sees nothing). Raises ValueError on shapes, dtypes or devices that do not
@@ -80,10 +83,12 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         m = m.to(device=dev, dtype=torch.float32).contiguous()
     if synthesis not in SYNTHESES:
         raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
+    sinks = None if sink_logits is None else torch.from_numpy(sink_logits_array(sink_logits, q.shape[1])).to(dev)
     rb, pos = _rope(layer, rope, positions)
     pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos,
                                           synthesis)
-    return combine_attention(layer, pm, pl, pacc, ncode, q.shape[1], nq)
+    out, lse = combine_attention(layer, pm, pl, pacc, ncode, q.shape[1], nq)
+    return (out, lse) if sinks is None else with_sink_logits(out, lse, sinks)
 
 
 def _rope(layer: LayerBatch, rope: Any, positions: Any
