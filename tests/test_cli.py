@@ -4,6 +4,7 @@ then eval with per-block and calibrated recipes and baselines; argument errors."
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -27,9 +28,9 @@ def test_bad_arguments_exit_with_status_2(capsys) -> None:
     assert "invalid" in capsys.readouterr().err
 
 
-def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
+def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir, capsys) -> None:
     """calibrate --out writes ONE file; a recipe pointing at it, and eval --calibration, use it
-    without gathering anything."""
+    without gathering anything; eval --calibration takes the codec file of --codec-out too."""
     text = tiny_model_dir / "text.txt"
     cal = tmp_path / "cal.safetensors"
     assert cli.main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text),
@@ -46,7 +47,24 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir) -> None:
     fitted = ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens)
     assert {k: c.fingerprint for k, c in loaded.codecs.items()} == \
         {k: c.fingerprint for k, c in fitted.codecs.items()}
+    # eval takes the codec file for the recipe it was fitted for, with the calibration file's figures.
+    evals = {}
+    for name, source in (("codec", tmp_path / "c4.kkcodec"), ("statistics", cal)):
+        evals[name] = tmp_path / f"eval-{name}"
+        assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
+                         "--ctx", "64", "--n-eval", "8", "--recipes", "calibrated-4bit", "--baselines", "",
+                         "--peers", "", "--calibration", str(source), "--out", str(evals[name])]) == 0
+    rows = [json.loads((evals[n] / "results.json").read_text())["methods"]["kakeyaturbo:calibrated-4bit"]
+            for n in ("codec", "statistics")]
+    assert rows[0]["kl"] == rows[1]["kl"] and rows[0]["bits_per_element"] == rows[1]["bits_per_element"]
+    capsys.readouterr()
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
+                     "--ctx", "64", "--n-eval", "8", "--recipes", "calibrated-3bit", "--baselines", "",
+                     "--peers", "", "--calibration", str(tmp_path / "c4.kkcodec"), "--out", str(tmp_path / "x")]) == 1
+    assert "fitted for recipe 'calibrated-4bit', not 'calibrated-3bit'" in capsys.readouterr().err
     (tmp_path / "c4.kkcodec").unlink()
+    for p in evals.values():
+        shutil.rmtree(p)
     recipe = tmp_path / "cal.toml"
     recipe.write_text('name = "cal"\nmode = "calibrated"\nn_sink = 1\n'
                       '[calibration]\npath = "cal.safetensors"\nscore = 16\n'

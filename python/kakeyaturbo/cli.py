@@ -141,7 +141,7 @@ def _check_out_dir(arg: str) -> None:
 def _check_calibration_file(flag: str, arg: Optional[str]) -> None:
     if arg is not None and not Path(arg).expanduser().is_file():
         raise _Bad(flag, f"no such file: {arg!r} (expected a calibration file written by "
-                         "kakeyaturbo calibrate --out FILE)")
+                         "kakeyaturbo calibrate --out FILE, or a codec file by --codec-out FILE)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -230,7 +230,8 @@ def parser() -> argparse.ArgumentParser:
                         f"(known: {', '.join(peers.PEERS)}; '' for none)")
     e.add_argument("--calibration", metavar="FILE",
                    help="a calibration file (kakeyaturbo calibrate --out) for the calibrated recipes, "
-                        "instead of the cache")
+                        "instead of the cache, or a codec file (calibrate --codec-out) for the recipe "
+                        "it was fitted for")
     e.add_argument("--attribute", type=_count(0), default=0, metavar="GROUPS",
                    help="also run every recipe on K only, on V only, and on each of GROUPS "
                         "groups of consecutive layers alone (where the loss comes from)")

@@ -17,6 +17,7 @@ from .calibration import (Calibration, calibration_windows, collect, collect_sen
 from .cache.pretrained import codec_for_model
 from .calibration import corpus
 from .calibration.bundle import is_calibration_file
+from .calibration.model_codec import ModelCodec, is_codec_file
 from .calibration.gather import missing, model_dtype
 from .calibration.mixture import pool_sensitivity, pool_stats
 from .errors import InvalidParameterError
@@ -122,8 +123,17 @@ def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str
 
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
                   cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
-    """(stats, sensitivity) of every calibrated recipe, keyed by what they depend on."""
+    """Per calibrated recipe's name, its (stats, sensitivity), or its ModelCodec where a codec
+    file (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``) gives it: ``--calibration``
+    naming one, or the recipe's ``[calibration] path``; statistics are shared by recipes that
+    depend on the same ones."""
     out: Dict[Any, Any] = {}
+    if args.calibration and is_codec_file(args.calibration):
+        for rec in recs:
+            if rec.mode == "calibrated":
+                out[rec.name] = codec_for_model(m, rec, args.calibration)[0]
+                _say(f"{rec.name}: codecs from codec file {args.calibration}")
+        return out
     if args.calibration:
         cal = Calibration.load(args.calibration).check_model(m)
         _say(f"calibration {args.calibration} ({cal.library}, made for {cal.model_type} "
@@ -134,6 +144,10 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
         return out
     for rec in recs:
         if rec.mode != "calibrated":
+            continue
+        if rec.calibration.path and is_codec_file(rec.calibration.path):
+            out[rec.name] = codec_for_model(m, rec)[0]
+            _say(f"{rec.name}: codecs from codec file {rec.calibration.path}")
             continue
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if key not in out:
@@ -175,8 +189,11 @@ def evaluate(args: argparse.Namespace) -> int:
         methods.append(harness.peer_method(name))
     cals = _calibrations(args, m, tok, model_path, text_path, cal_text, recs)
     for rec in recs:
-        stats, sens = cals.get(rec.name, (None, None))
-        methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens))
+        got = cals.get(rec.name, (None, None))
+        if isinstance(got, ModelCodec):
+            methods.append(harness.codec_method(rec, layers, codec=got))
+        else:
+            methods.append(harness.codec_method(rec, layers, stats=got[0], sensitivity=got[1]))
         if args.attribute:
             methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))

@@ -183,8 +183,8 @@ def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[st
         raise InvalidParameterError(
             f"recipe {recipe.name!r}: [calibration] path {recipe.calibration.path!r} is a codec file "
             "(ModelCodec.save); this fits codecs from statistics: name the calibration file "
-            "(kakeyaturbo calibrate --out) instead, or load the codec file with "
-            "KakeyaCache.from_pretrained(model, recipe, calibration=FILE)")
+            "(kakeyaturbo calibrate --out) instead, or use the codec file as it is: "
+            "KakeyaCache.from_pretrained(model, recipe, calibration=FILE), kakeyaturbo eval")
     if recipe.calibration.path and is_calibration_file(recipe.calibration.path):
         # One file made by `kakeyaturbo calibrate --out`: checked against this model.
         return Calibration.load(recipe.calibration.path).check_model(model).parts(recipe)

@@ -64,11 +64,17 @@ def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
 
 
 def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None,
-                 sensitivity: Any = None) -> Method:
+                 sensitivity: Any = None, codec: Any = None) -> Method:
     """The method of a recipe: its per-block codec, or (``mode = "calibrated"``) the
     calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibration.AttentionStats`)
-    and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibration.Sensitivity`)."""
-    codec = codec_for(recipe, stats=stats, sensitivity=sensitivity)
+    and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibration.Sensitivity`),
+    or ``codec``, codecs fitted already (a ``ModelCodec`` of this recipe, e.g. loaded from a
+    codec file)."""
+    if codec is None:
+        codec = codec_for(recipe, stats=stats, sensitivity=sensitivity)
+    elif getattr(codec, "recipe", None) != recipe or stats is not None or sensitivity is not None:
+        raise InvalidParameterError(f"codec_method: the codec given for recipe {recipe.name!r} must "
+                                    "have been fitted for it, and comes without statistics")
     model_bytes = int(getattr(codec, "model_bytes", 0))
     return Method(f"kakeyaturbo:{recipe.name}", _no_quantise, recipe.boundary(num_layers), "codec",
                   recipe.n_sink, recipe.streams, codec=codec, model_bytes=model_bytes,
