@@ -101,7 +101,8 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                partial_rotary_factor=0.25),
                  "partial rotary (a quarter) split off by the attention before RoPE"),
     "exaone4": (lambda: _make(T.Exaone4Config, T.Exaone4ForCausalLM, num_key_value_heads=2, head_dim=16,
-                              sliding_window=WINDOW),
+                              sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
                 "q/k RMSNorm per head, sliding layers with RoPE and global layers without"),
     "ministral": (lambda: _make(T.MinistralConfig, T.MinistralForCausalLM, num_key_value_heads=2, head_dim=16,
                                 sliding_window=WINDOW),
@@ -121,6 +122,21 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                      "original_max_position_embeddings": 64})),
                 "learnt attention sinks (a logit per query head), cos/sin per frequency, yarn RoPE, "
                 "sliding and full layers, sparse MoE MLP"),
+    "glm4": (lambda: _make(T.Glm4Config, T.Glm4ForCausalLM, num_key_value_heads=2, head_dim=16,
+                           partial_rotary_factor=0.5),
+             "partial rotary (half) with interleaved pairs from the first half of cat(f, f) tables"),
+    "ernie4_5": (lambda: _make(T.Ernie4_5Config, T.Ernie4_5ForCausalLM, num_key_value_heads=2, head_dim=16),
+                 "interleaved pairs from the first half of cat(f, f) tables, RoPE in float32"),
+    "glm4_moe": (lambda: _make(T.Glm4MoeConfig, T.Glm4MoeForCausalLM, num_key_value_heads=2, head_dim=16,
+                               partial_rotary_factor=0.5, use_qk_norm=True, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
+                 "q/k RMSNorm per head, partial rotary (half), a dense first layer, then routed and shared experts"),
+    "cohere2": (lambda: _make(T.Cohere2Config, T.Cohere2ForCausalLM, num_key_value_heads=2, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                "interleaved RoPE on sliding layers, full layers without RoPE, parallel attention and MLP"),
+    "olmoe": (lambda: _make(T.OlmoeConfig, T.OlmoeForCausalLM, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2),
+              "q/k RMSNorm over the whole projection, sparse MoE MLP"),
 }
 
 

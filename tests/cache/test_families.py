@@ -240,15 +240,12 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
         KakeyaCache(IdentityCodec(), model=m4)
     with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
         describe(torch.nn.Linear(2, 2))
-    # GLM-4's partial rotation pairs channels neither as rotate_half nor interleaved does: keys
-    # without RoPE are refused, keys as the model caches them are served.
-    glm = transformers.Glm4ForCausalLM(transformers.Glm4Config(head_dim=16, partial_rotary_factor=0.5,
-                                                               **common)).eval()
-    ernie = transformers.Ernie4_5ForCausalLM(transformers.Ernie4_5Config(head_dim=16, **common)).eval()
-    for m in (glm, ernie):
-        with pytest.raises(kt.UnsupportedModelError, match="neither rotate_half nor interleaved"):
-            KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m)
-        KakeyaCache(IdentityCodec(), model=m)
+    # NanoChat's rotate_half turns the other way (cat(x2, -x1)), a pairing none of the table forms
+    # reproduces: keys without RoPE are refused, keys as the model caches them are served.
+    nano = transformers.NanoChatForCausalLM(transformers.NanoChatConfig(head_dim=16, **common)).eval()
+    with pytest.raises(kt.UnsupportedModelError, match="'nanochat'.*neither rotate_half nor interleaved"):
+        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=nano)
+    KakeyaCache(IdentityCodec(), model=nano)
     # HunYuan normalises its keys after RoPE: removing RoPE from what it caches gives no
     # position-free keys, so they are not calibrated that way (after RoPE they are).
     hy = transformers.HunYuanDenseV1ForCausalLM(transformers.HunYuanDenseV1Config(head_dim=16, **common)).eval()
@@ -256,6 +253,25 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
         calibration.collect(hy, wins, samples=2)
     assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
+
+
+def test_layers_without_rope_found_or_refused(monkeypatch) -> None:
+    """Cohere 2 and EXAONE 4 rotate their sliding layers' keys only: describe reads which layers
+    do (families.layout._ROPE_IF); for a family whose rule it did not know, collecting statistics
+    before RoPE counts the calls of apply_rotary_pos_emb and refuses rather than remove a RoPE
+    the keys never had."""
+    from kakeyaturbo.families import layout as layout_mod
+
+    wins = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2
+    for name in ("cohere2", "exaone4"):
+        model = build(name)
+        rope = describe(model).rope
+        assert [rope.layer(i) is not None for i in range(3)] == [True, False, True], name
+        monkeypatch.delitem(layout_mod._ROPE_IF, name)
+        assert describe(model).rope.layer(1) is not None  # the rule unknown: read as rotating
+        with pytest.raises(kt.UnsupportedModelError, match=f"'{name}'.*ran 2 times.*3 layers"):
+            calibration.collect(model, wins, samples=2)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("name", ["gpt_neox", "gemma3_text"])

@@ -118,14 +118,23 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
     ``apply_rotary_pos_emb`` returned (``rotated``, in order of the layers that apply RoPE): the
     family changes its keys after RoPE (a k norm on the rotated keys, HunYuan), so removing RoPE
     from what the cache holds does not give position-free keys to calibrate on. Nothing is
-    checked where the calls cannot be matched to the layers."""
+    checked where no call was seen (a family whose attention does not look the function up in
+    its module); UnsupportedModelError when the calls seen are not one per layer that applies RoPE
+    by :func:`~kakeyaturbo.families.describe` (a family that rotates some layers only, by a
+    rule describe does not know)."""
     import torch
 
     from ..families.layout import model_type
 
     layers = [i for i in sorted(got) if rope.layer(i) is not None]
-    if not layers or len(rotated) != len(layers):
+    if not layers or not rotated:
         return
+    if len(rotated) != len(layers):
+        raise UnsupportedModelError(
+            f"model type {model_type(model)!r}: its apply_rotary_pos_emb ran {len(rotated)} times in a "
+            f"forward pass, but {len(layers)} layers read as rotating their keys; which layers apply "
+            "RoPE is not known for this family, so keys are not calibrated without RoPE (code them "
+            "as the cache holds them: [k] rope = 'after', statistics collected with rope='after')")
     for i, r in zip(layers, rotated):
         k = got[i]
         w = r.shape[-1]

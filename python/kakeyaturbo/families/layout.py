@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import UnsupportedModelError
 from .rope import LayerRope, ModelRope, detect_rope
@@ -193,6 +193,27 @@ def _mentions_rotary(model: Any) -> bool:
     return False
 
 
+#: Families whose attention applies RoPE on some layers only, by a test of the attention module's
+#: own attributes, as their modeling code writes it (global layers without RoPE).
+_ROPE_IF: Dict[str, Callable[[Any], bool]] = {
+    "cohere2": lambda m: m.sliding_window is not None,
+    "flint": lambda m: m.sliding_window is not None,
+    "cohere2_moe": lambda m: m.sliding_window is not None or bool(m.force_rope),
+    "exaone4": lambda m: m.sliding_window is None or bool(m.is_sliding),
+    "exaone4_5": lambda m: m.sliding_window is None or bool(m.is_sliding),
+    "exaone_moe": lambda m: m.sliding_window is None or bool(m.is_sliding),
+    "kolibri1": lambda m: m.sliding_window is None or bool(m.is_sliding),
+    "afmoe": lambda m: bool(m.is_local_attention),
+}
+
+
+def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
+    """Per layer index, whether its attention applies RoPE, for the families of :data:`_ROPE_IF`
+    (empty for the others: every layer does, unless the config says otherwise)."""
+    test = _ROPE_IF.get(mt)
+    return {} if test is None else {i: bool(test(m)) for i, m in attention_modules(model).items()}
+
+
 def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Optional[ModelRope], Optional[str]]:
     module = _rotary_module(model)
     if module is None:
@@ -205,11 +226,12 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
         per_type = False
     rope_type = getattr(module, "rope_type", "default")
     uses = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
+    applies = _applies_rope(model, model_type(model))
     apply_fn = _apply_fn(model)
     found: Dict[Optional[str], LayerRope] = {}
     layers: List[Optional[LayerRope]] = []
     for i, lt in enumerate(types):
-        if isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]:
+        if (isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]) or not applies.get(i, True):
             layers.append(None)
             continue
         key = lt if per_type else None

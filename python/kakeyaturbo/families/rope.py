@@ -11,9 +11,14 @@ which channels pair up:
   ``i + rot_dim/2``, ``rot(x) = cat(-x2, x1)`` (``rotate_half``), cos/sin ``cat(f, f)``;
 - ``"interleaved"`` (Cohere): channel ``2i`` with ``2i + 1``, cos/sin repeated per pair.
 
-Some rotary modules hand out one cos/sin per frequency, ``[batch, T, rot_dim/2]``, and their
-``apply_rotary_pos_emb`` pairs the two halves itself (GPT-OSS); :class:`LayerRope` widens such
-tables to the per-channel form above (``per_frequency``), so everything downstream sees one form.
+The rotary module's tables come in three forms (:data:`TABLES`), which :class:`LayerRope`
+turns into the per-channel form above, so everything downstream sees one form:
+
+- ``"channel"``: one entry per rotated channel, as above (most families);
+- ``"frequency"``: one per frequency, ``[batch, T, rot_dim/2]``, and the family's
+  ``apply_rotary_pos_emb`` pairs the halves itself (GPT-OSS);
+- ``"halved"``: ``cat(f, f)``, of which the family's ``apply_rotary_pos_emb`` takes the first
+  half and repeats each entry for an interleaved pair (GLM, GLM-4, ERNIE 4.5, Helium).
 
 Both channels of a pair share one angle, so per pair the map is ``s * R(theta)`` (``s`` the
 scaling) and ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)`` inverts it exactly; without the
@@ -29,6 +34,8 @@ import torch
 
 #: The pairings of channels that :func:`apply_rope` knows (see the module docstring).
 STYLES = ("half", "interleaved")
+#: The forms of a rotary module's cos/sin tables that :class:`LayerRope` reads (the docstring).
+TABLES = ("channel", "frequency", "halved")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -112,21 +119,23 @@ class LayerRope:
     ``module``: the model's rotary module; ``layer_type``: passed to it when it serves several
     layer types (Gemma 3: a local and a global base frequency), else None; ``style``: the
     pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`;
-    ``per_frequency``: the module gives one cos/sin per rotary frequency (GPT-OSS), widened here
-    to one per channel.
+    ``table``: the form of the module's tables (:data:`TABLES`), turned here into one entry per
+    channel.
 
     Calling it with integer positions ``[T]`` or ``[batch, T]`` gives float32 ``cos``/``sin``
-    ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (widened where
-    ``per_frequency``), so that :meth:`apply` reproduces the model's cached keys bit for bit.
+    ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (in the
+    per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
     """
 
-    def __init__(self, module: Any, layer_type: Optional[str], style: str, per_frequency: bool = False) -> None:
+    def __init__(self, module: Any, layer_type: Optional[str], style: str, table: str = "channel") -> None:
         if style not in STYLES:
             raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
+        if table not in TABLES:
+            raise ValueError(f"RoPE table form must be one of {TABLES}, got {table!r}")
         self.module = module
         self.layer_type = layer_type
         self.style = style
-        self.per_frequency = bool(per_frequency)
+        self.table = table
         inv = getattr(module, "inv_freq", None)
         if layer_type is not None:
             inv = getattr(module, f"{layer_type}_inv_freq", inv)
@@ -134,19 +143,22 @@ class LayerRope:
 
     def __repr__(self) -> str:
         lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
-        pf = ", per_frequency=True" if self.per_frequency else ""
-        return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{pf})"
+        tf = f", table={self.table!r}" if self.table != "channel" else ""
+        return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{tf})"
 
     def same_as(self, other: "Optional[LayerRope]") -> bool:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
                 and other.layer_type == self.layer_type and other.style == self.style
-                and other.per_frequency == self.per_frequency)
+                and other.table == self.table)
 
     def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.module_tables(positions)
-        if not self.per_frequency:
+        if self.table == "channel":
             return cos, sin
+        if self.table == "halved":
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
         if self.style == "half":
             return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
@@ -192,7 +204,7 @@ class FnRope(LayerRope):
         self.module = fn
         self.layer_type = None
         self.style = style
-        self.per_frequency = False
+        self.table = "channel"
         self.device = torch.device("cpu")
 
     def __repr__(self) -> str:
@@ -258,11 +270,11 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
     Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
     itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
     attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
-    channels). Tables of one entry per channel are tried before tables of one per frequency."""
+    channels). The table forms are tried in the order of :data:`TABLES`."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
-    for per_frequency in (False, True):
+    for table in TABLES:
         for style in STYLES:
-            rope = LayerRope(module, layer_type, style, per_frequency)
+            rope = LayerRope(module, layer_type, style, table)
             cos_m, sin_m = rope.module_tables(pos)
             cos, sin = rope(pos)
             widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
