@@ -47,6 +47,11 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir, capsys) -> Non
     fitted = ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens)
     assert {k: c.fingerprint for k, c in loaded.codecs.items()} == \
         {k: c.fingerprint for k, c in fitted.codecs.items()}
+    from kakeyaturbo import InvalidParameterError
+    from kakeyaturbo.eval import harness
+
+    with pytest.raises(InvalidParameterError, match="fitted for it"):
+        harness.codec_method(recipes.load("calibrated-3bit"), 2, codec=loaded)
     # eval takes the codec file for the recipe it was fitted for, with the calibration file's figures.
     evals = {}
     for name, source in (("codec", tmp_path / "c4.kkcodec"), ("statistics", cal)):

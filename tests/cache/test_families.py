@@ -255,6 +255,25 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
 
 
+@pytest.mark.parametrize("name, classes", [
+    ("flint", ("FlintConfig", "FlintForCausalLM")), ("cohere2_moe", ("Cohere2MoeConfig", "Cohere2MoeForCausalLM")),
+    ("exaone_moe", ("ExaoneMoeConfig", "ExaoneMoeForCausalLM")), ("kolibri1", ("Kolibri1Config", "Kolibri1ForCausalLM")),
+    ("afmoe", ("AfmoeConfig", "AfmoeForCausalLM"))])
+def test_rules_for_layers_without_rope(name, classes) -> None:
+    """The other families of families.layout._ROPE_IF, tiny, a full layer between two sliding ones:
+    describe reads the full layer as without RoPE, and the statistics' count of the calls of
+    apply_rotary_pos_emb agrees (it refuses otherwise)."""
+    cfg_cls, model_cls = (getattr(transformers, c) for c in classes)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=256, pad_token_id=0, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])).eval()
+    rope = describe(model).rope
+    assert [rope.layer(i) is not None for i in range(3)] == [True, False, True]
+    calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2, samples=2, weighting="uniform")
+
+
 def test_layers_without_rope_found_or_refused(monkeypatch) -> None:
     """Cohere 2 and EXAONE 4 rotate their sliding layers' keys only: describe reads which layers
     do (families.layout._ROPE_IF); for a family whose rule it did not know, collecting statistics

@@ -200,7 +200,6 @@ _ROPE_IF: Dict[str, Callable[[Any], bool]] = {
     "flint": lambda m: m.sliding_window is not None,
     "cohere2_moe": lambda m: m.sliding_window is not None or bool(m.force_rope),
     "exaone4": lambda m: m.sliding_window is None or bool(m.is_sliding),
-    "exaone4_5": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "exaone_moe": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "kolibri1": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "afmoe": lambda m: bool(m.is_local_attention),
