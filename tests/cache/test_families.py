@@ -274,6 +274,34 @@ def test_rules_for_layers_without_rope(name, classes) -> None:
     calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2, samples=2, weighting="uniform")
 
 
+def test_attention_other_than_described_is_refused(monkeypatch) -> None:
+    """A model whose attention receives other head counts than its config reads (a Persimmon
+    config given a kv-head count it does not use) is refused by name, not a torch error; one whose
+    attention is not the softmax the weighted statistics assume (here: the model's own function,
+    its output scaled) is refused on the first window, and collected with uniform weights."""
+    from kakeyaturbo.families import capture
+
+    torch.manual_seed(0)
+    wins = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2
+    cfg = transformers.PersimmonConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    odd = transformers.PersimmonForCausalLM(cfg).eval()
+    with pytest.raises(kt.UnsupportedModelError, match=r"'persimmon': layer 0's attention receives.*\(4, 2, 16\)"):
+        calibration.collect(odd, wins, samples=2)
+    model = build("llama")
+    calibration.collect(model, wins, samples=2)
+    orig = capture.AttentionCapture._function
+
+    def scaled(self, module):
+        fn = orig(self, module)
+        return lambda *a, **kw: (lambda o: (o[0] * 1.5, o[1]))(fn(*a, **kw))
+
+    monkeypatch.setattr(capture.AttentionCapture, "_function", scaled)
+    with pytest.raises(kt.UnsupportedModelError, match="'llama': layer 0's attention is not the softmax"):
+        calibration.collect(model, wins, samples=2)
+    calibration.collect(model, wins, samples=2, weighting="uniform")
+
+
 def test_layers_without_rope_found_or_refused(monkeypatch) -> None:
     """Cohere 2 and EXAONE 4 rotate their sliding layers' keys only: describe reads which layers
     do (families.layout._ROPE_IF); for a family whose rule it did not know, collecting statistics

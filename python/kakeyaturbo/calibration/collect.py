@@ -151,6 +151,23 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
                 "them ([k] rope = 'after', statistics collected with rope='after')")
 
 
+def _check_same_output(model: Any, layer: int, mine: Any, theirs: Any) -> None:
+    """UnsupportedModelError when the attention output computed from the probabilities the
+    statistics are weighted by (:func:`attention_p2`) is not the model's own (to the rounding of
+    the model's dtype): its attention is not the softmax attention those weights describe."""
+    import torch
+
+    from ..families.layout import model_type
+
+    a, b = mine.double(), theirs.double()
+    tol = max(1e-4, 8 * float(torch.finfo(theirs.dtype).eps)) if theirs.dtype.is_floating_point else 1e-4
+    if a.shape != b.shape or (a - b).abs().max().item() > tol * max(b.abs().max().item(), 1e-30):
+        raise UnsupportedModelError(
+            f"model type {model_type(model)!r}: layer {layer}'s attention is not the softmax attention "
+            "the attention-weighted statistics assume (its output differs from the one computed from "
+            "those probabilities); collect its statistics with weighting='uniform'")
+
+
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
     """``x [1, H, T, D]`` after RoPE -> float64 before it."""
     from ..families.capture import positions as call_positions
@@ -306,6 +323,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         if weighting == "attention":  # the output from the probabilities the weights need
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
             out = (o, None)
+            if first_window:
+                _check_same_output(model, i, o, attend(q, k, v)[0])
             wq = wq.reshape(hkv, group * t)  # per query
             wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
         else:
@@ -326,6 +345,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     # Keys before RoPE: the first window also checks that attention reads the keys RoPE returned.
     first_keys: Optional[Dict[int, Any]] = {} if side == "before" else None
+    first_window = True
     cap = AttentionCapture(model, handler)
     no_logits = _no_logits(model)
     with torch.no_grad(), cap:
@@ -341,6 +361,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if w_i == 0:
                 cap.check(n_layers)
+                first_window = False
     o_gram = np.zeros((n_layers, hkv, d, d))
     for i, a in sorted(cap.seen.items()):
         w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]

@@ -57,7 +57,10 @@ class AttentionCapture:
     configured with (``sdpa``, ``eager``, ...), with that implementation's mask. On exit the
     model's implementation is restored, and :meth:`check` raises UnsupportedModelError when
     layers never called the handler (a model that does not route attention through the
-    interface).
+    interface). A call whose query or key heads or head size are not those
+    :func:`~kakeyaturbo.families.describe` read from the config (on entering; it raises
+    UnsupportedModelError for a model it refuses) raises UnsupportedModelError before the
+    handler sees it.
     """
 
     def __init__(self, model: Any, handler: Handler, *, weights: bool = False) -> None:
@@ -65,6 +68,7 @@ class AttentionCapture:
         self.handler = handler
         self.weights = bool(weights)
         self.seen: Dict[int, Any] = {}
+        self._shapes: Optional[Dict[int, Tuple[int, int, int]]] = None
         self._orig: Optional[str] = None
         self._delegate: Dict[type, Callable[..., Tuple[Any, Any]]] = {}
 
@@ -75,6 +79,10 @@ class AttentionCapture:
 
         if _active is not None:
             raise RuntimeError("an AttentionCapture is already open")
+        if self._shapes is None:  # before any forward (describe runs the family's RoPE function)
+            from .layout import describe
+
+            self._shapes = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in describe(self.model).layers}
         self._orig = self.model.config._attn_implementation
         orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
         mask = "eager" if self.weights else orig
@@ -113,6 +121,7 @@ class AttentionCapture:
         if not isinstance(layer, int):
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r}: attention module {type(module).__name__} has no layer_idx")
+        self._check_shapes(layer, query, key)
         self.seen[layer] = module
         fn = self._function(module)
 
@@ -120,6 +129,15 @@ class AttentionCapture:
             return fn(module, q, k, v, mask, **kwargs)
 
         return self.handler(layer, module, query, key, value, mask, kwargs, attend)
+
+    def _check_shapes(self, layer: int, query: Any, key: Any) -> None:
+        want = (self._shapes or {}).get(layer)
+        got = (query.shape[1], key.shape[1], key.shape[-1]) if query.ndim == 4 and key.ndim == 4 else None
+        if want is None or got != want or query.shape[-1] != want[2]:
+            raise UnsupportedModelError(
+                f"model type {model_type(self.model)!r}: layer {layer}'s attention receives queries "
+                f"{tuple(query.shape)} and keys {tuple(key.shape)} ([batch, heads, rows, head_dim]), "
+                f"but its config reads (query heads, kv-heads, head_dim) = {want}")
 
     def check(self, num_layers: int) -> None:
         """UnsupportedModelError unless every layer ``0 .. num_layers - 1`` called the handler."""
