@@ -45,7 +45,9 @@ NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3",
                       "olmo2", "cohere", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "granite",
                       "olmo3", "starcoder2", "stablelm", "exaone4", "ministral", "seed_oss", "apertus",
-                      "arcee", "gpt_oss", "glm4", "ernie4_5", "glm4_moe", "cohere2", "olmoe"})
+                      "arcee", "gpt_oss", "glm4", "ernie4_5", "glm4_moe", "cohere2", "olmoe", "minimax_m2",
+                      "phimoe", "nemotron", "granitemoe", "exaone_moe", "ministral3", "vaultgemma", "glm",
+                      "ernie4_5_moe", "flex_olmo", "bitnet", "persimmon"})
 
 #: The attribute of a key tensor that names the layer which returned it.
 TAG = "_kakeyaturbo_layer"
