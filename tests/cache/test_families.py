@@ -257,10 +257,11 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
 
 @pytest.mark.parametrize("name, classes", [
     ("flint", ("FlintConfig", "FlintForCausalLM")), ("cohere2_moe", ("Cohere2MoeConfig", "Cohere2MoeForCausalLM")),
-    ("exaone_moe", ("ExaoneMoeConfig", "ExaoneMoeForCausalLM")), ("kolibri1", ("Kolibri1Config", "Kolibri1ForCausalLM")),
+    ("kolibri1", ("Kolibri1Config", "Kolibri1ForCausalLM")),
     ("afmoe", ("AfmoeConfig", "AfmoeForCausalLM"))])
 def test_rules_for_layers_without_rope(name, classes) -> None:
-    """The other families of families.layout._ROPE_IF, tiny, a full layer between two sliding ones:
+    """The families of families.layout._ROPE_IF not in families.py, tiny, a full layer between two
+    sliding ones:
     describe reads the full layer as without RoPE, and the statistics' count of the calls of
     apply_rotary_pos_emb agrees (it refuses otherwise)."""
     cfg_cls, model_cls = (getattr(transformers, c) for c in classes)
