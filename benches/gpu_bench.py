@@ -2,7 +2,7 @@
 
     bash benches/gpu_run.sh OUT_DIR          # on the GPU machine: install dist/*.whl, run this
     python benches/gpu_bench.py --out OUT_DIR [--workers 8] [--budget-s 280] [--dry-run]
-                                [--parts codec,attention]
+                                [--parts codec,attention,generation]
 
 1. Parity: the full fuzz of ``tests/kernels/perblock/parity.py`` (over 1,000 blocks in 150
    groups) and of ``tests/kernels/calibrated/parity.py`` (the calibrated mode, 1,000 heads in
@@ -46,7 +46,11 @@
    time (the host's launch overhead included) and the time replayed from a CUDA graph (the
    device's alone); at 8k and 3 bits, ablation rows: the bf16 synthesis on the FMA units instead
    of the tensor cores, and (9/3 x 64) the launch settings before 2026-12-04.
-4. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
+4. Generation (``--parts generation``, where transformers is installed): the median decode step
+   of a random-weight model of the default model's shape (bfloat16) through
+   ``KakeyaCache(kernel="triton")`` and ``DynamicCache`` at 2k and 8k random-token prompts
+   (:func:`run_generation`).
+5. Prints a table and writes ``gpu_bench.json`` and ``gpu_bench.md`` under ``--out``.
 
 The whole run is held under ``--budget-s`` (default 280 s, so that it ends inside 5 minutes):
 each fuzz stops taking new groups when its share is spent and says how many it ran. ``--dry-run`` runs everything on the CPU in
@@ -612,6 +616,124 @@ def _attention_lines(at: Dict[str, Any]) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Generation through KakeyaCache on the device.
+
+#: A calibrated recipe without sensitivity (so that the part needs no gradients): keys before
+#: RoPE at 4 bits, values at 3.
+GEN_RECIPE = """
+name = "gpu-gen-4bit"
+mode = "calibrated"
+n_sink = 1
+[k]
+bits = 4
+whiten = "query"
+[v]
+bits = 3
+whiten = "output"
+center = false
+"""
+
+
+def _decode_steps(model: Any, ids: Any, cache: Any, steps: int, device: str) -> Tuple[float, List[int]]:
+    """Prefill ``ids`` into ``cache``, then ``steps`` greedy decode steps one token at a time:
+    the median ms of a step (synchronised) and the tokens."""
+    import torch
+
+    kw = {"cache": cache} if "cache" in __import__("inspect").signature(model.forward).parameters \
+        else {"past_key_values": cache}
+    times, toks = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **kw)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            toks.append(int(nxt[0, 0]))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(input_ids=nxt, use_cache=True, **kw)
+            nxt = out.logits[:, -1:].argmax(-1)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times), toks
+
+
+def run_generation(device: str, dry_run: bool) -> Dict[str, Any]:
+    """Decode steps of a random-weight model of the default model's shape (SmolLM2-135M: 30
+    layers, 9 / 3 heads x 64, bfloat16 on the GPU) through ``KakeyaCache(kernel="triton")``
+    (attention over the codes by the Triton kernel) and through ``DynamicCache`` (SDPA), at
+    prompts of 2k and 8k random tokens; the codec fitted on two windows of the model's own
+    statistics (uniform weights). Speed does not depend on the weights; the tokens compared
+    are the random model's."""
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        return {"skipped": "transformers is not installed"}
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    from kakeyaturbo import calibration, recipes
+    from kakeyaturbo.cache import KakeyaCache
+    from kakeyaturbo.calibration import ModelCodec
+
+    t0 = time.perf_counter()
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=97) if dry_run else
+             dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, vocab_size=49152))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**shape, max_position_embeddings=16384, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    model = transformers.LlamaForCausalLM(cfg).eval().to(device, torch.float32 if dry_run else torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    g = np.random.default_rng(0)
+    vocab = shape["vocab_size"]
+    win = 24 if dry_run else 256
+    stats = calibration.collect(model, [list(g.integers(3, vocab, win)) for _ in range(2)], n_sink=1,
+                                samples=32 if dry_run else 256, weighting="uniform")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "r.toml").write_text(GEN_RECIPE)
+        codec = ModelCodec(stats, recipes.load(Path(d) / "r.toml"))
+    steps = 3 if dry_run else 32
+    block = 8 if dry_run else 128
+    rows = []
+    for tokens in ((40,) if dry_run else (2048, 8192)):
+        ids = torch.from_numpy(g.integers(3, vocab, (1, tokens))).to(device)
+        base_ms, base_toks = _decode_steps(model, ids, transformers.DynamicCache(config=model.config), steps, device)
+        rows.append({"cache": "DynamicCache (SDPA)", "T": tokens, "ms": base_ms, "x": 1.0, "bits": 16.0,
+                     "same_tokens": steps})
+        cache = KakeyaCache(codec, model=model, block_size=block, n_sink=1, kernel="triton")
+        ms, toks = _decode_steps(model, ids, cache, steps, device)
+        same = next((i for i, (a, b) in enumerate(zip(toks, base_toks)) if a != b), steps)
+        mem = cache.memory()
+        elems = cache.nbytes_uncompressed() // torch.empty((), dtype=model.dtype).element_size()
+        bits = 8 * (mem["blobs"] + mem["sink"] + mem["staging"]) / max(1, elems)
+        label = "KakeyaCache (Triton attention over the codes)" if cache.fast else \
+            f"KakeyaCache (slow path: {cache.fast_reason})"
+        rows.append({"cache": label, "T": tokens, "ms": ms,
+                     "x": base_ms / ms, "bits": bits, "same_tokens": same, "fast": cache.fast})
+        model.set_attn_implementation("sdpa")  # the next DynamicCache runs the model's own attention
+    return {"rows": rows, "steps": steps, "block_size": block, "seconds": time.perf_counter() - t0}
+
+
+def _generation_lines(gen: Dict[str, Any]) -> List[str]:
+    if "skipped" in gen:
+        return ["## Generation", "", f"Skipped: {gen['skipped']}.", ""]
+    lines = ["## Generation through the cache (random weights, the default model's shape)", "",
+             f"Median ms of a decode step over {gen['steps']} greedy steps after the prompt; x: "
+             "DynamicCache's time over this row's (above 1: faster); bits per element held "
+             f"(blocks of {gen['block_size']}, raw sink and staging rows at their dtype's width); "
+             "same tokens: greedy steps equal to DynamicCache's before the first difference.", "",
+             "| cache | T | ms / step | x DynamicCache | bits held | same tokens |", "|---|---|---|---|---|---|"]
+    for r in gen["rows"]:
+        lines.append(f"| {r['cache']} | {r['T']} | {r['ms']:.4g} | {r['x']:.3g} | {r['bits']:.3g} | "
+                     f"{r['same_tokens']} |")
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------
 # Report.
 
 
@@ -667,6 +789,8 @@ def markdown(res: Dict[str, Any]) -> str:
             lines += _fuzz_lines(fz)
     if res.get("attention"):
         lines += _attention_lines(res["attention"])
+    if res.get("generation"):
+        lines += _generation_lines(res["generation"])
     tm = res.get("timing")
     if not tm:
         return "\n".join(lines) + "\n"
@@ -708,8 +832,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     ap.add_argument("--workers", type=int, default=8, help="fuzz worker processes")
     ap.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole run")
-    ap.add_argument("--parts", default="codec,attention",
-                    help="comma-separated: codec (its fuzz and timing), attention (its parity and timing)")
+    ap.add_argument("--parts", default="codec,attention,generation",
+                    help="comma-separated: codec (its fuzz and timing), attention (its parity and timing), "
+                         "generation (decode steps through KakeyaCache against DynamicCache)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     if args.dry_run:
@@ -723,11 +848,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     layer = TINY if args.dry_run else REAL
     # The timings need about two and a half minutes on the GPU; each codec fuzz gets a third of
     # the rest, the attention's parity what they leave (below).
-    share = max(10.0, args.budget_s - 180.0) / 3
     parts = set(args.parts.split(","))
-    if not parts or not parts <= {"codec", "attention"}:
-        print(f"--parts takes codec and/or attention, got {args.parts!r}", file=sys.stderr)
+    if not parts or not parts <= {"codec", "attention", "generation"}:
+        print(f"--parts takes codec, attention and/or generation, got {args.parts!r}", file=sys.stderr)
         return 2
+    # The generation part takes about a minute; the fuzzes share what the timings leave.
+    share = max(10.0, args.budget_s - 180.0 - (60.0 if "generation" in parts else 0.0)) / 3
     fuzz = {} if "codec" not in parts else {
         mode: run_fuzz(
             full=not args.dry_run,
@@ -743,9 +869,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The attention's parity takes what is left but its timing's minute and a bit (its cases
     # compile a specialisation each, about 5 s apiece on the device).
     attention = None if "attention" not in parts else run_attention(
-        device, args.dry_run, max(share, args.budget_s - (time.perf_counter() - t0) - 75))
+        device, args.dry_run, max(share, args.budget_s - (time.perf_counter() - t0) - 75
+                                  - (60.0 if "generation" in parts else 0.0)))
+    generation = run_generation(device, args.dry_run) if "generation" in parts else None
     res = {"dry_run": args.dry_run, "environment": environment(device), "fuzz": fuzz, "timing": timing,
-           "attention": attention, "seconds": time.perf_counter() - t0}
+           "attention": attention, "generation": generation, "seconds": time.perf_counter() - t0}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)

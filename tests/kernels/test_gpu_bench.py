@@ -33,6 +33,10 @@ def test_dry_run_writes_every_part(tmp_path: Path) -> None:
     assert {r["impl"] for r in rows} >= {"triton attention over the codes",
                                          "triton attention over the codes, keys pre-RoPE"}
     assert all(r["graph_ms"] is None for r in rows)  # no CUDA graphs in a dry run
+    gen = res["generation"]["rows"]
+    assert "## Generation through the cache" in md and len(gen) == 2 and gen[1]["fast"]
+    # 40 tokens of float32 in the dry run: the raw sink and staging rows weigh, still under half.
+    assert gen[1]["same_tokens"] == res["generation"]["steps"] and 2 < gen[1]["bits"] < 16
 
 
 def test_dry_run_of_the_attention_alone(tmp_path: Path) -> None:
@@ -45,7 +49,7 @@ def test_dry_run_of_the_attention_alone(tmp_path: Path) -> None:
 
 def test_unknown_part_is_refused(tmp_path: Path) -> None:
     r = _dry_run(tmp_path, "--parts", "kernels")
-    assert r.returncode == 2 and "--parts takes codec and/or attention" in r.stderr
+    assert r.returncode == 2 and "--parts takes codec, attention and/or generation" in r.stderr
 
 
 

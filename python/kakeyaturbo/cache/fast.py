@@ -164,11 +164,11 @@ def install(model: Any) -> Optional[str]:
     return None
 
 
-def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[np.ndarray]:
+def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[torch.Tensor]:
     """transformers' mask ``[B, 1, n_q, kv]`` (boolean, or additive with the dtype's minimum
     where masked) as a boolean ``[B, 1, n_q, total]`` (True: attend) over the layer's held
-    positions: the mask covers the last ``kv`` of them; earlier ones lie outside every
-    query's window and stay masked. None when there is no mask."""
+    positions, on the mask's device: the mask covers the last ``kv`` of them; earlier ones lie
+    outside every query's window and stay masked. None when there is no mask."""
     if mask is None:
         return None
     m = mask
@@ -183,7 +183,7 @@ def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[np.ndarray]:
     elif kv < total:
         pad = torch.zeros((*m.shape[:-1], total - kv), dtype=torch.bool, device=m.device)
         m = torch.cat([pad, m], dim=-1)
-    return np.ascontiguousarray(m.to("cpu").numpy())
+    return m
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:
@@ -214,6 +214,8 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
             # seal) or a case the kernel does not cover: the rows as the slow path hands them.
             k, v = layer.materialize()
             return fn(module, query, k, v, attention_mask, **kwargs)
+        if layer._kernel == "triton":
+            return _attend_triton(layer, module, query, attention_mask, kwargs, rot)
         return _attend(layer, codes, module, query, attention_mask, kwargs, rot)
     finally:
         layer.settle()
@@ -239,22 +241,68 @@ def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
     return True
 
 
-def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
-            kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
-    sk, sv, tk, tv = layer.raw_rows()
-    n_q = query.shape[-2]
-    total = sk.shape[-2] + codes.rows() + tk.shape[-2]
+def _scale_softcap(module: Any, query: torch.Tensor, kwargs: Dict[str, Any]) -> Tuple[float, Optional[float]]:
+    """The family's score scale (``scaling``, else ``1/sqrt(D)``) and softcap of this call."""
     scale = kwargs.get("scaling")
     if scale is None:
         scale = getattr(module, "scaling", None)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     softcap = kwargs.get("softcap")
+    return float(scale), None if softcap is None else float(softcap)
+
+
+def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
+            kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
+    sk, sv, tk, tv = layer.raw_rows()
+    n_q = query.shape[-2]
+    total = sk.shape[-2] + codes.rows() + tk.shape[-2]
+    scale, softcap = _scale_softcap(module, query, kwargs)
     table, positions = rot if rot is not None else (None, None)
+    m = _bool_mask(mask, n_q, total)
     out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
-                           scale=float(scale), softcap=None if softcap is None else float(softcap),
-                           window=layer.window, mask=_bool_mask(mask, n_q, total),
+                           scale=scale, softcap=softcap, window=layer.window,
+                           mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
                            threads=layer.threads, rope=table, positions=positions,
                            synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwargs: Dict[str, Any],
+                   rot: Any = None) -> Tuple[torch.Tensor, None]:
+    """:func:`_attend` through the Triton kernel (:func:`~kakeyaturbo.kernels.attention.
+    decode_attention_triton`) on the layer's device: the sealed codes staged there once per
+    change of the sealed blocks (:meth:`KakeyaLayer.device_codes`), the rope table once per
+    table and device."""
+    from ..kernels.attention import decode_attention_triton
+
+    table, positions = rot if rot is not None else (None, None)
+    batch, pos = layer.device_codes(positions)
+    sk, sv, tk, tv = layer.raw_rows()
+    n_q = query.shape[-2]
+    total = sk.shape[-2] + batch.k.rows + tk.shape[-2]
+    scale, softcap = _scale_softcap(module, query, kwargs)
+    out, _ = decode_attention_triton(batch, query.detach().float(), tk, tv, sink_k=sk, sink_v=sv,
+                                     scale=scale, softcap=softcap, window=layer.window,
+                                     mask=_bool_mask(mask, n_q, total),
+                                     rope=None if table is None else staged_rope(table, batch.device),
+                                     positions=pos, synthesis=layer.synthesis,
+                                     sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+#: Rope tables staged on a device for the Triton kernel, by table (weakly) and device.
+_STAGED: "weakref.WeakKeyDictionary[RopeTable, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def staged_rope(table: RopeTable, device: torch.device) -> Any:
+    """``table`` on ``device`` (:func:`~kakeyaturbo.kernels.attention.stack_rope`), staged once
+    per table and device."""
+    from ..kernels.attention import stack_rope
+
+    per = _STAGED.setdefault(table, {})
+    got = per.get(str(device))
+    if got is None:
+        got = per[str(device)] = stack_rope(table, device)
+    return got

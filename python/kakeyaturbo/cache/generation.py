@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache
 
+from .._extras import missing, require
 from ..calibration import ModelCodec
 from ..codec import _checks
 from ..codec.attention import SYNTHESES
@@ -23,6 +24,11 @@ from .layer import KakeyaLayer
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
+
+#: The kernels that attend over the codes: ``auto`` (Rust on the CPU, Triton on a GPU), or one.
+KERNELS = ("auto", "rust", "triton")
+_HAS_TRITON = not missing(("triton",))
+
 
 class KakeyaCache(Cache):
     """A transformers ``Cache`` whose full blocks are held as codec bytes.
@@ -58,7 +64,13 @@ class KakeyaCache(Cache):
     (None: all cores, a layer of little sealed work on the calling thread; see
     :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
     before RoPE, ``"bf16"`` (default, twice the speed) or ``"f32"`` (the decoded keys to float32
-    rounding); see :func:`kakeyaturbo.decode_attention`.
+    rounding); see :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
+    the codes, ``"auto"`` (the Rust one for a model on the CPU, the Triton one,
+    :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a GPU where
+    triton is installed; else the slow path), ``"rust"`` (off the CPU: the slow path) or
+    ``"triton"`` (on the CPU it runs Triton's interpreter, which ``TRITON_INTERPRET=1`` must
+    select before ``kakeyaturbo.kernels`` is imported: for tests). The Triton kernel reads the
+    sealed codes staged on the device, staged again whenever a block is sealed or dropped.
 
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the
@@ -70,7 +82,7 @@ class KakeyaCache(Cache):
                  block_size: int = 512, n_sink: int = 0, boundary: Sequence[int] = (),
                  streams: Sequence[str] = STREAMS, rope: Any = None,
                  keep_decoded: bool = False, fast: Optional[bool] = None,
-                 threads: Optional[int] = None, synthesis: str = "bf16") -> None:
+                 threads: Optional[int] = None, synthesis: str = "bf16", kernel: str = "auto") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
         n_sink = _checks.integer(n_sink, "n_sink", 0)
         for attr in ("encode", "decode"):
@@ -103,6 +115,9 @@ class KakeyaCache(Cache):
         self.rope = rope
         self.threads = _checks.threads(threads)
         self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
+        self.kernel = _checks.choice(kernel, "kernel", KERNELS)
+        if self.kernel == "triton":
+            require("kernel='triton'", ("torch", "triton"), "pip install triton")
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)
@@ -185,6 +200,7 @@ class KakeyaCache(Cache):
             layer.fast_check = self._fast_check
             layer.threads = self.threads
             layer.synthesis = self.synthesis
+            layer.kernel = self.kernel if self.kernel != "auto" or _HAS_TRITON else "rust"
         return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

@@ -99,8 +99,13 @@ class KakeyaLayer(CacheLayerMixin):
         self.fast_check: Optional[Callable[[], bool]] = None
         self.threads: Optional[int] = None
         self.synthesis = "bf16"
+        #: The attention kernel over the codes (set by the cache): "auto", "rust" or "triton".
+        self.kernel = "auto"
+        self._kernel: Optional[str] = None  # the one the current fast update runs
         self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
         self._codes_starts: List[int] = []
+        self._codes_version = 0  # counts the changes of _codes (the device copy follows it)
+        self._device_codes: Any = None  # (version, LayerBatch, positions) for the Triton kernel
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
         self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
 
@@ -138,7 +143,9 @@ class KakeyaLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
-        if self.fast and key_states.device.type == "cpu" and (self.fast_check is None or self.fast_check()):
+        kernel = self._kernel_for(key_states.device) if self.fast else None
+        if kernel is not None and (self.fast_check is None or self.fast_check()):
+            self._kernel = kernel
             self.seen += q
             for name, x in (("k", key_states), ("v", value_states)):
                 self._stage(name, x.detach(), start)
@@ -155,6 +162,30 @@ class KakeyaLayer(CacheLayerMixin):
         return out_k, out_v
 
     # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
+
+    def _kernel_for(self, device: torch.device) -> Optional[str]:
+        """The kernel that attends over the codes for rows on ``device``: the Rust one on the
+        CPU, the Triton one elsewhere (``kernel="auto"``), or the one asked for; None where the
+        one asked for does not run there (the Rust kernel off the CPU: the slow path)."""
+        if self.kernel == "triton":
+            return "triton"
+        if device.type == "cpu":
+            return "rust"
+        return "triton" if self.kernel == "auto" else None
+
+    def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
+        """The sealed codes on the layer's device for the Triton kernel
+        (:func:`~kakeyaturbo.kernels.attention.stack_layer`) and the sealed rows' positions there
+        (``positions`` as :meth:`key_rotation` gives them, or None): staged again only when the
+        sealed blocks changed (a block sealed or dropped, a batch reordered)."""
+        codes = self.codes()
+        held = self._device_codes
+        if held is None or held[0] != self._codes_version:
+            from ..kernels.attention import stack_layer
+
+            pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
+            held = self._device_codes = (self._codes_version, stack_layer(codes, self.device), pos)
+        return held[1], held[2]
 
     def settle(self) -> None:
         """The deferred part of a fast update, once attention has read the call's rows raw: a
@@ -192,13 +223,18 @@ class KakeyaLayer(CacheLayerMixin):
                                      [calib[("v", self.index, h)] for h in range(heads)],
                                      batch=self._batch())
             self._codes_starts = []
+            self._codes_version += 1
         cs = self._codes_starts
         while cs and (not k.starts or cs[0] < k.starts[0]):
             self._codes.pop_front_block()
             cs.pop(0)
+            self._codes_version += 1
         if cs != k.starts[:len(cs)] or k.starts != v.starts:
             self._codes.clear()
             cs.clear()
+            self._codes_version += 1
+        if len(cs) < len(k.starts):
+            self._codes_version += 1
         for j in range(len(cs), len(k.starts)):
             for st in (k, v):  # shared with the codes only as bytes objects (not views)
                 if not all(type(b) is bytes for row in st.blocks[j] for b in row):
@@ -241,6 +277,7 @@ class KakeyaLayer(CacheLayerMixin):
         self.seen = 0
         self.is_initialized = False
         self._codes = None
+        self._codes_version += 1
         self._pending = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -256,6 +293,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.settle()
         self._codes = None
+        self._codes_version += 1
         if self.window is not None and self.seen >= self.window:
             raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
                                "window: it cannot be cropped")
@@ -357,6 +395,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
         self._codes = None
+        self._codes_version += 1
         self._pending = 0
         self.seen = int(state["seen"])
         for name, part in streams.items():
@@ -382,6 +421,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.settle()
         self._codes = None
+        self._codes_version += 1
         rows = idx.to("cpu").tolist()
         for st in self._s.values():
             dev = st.staging.device
@@ -462,6 +502,7 @@ class KakeyaLayer(CacheLayerMixin):
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
         self._codes = None
+        self._codes_version += 1
         st = self._s[name]
         dec = self._block(name, len(st.blocks) - 1)
         st.staging = torch.cat([dec, st.staging], dim=-2)
