@@ -618,22 +618,6 @@ def _attention_lines(at: Dict[str, Any]) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 # Generation through KakeyaCache on the device.
 
-#: A calibrated recipe without sensitivity (so that the part needs no gradients): keys before
-#: RoPE at 4 bits, values at 3.
-GEN_RECIPE = """
-name = "gpu-gen-4bit"
-mode = "calibrated"
-n_sink = 1
-[k]
-bits = 4
-whiten = "query"
-[v]
-bits = 3
-whiten = "output"
-center = false
-"""
-
-
 def _decode_steps(model: Any, ids: Any, cache: Any, steps: int, device: str) -> Tuple[float, List[int]]:
     """Prefill ``ids`` into ``cache``, then ``steps`` greedy decode steps one token at a time:
     the median ms of a step (synchronised) and the tokens."""
@@ -669,8 +653,6 @@ def run_generation(device: str, dry_run: bool) -> Dict[str, Any]:
         import transformers
     except ModuleNotFoundError:
         return {"skipped": "transformers is not installed"}
-    import tempfile
-
     import numpy as np
     import torch
 
@@ -693,9 +675,10 @@ def run_generation(device: str, dry_run: bool) -> Dict[str, Any]:
     win = 24 if dry_run else 256
     stats = calibration.collect(model, [list(g.integers(3, vocab, win)) for _ in range(2)], n_sink=1,
                                 samples=32 if dry_run else 256, weighting="uniform")
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "r.toml").write_text(GEN_RECIPE)
-        codec = ModelCodec(stats, recipes.load(Path(d) / "r.toml"))
+    # Calibrated without sensitivity (no gradients): keys before RoPE at 4 bits, values at 3.
+    rec = recipes.Recipe(name="gpu-gen-4bit", mode="calibrated", n_sink=1,
+                         k={"bits": 4, "whiten": "query"}, v={"bits": 3, "whiten": "output", "center": False})
+    codec = ModelCodec(stats, rec)
     steps = 3 if dry_run else 32
     block = 8 if dry_run else 128
     rows = []

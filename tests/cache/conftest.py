@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from kakeyaturbo import recipes  # noqa: E402
 from kakeyaturbo.cache import (  # noqa: E402
     IdentityCodec,
 )
@@ -100,3 +101,12 @@ def filled(model, batch: int = 1, t: int = 40):
     cache = transformers.DynamicCache(config=model.config)
     forward(model, prompt(batch=batch, t=t), cache)
     return cache, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def fast_recipe(rope: str = "after", **extra) -> "recipes.Recipe":
+    """The calibrated recipe of the fast-path tests, without sensitivity: K at 4 bits
+    (query-whitened, coded before or after RoPE), V at 3 (output-whitened, not centred), one raw
+    sink row; ``extra`` settings go to both streams."""
+    return recipes.Recipe(name=f"test-rope{rope}", mode="calibrated", n_sink=1,
+                          k=dict(rope=rope, bits=4, whiten="query", **extra),
+                          v=dict(bits=3, whiten="output", center=False, **extra))

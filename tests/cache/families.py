@@ -12,6 +12,8 @@ import torch
 import transformers as T
 
 VOCAB, WINDOW = 97, 8
+#: Three layers, a full one between two sliding ones.
+SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                num_attention_heads=4, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -56,7 +58,7 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                "MQA, head_dim 256, interleaved sliding/global layers, attention softcapping"),
     "gemma3_text": (lambda: _make(T.Gemma3TextConfig, T.Gemma3ForCausalLM, num_key_value_heads=1,
                                   head_dim=32, sliding_window=WINDOW,
-                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  layer_types=SLIDING_FULL_SLIDING,
                                   rope_parameters={
                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                          "rope_theta": 1000000.0},
@@ -92,7 +94,7 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                               logits_scaling=2.0),
                 "attention scale 0.05 instead of 1/sqrt(head_dim), scaled embeddings, residuals and logits"),
     "olmo3": (lambda: _make(T.Olmo3Config, T.Olmo3ForCausalLM, num_key_value_heads=2, sliding_window=WINDOW,
-                            layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                            layer_types=SLIDING_FULL_SLIDING),
               "q/k RMSNorm over the whole projection, sliding and full layers"),
     "starcoder2": (lambda: _make(T.Starcoder2Config, T.Starcoder2ForCausalLM, num_key_value_heads=2,
                                  sliding_window=WINDOW),
@@ -102,7 +104,7 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                  "partial rotary (a quarter) split off by the attention before RoPE"),
     "exaone4": (lambda: _make(T.Exaone4Config, T.Exaone4ForCausalLM, num_key_value_heads=2, head_dim=16,
                               sliding_window=WINDOW,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                              layer_types=SLIDING_FULL_SLIDING),
                 "q/k RMSNorm per head, sliding layers with RoPE and global layers without"),
     "ministral": (lambda: _make(T.MinistralConfig, T.MinistralForCausalLM, num_key_value_heads=2, head_dim=16,
                                 sliding_window=WINDOW),
@@ -116,7 +118,7 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "gpt_oss": (lambda: _with_sinks(_make(
                     T.GptOssConfig, T.GptOssForCausalLM, num_key_value_heads=2, head_dim=16,
                     sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    layer_types=SLIDING_FULL_SLIDING,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                      "original_max_position_embeddings": 64})),
@@ -132,7 +134,7 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1),
                  "q/k RMSNorm per head, partial rotary (half), a dense first layer, then routed and shared experts"),
     "cohere2": (lambda: _make(T.Cohere2Config, T.Cohere2ForCausalLM, num_key_value_heads=2, sliding_window=WINDOW,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                              layer_types=SLIDING_FULL_SLIDING),
                 "interleaved RoPE on sliding layers, full layers without RoPE, parallel attention and MLP"),
     "olmoe": (lambda: _make(T.OlmoeConfig, T.OlmoeForCausalLM, num_key_value_heads=2, num_experts=4,
                             num_experts_per_tok=2),
@@ -152,13 +154,13 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "exaone_moe": (lambda: _make(T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM, num_key_value_heads=2, head_dim=16,
                                  sliding_window=WINDOW, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=32,
-                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                                 layer_types=SLIDING_FULL_SLIDING),
                    "q/k RMSNorm per head, sliding layers with RoPE and global layers without, MoE MLP"),
     "ministral3": (lambda: _make(T.Ministral3Config, T.Ministral3ForCausalLM, num_key_value_heads=2, head_dim=16),
                    "GQA, yarn-scaled RoPE and a position-scaled query"),
     "vaultgemma": (lambda: _make(T.VaultGemmaConfig, T.VaultGemmaForCausalLM, num_key_value_heads=1, head_dim=32,
                                  sliding_window=WINDOW,
-                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                                 layer_types=SLIDING_FULL_SLIDING),
                    "MQA, sliding and global layers, attention softcapping"),
     "glm": (lambda: _make(T.GlmConfig, T.GlmForCausalLM, num_key_value_heads=2, head_dim=16),
             "partial rotary (half) with interleaved pairs from the first half of cat(f, f) tables"),

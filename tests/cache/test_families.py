@@ -21,7 +21,7 @@ from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 
 from .conftest import cache_kw, forward  # noqa: E402
-from .families import FAMILIES, VOCAB, WINDOW, build, rope_calls  # noqa: E402
+from .families import FAMILIES, SLIDING_FULL_SLIDING, VOCAB, WINDOW, build, rope_calls  # noqa: E402
 
 NAMES = sorted(FAMILIES)
 T_PROMPT = 21  # > WINDOW: every sliding layer has rolled
@@ -269,7 +269,7 @@ def test_rules_for_layers_without_rope(name, classes) -> None:
     model = model_cls(cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               max_position_embeddings=256, pad_token_id=0, sliding_window=WINDOW,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])).eval()
+                              layer_types=SLIDING_FULL_SLIDING)).eval()
     rope = describe(model).rope
     assert [rope.layer(i) is not None for i in range(3)] == [True, False, True]
     calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2, samples=2, weighting="uniform")

@@ -26,32 +26,11 @@ from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 
 from . import families  # noqa: E402
-from .conftest import build, forward, generate  # noqa: E402
+from .conftest import build, fast_recipe, forward, generate  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 BF16_LOGIT_ATOL = 2e-4
 VOCAB = 97
-
-RECIPE = """
-name = "test-ropeafter"
-mode = "calibrated"
-n_sink = 1
-[k]
-rope = "{rope}"
-bits = 4
-whiten = "query"
-[v]
-bits = 3
-whiten = "output"
-center = false
-"""
-
-
-def _recipe(tmp_path_factory, rope: str = "after"):
-    p = tmp_path_factory.mktemp("recipe") / f"r-{rope}.toml"
-    p.write_text(RECIPE.format(rope=rope))
-    return recipes.load(p)
-
 
 def _codec(model, rec, rope: str = "after") -> ModelCodec:
     g = np.random.default_rng(0)
@@ -65,13 +44,13 @@ def _ids(batch: int = 1, t: int = 45, seed: int = 1):
 
 
 @pytest.fixture(scope="module")
-def ropeafter(tmp_path_factory):
-    return _recipe(tmp_path_factory, "after")
+def ropeafter():
+    return fast_recipe("after")
 
 
 @pytest.fixture(scope="module")
-def ropebefore(tmp_path_factory):
-    return _recipe(tmp_path_factory, "before")
+def ropebefore():
+    return fast_recipe("before")
 
 
 @pytest.fixture(scope="module", params=[("llama", "after"), ("qwen2", "after"), ("llama", "before"),
@@ -282,7 +261,7 @@ def _exact_steps(fast, slow, prompt: int, bs: int, steps: int) -> int:
     return min(steps, max(0, first + bs - (prompt - 1)))
 
 
-def test_slow_path_for_other_codecs(tmp_path_factory, llama) -> None:
+def test_slow_path_for_other_codecs(llama) -> None:
     """Per-block recipes and the identity codec decode then attend; fast=True refuses them
     naming the reason."""
     cases = {"per-block": codec_for(recipes.load("balanced")), "identity": IdentityCodec()}
@@ -308,14 +287,11 @@ def test_unsupported_family_falls_back(ropeafter) -> None:
 
 
 @pytest.mark.parametrize("rope", ["after", "before"])
-def test_fast_path_with_sparse_outliers(tmp_path_factory, rope, no_decode) -> None:
+def test_fast_path_with_sparse_outliers(rope, no_decode) -> None:
     """A calibrated recipe that stores |z| > T sparsely (``outlier_threshold``): the sealed
     blocks hold outliers, and the fast path (which puts each outlier's value in place of its
     centroid) generates the tokens of decode-then-attend, logits within ``LOGIT_ATOL``."""
-    p = tmp_path_factory.mktemp("recipe") / f"out-{rope}.toml"
-    p.write_text(RECIPE.format(rope=rope).replace("[k]\n", "[k]\noutlier_threshold = 1.5\n")
-                 .replace("[v]\n", "[v]\noutlier_threshold = 1.5\n"))
-    rec = recipes.load(p)
+    rec = fast_recipe(rope, outlier_threshold=1.5)
     model = build("qwen2")
     codec = _codec(model, rec, rope)
     fast, slow = _pair(model, codec)

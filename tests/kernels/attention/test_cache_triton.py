@@ -17,46 +17,29 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from kakeyaturbo import InvalidParameterError, calibration, recipes  # noqa: E402
+from kakeyaturbo import InvalidParameterError, calibration  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 from kakeyaturbo.kernels import attention as kattn  # noqa: E402
 
 from cache import families  # noqa: E402
-from cache.conftest import generate  # noqa: E402
+from cache.conftest import fast_recipe, generate  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 
-RECIPE = """
-name = "test-{rope}"
-mode = "calibrated"
-n_sink = 1
-[k]
-rope = "{rope}"
-bits = 4
-whiten = "query"
-[v]
-bits = 3
-whiten = "output"
-center = false
-"""
-
-
-def _codec(model, rope: str, tmp_path) -> ModelCodec:
-    p = tmp_path / f"r-{rope}.toml"
-    p.write_text(RECIPE.format(rope=rope))
+def _codec(model, rope: str) -> ModelCodec:
     g = np.random.default_rng(0)
     wins = [list(g.integers(3, families.VOCAB, 40)) for _ in range(3)]
     stats = calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform", rope=rope)
-    return ModelCodec(stats, recipes.load(p))
+    return ModelCodec(stats, fast_recipe(rope))
 
 
 @pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("gpt_oss", "before"),
                                         ("gemma2", "before")])
-def test_triton_kernel_generates_as_the_rust_one(name, rope, tmp_path, monkeypatch) -> None:
+def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> None:
     model = families.build(name)
-    codec = _codec(model, rope, tmp_path)
+    codec = _codec(model, rope)
     ids = torch.randint(3, families.VOCAB, (1, 26), generator=torch.Generator().manual_seed(1))
     rust = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="rust")
     seq_r, log_r = generate(model, ids, rust, n=8)
