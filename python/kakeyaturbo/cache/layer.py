@@ -104,8 +104,8 @@ class KakeyaLayer(CacheLayerMixin):
         self._kernel: Optional[str] = None  # the one the current fast update runs
         self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
         self._codes_starts: List[int] = []
-        self._codes_version = 0  # counts the changes of _codes (the device copy follows it)
-        self._device_codes: Any = None  # (version, LayerBatch, positions) for the Triton kernel
+        self._codes_epoch = 0  # counts the changes of _codes other than blocks appended
+        self._device_codes: Any = None  # (epoch, blocks, LayerBatch, positions): the Triton kernel's
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
         self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
 
@@ -174,18 +174,26 @@ class KakeyaLayer(CacheLayerMixin):
         return "triton" if self.kernel == "auto" else None
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
-        """The sealed codes on the layer's device for the Triton kernel
-        (:func:`~kakeyaturbo.kernels.attention.stack_layer`) and the sealed rows' positions there
-        (``positions`` as :meth:`key_rotation` gives them, or None): staged again only when the
-        sealed blocks changed (a block sealed or dropped, a batch reordered)."""
-        codes = self.codes()
-        held = self._device_codes
-        if held is None or held[0] != self._codes_version:
-            from ..kernels.attention import stack_layer
+        """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
+        positions there (``positions`` as :meth:`key_rotation` gives them, or None). Blocks
+        sealed since the last call are appended (:func:`~kakeyaturbo.kernels.attention.
+        extend_layer`: only they are parsed); any other change (a block dropped, a batch
+        reordered, a crop) stages the layer anew (:func:`~kakeyaturbo.kernels.attention.
+        stack_layer`)."""
+        from ..kernels.attention import extend_layer, stack_layer
 
-            pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
-            held = self._device_codes = (self._codes_version, stack_layer(codes, self.device), pos)
-        return held[1], held[2]
+        codes = self.codes()
+        n = len(self._codes_starts)
+        held = self._device_codes
+        if held is not None and held[0] == self._codes_epoch and held[1] == n:
+            return held[2], held[3]
+        if held is not None and held[0] == self._codes_epoch and 0 < held[1] < n:
+            batch = extend_layer(held[2], codes, held[1])
+        else:
+            batch = stack_layer(codes, self.device)
+        pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
+        self._device_codes = (self._codes_epoch, n, batch, pos)
+        return batch, pos
 
     def settle(self) -> None:
         """The deferred part of a fast update, once attention has read the call's rows raw: a
@@ -223,18 +231,16 @@ class KakeyaLayer(CacheLayerMixin):
                                      [calib[("v", self.index, h)] for h in range(heads)],
                                      batch=self._batch())
             self._codes_starts = []
-            self._codes_version += 1
+            self._codes_epoch += 1
         cs = self._codes_starts
         while cs and (not k.starts or cs[0] < k.starts[0]):
             self._codes.pop_front_block()
             cs.pop(0)
-            self._codes_version += 1
+            self._codes_epoch += 1
         if cs != k.starts[:len(cs)] or k.starts != v.starts:
             self._codes.clear()
             cs.clear()
-            self._codes_version += 1
-        if len(cs) < len(k.starts):
-            self._codes_version += 1
+            self._codes_epoch += 1
         for j in range(len(cs), len(k.starts)):
             for st in (k, v):  # shared with the codes only as bytes objects (not views)
                 if not all(type(b) is bytes for row in st.blocks[j] for b in row):
@@ -277,7 +283,7 @@ class KakeyaLayer(CacheLayerMixin):
         self.seen = 0
         self.is_initialized = False
         self._codes = None
-        self._codes_version += 1
+        self._codes_epoch += 1
         self._pending = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -293,7 +299,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.settle()
         self._codes = None
-        self._codes_version += 1
+        self._codes_epoch += 1
         if self.window is not None and self.seen >= self.window:
             raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
                                "window: it cannot be cropped")
@@ -395,7 +401,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
         self._codes = None
-        self._codes_version += 1
+        self._codes_epoch += 1
         self._pending = 0
         self.seen = int(state["seen"])
         for name, part in streams.items():
@@ -421,7 +427,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self.settle()
         self._codes = None
-        self._codes_version += 1
+        self._codes_epoch += 1
         rows = idx.to("cpu").tolist()
         for st in self._s.values():
             dev = st.staging.device
@@ -502,7 +508,7 @@ class KakeyaLayer(CacheLayerMixin):
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
         self._codes = None
-        self._codes_version += 1
+        self._codes_epoch += 1
         st = self._s[name]
         dec = self._block(name, len(st.blocks) - 1)
         st.staging = torch.cat([dec, st.staging], dim=-2)

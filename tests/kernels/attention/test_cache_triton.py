@@ -43,17 +43,22 @@ def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> Non
     ids = torch.randint(3, families.VOCAB, (1, 26), generator=torch.Generator().manual_seed(1))
     rust = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="rust")
     seq_r, log_r = generate(model, ids, rust, n=8)
-    staged = []
-    orig_stack = kattn.stack_layer
+    staged, extended = [], []
+    orig_stack, orig_extend = kattn.stack_layer, kattn.extend_layer
 
     def counting(codes, device="cpu"):
         staged.append(codes.rows())
         return orig_stack(codes, device)
 
+    def counting_extend(old, codes, first):
+        extended.append(first)
+        return orig_extend(old, codes, first)
+
     def no_decode(self, name_, j):
         raise AssertionError(f"layer {self.index} decoded sealed block {j} of {name_}")
 
     monkeypatch.setattr(kattn, "stack_layer", counting)
+    monkeypatch.setattr(kattn, "extend_layer", counting_extend)
     monkeypatch.setattr(KakeyaLayer, "_block", no_decode)
     tri = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="triton")
     assert tri.fast, tri.fast_reason
@@ -62,9 +67,13 @@ def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> Non
     assert torch.equal(seq_t, seq_r), name
     scale = max(1.0, log_r.abs().max().item())
     assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * scale, name
-    # Staged once per change of a layer's sealed blocks: far fewer times than attention ran.
+    # Full-attention layers are staged once, then only their new blocks appended; a sliding
+    # layer is staged anew when a block leaves its window.
     fast_layers = [layer for layer in tri.layers if layer.fast and layer.num_sealed()]
-    assert fast_layers and 0 < len(staged) < 8 * len(fast_layers)
+    full = [layer for layer in fast_layers if layer.window is None]
+    assert fast_layers and extended and len(staged) >= len(fast_layers)
+    if len(full) == len(fast_layers):
+        assert len(staged) == len(fast_layers)
     for layer in fast_layers:
         batch, _ = layer.device_codes(None if not layer.pre_rope else layer.key_rotation()[1])
         assert batch.k.rows == layer.codes().rows()
@@ -74,3 +83,27 @@ def test_kernel_choice_is_checked() -> None:
     model = families.build("llama")
     with pytest.raises(InvalidParameterError, match="kernel"):
         KakeyaCache(IdentityCodec(), model=model, kernel="cuda")
+
+
+def test_extending_a_stacking_gives_the_stacking_of_all() -> None:
+    """extend_layer(stack_layer(first k blocks), all blocks, k) holds the same tensors as
+    stack_layer(all blocks): two batch rows, three kv-heads of their own bit layouts, outliers,
+    blocks of uneven lengths."""
+    import kakeyaturbo as kt
+    from codec.attention_cases import Spec, build
+
+    c = build(Spec(seed=5, batch=2, kv_heads=3, blocks=(129, 1, 63, 200), threshold=1.0))
+    full = c.codes
+    for k in (1, 2, 3):
+        part = kt.LayerCodes(full.k_codecs, full.v_codecs, batch=full.batch)
+        for i in range(k):
+            part.append_blocks([[full.blob(b, h, "k", i) for h in range(3)] for b in range(2)],
+                               [[full.blob(b, h, "v", i) for h in range(3)] for b in range(2)])
+        got = kattn.extend_layer(kattn.stack_layer(part), full, k)
+        want = kattn.stack_layer(full)
+        for name in ("k", "v"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.rows == b.rows == full.rows()
+            for f in ("codes", "scale_bits", "scale_exp", "outlier_ptr", "outlier_pos", "outlier_bits", "rstart"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), (k, name, f)
+        assert want.k.has_outliers and want.v.has_outliers

@@ -7,8 +7,9 @@
 :func:`decode_attention_triton` (``decode.py``). Keys coded before RoPE: a rotary table staged
 once by :func:`stack_rope` and each sealed row's position."""
 
-from .batch import LayerBatch, RopeBatch, StreamCodes, container_fields, key_synthesis, stack_layer, stack_rope
+from .batch import (LayerBatch, RopeBatch, StreamCodes, container_fields, extend_layer, key_synthesis,
+                    stack_layer, stack_rope)
 from .decode import decode_attention_triton
 
-__all__ = ["LayerBatch", "RopeBatch", "StreamCodes", "container_fields", "decode_attention_triton",
+__all__ = ["LayerBatch", "RopeBatch", "StreamCodes", "container_fields", "decode_attention_triton", "extend_layer",
            "key_synthesis", "stack_layer", "stack_rope"]

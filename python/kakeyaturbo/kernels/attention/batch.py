@@ -194,15 +194,27 @@ def stack_rope(table: RopeTable, device: Any = "cpu") -> RopeBatch:
                      style=table.style)
 
 
-def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCodes:
+@dataclasses.dataclass
+class _Host:
+    """One stream's sealed rows of blocks ``first ..`` of every pair, parsed on the host."""
+
+    packed: np.ndarray  # uint8 [BH, max(rows, 1) * max_row_bytes]
+    sbits: np.ndarray  # uint16 [BH, max(rows, 1)]
+    sexp: np.ndarray  # int32 [BH, max(rows, 1)]
+    pos: List[np.ndarray]  # per pair, int64, row * m_h + j over these rows
+    obits: List[np.ndarray]  # per pair, uint16
+    rows: int
+
+
+def _parse(codes: LayerCodes, stream: str, cal: CalibrationBatch, first: int, rows: int) -> _Host:
+    """Blocks ``first ..`` of every pair, ``rows`` rows in all per pair."""
     b, hkv = codes.batch, codes.kv_heads
-    tc = codes.rows()
     rb_max = cal.max_row_bytes
     m = [len(x) for x in cal.bits_host]
     bh = b * hkv
-    packed = np.zeros((bh, max(tc, 1) * rb_max), np.uint8)
-    sbits = np.zeros((bh, max(tc, 1)), np.uint16)
-    sexp = np.zeros((bh, max(tc, 1)), np.int32)
+    packed = np.zeros((bh, max(rows, 1) * rb_max), np.uint8)
+    sbits = np.zeros((bh, max(rows, 1)), np.uint16)
+    sexp = np.zeros((bh, max(rows, 1)), np.int32)
     pos: List[np.ndarray] = []
     obits: List[np.ndarray] = []
     for i in range(bh):
@@ -210,7 +222,7 @@ def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCode
         at = 0
         rb = (sum(cal.bits_host[h]) + 7) // 8
         pos_i, bits_i = [], []
-        for blk in range(codes.num_blocks(bi, h)):
+        for blk in range(first, codes.num_blocks(bi, h)):
             f = container_fields(codes.blob(bi, h, stream, blk))
             n = f["n"]
             packed[i, at * rb:(at + n) * rb] = f["codes"].reshape(-1)
@@ -222,22 +234,64 @@ def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCode
             at += n
         pos.append(np.concatenate(pos_i) if pos_i else np.zeros(0, np.int64))
         obits.append(np.concatenate(bits_i) if bits_i else np.zeros(0, np.uint16))
+    return _Host(packed, sbits, sexp, pos, obits, rows)
+
+
+def _stream_codes(cal: CalibrationBatch, hkv: int, codes: torch.Tensor, sbits: torch.Tensor,
+                  sexp: torch.Tensor, pos: List[torch.Tensor], bits: List[torch.Tensor],
+                  rows: int) -> StreamCodes:
+    """A :class:`StreamCodes` from its device tensors and per-pair outlier lists, each row's
+    first outlier found on the device."""
     dev = cal.device
-    ptr = np.zeros(bh + 1, np.int64)
-    ptr[1:] = np.cumsum([p.size for p in pos])
-
-    def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-
-    out = dict(outlier_ptr=t(ptr), outlier_pos=t(np.concatenate(pos)),
-               outlier_bits=t(np.concatenate(obits).view(np.int16)))
+    m = [len(x) for x in cal.bits_host]
+    ptr = torch.zeros(len(pos) + 1, dtype=torch.int64)
+    ptr[1:] = torch.cumsum(torch.tensor([p.numel() for p in pos], dtype=torch.int64), 0)
+    out = dict(outlier_ptr=ptr.to(dev), outlier_pos=torch.cat(pos), outlier_bits=torch.cat(bits))
     if out["outlier_pos"].numel():
-        m_bh = torch.tensor([m[i % hkv] for i in range(bh)], dtype=torch.int32, device=dev)
-        rstart = row_starts(out, m_bh, tc, max(m))
+        m_bh = torch.tensor([m[i % hkv] for i in range(len(pos))], dtype=torch.int32, device=dev)
+        rstart = row_starts(out, m_bh, rows, max(m))
     else:
         rstart = placeholder(torch.int64, dev)
-    return StreamCodes(cal=cal, codes=t(packed), scale_bits=t(sbits.view(np.int16)),
-                       scale_exp=t(sexp), rstart=rstart, rows=tc, **out)
+    return StreamCodes(cal=cal, codes=codes, scale_bits=sbits, scale_exp=sexp, rstart=rstart, rows=rows, **out)
+
+
+def _on(a: np.ndarray, dev: Any) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+
+def _stream(codes: LayerCodes, stream: str, cal: CalibrationBatch) -> StreamCodes:
+    host = _parse(codes, stream, cal, 0, codes.rows())
+    dev = cal.device
+    return _stream_codes(cal, codes.kv_heads, _on(host.packed, dev), _on(host.sbits.view(np.int16), dev),
+                         _on(host.sexp, dev), [_on(p, dev) for p in host.pos],
+                         [_on(b.view(np.int16), dev) for b in host.obits], host.rows)
+
+
+def _extend(old: StreamCodes, codes: LayerCodes, stream: str, first: int) -> StreamCodes:
+    """``old`` (blocks ``0 .. first`` of every pair) followed by blocks ``first ..`` of
+    ``codes``: only the new blocks are parsed; the old rows are copied on the device."""
+    cal, hkv, dev = old.cal, codes.kv_heads, old.cal.device
+    o = old.rows
+    n = codes.rows() - o
+    new = _parse(codes, stream, cal, first, n)
+    bh = len(new.pos)
+    packed = torch.zeros((bh, max(o + n, 1) * cal.max_row_bytes), dtype=torch.uint8, device=dev)
+    new_packed = _on(new.packed, dev)
+    ptr = old.outlier_ptr.cpu().tolist()
+    m = [len(x) for x in cal.bits_host]
+    pos, bits = [], []
+    for i in range(bh):
+        rb = (sum(cal.bits_host[i % hkv]) + 7) // 8
+        packed[i, :o * rb] = old.codes[i, :o * rb]
+        packed[i, o * rb:(o + n) * rb] = new_packed[i, :n * rb]
+        pos.append(torch.cat([old.outlier_pos[ptr[i]:ptr[i + 1]], _on(new.pos[i] + o * m[i % hkv], dev)]))
+        bits.append(torch.cat([old.outlier_bits[ptr[i]:ptr[i + 1]], _on(new.obits[i].view(np.int16), dev)]))
+
+    def cat(a: torch.Tensor, b: np.ndarray) -> torch.Tensor:
+        return torch.cat([a[:, :o], _on(b[:, :n], dev)], dim=1) if o + n else a[:, :1]
+
+    return _stream_codes(cal, hkv, packed, cat(old.scale_bits, new.sbits.view(np.int16)),
+                         cat(old.scale_exp, new.sexp), pos, bits, o + n)
 
 
 def stack_layer(codes: LayerCodes, device: Any = "cpu") -> LayerBatch:
@@ -249,6 +303,17 @@ def stack_layer(codes: LayerCodes, device: Any = "cpu") -> LayerBatch:
     vc = stack_calibrations(codes.v_codecs, device)
     return LayerBatch(k=_stream(codes, "k", kc), v=_stream(codes, "v", vc), batch=codes.batch,
                       kv_heads=codes.kv_heads, k_codecs=tuple(codes.k_codecs))
+
+
+def extend_layer(old: LayerBatch, codes: LayerCodes, first_block: int) -> LayerBatch:
+    """:func:`stack_layer` of ``codes`` from ``old``, the stacking of its blocks ``0 ..
+    first_block`` of every pair (the same calibrations, batch and kv-heads): only the blocks from
+    ``first_block`` on are parsed (the cache's step after a block is sealed). The same tensors as
+    ``stack_layer(codes, old.device)`` (tested)."""
+    if (old.batch, old.kv_heads) != (codes.batch, codes.kv_heads):
+        raise ValueError("extend_layer: the codes have another batch or kv-head count than the stacking")
+    return LayerBatch(k=_extend(old.k, codes, "k", first_block), v=_extend(old.v, codes, "v", first_block),
+                      batch=codes.batch, kv_heads=codes.kv_heads, k_codecs=old.k_codecs)
 
 
 def raw_rows(sink: Any, tail: Any, batch: int, kv_heads: int, d: int, device: Any
