@@ -288,7 +288,7 @@ def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwar
                                      mask=_bool_mask(mask, n_q, total),
                                      rope=None if table is None else staged_rope(table, batch.device),
                                      positions=pos, synthesis=layer.synthesis,
-                                     sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
+                                     sink_logits=_sink_logits(module, kwargs))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

@@ -46,7 +46,8 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
       to bfloat16, ``"f32"`` the decoded keys' float32 factors.
     - ``sink_logits``: ``[H_q]`` or None, learnt sinks (GPT-OSS), applied to the result as
       :func:`kakeyaturbo.codec.attention.with_sink_logits` does (checked as
-      :func:`kakeyaturbo.decode_attention` checks them).
+      :func:`kakeyaturbo.decode_attention` checks them; a tensor on a GPU only for its shape and
+      dtype, so that no value is read back).
 
     Returns ``(out float32 [B, H_q, n_q, D_v], lse float32 [B, H_q, n_q])`` (0 and ``-inf``
     for a query that sees nothing). Raises ValueError on shapes, dtypes or devices that do not
@@ -83,7 +84,15 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         m = m.to(device=dev, dtype=torch.float32).contiguous()
     if synthesis not in SYNTHESES:
         raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
-    sinks = None if sink_logits is None else torch.from_numpy(sink_logits_array(sink_logits, q.shape[1])).to(dev)
+    sinks = None
+    if isinstance(sink_logits, torch.Tensor) and sink_logits.device.type != "cpu":
+        # On a GPU, trusted as the positions are: shape and dtype checked, values not read.
+        if tuple(sink_logits.shape) != (q.shape[1],) or not sink_logits.dtype.is_floating_point:
+            raise ValueError(f"sink_logits must be floating point [H_q={q.shape[1]}], got "
+                             f"{sink_logits.dtype} {tuple(sink_logits.shape)}")
+        sinks = sink_logits.detach().to(dev, torch.float32)
+    elif sink_logits is not None:
+        sinks = torch.from_numpy(sink_logits_array(sink_logits, q.shape[1])).to(dev)
     rb, pos = _rope(layer, rope, positions)
     pm, pl, pacc, ncode = split_attention(layer, q, rk, rv, s, m, scale, softcap, window, rb, pos,
                                           synthesis)
