@@ -75,6 +75,11 @@ def test_learnt_sink_logits_as_in_rust() -> None:
     with pytest.raises(ValueError, match="sink_logits"):
         K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v,
                                   **dict(kw, sink_logits=sinks[:-1]))
+    # A tensor off the CPU is checked for shape and dtype without reading it (a meta tensor here).
+    for bad in (torch.zeros(len(sinks) - 1, device="meta"), torch.zeros(len(sinks), dtype=torch.int32, device="meta")):
+        with pytest.raises(ValueError, match=r"sink_logits must be floating point \[H_q="):
+            K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v,
+                                      **dict(kw, sink_logits=bad))
 
 
 def test_rope_arguments_are_checked() -> None:
