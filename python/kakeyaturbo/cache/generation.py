@@ -70,7 +70,8 @@ class KakeyaCache(Cache):
     triton is installed; else the slow path), ``"rust"`` (off the CPU: the slow path) or
     ``"triton"`` (on the CPU it runs Triton's interpreter, which ``TRITON_INTERPRET=1`` must
     select before ``kakeyaturbo.kernels`` is imported: for tests). The Triton kernel reads the
-    sealed codes staged on the device, staged again whenever a block is sealed or dropped.
+    sealed codes staged on the device once, then extended by each newly sealed block
+    (:meth:`KakeyaLayer.device_codes`).
 
     Raises InvalidParameterError (a ValueError) on a bad setting or a codec that needs RoPE
     without ``model`` or ``rope``; UnsupportedModelError (one) naming the model type and the
