@@ -306,3 +306,15 @@ def test_fast_path_with_sparse_outliers(rope, no_decode) -> None:
     c = codec.codecs[("k", 1, 0)]
     info = c.inspect(layer._s["k"].blocks[0][0][0])  # block 0, sequence 0, kv-head 0
     assert info["num_outliers"] > 0, info
+
+
+def test_kernel_by_device() -> None:
+    """kernel="auto": Rust on the CPU, Triton on CUDA, the slow path elsewhere; "rust": the slow
+    path off the CPU; "triton": everywhere (the interpreter on the CPU)."""
+    layer = KakeyaLayer(0, IdentityCodec(), block_size=4, n_sink=0, streams=("k", "v"))
+    want = {"auto": ["rust", "triton", None], "rust": ["rust", None, None], "triton": ["triton"] * 3}
+    for kernel, kernels in want.items():
+        layer.kernel = kernel
+        assert [layer._kernel_for(torch.device(d)) for d in ("cpu", "cuda", "meta")] == kernels
+    with pytest.raises(InvalidParameterError, match="kernel"):
+        KakeyaCache(IdentityCodec(), num_layers=2, kernel="metal")

@@ -66,8 +66,8 @@ class KakeyaCache(Cache):
     before RoPE, ``"bf16"`` (default, twice the speed) or ``"f32"`` (the decoded keys to float32
     rounding); see :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
     the codes, ``"auto"`` (the Rust one for a model on the CPU, the Triton one,
-    :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a GPU where
-    triton is installed; else the slow path), ``"rust"`` (off the CPU: the slow path) or
+    :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a CUDA GPU
+    where triton is installed; else the slow path), ``"rust"`` (off the CPU: the slow path) or
     ``"triton"`` (on the CPU it runs Triton's interpreter, which ``TRITON_INTERPRET=1`` must
     select before ``kakeyaturbo.kernels`` is imported: for tests). The Triton kernel reads the
     sealed codes staged on the device once, then extended by each newly sealed block

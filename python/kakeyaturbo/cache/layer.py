@@ -165,13 +165,13 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _kernel_for(self, device: torch.device) -> Optional[str]:
         """The kernel that attends over the codes for rows on ``device``: the Rust one on the
-        CPU, the Triton one elsewhere (``kernel="auto"``), or the one asked for; None where the
-        one asked for does not run there (the Rust kernel off the CPU: the slow path)."""
+        CPU, the Triton one on a CUDA device (``kernel="auto"``), or the one asked for; None
+        where none runs (the Rust kernel off the CPU, any other device: the slow path)."""
         if self.kernel == "triton":
             return "triton"
         if device.type == "cpu":
             return "rust"
-        return "triton" if self.kernel == "auto" else None
+        return "triton" if self.kernel == "auto" and device.type == "cuda" else None
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
         """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
