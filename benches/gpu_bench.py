@@ -66,6 +66,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import datetime
+import inspect
 import json
 import multiprocessing
 import os
@@ -623,8 +624,7 @@ def _decode_steps(model: Any, ids: Any, cache: Any, steps: int, device: str) -> 
     the median ms of a step (synchronised) and the tokens."""
     import torch
 
-    kw = {"cache": cache} if "cache" in __import__("inspect").signature(model.forward).parameters \
-        else {"past_key_values": cache}
+    kw = {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
     times, toks = [], []
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True, **kw)

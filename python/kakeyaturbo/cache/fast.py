@@ -214,7 +214,7 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
             # seal) or a case the kernel does not cover: the rows as the slow path hands them.
             k, v = layer.materialize()
             return fn(module, query, k, v, attention_mask, **kwargs)
-        if layer._kernel == "triton":
+        if layer._kernel_for(query.device) == "triton":
             return _attend_triton(layer, module, query, attention_mask, kwargs, rot)
         return _attend(layer, codes, module, query, attention_mask, kwargs, rot)
     finally:

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from transformers.cache_utils import Cache
 
-from .._extras import missing, require
+from .._extras import require
 from ..calibration import ModelCodec
 from ..codec import _checks
 from ..codec.attention import SYNTHESES
@@ -27,7 +27,6 @@ from .rope import layer_rope
 
 #: The kernels that attend over the codes: ``auto`` (Rust on the CPU, Triton on a GPU), or one.
 KERNELS = ("auto", "rust", "triton")
-_HAS_TRITON = not missing(("triton",))
 
 
 class KakeyaCache(Cache):
@@ -201,7 +200,7 @@ class KakeyaCache(Cache):
             layer.fast_check = self._fast_check
             layer.threads = self.threads
             layer.synthesis = self.synthesis
-            layer.kernel = self.kernel if self.kernel != "auto" or _HAS_TRITON else "rust"
+            layer.kernel = self.kernel
         return layer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

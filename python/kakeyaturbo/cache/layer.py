@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .._extras import missing
 from ..codec.attention import LayerCodes
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
@@ -16,6 +17,8 @@ from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wa
 from . import fast as fast_mod
 from .fast import TAG, rope_table
 from .positions import Positions, position_ids
+
+_HAS_TRITON = not missing(("triton",))
 
 
 class _Stream:
@@ -101,7 +104,6 @@ class KakeyaLayer(CacheLayerMixin):
         self.synthesis = "bf16"
         #: The attention kernel over the codes (set by the cache): "auto", "rust" or "triton".
         self.kernel = "auto"
-        self._kernel: Optional[str] = None  # the one the current fast update runs
         self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
         self._codes_starts: List[int] = []
         self._codes_epoch = 0  # counts the changes of _codes other than blocks appended
@@ -143,9 +145,8 @@ class KakeyaLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
-        kernel = self._kernel_for(key_states.device) if self.fast else None
-        if kernel is not None and (self.fast_check is None or self.fast_check()):
-            self._kernel = kernel
+        if (self.fast and self._kernel_for(key_states.device) is not None
+                and (self.fast_check is None or self.fast_check())):
             self.seen += q
             for name, x in (("k", key_states), ("v", value_states)):
                 self._stage(name, x.detach(), start)
@@ -165,13 +166,19 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _kernel_for(self, device: torch.device) -> Optional[str]:
         """The kernel that attends over the codes for rows on ``device``: the Rust one on the
-        CPU, the Triton one on a CUDA device (``kernel="auto"``), or the one asked for; None
-        where none runs (the Rust kernel off the CPU, any other device: the slow path)."""
+        CPU, the Triton one on a CUDA device where triton is installed (``kernel="auto"``), or
+        the one asked for; None where none runs (the Rust kernel off the CPU, any other device:
+        the slow path)."""
         if self.kernel == "triton":
             return "triton"
         if device.type == "cpu":
             return "rust"
-        return "triton" if self.kernel == "auto" and device.type == "cuda" else None
+        return "triton" if self.kernel == "auto" and device.type == "cuda" and _HAS_TRITON else None
+
+    def _forget_codes(self) -> None:
+        """Drops the LayerCodes (rebuilt from the sealed blobs on the next :meth:`codes`)."""
+        self._codes = None
+        self._codes_epoch += 1
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
         """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
@@ -282,8 +289,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._s = {}
         self.seen = 0
         self.is_initialized = False
-        self._codes = None
-        self._codes_epoch += 1
+        self._forget_codes()
         self._pending = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -298,8 +304,7 @@ class KakeyaLayer(CacheLayerMixin):
         if r == 0 or not self.is_initialized:
             return
         self.settle()
-        self._codes = None
-        self._codes_epoch += 1
+        self._forget_codes()
         if self.window is not None and self.seen >= self.window:
             raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
                                "window: it cannot be cropped")
@@ -400,8 +405,7 @@ class KakeyaLayer(CacheLayerMixin):
             self.reset()
             return
         self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
-        self._codes = None
-        self._codes_epoch += 1
+        self._forget_codes()
         self._pending = 0
         self.seen = int(state["seen"])
         for name, part in streams.items():
@@ -426,8 +430,7 @@ class KakeyaLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.settle()
-        self._codes = None
-        self._codes_epoch += 1
+        self._forget_codes()
         rows = idx.to("cpu").tolist()
         for st in self._s.values():
             dev = st.staging.device
@@ -507,8 +510,7 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
-        self._codes = None
-        self._codes_epoch += 1
+        self._forget_codes()
         st = self._s[name]
         dec = self._block(name, len(st.blocks) - 1)
         st.staging = torch.cat([dec, st.staging], dim=-2)

@@ -113,6 +113,16 @@ class _RotatedKeys:
             self.module.apply_rotary_pos_emb = self.orig
 
 
+def _close(a: Any, b: Any, ulps: int, dtype: Any) -> bool:
+    """Whether ``a`` is within ``max(1e-4, ulps * eps(dtype))`` of ``b``'s largest magnitude
+    everywhere (tensors of one shape; ``dtype``'s rounding allowed)."""
+    import torch
+
+    tol = max(1e-4, ulps * float(torch.finfo(dtype).eps)) if dtype.is_floating_point else 1e-4
+    b = b.double()
+    return (a.double() - b).abs().max().item() <= tol * max(b.abs().max().item(), 1e-30)
+
+
 def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated: List[Any]) -> None:
     """UnsupportedModelError when a layer's keys as attention receives them are not those its
     ``apply_rotary_pos_emb`` returned (``rotated``, in order of the layers that apply RoPE): the
@@ -122,8 +132,6 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
     its module); UnsupportedModelError when the calls seen are not one per layer that applies RoPE
     by :func:`~kakeyaturbo.families.describe` (a family that rotates some layers only, by a
     rule describe does not know)."""
-    import torch
-
     from ..families.layout import model_type
 
     layers = [i for i in sorted(got) if rope.layer(i) is not None]
@@ -140,10 +148,8 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
         w = r.shape[-1]
         if r.shape[:-1] != k.shape[:-1] or w > k.shape[-1]:
             return
-        a, b = k[..., :w].double(), r.double()
         # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.
-        tol = max(1e-4, 4 * float(torch.finfo(k.dtype).eps)) if k.dtype.is_floating_point else 1e-4
-        if (a - b).abs().max().item() > tol * max(b.abs().max().item(), 1e-30):
+        if not _close(k[..., :w], r, 4, k.dtype):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
                 "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "
@@ -155,13 +161,9 @@ def _check_same_output(model: Any, layer: int, mine: Any, theirs: Any) -> None:
     """UnsupportedModelError when the attention output computed from the probabilities the
     statistics are weighted by (:func:`attention_p2`) is not the model's own (to the rounding of
     the model's dtype): its attention is not the softmax attention those weights describe."""
-    import torch
-
     from ..families.layout import model_type
 
-    a, b = mine.double(), theirs.double()
-    tol = max(1e-4, 8 * float(torch.finfo(theirs.dtype).eps)) if theirs.dtype.is_floating_point else 1e-4
-    if a.shape != b.shape or (a - b).abs().max().item() > tol * max(b.abs().max().item(), 1e-30):
+    if mine.shape != theirs.shape or not _close(mine, theirs, 8, theirs.dtype):
         raise UnsupportedModelError(
             f"model type {model_type(model)!r}: layer {layer}'s attention is not the softmax attention "
             "the attention-weighted statistics assume (its output differs from the one computed from "
@@ -331,7 +333,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             out = attend(q, k, v)
             wq = torch.ones((hkv, group * t), dtype=torch.float64)
             wk = None
-        if first_keys is not None:
+        if first_window:
             first_keys[i] = k.detach()
         q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
         q_count[i] += wq.sum(dim=1)
@@ -343,8 +345,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                     acc.samples[i][h].append(x[h, sel].numpy().astype(np.float32))
         return out
 
-    # Keys before RoPE: the first window also checks that attention reads the keys RoPE returned.
-    first_keys: Optional[Dict[int, Any]] = {} if side == "before" else None
+    # The first window also checks every layer: the weighted output is the model's own, and
+    # (keys before RoPE) attention reads the keys RoPE returned.
+    first_keys: Dict[int, Any] = {}
     first_window = True
     cap = AttentionCapture(model, handler)
     no_logits = _no_logits(model)
@@ -352,16 +355,16 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
-            if w_i == 0 and first_keys is not None:
-                with _RotatedKeys(model) as spy:
-                    model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
-                _check_keys_rotate_last(model, rope, first_keys, spy.keys)
-                first_keys = None
-            else:
+            if not first_window:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
-            if w_i == 0:
-                cap.check(n_layers)
-                first_window = False
+                continue
+            with _RotatedKeys(model) as spy:
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
+            if side == "before":
+                _check_keys_rotate_last(model, rope, first_keys, spy.keys)
+            cap.check(n_layers)
+            first_window = False
+            first_keys.clear()
     o_gram = np.zeros((n_layers, hkv, d, d))
     for i, a in sorted(cap.seen.items()):
         w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
