@@ -93,9 +93,10 @@ class Calibration:
         cal = cls(stats=stats, sensitivity=sensitivity, model_type=describe(model).model_type,
                   fingerprint=fingerprint(model), settings=dict(settings or {}))
         cal._check_shapes(model, "statistics")
-        if sensitivity is not None and sensitivity.k.shape != stats.q2.shape:
+        if sensitivity is not None and (sensitivity.k.shape != stats.q2.shape
+                                        or sensitivity.layer_index != stats.layer_index):
             raise InvalidParameterError(f"sensitivity of shape {sensitivity.k.shape} does not match the "
-                                        f"statistics' {stats.q2.shape}")
+                                        f"statistics' {stats.q2.shape} (or not over the same layers)")
         return cal
 
     def _where(self) -> str:
@@ -106,11 +107,15 @@ class Calibration:
 
         layout = describe(model)
         _, kv, d = layout.uniform_heads()
-        want = (layout.num_layers, kv, d)
+        want = (len(layout.kv_layers), kv, d)
         if self.shape != want:
             raise ModelMismatchError(
                 f"{what} hold (layers, kv-heads, head_dim) = {self.shape}, but the model "
                 f"({layout.model_type!r}) has {want}")
+        if self.stats.layer_index != layout.kv_layers:
+            raise ModelMismatchError(
+                f"{what} are of layers {list(self.stats.layer_index)}, but the model's K/V layers "
+                f"({layout.model_type!r}) are {list(layout.kv_layers)}")
 
     def check_model(self, model: Any) -> "Calibration":
         """Itself when it was made for ``model``; ModelMismatchError naming the file and what
@@ -186,7 +191,8 @@ class Calibration:
             cal = cls(stats=stats, sensitivity=sens, model_type=str(meta["model_type"]),
                       fingerprint=str(meta["fingerprint"]), settings=js("settings"),
                       library=str(meta.get("library", "")), path=p)
-            if list(cal.shape) != js("shape") or (sens is not None and sens.k.shape != stats.q2.shape):
+            if list(cal.shape) != js("shape") or (sens is not None and (
+                    sens.k.shape != stats.q2.shape or sens.layer_index != stats.layer_index)):
                 raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
         except CorruptDataError:
             raise

@@ -25,18 +25,19 @@ CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, 
 
 
 def attention_modules(model: Any) -> List[Any]:
-    """The self-attention modules of a decoder, in layer order (one per layer, or
-    UnsupportedModelError naming the model type)."""
+    """The self-attention modules of a decoder's K/V layers, in layer order (one per layer, or
+    InvalidParameterError naming the model type)."""
     from ..families import attention_modules as _attention_modules
     from ..families import describe
 
     layout = describe(model)
     mods = _attention_modules(model)
-    if sorted(mods) != list(range(layout.num_layers)):
+    want = layout.kv_layers
+    if any(i not in mods for i in want):
         raise InvalidParameterError(
             f"model type {layout.model_type!r}: attention modules found for layers {sorted(mods)}, "
-            f"expected 0 .. {layout.num_layers - 1}")
-    return [mods[i] for i in range(layout.num_layers)]
+            f"expected {list(want)}")
+    return [mods[i] for i in want]
 
 
 class _Moments:
@@ -76,13 +77,24 @@ class _Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
-def _shapes(model: Any) -> Tuple[Any, int, int, int, int]:
+def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
+    """``(rope, K/V layer indices, q_heads, kv_heads, head_dim)``; statistics are stacked over
+    the K/V layers in order."""
     from ..families import describe
 
     layout = describe(model)
     rope = layout.require_rope()
     hq, hkv, d = layout.uniform_heads()
-    return rope, layout.num_layers, hq, hkv, d
+    return rope, layout.kv_layers, hq, hkv, d
+
+
+def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
+    """``layers`` (the number of K/V layers) and, for a hybrid model whose K/V layers are not
+    ``0 .. n-1``, ``layer_index`` (the model's index of each)."""
+    out: Dict[str, Any] = {"layers": len(layers)}
+    if list(layers) != list(range(len(layers))):
+        out["layer_index"] = [int(i) for i in layers]
+    return out
 
 
 class _RotatedKeys:
@@ -303,7 +315,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
-    rope, n_layers, hq, hkv, d = _shapes(model)
+    rope, kv_layers, hq, hkv, d = _shapes(model)
+    n_layers = len(kv_layers)
+    at = {i: j for j, i in enumerate(kv_layers)}  # model layer index -> row of the statistics
     group = hq // hkv
 
     def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
@@ -321,6 +335,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
         t = q.shape[2]
+        j = at[i]
         qp = domain(i, q, kwargs)[0].reshape(hkv, group * t, d)
         if weighting == "attention":  # the output from the probabilities the weights need
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
@@ -335,14 +350,14 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             wk = None
         if first_window:
             first_keys[i] = k.detach()
-        q2[i] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
-        q_count[i] += wq.sum(dim=1)
+        q2[j] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
+        q_count[j] += wq.sum(dim=1)
         for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
             x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
-            acc.add(i, x, wk)
+            acc.add(j, x, wk)
             if sel:
                 for h in range(hkv):
-                    acc.samples[i][h].append(x[h, sel].numpy().astype(np.float32))
+                    acc.samples[j][h].append(x[h, sel].numpy().astype(np.float32))
         return out
 
     # The first window also checks every layer: the weighted output is the model's own, and
@@ -362,7 +377,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if side == "before":
                 _check_keys_rotate_last(model, rope, first_keys, spy.keys)
-            cap.check(n_layers)
+            cap.check(kv_layers)
             first_window = False
             first_keys.clear()
     o_gram = np.zeros((n_layers, hkv, d, d))
@@ -371,13 +386,13 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         for h in range(hkv):
             for g in range(group):
                 blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
-                o_gram[i, h] += blk.T @ blk
+                o_gram[at[i], h] += blk.T @ blk
     km, kc = k_acc.moments()
     vm, vc = v_acc.moments()
 
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                tokens=sum(len(w) for w in windows), layers=n_layers, q_heads=hq, kv_heads=hkv,
+                tokens=sum(len(w) for w in windows), **_layer_meta(kv_layers), q_heads=hq, kv_heads=hkv,
                 head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
                 weighting=weighting, hooks=CAPTURE_POINT, rope=side)
     q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
@@ -418,7 +433,8 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    rope, n_layers, hq, hkv, d = _shapes(model)
+    rope, kv_layers, hq, hkv, d = _shapes(model)
+    n_layers = len(kv_layers)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
@@ -461,21 +477,21 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                     gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
                     target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
                 nll = -logp.gather(1, target).sum()
-                cap.check(n_layers)
-                keys = [(s, i) for i in range(n_layers) for s in ("k", "v")]
+                cap.check(kv_layers)
+                keys = [(s, i) for i in kv_layers for s in ("k", "v")]
                 grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
                     r = rope.layer(i)
                     if s == "k" and r is not None and side == "before":
                         g = r.transpose(g.double(), where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
-                    fisher[s][i] += torch.bmm(g.transpose(1, 2), g).numpy()
+                    fisher[s][kv_layers.index(i)] += torch.bmm(g.transpose(1, 2), g).numpy()
     finally:
         for p in trainable:
             p.requires_grad_(True)
     info = dict(meta or {})
     info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                score=score, labels=labels, layers=n_layers, kv_heads=hkv, head_dim=d, cached="independent",
+                score=score, labels=labels, **_layer_meta(kv_layers), kv_heads=hkv, head_dim=d, cached="independent",
                 date=datetime.date.today().isoformat(),
                 hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
     n = max(len(windows), 1)

@@ -61,10 +61,12 @@ class ModelCodec:
             raise InvalidParameterError(
                 f"recipe {recipe.name!r} allocates by sensitivity or whitens by it: pass the "
                 "model's Sensitivity (kakeyaturbo.calibration.cached_sensitivity)")
-        if sensitivity is not None and sensitivity.k.shape != stats.q2.shape:
+        if sensitivity is not None and (sensitivity.k.shape != stats.q2.shape
+                                        or sensitivity.layer_index != stats.layer_index):
             raise InvalidParameterError(
-                f"sensitivity of shape {sensitivity.k.shape} (layers, kv-heads, D, D) does not "
-                f"match the statistics' {stats.q2.shape}")
+                f"sensitivity of shape {sensitivity.k.shape} (layers, kv-heads, D, D) over layers "
+                f"{list(sensitivity.layer_index)} does not match the statistics' {stats.q2.shape} "
+                f"over {list(stats.layer_index)}")
         rope = recipe.key_rope
         for what, obj in (("statistics", stats), ("sensitivity", sensitivity)):
             have = (getattr(obj, "meta", None) or {}).get("rope", "before") if obj is not None else rope
@@ -123,9 +125,9 @@ class ModelCodec:
                     tables = {key: self.tables[s] for key in keys}
                 else:  # per-head: each (layer, kv-head) its own rows' tables
                     tables = {key: fit_tables({key: first[key]}, samples) for key in keys}
-            for key in keys:
-                self.codecs[(s, *key)] = fit_codec(spectra[(s, *key)], st, tables.get(key),
-                                                   alloc[(s, *key)])
+            for key in keys:  # rows of the statistics -> the model's layer indices
+                self.codecs[(s, stats.layer_index[key[0]], key[1])] = fit_codec(
+                    spectra[(s, *key)], st, tables.get(key), alloc[(s, *key)])
         self.model_bytes = sum(c.model_bytes for c in self.codecs.values())
 
     def __repr__(self) -> str:
@@ -208,10 +210,9 @@ class ModelCodec:
         layers = sorted({k[1] for k in codecs})
         kv = sorted({k[2] for k in codecs})
         want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer in layers for h in kv}
-        if not codecs or set(codecs) != want or layers != list(range(len(layers))) \
-                or kv != list(range(len(kv))):
+        if not codecs or set(codecs) != want or min(layers) < 0 or kv != list(range(len(kv))):
             raise CorruptDataError(f"{where}: its calibrations do not cover the recipe's streams "
-                                   f"over layers 0..{len(layers) - 1} and kv-heads 0..{len(kv) - 1}")
+                                   f"over layers {layers} and kv-heads 0..{len(kv) - 1}")
         try:
             made_for = json.loads(meta.get("model", "null"))
             if made_for is not None:
@@ -231,20 +232,25 @@ class ModelCodec:
         out.model_bytes = sum(c.model_bytes for c in codecs.values())
         return out
 
+    @property
+    def layers(self) -> Tuple[int, ...]:
+        """The model's layer indices the codecs were fitted for (its K/V layers)."""
+        return tuple(sorted({k[1] for k in self.codecs}))
+
     def check_model(self, model: Any) -> "ModelCodec":
-        """Itself when its codecs fit ``model`` ((layers, kv-heads, head_dim), and where a
-        codec file recorded one, the model's type and the fingerprint of its attention
+        """Itself when its codecs fit ``model`` (its K/V layers, kv-heads and head_dim, and
+        where a codec file recorded one, the model's type and the fingerprint of its attention
         weights); ModelMismatchError saying what differs otherwise."""
         from ..families import describe
 
         where = f"codec file {str(self.path)!r}" if self.path else "the codec"
         layout = describe(model)
         _, kv, d = layout.uniform_heads()
-        have = (1 + max(k[1] for k in self.codecs), 1 + max(k[2] for k in self.codecs),
-                next(iter(self.codecs.values())).d)
-        if have != (layout.num_layers, kv, d):
+        have = (_span(self.layers), 1 + max(k[2] for k in self.codecs), next(iter(self.codecs.values())).d)
+        want = (_span(layout.kv_layers), kv, d)
+        if have != want:
             raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
-                                     f"model ({layout.model_type!r}) has {(layout.num_layers, kv, d)}")
+                                     f"model ({layout.model_type!r}) has {want}")
         if self.model_info is not None:
             if self.model_info["type"] != layout.model_type:
                 raise ModelMismatchError(f"{where} was fitted for a {self.model_info['type']!r} model, "
@@ -268,6 +274,12 @@ class ModelCodec:
 
     def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
         return self._codec(stream, layer, head).decode(blob, threads=self.threads)
+
+
+def _span(layers: Tuple[int, ...]) -> Any:
+    """Layer indices as a count where they are ``0 .. n-1`` (a model of K/V layers only), else
+    the list (a hybrid model's K/V layers), for messages and comparisons."""
+    return len(layers) if list(layers) == list(range(len(layers))) else list(layers)
 
 
 def is_codec_file(path: "os.PathLike[str] | str") -> bool:

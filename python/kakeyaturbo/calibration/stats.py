@@ -78,10 +78,26 @@ def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtyp
     return arr
 
 
+def _layer_index(owner: str, meta: Dict[str, Any], n: int) -> Tuple[int, ...]:
+    """The model's layer index of each of the ``n`` rows: ``meta["layer_index"]`` (a hybrid
+    model's K/V layers), else ``0 .. n-1``; InvalidParameterError unless it is ``n`` distinct
+    increasing non-negative integers."""
+    got = meta.get("layer_index") if isinstance(meta, dict) else None
+    if got is None:
+        return tuple(range(n))
+    if not isinstance(got, list) or len(got) != n or not all(type(i) is int and i >= 0 for i in got) \
+            or any(a >= b for a, b in zip(got, got[1:])):
+        raise InvalidParameterError(
+            f"{owner} meta 'layer_index' must list {n} increasing layer indices (one per row of "
+            f"the arrays), got {got!r}")
+    return tuple(got)
+
+
 @dataclass
 class AttentionStats(_Stored):
     """Per (layer, kv-head) statistics of a model's attention, pre-RoPE. Arrays are float64
-    ``[L, H_kv, ...]``; ``*_samples`` float32 ``[L, H_kv, S, D]``."""
+    ``[L, H_kv, ...]`` over the model's K/V layers (:attr:`layer_index`); ``*_samples`` float32
+    ``[L, H_kv, S, D]``."""
 
     meta: Dict[str, Any]
     q2: np.ndarray
@@ -111,10 +127,18 @@ class AttentionStats(_Stored):
                                    ("k_samples", (n, h, None, d), np.float32),
                                    ("v_samples", (n, h, None, d), np.float32)):
             setattr(self, name, _check("calibration", name, getattr(self, name), shape, dtype))
+        _layer_index("calibration", self.meta, n)
 
     @property
     def num_layers(self) -> int:
+        """Rows of the arrays: the model's K/V layers."""
         return int(self.q2.shape[0])
+
+    @property
+    def layer_index(self) -> Tuple[int, ...]:
+        """The model's layer index of each row (``0 .. L-1`` unless a hybrid model's K/V
+        layers are others: ``meta["layer_index"]``)."""
+        return _layer_index("calibration", self.meta, self.num_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -144,6 +168,12 @@ class Sensitivity(_Stored):
                 f"sensitivity 'k' must be [layers, kv_heads, D, D], got shape {list(k.shape)}")
         for name in self.ARRAYS:
             setattr(self, name, _check("sensitivity", name, getattr(self, name), k.shape, np.float64))
+        _layer_index("sensitivity", self.meta, k.shape[0])
+
+    @property
+    def layer_index(self) -> Tuple[int, ...]:
+        """The model's layer index of each row, as :attr:`AttentionStats.layer_index`."""
+        return _layer_index("sensitivity", self.meta, int(self.k.shape[0]))
 
     def of(self, stream: str) -> np.ndarray:
         return self.k if stream == "k" else self.v

@@ -11,7 +11,7 @@ and restores the model's own implementation on exit.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..errors import UnsupportedModelError
 from .layout import model_type
@@ -82,7 +82,8 @@ class AttentionCapture:
         if self._shapes is None:  # before any forward (describe runs the family's RoPE function)
             from .layout import describe
 
-            self._shapes = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in describe(self.model).layers}
+            self._shapes = {s.index: (s.q_heads, s.kv_heads, s.head_dim)
+                            for s in describe(self.model).layers if s.has_kv}
         self._orig = self.model.config._attn_implementation
         orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
         mask = "eager" if self.weights else orig
@@ -139,9 +140,10 @@ class AttentionCapture:
                 f"{tuple(query.shape)} and keys {tuple(key.shape)} ([batch, heads, rows, head_dim]), "
                 f"but its config reads (query heads, kv-heads, head_dim) = {want}")
 
-    def check(self, num_layers: int) -> None:
-        """UnsupportedModelError unless every layer ``0 .. num_layers - 1`` called the handler."""
-        missing = sorted(set(range(num_layers)) - set(self.seen))
+    def check(self, layers: Sequence[int]) -> None:
+        """UnsupportedModelError unless every layer of ``layers`` (indices: the model's K/V
+        layers, :attr:`~kakeyaturbo.families.ModelLayout.kv_layers`) called the handler."""
+        missing = sorted(set(layers) - set(self.seen))
         if missing:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r}: layers {missing} did not run their attention "

@@ -16,6 +16,11 @@ from .rope import LayerRope, ModelRope, detect_rope
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
 #: ``window - 1`` tokens of a sliding-window layer.
 KV_LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Cache layer types of hybrid models that hold no K/V rows but a fixed-size state (a linear
+#: attention's or state-space model's recurrent state, a short convolution's), and ``dummy``
+#: (a layer without attention, an MLP block: nothing cached). The cache keeps them as
+#: transformers keeps them; only the K/V layers are coded.
+STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
 
 #: Names of the attention output projection (``[hidden, q_heads * head_dim]``), by family.
 _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
@@ -23,9 +28,11 @@ _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One attention layer: ``kind`` ``"full"`` or ``"sliding"`` (a query at position ``p`` sees
-    keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), head counts
-    and ``head_dim`` of its cached rows."""
+    """One layer: ``kind`` ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees
+    keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), with the head
+    counts and ``head_dim`` of its cached rows; or ``"state"``, a layer of a hybrid model that
+    holds no K/V rows (``cache_type``, the transformers cache layer type: ``linear_attention``,
+    ``conv`` or ``dummy``, with ``states`` conv/recurrent states; head counts 0)."""
 
     index: int
     kind: str
@@ -33,10 +40,17 @@ class LayerSpec:
     q_heads: int
     kv_heads: int
     head_dim: int
+    cache_type: str = ""
+    states: int = 0
 
     @property
     def is_sliding(self) -> bool:
         return self.kind == "sliding"
+
+    @property
+    def has_kv(self) -> bool:
+        """Whether the layer caches K/V rows (full or sliding attention)."""
+        return self.kind != "state"
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,12 @@ class ModelLayout:
     def sliding(self) -> Tuple[bool, ...]:
         return tuple(s.is_sliding for s in self.layers)
 
+    @property
+    def kv_layers(self) -> Tuple[int, ...]:
+        """Indices of the layers that cache K/V rows (every layer but a hybrid model's state
+        layers), in order: the layers statistics, codecs and sealed blocks are kept for."""
+        return tuple(s.index for s in self.layers if s.has_kv)
+
     def require_rope(self) -> ModelRope:
         """The RoPE of every layer; UnsupportedModelError (naming the model type and the reason)
         when the keys' rotation cannot be removed and re-applied from the positions alone."""
@@ -67,9 +87,9 @@ class ModelLayout:
         return self.rope
 
     def uniform_heads(self) -> Tuple[int, int, int]:
-        """``(q_heads, kv_heads, head_dim)`` shared by every layer (calibration statistics are
-        stacked over layers); UnsupportedModelError when layers differ."""
-        shapes = {(s.q_heads, s.kv_heads, s.head_dim) for s in self.layers}
+        """``(q_heads, kv_heads, head_dim)`` shared by every K/V layer (calibration statistics are
+        stacked over them); UnsupportedModelError when they differ."""
+        shapes = {(s.q_heads, s.kv_heads, s.head_dim) for s in self.layers if s.has_kv}
         if len(shapes) != 1:
             raise UnsupportedModelError(
                 f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)}")
@@ -117,21 +137,38 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     """Refuses what does not keep one standard K/V row per token and head."""
     if getattr(cfg, "is_encoder_decoder", False):
         raise _refuse(mt, "encoder-decoder models keep a cross-attention cache; only decoders are supported")
-    bad = sorted(set(types) - set(KV_LAYER_TYPES))
+    bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if bad:
         why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)",
-               "dummy": "layers that share another layer's cache or hold none",
-               "linear_attention": "linear-attention / recurrent state, not K/V rows",
-               "conv": "convolution state, not K/V rows"}
+               "hybrid": "layers that hold a recurrent state and K/V rows together",
+               "hybrid_sliding": "layers that hold a recurrent state and K/V rows together",
+               "indexed_attention": "indexed sparse attention (an indexer cache beside the K/V rows)"}
         reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
     if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "qk_rope_head_dim", None):
         raise _refuse(mt, "multi-head latent attention: keys join a rotated and an unrotated part of "
                           "different widths; not a standard K/V cache")
-    if getattr(cfg, "num_kv_shared_layers", 0):
+    if getattr(cfg, "num_kv_shared_layers", 0) or "reuse" in (getattr(cfg, "kv_sharing_modes", None) or ()):
         raise _refuse(mt, "layers share another layer's K/V cache")
+    own = _own_cache_class(model)
+    if own is not None:
+        raise _refuse(mt, f"its modeling code keeps a cache class of its own ({own}) and takes no other")
+    if not any(t in KV_LAYER_TYPES for t in types):
+        raise _refuse(mt, "no layer caches K/V rows (a recurrent or state-space model): nothing to compress")
     if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
         raise _refuse(mt, "bidirectional attention: not a causal decoder")
+
+
+def _own_cache_class(model: Any) -> Optional[str]:
+    """The name of a ``Cache`` subclass the model's modeling module defines (MiniMax's, which its
+    forward requires), or None."""
+    from transformers.cache_utils import Cache
+
+    mod = sys.modules.get(type(model).__module__)
+    for name, obj in vars(mod or object()).items():
+        if isinstance(obj, type) and issubclass(obj, Cache) and obj.__module__ == getattr(mod, "__name__", None):
+            return name
+    return None
 
 
 def attention_modules(model: Any) -> Dict[int, Any]:
@@ -163,6 +200,9 @@ def _rotary_module(model: Any) -> Any:
         mod = getattr(owner, "rotary_emb", None) if owner is not None else None
         if mod is not None:
             return mod
+        mod = getattr(owner, "pos_emb", None) if owner is not None else None  # LFM2-MoE's name
+        if mod is not None and "Rotary" in type(mod).__name__:
+            return mod
     return None
 
 
@@ -193,6 +233,19 @@ def _mentions_rotary(model: Any) -> bool:
     return False
 
 
+def _config_rotates(cfg: Any) -> bool:
+    """Whether the config sets up a rotary embedding (``rope_parameters``, or an entry naming a
+    rotary width as GPT-J's ``rotary_dim``). A modeling module may define
+    ``apply_rotary_pos_emb`` without calling it (Jamba, Nemotron-H copy it in unused)."""
+    if getattr(cfg, "position_embedding_type", "rope") not in ("rope", "rotary"):
+        return False  # Granite 4 hybrids: rope parameters, but position_embedding_type None (NoPE)
+    if getattr(cfg, "rope_parameters", None) is not None:
+        return True
+    to_dict = getattr(cfg, "to_dict", None)
+    names = to_dict() if callable(to_dict) else vars(cfg)
+    return any("rot" in k or "rope" in k for k in names)
+
+
 #: Families whose attention applies RoPE on some layers only, by a test of the attention module's
 #: own attributes, as their modeling code writes it (global layers without RoPE).
 _ROPE_IF: Dict[str, Callable[[Any], bool]] = {
@@ -216,7 +269,9 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
 def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Optional[ModelRope], Optional[str]]:
     module = _rotary_module(model)
     if module is None:
-        if not _mentions_rotary(model):  # positions by other means (GPT-2): keys carry no rotation
+        # Positions by other means (GPT-2's learnt embeddings, a hybrid model's recurrent layers:
+        # Jamba): keys carry no rotation.
+        if not _mentions_rotary(model) or not _config_rotates(cfg):
             return ModelRope([None] * len(types)), None
         return None, "no rotary embedding module (model.model.rotary_emb) to recompute the rotation from"
     try:
@@ -230,7 +285,8 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
     found: Dict[Optional[str], LayerRope] = {}
     layers: List[Optional[LayerRope]] = []
     for i, lt in enumerate(types):
-        if (isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]) or not applies.get(i, True):
+        if lt not in KV_LAYER_TYPES or (isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]) \
+                or not applies.get(i, True):
             layers.append(None)
             continue
         key = lt if per_type else None
@@ -256,10 +312,14 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
 def describe(model: Any) -> ModelLayout:
     """The :class:`ModelLayout` of a loaded transformers decoder.
 
+    A hybrid model's layers without K/V rows (linear attention, state-space or convolution
+    state, MLP-only blocks) are ``"state"`` layers: kept by the cache as transformers keeps them,
+    never coded (:attr:`ModelLayout.kv_layers` lists the others).
+
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
-    and the reason when its cache is not one K/V row per token and head (encoder-decoders,
-    chunked attention, linear attention or recurrent state, shared KV layers, multi-head latent
-    attention). A RoPE that cannot be recomputed from positions alone (``dynamic``,
+    and the reason when its K/V layers do not hold one K/V row per token and head
+    (encoder-decoders, chunked attention, layers holding a recurrent state and K/V rows together,
+    shared KV layers, multi-head latent attention) or no layer holds K/V rows. A RoPE that cannot be recomputed from positions alone (``dynamic``,
     ``longrope``, an unknown pairing) is not refused here but recorded in ``rope_error``:
     only codecs that code keys without RoPE need it (:meth:`ModelLayout.require_rope`).
     """
@@ -274,10 +334,13 @@ def describe(model: Any) -> ModelLayout:
     d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
     specs = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        if lt in STATE_LAYER_TYPES:
+            specs.append(LayerSpec(i, "state", None, 0, 0, 0, lt, int(kw.get("number_of_states", 0))))
+            continue
         window = kw.get("sliding_window") if lt == "sliding_attention" else None
         if lt == "sliding_attention" and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
-        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d))
+        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt))
     rope, err = _rope(model, cfg, types, d)
     return ModelLayout(mt, tuple(specs), rope, err)
 
