@@ -1,7 +1,8 @@
 """Tiny random-weight decoders of every family the cache supports, built from a transformers config
 (no download), with what sets each apart: sliding windows (8 tokens, so prompts cross them),
 q/k norms, MQA, head_dim 256, per-layer-type RoPE, partial rotary, interleaved RoPE, NoPE layers,
-attention softcapping, learnt attention sinks."""
+attention softcapping, learnt attention sinks; hybrids whose recurrent, state-space or
+convolution layers hold no K/V rows."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import transformers as T
 VOCAB, WINDOW = 97, 8
 #: Three layers, a full one between two sliding ones.
 SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
+
+#: A hybrid's three layers: an attention layer between two recurrent ones.
+LINEAR_FULL_LINEAR = ["linear_attention", "full_attention", "linear_attention"]
+_DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                num_attention_heads=4, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -174,6 +180,41 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                "sub-layer norm before the output projection, squared-ReLU MLP"),
     "persimmon": (lambda: _make(T.PersimmonConfig, T.PersimmonForCausalLM, partial_rotary_factor=0.5),
                   "MHA, fused qkv, q/k LayerNorm, partial rotary (half)"),
+    # Hybrids: layers without K/V rows (recurrent, state-space or convolution state; MLP-only)
+    # between the attention layers, kept as transformers keeps them.
+    "qwen3_next": (lambda: _make(T.Qwen3NextConfig, T.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
+                                 layer_types=LINEAR_FULL_LINEAR, **_DELTANET, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=32),
+                   "hybrid: Gated DeltaNet layers, gated attention with q/k RMSNorm and partial rotary (a quarter), MoE MLP"),
+    "qwen3_5_text": (lambda: _make(T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                   layer_types=LINEAR_FULL_LINEAR, **_DELTANET),
+                     "hybrid: Gated DeltaNet layers, gated attention with q/k RMSNorm and partial rotary (a quarter)"),
+    "olmo_hybrid": (lambda: _make(T.OlmoHybridConfig, T.OlmoHybridForCausalLM, num_key_value_heads=2,
+                                  layer_types=LINEAR_FULL_LINEAR),
+                    "hybrid: Gated DeltaNet layers, attention with q/k RMSNorm over the whole projection"),
+    "jamba": (lambda: _make(T.JambaConfig, T.JambaForCausalLM, num_key_value_heads=2, attn_layer_period=2,
+                            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                            mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
+              "hybrid: Mamba layers, attention without positional encoding, MoE MLP"),
+    "bamba": (lambda: _make(T.BambaConfig, T.BambaForCausalLM, num_key_value_heads=2, attn_layer_indices=[1],
+                            **_MAMBA2),
+              "hybrid: Mamba-2 layers, partial rotary (half)"),
+    "granitemoehybrid": (lambda: _make(T.GraniteMoeHybridConfig, T.GraniteMoeHybridForCausalLM,
+                                       num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
+                                       num_local_experts=2, num_experts_per_tok=1, **_MAMBA2),
+                         "hybrid (Granite 4): Mamba-2 layers, attention without positional encoding, MoE MLP"),
+    "nemotron_h": (lambda: _make(T.NemotronHConfig, T.NemotronHForCausalLM, num_key_value_heads=2, head_dim=16,
+                                 hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=16,
+                                 ssm_state_size=8, n_groups=1),
+                   "hybrid: a Mamba-2 layer, an attention layer without positional encoding, an MLP-only layer (no cache)"),
+    "lfm2": (lambda: _make(T.Lfm2Config, T.Lfm2ForCausalLM, num_key_value_heads=2,
+                           layer_types=["conv", "full_attention", "conv"]),
+             "hybrid: short-convolution layers, attention with q/k RMSNorm per head"),
+    "lfm2_moe": (lambda: _make(T.Lfm2MoeConfig, T.Lfm2MoeForCausalLM, num_key_value_heads=2,
+                               layer_types=["conv", "full_attention", "conv"], num_experts=2,
+                               num_experts_per_tok=1, moe_intermediate_size=32, num_dense_layers=1),
+                 "hybrid: short-convolution layers, attention with q/k RMSNorm per head, MoE MLP"),
 }
 
 

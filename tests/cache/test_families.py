@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
+from kakeyaturbo.cache.generation import _state_bytes  # noqa: E402
 from kakeyaturbo.cache.prefix import held_span  # noqa: E402
 from kakeyaturbo.calibration.collect import attention_p2  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
@@ -69,7 +70,8 @@ def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
         want = cache.layers[i].keys[..., :k_pre.shape[-1]]
         assert torch.equal(r.apply(k_pre[:, :, first:], pos), want), f"{name} layer {i}"
         c, s = r.module_tables(torch.arange(T_PROMPT))  # as the module hands them to the model
-        assert torch.equal(c, cos.float()) and torch.equal(s, sin.float())
+        # (a batch's cos/sin where the family takes positions per row: Qwen3.5's multimodal RoPE)
+        assert torch.equal(c.expand_as(cos), cos.float()) and torch.equal(s.expand_as(sin), sin.float())
         back = r.remove(want, pos)
         err = float((back - k_pre[:, :, first:]).abs().max() / k_pre.abs().max())
         worst = max(worst, err)
@@ -100,8 +102,8 @@ def test_identity_codec_is_exact_through_the_eval(family) -> None:
     cache = transformers.DynamicCache(config=model.config)
     forward(model, _ids(t=ctx), cache)
     got = compress_cache(cache, IdentityCodec())
-    d = layout.layers[0].head_dim
-    held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]
+    d = layout.uniform_heads()[2]
+    held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]  # kv_heads 0: state
     assert got["elements"] == sum(2 * s.kv_heads * n * d for s, n in zip(layout.layers, held))
 
 
@@ -122,16 +124,22 @@ def test_kakeya_cache_generates_as_dynamic_cache(family, pre_rope) -> None:
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
     else:
         assert torch.equal(logits, ref_logits), name
-    assert cache.is_sliding == ref.is_sliding
+    assert cache.is_sliding == ref.is_sliding and cache.is_linear == ref.is_linear
     for i, (a, b) in enumerate(zip(cache.layers, ref.layers)):
+        if not describe(model).layers[i].has_kv:  # a hybrid's state layer: transformers' own
+            assert type(a) is type(b) and _state_bytes(a) == _state_bytes(b)
+            continue
         assert a.get_seq_length() == b.get_seq_length()
         assert a.keys.shape == b.keys.shape and a.get_mask_sizes(1) == b.get_mask_sizes(1)
         if not pre_rope:
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         if a.is_sliding:  # blocks of 4 overlapping the last WINDOW - 1 positions, no sink
             assert a.num_sealed() <= (WINDOW - 1 + 3) // 4 + 1 and a._s["k"].sink.shape[-2] == 0
+    kv = describe(model).kv_layers
     assert cache.nbytes_uncompressed() == sum(
-        t.numel() * t.element_size() for layer in ref.layers for t in (layer.keys, layer.values))
+        sum(t.numel() * t.element_size() for t in (layer.keys, layer.values)) if i in kv else _state_bytes(layer)
+        for i, layer in enumerate(ref.layers))
+    assert cache.memory()["state"] == sum(_state_bytes(layer) for layer in ref.layers)
 
 
 def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -> None:
@@ -146,25 +154,27 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     monkeypatch.undo()
     hq, hkv, d = layout.uniform_heads()
     nl = len(_rope_layers(layout))
+    assert stats.layer_index == layout.kv_layers  # rows: the K/V layers (a hybrid's, not all)
     if nl == 0:  # no RoPE anywhere (GPT-2): the statistics are those of the cached keys
-        i = layout.num_layers - 1
+        i = layout.kv_layers[-1]
         ks = []
         for w in wins:
             cache = transformers.DynamicCache(config=model.config)
             forward(model, torch.tensor([w]), cache)
             ks.append(cache.layers[i].keys[:, :, 1:])
         k = torch.cat(ks, dim=2)[0].double()
-        np.testing.assert_allclose(stats.k_mean[i], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats.k_mean[-1], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
     else:
         i = _rope_layers(layout)[-1]
         calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
         q = torch.cat([c[0] for c in calls[nl - 1::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
         k = torch.cat([c[1][:, :, 1:] for c in calls[nl - 1::nl]], dim=2)[0].double()
         w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
-        np.testing.assert_allclose(stats.k_mean[i, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+        j = layout.kv_layers.index(i)
+        np.testing.assert_allclose(stats.k_mean[j, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
         qg = q.reshape(hkv, hq // hkv * q.shape[1], w)
         want_q2 = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
-        np.testing.assert_allclose(stats.q2[i, :, :w, :w], want_q2, rtol=1e-5,
+        np.testing.assert_allclose(stats.q2[j, :, :w, :w], want_q2, rtol=1e-5,
                                    atol=1e-6 * np.abs(want_q2).max())
     stats = calibration.collect(model, wins, n_sink=1, samples=8)  # attention-weighted
     sens = calibration.collect_sensitivity(model, wins, n_sink=1, score=6)
@@ -177,7 +187,7 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     cache = KakeyaCache(m.codec, model=model, block_size=4, n_sink=1)
     seq, logits = _generate(model, _ids(), cache, n=6)
     assert seq.shape == (1, T_PROMPT + 6) and torch.isfinite(logits).all()
-    assert max(layer.num_sealed() for layer in cache.layers) >= 1
+    assert max(cache.layers[i].num_sealed() for i in layout.kv_layers) >= 1
 
 
 def test_attention_weights_as_the_model_computes_them(family) -> None:
@@ -205,7 +215,7 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
 
         with torch.no_grad(), AttentionCapture(model, handler, weights=weights) as cap:
             model(input_ids=ids, use_cache=False)
-        cap.check(describe(model).num_layers)
+        cap.check(describe(model).kv_layers)
 
     before = model.config._attn_implementation
     run(True)

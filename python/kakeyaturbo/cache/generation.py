@@ -44,7 +44,9 @@ class KakeyaCache(Cache):
 
     ``model`` gives the layers (:func:`kakeyaturbo.families.describe`: their number, for negative
     boundary indices; which are sliding-window layers, handled as transformers'
-    ``DynamicSlidingWindowLayer`` handles them, keeping only what the window still needs) and
+    ``DynamicSlidingWindowLayer`` handles them, keeping only what the window still needs; which
+    hold a hybrid model's recurrent or convolution state instead of K/V rows, kept as
+    transformers' ``DynamicCache`` keeps them, uncompressed) and
     the RoPE of each layer when ``codec.pre_rope_keys``. Without a model every layer is full
     attention: pass ``num_layers`` and ``rope`` (a :class:`~kakeyaturbo.cache.rope.ModelRope`,
     or a ``positions -> (cos, sin)`` callable for every layer). RoPE positions are the
@@ -90,12 +92,15 @@ class KakeyaCache(Cache):
                 raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
         windows: Tuple[Optional[int], ...] = ()
         layout = None
+        #: A hybrid model's layers without K/V rows: index -> their spec (kept as transformers keeps them).
+        self._state_specs: Dict[int, Any] = {}
         if model is not None:
             layout = describe(model)
             if num_layers is not None and num_layers != layout.num_layers:
                 raise InvalidParameterError(f"num_layers={num_layers} but the model has {layout.num_layers} layers")
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
+            self._state_specs = {s.index: s for s in layout.layers if not s.has_kv}
         self.codec = codec
         self.block_size = block_size
         self.n_sink = n_sink
@@ -189,7 +194,13 @@ class KakeyaCache(Cache):
 
         return load(path, model, codec, calibration=calibration, **kwargs)
 
-    def _new_layer(self, i: int) -> KakeyaLayer:
+    def _new_layer(self, i: int) -> Any:
+        spec = self._state_specs.get(i)
+        if spec is not None:  # a recurrent / convolution state or no cache: transformers' own layer
+            from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+            kw = {"number_of_states": spec.states} if spec.states else {}
+            return DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type](**kw)
         layer = KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
                             streams=() if i in self.boundary else self.streams,
                             rope=layer_rope(self.rope, i), positions=self._positions,
@@ -241,13 +252,15 @@ class KakeyaCache(Cache):
 
     def memory(self) -> Dict[str, int]:
         """Bytes held, by kind: ``blobs`` (sealed blocks), ``sink``, ``staging``, ``decoded``
-        (only with keep_decoded), ``positions`` (int32 per token and batch row, only when
+        (only with keep_decoded), ``state`` (a hybrid model's recurrent and convolution states,
+        held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`),
+        ``positions`` (int32 per token and batch row, only when
         the codec codes keys without RoPE) and ``rope_table`` (the cos/sin table attention over
         keys coded before RoPE reads: 8 bytes per position and rotary frequency, shared by the
         layers and by every cache of the model: reported here in full, left out of :meth:`nbytes`)."""
-        out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0}
+        out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0, "state": 0}
         for layer in self.layers:
-            for key, n in layer.memory().items():
+            for key, n in _layer_memory(layer).items():
                 out[key] += n
         out["positions"] = self._positions.nbytes() if self._positions is not None else 0
         # Keys coded before RoPE on the fast path: the cos/sin tables the kernel read (one per
@@ -265,7 +278,23 @@ class KakeyaCache(Cache):
 
     def nbytes_uncompressed(self) -> int:
         """Bytes a ``DynamicCache`` would hold for the same tokens at the same dtype."""
-        return sum(layer.nbytes_uncompressed() for layer in self.layers)
+        return sum(layer.nbytes_uncompressed() if isinstance(layer, KakeyaLayer) else _state_bytes(layer)
+                   for layer in self.layers)
+
+
+def _state_bytes(layer: Any) -> int:
+    """Bytes of the conv and recurrent states a hybrid model's state layer holds (transformers'
+    ``LinearAttentionLayer``; 0 for a layer without cache)."""
+    out = 0
+    for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+        for t in (states or {}).values():
+            if isinstance(t, torch.Tensor):
+                out += t.numel() * t.element_size()
+    return out
+
+
+def _layer_memory(layer: Any) -> Dict[str, int]:
+    return layer.memory() if isinstance(layer, KakeyaLayer) else {"state": _state_bytes(layer)}
 
 
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,

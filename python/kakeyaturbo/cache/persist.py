@@ -43,7 +43,7 @@ import torch
 from .._core import __version__
 from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
-from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
+from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedModelError, UnsupportedVersionError
 from ..families import describe
 from ..recipes import Recipe
 from .codecs import STREAMS, BlockCodec, IdentityCodec, StreamCodec
@@ -113,6 +113,16 @@ def _default_positions(pos: torch.Tensor) -> bool:
     return bool(torch.equal(pos, want))
 
 
+def _refuse_state_layers(layout: Any) -> None:
+    """UnsupportedModelError for a hybrid model: its layers' recurrent and convolution states
+    are not part of the file format."""
+    state = [spec.index for spec in layout.layers if not spec.has_kv]
+    if state:
+        raise UnsupportedModelError(
+            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, "
+            "which a saved cache does not carry; a hybrid model's cache cannot be saved or loaded")
+
+
 def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     """Writes ``cache`` (a filled :class:`KakeyaCache`) to ``path`` (see the module doc) and
     returns the path; the file is written beside it and renamed, so a reader never sees half a
@@ -128,6 +138,7 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     if model is None:
         raise InvalidParameterError("save needs the model that filled the cache: cache.save(path, model=model)")
     layout = describe(model)
+    _refuse_state_layers(layout)
     header: Dict[str, Any] = {
         "library": f"kakeyaturbo {__version__}",
         "model": {"type": layout.model_type, "fingerprint": fingerprint(model),
@@ -347,6 +358,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
 
     header, data, at, where = _read_file(path)
     layout = describe(model)
+    _refuse_state_layers(layout)
     saved = header["model"]
     if saved.get("type") != layout.model_type:
         raise ModelMismatchError(f"{where} was saved from a {saved.get('type')!r} model, not {layout.model_type!r}")

@@ -129,8 +129,9 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, 
 
     bits = elems = 0
     for i, layer in enumerate(cache.layers):
-        k0, v0 = layer.keys, layer.values
-        if k0 is None or k0.numel() == 0:
+        # A hybrid model's recurrent / convolution state layers hold no K/V rows: left as they are.
+        k0, v0 = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if k0 is None or v0 is None or k0.numel() == 0:
             continue
         elems += k0.numel() + v0.numel()
         if i in method.boundary:

@@ -1,0 +1,143 @@
+"""Hybrid models (recurrent, state-space or convolution layers between attention layers): only
+the K/V layers are described, calibrated, coded and sealed; the others keep transformers' own
+cache layers. What the tiny families of ``families.py`` do not show: the layer index carried
+by statistics, sensitivity, calibration and codec files, and what is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+from kakeyaturbo.calibration import AttentionStats, Calibration, ModelCodec, Sensitivity  # noqa: E402
+from kakeyaturbo.errors import ModelMismatchError  # noqa: E402
+from kakeyaturbo.families import describe  # noqa: E402
+
+from .families import VOCAB, _make, build  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    return build("qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def fitted(qwen3_next):
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 24)) for _ in range(3)]
+    stats = calibration.collect(qwen3_next, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(qwen3_next, wins, n_sink=1, score=6)
+    return stats, sens
+
+
+def test_layout_lists_the_kv_layers(qwen3_next) -> None:
+    layout = describe(qwen3_next)
+    assert [s.kind for s in layout.layers] == ["state", "full", "state"]
+    assert layout.kv_layers == (1,) and layout.uniform_heads() == (4, 2, 16)
+    assert [s.cache_type for s in layout.layers] == ["linear_attention", "full_attention", "linear_attention"]
+    assert layout.rope.layer(0) is None and layout.rope.layer(1) is not None
+    nemo = describe(build("nemotron_h"))  # a Mamba-2 layer, attention, an MLP-only layer
+    assert [s.cache_type for s in nemo.layers] == ["linear_attention", "full_attention", "dummy"]
+    assert nemo.kv_layers == (1,)
+
+
+def test_statistics_and_codecs_are_keyed_by_the_model_layer(qwen3_next, fitted, tmp_path) -> None:
+    stats, sens = fitted
+    assert stats.q2.shape[0] == 1 and stats.layer_index == (1,) and stats.meta["layer_index"] == [1]
+    assert sens.layer_index == (1,)
+    codec = ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens)
+    assert codec.layers == (1,) and {k[1] for k in codec.codecs} == {1}
+    codec.check_model(qwen3_next)
+    # The codec file and the calibration file carry the layer index.
+    back = ModelCodec.load(codec.save(tmp_path / "m.kkcodec", qwen3_next)).check_model(qwen3_next)
+    assert back.layers == (1,)
+    cal = Calibration.for_model(qwen3_next, stats, sens)
+    again = Calibration.load(cal.save(tmp_path / "m.kkcal")).check_model(qwen3_next)
+    assert again.stats.layer_index == (1,) and again.sensitivity.layer_index == (1,)
+    # Statistics of layer 1 do not fit a model whose K/V layer is another.
+    moved = AttentionStats(meta=dict(stats.meta, layer_index=[2]),
+                           **{k: getattr(stats, k) for k in AttentionStats.ARRAYS})
+    with pytest.raises(ModelMismatchError, match=r"layers \[2\].*K/V layers.*\[1\]"):
+        Calibration.for_model(qwen3_next, moved)
+    moved_sens = Sensitivity(meta=dict(sens.meta, layer_index=[2]), k=sens.k, v=sens.v)
+    with pytest.raises(ModelMismatchError, match=r"\[2\].*\[1\]"):
+        ModelCodec(moved, recipes.load("calibrated-4bit"), sensitivity=moved_sens).check_model(qwen3_next)
+    with pytest.raises(kt.InvalidParameterError, match="not match the statistics"):
+        ModelCodec(moved, recipes.load("calibrated-4bit"), sensitivity=sens)
+    # A plain model's codec does not fit the hybrid (nor the other way round).
+    llama = build("llama")
+    with pytest.raises(ModelMismatchError, match="layers, kv-heads, head_dim"):
+        codec.check_model(llama)
+
+
+@pytest.mark.parametrize("bad", [[0, 1], [-1], ["1"], 1, [True]])
+def test_a_bad_layer_index_is_refused(fitted, tmp_path, bad) -> None:
+    stats, sens = fitted
+    with pytest.raises(kt.InvalidParameterError, match="layer_index"):
+        AttentionStats(meta=dict(stats.meta, layer_index=bad), **{k: getattr(stats, k) for k in AttentionStats.ARRAYS})
+    with pytest.raises(kt.InvalidParameterError, match="layer_index"):
+        Sensitivity(meta=dict(sens.meta, layer_index=bad), k=sens.k, v=sens.v)
+    # ... and in a stored file, a CorruptDataError naming it.
+    p, side = stats.save(tmp_path / "s.safetensors")
+    side.write_text(side.read_text().replace('"layer_index": [\n    1\n  ]', f'"layer_index": {bad!r}'.replace("'", '"')))
+    with pytest.raises(kt.CorruptDataError, match="layer_index"):
+        AttentionStats.load(p)
+
+
+def test_cache_keeps_the_state_layers_and_counts_them(qwen3_next, fitted) -> None:
+    stats, sens = fitted
+    codec = ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
+    ref = transformers.DynamicCache(config=qwen3_next.config)
+    cache = KakeyaCache(codec, model=qwen3_next, block_size=4, n_sink=1)
+    assert cache.fast, cache.fast_reason
+    with torch.no_grad():
+        qwen3_next(input_ids=ids, cache=ref)
+        qwen3_next(input_ids=ids, cache=cache)
+    assert type(cache.layers[0]) is type(ref.layers[0]) and cache.is_linear == ref.is_linear
+    # The recurrent and convolution states are those of DynamicCache, held uncompressed.
+    for a, b in ((cache.layers[0], ref.layers[0]), (cache.layers[2], ref.layers[2])):
+        assert torch.equal(a.recurrent_states[0], b.recurrent_states[0])
+        assert torch.equal(a.conv_states[0], b.conv_states[0])
+    state = sum(t.numel() * t.element_size() for i in (0, 2)
+                for t in (ref.layers[i].recurrent_states[0], ref.layers[i].conv_states[0]))
+    mem = cache.memory()
+    assert mem["state"] == state > 0
+    assert cache.nbytes() == sum(v for k, v in mem.items() if k != "rope_table")
+    assert cache.nbytes_uncompressed() == state + sum(
+        t.numel() * t.element_size() for t in (ref.layers[1].keys, ref.layers[1].values))
+    assert cache.layers[1].num_sealed() == 7 and cache.get_seq_length() == 30
+
+
+def test_a_hybrid_cache_is_not_saved(qwen3_next, tmp_path) -> None:
+    cache = KakeyaCache(IdentityCodec(), model=qwen3_next, block_size=4)
+    with torch.no_grad():
+        qwen3_next(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]]), cache=cache)
+    with pytest.raises(kt.UnsupportedModelError, match=r"'qwen3_next': layers \[0, 2\] hold a recurrent"):
+        cache.save(tmp_path / "c.kkv")
+    assert not (tmp_path / "c.kkv").exists()
+
+
+def test_refused_hybrids() -> None:
+    common = dict(num_key_value_heads=2, head_dim=16)
+    # A layer holding a recurrent state and K/V rows together (Falcon-H1's parallel hybrid).
+    falcon = _make(transformers.FalconH1Config, transformers.FalconH1ForCausalLM, mamba_d_ssm=64,
+                   mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, **common)
+    with pytest.raises(kt.UnsupportedModelError, match="'falcon_h1'.*recurrent state and K/V rows together"):
+        describe(falcon)
+    # MiniMax's forward takes only its own cache class.
+    minimax = _make(transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM, num_local_experts=2,
+                    num_experts_per_tok=1, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                    **common)
+    with pytest.raises(kt.UnsupportedModelError, match="'minimax'.*cache class of its own \\(MiniMaxCache\\)"):
+        KakeyaCache(IdentityCodec(), model=minimax)
+    # No K/V rows at all: nothing to compress.
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    with pytest.raises(kt.UnsupportedModelError, match="'mamba'.*no layer caches K/V rows"):
+        KakeyaCache(IdentityCodec(), model=mamba)
