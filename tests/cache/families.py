@@ -180,6 +180,13 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                "sub-layer norm before the output projection, squared-ReLU MLP"),
     "persimmon": (lambda: _make(T.PersimmonConfig, T.PersimmonForCausalLM, partial_rotary_factor=0.5),
                   "MHA, fused qkv, q/k LayerNorm, partial rotary (half)"),
+    "gemma4_text": (lambda: _make(T.Gemma4TextConfig, T.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                  sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                                      "full_attention"],
+                                  per_layer_config={}, hidden_size_per_layer_input=16,
+                                  vocab_size_per_layer_input=VOCAB),
+                    "q/k RMSNorm and a scale-free v norm, RoPE by one call per tensor, `proportional` RoPE "
+                    "(a quarter) on full layers, per-layer inputs; one head_dim here"),
     # Hybrids: layers without K/V rows (recurrent, state-space or convolution state; MLP-only)
     # between the attention layers, kept as transformers keeps them.
     "qwen3_next": (lambda: _make(T.Qwen3NextConfig, T.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
@@ -230,10 +237,21 @@ def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.T
     orig = getattr(mod, "apply_rotary_pos_emb", None)
     if orig is None:  # a family without RoPE
         return calls
+    single: List[torch.Tensor] = []  # Gemma 4 rotates one tensor per call: queries, then keys
 
-    def spy(q: Any, k: Any, cos: Any, sin: Any, *a: Any, **kw: Any) -> Any:
-        calls.append((q.detach().clone(), k.detach().clone(), cos, sin))
-        return orig(q, k, cos, sin, *a, **kw)  # type: ignore[misc]
+    def spy(*a: Any, **kw: Any) -> Any:
+        out = orig(*a, **kw)  # type: ignore[misc]
+        if isinstance(out, tuple):
+            calls.append((a[0].detach().clone(), a[1].detach().clone(), a[2], a[3]))
+            return out
+        x = a[0].detach().clone()
+        if (a[3] if len(a) > 3 else kw.get("unsqueeze_dim", 1)) == 2:  # [batch, rows, heads, D]
+            x = x.transpose(1, 2)
+        single.append(x)
+        if len(single) == 2:
+            calls.append((single[0], single[1], a[1], a[2]))
+            single.clear()
+        return out
 
     monkeypatch.setattr(mod, "apply_rotary_pos_emb", spy)
     return calls

@@ -390,3 +390,32 @@ def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
     forward(model, _ids(t=T_PROMPT), kc)
     with pytest.raises(RuntimeError, match="sliding-window"):
         kc.crop(-1)
+
+
+def test_gemma4_layers_of_two_head_sizes() -> None:
+    """Gemma 4's global layers have another head_dim (and may have other kv-heads) than its
+    sliding ones, read per layer from the config: caches of any codec serve it (keys with or
+    without RoPE); calibration statistics, stacked over layers of one shape, are refused by name."""
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        per_layer_config={"01": {"head_dim": 32, "num_key_value_heads": 1}, "02": {"head_dim": 32, "num_key_value_heads": 1}})
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cfg).eval()
+    layout = describe(model)
+    assert [(s.q_heads, s.kv_heads, s.head_dim) for s in layout.layers] == [(4, 2, 16), (4, 1, 32), (4, 1, 32)]
+    ids = _ids()
+    ref_seq, ref_logits = _generate(model, ids, transformers.DynamicCache(config=model.config))
+    for codec in (IdentityCodec(), IdentityCodec(pre_rope_keys=True),
+                  kt.cache.BlockCodec(recipes.load("balanced"))):
+        cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+        seq, logits = _generate(model, ids, cache)
+        assert cache.layers[1].num_sealed() > 0
+        if not isinstance(codec, IdentityCodec):
+            continue
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    with pytest.raises(kt.UnsupportedModelError, match=r"'gemma4_text': layers differ.*\(4, 1, 32\), \(4, 2, 16\)"):
+        calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10]], samples=2)

@@ -102,6 +102,14 @@ def test_sliding_window_model_is_skipped_with_a_reason() -> None:
     model = transformers.MistralForCausalLM(cfg).eval()
     why = peers.unsupported("quanto-int4", model)
     assert why is not None and "sliding-window" in why and "'mistral'" in why
+    hybrid = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"])).eval()
+    why = peers.unsupported("quanto-int4", hybrid)
+    assert why is not None and "recurrent or convolution state" in why and "'lfm2'" in why
+    assert peers.unsupported("quanto-int4", transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4)).eval()) is None
 
 
 def test_peer_libraries_are_pinned_in_the_eval_extra_and_the_makefile() -> None:

@@ -99,13 +99,22 @@ def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
 
 class _RotatedKeys:
     """While open, the keys the model's own ``apply_rotary_pos_emb`` returns, per call (one per
-    layer that applies RoPE, in layer order); nothing where the modeling module has none."""
+    layer that applies RoPE, in layer order); nothing where the modeling module has none. A
+    function that rotates one tensor per call (Gemma 4: the queries, then the keys) is seen
+    twice per layer; :attr:`keys` then holds every second output."""
 
     def __init__(self, model: Any) -> None:
         from ..families.layout import rope_module
 
         self.module = rope_module(model)
-        self.keys: List[Any] = []
+        self.pairs: List[Any] = []  # the keys of (q, k) -> (q, k) calls
+        self.singles: List[Any] = []  # the outputs of x -> x calls
+
+    @property
+    def keys(self) -> List[Any]:
+        if self.pairs or len(self.singles) % 2:  # an odd count is no (q, k) pairs: refused by count
+            return self.pairs or self.singles
+        return self.singles[1::2]
 
     def __enter__(self) -> "_RotatedKeys":
         if self.module is not None:
@@ -114,7 +123,9 @@ class _RotatedKeys:
             def spy(*a: Any, **kw: Any) -> Any:
                 out = orig(*a, **kw)
                 if isinstance(out, tuple) and len(out) == 2:
-                    self.keys.append(out[1].detach())
+                    self.pairs.append(out[1].detach())
+                elif hasattr(out, "detach"):
+                    self.singles.append(out.detach())
                 return out
 
             self.module.apply_rotary_pos_emb = spy
@@ -157,6 +168,8 @@ def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated:
             "as the cache holds them: [k] rope = 'after', statistics collected with rope='after')")
     for i, r in zip(layers, rotated):
         k = got[i]
+        if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
+            r = r.transpose(1, 2)  # rotated as [batch, rows, heads, D] (Gemma 4), then transposed
         w = r.shape[-1]
         if r.shape[:-1] != k.shape[:-1] or w > k.shape[-1]:
             return

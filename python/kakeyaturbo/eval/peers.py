@@ -93,13 +93,16 @@ def unavailable(name: str) -> Optional[str]:
 
 def unsupported(name: str, model: Any) -> Optional[str]:
     """Why transformers' ``QuantizedCache`` cannot serve ``model`` (it takes full-attention
-    layers only), or None."""
+    layers only: no sliding-window layers, no hybrid's state layers), or None."""
     from ..families import describe
 
     layout = describe(model)
-    if any(layout.sliding):
+    other = [what for what, has in (("sliding-window", any(layout.sliding)),
+                                    ("recurrent or convolution state", len(layout.kv_layers) < layout.num_layers))
+             if has]
+    if other:
         return (f"peer {name} skipped: transformers' QuantizedCache takes full-attention layers "
-                f"only, and model type {layout.model_type!r} has sliding-window layers")
+                f"only, and model type {layout.model_type!r} has {' and '.join(other)} layers")
     return None
 
 

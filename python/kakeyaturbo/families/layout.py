@@ -92,7 +92,9 @@ class ModelLayout:
         shapes = {(s.q_heads, s.kv_heads, s.head_dim) for s in self.layers if s.has_kv}
         if len(shapes) != 1:
             raise UnsupportedModelError(
-                f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)}")
+                f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)} "
+                "((q_heads, kv_heads, head_dim)); calibration statistics need one shape over the K/V "
+                "layers (per-block recipes and the identity codec serve any)")
         return next(iter(shapes))
 
 
@@ -266,7 +268,21 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
     return {} if test is None else {i: bool(test(m)) for i, m in attention_modules(model).items()}
 
 
-def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Optional[ModelRope], Optional[str]]:
+def _layer_heads(cfg: Any, i: int) -> Tuple[int, int, int]:
+    """``(q_heads, kv_heads, head_dim)`` of layer ``i``: from its per-layer config where the
+    config has one (Gemma 4's global layers: another head_dim and kv-head count), else the
+    config's."""
+    try:
+        lc = cfg.per_layer_config[i]
+    except Exception:  # configs without per-layer views
+        lc = cfg
+    hq = int(getattr(lc, "num_attention_heads", None) or cfg.num_attention_heads)
+    hkv = int(getattr(lc, "num_key_value_heads", None) or hq)
+    d = int(getattr(lc, "head_dim", None) or cfg.hidden_size // hq)
+    return hq, hkv, d
+
+
+def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], Optional[str]]:
     module = _rotary_module(model)
     if module is None:
         # Positions by other means (GPT-2's learnt embeddings, a hybrid model's recurrent layers:
@@ -282,7 +298,7 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
     uses = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
     applies = _applies_rope(model, model_type(model))
     apply_fn = _apply_fn(model)
-    found: Dict[Optional[str], LayerRope] = {}
+    found: Dict[Tuple[Optional[str], int], LayerRope] = {}
     layers: List[Optional[LayerRope]] = []
     for i, lt in enumerate(types):
         if lt not in KV_LAYER_TYPES or (isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]) \
@@ -297,15 +313,16 @@ def _rope(model: Any, cfg: Any, types: List[str], head_dim: int) -> Tuple[Option
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")
-        if key not in found:
+        d = _layer_heads(cfg, i)[2]
+        if (key, d) not in found:
             if apply_fn is None:
                 return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
-            rope = detect_rope(apply_fn, module, key, head_dim)
+            rope = detect_rope(apply_fn, module, key, d)
             if rope is None:
                 return None, ("its apply_rotary_pos_emb pairs channels in a way kakeyaturbo does not "
                               "reproduce bit for bit (neither rotate_half nor interleaved)")
-            found[key] = rope
-        layers.append(found[key])
+            found[(key, d)] = rope
+        layers.append(found[(key, d)])
     return ModelRope(layers), None
 
 
@@ -329,9 +346,6 @@ def describe(model: Any) -> ModelLayout:
         raise _refuse(mt, "no num_hidden_layers in its config: not a transformers decoder")
     types, kwargs = _layer_types(cfg, mt)
     _check_kv(model, cfg, mt, types)
-    hq = int(cfg.num_attention_heads)
-    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // hq)
     specs = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         if lt in STATE_LAYER_TYPES:
@@ -340,8 +354,9 @@ def describe(model: Any) -> ModelLayout:
         window = kw.get("sliding_window") if lt == "sliding_attention" else None
         if lt == "sliding_attention" and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
+        hq, hkv, d = _layer_heads(cfg, i)
         specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt))
-    rope, err = _rope(model, cfg, types, d)
+    rope, err = _rope(model, cfg, types)
     return ModelLayout(mt, tuple(specs), rope, err)
 
 

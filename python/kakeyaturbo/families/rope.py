@@ -261,10 +261,27 @@ class ModelRope:
         return self.layers[0](positions)
 
 
+def _rotated_key(apply_fn: Any, x: torch.Tensor, cos: Any, sin: Any) -> Optional[torch.Tensor]:
+    """``x`` rotated by a modeling module's ``apply_rotary_pos_emb``: ``(q, k, cos, sin) -> (q,
+    k)`` as most families write it, or ``(x, cos, sin) -> x`` (Gemma 4 rotates queries and keys
+    by separate calls); None when it takes neither."""
+    for args in ((x, x.clone(), cos, sin), (x, cos, sin)):
+        try:
+            with torch.no_grad():
+                out = apply_fn(*args)
+        except Exception:
+            continue
+        if len(args) == 4 and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
+            return out[1]
+        if len(args) == 3 and isinstance(out, torch.Tensor):
+            return out
+    return None
+
+
 def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim: int) -> Optional[LayerRope]:
     """The :class:`LayerRope` of ``module`` (and ``layer_type``) under which :func:`apply_rope`
-    reproduces ``apply_fn(q, k, cos, sin)`` (a modeling module's ``apply_rotary_pos_emb``, handed
-    the module's own cos/sin) bit for bit on random rows, or None when no pairing does (or the
+    reproduces ``apply_fn(q, k, cos, sin)`` or ``apply_fn(k, cos, sin)`` (a modeling module's
+    ``apply_rotary_pos_emb``, handed the module's own cos/sin) bit for bit on random rows, or None when no pairing does (or the
     function does not take those arguments).
 
     Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
@@ -283,14 +300,10 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
                     continue
                 x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
                 x = x.to(cos.device)
-                try:
-                    with torch.no_grad():
-                        out = apply_fn(x, x.clone(), cos_m, sin_m)
-                except Exception:  # a different signature or convention: not one we can reproduce
-                    continue
-                if not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[1], torch.Tensor):
+                out = _rotated_key(apply_fn, x, cos_m, sin_m)
+                if out is None:  # a different signature or convention: not one we can reproduce
                     continue
                 mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
-                if mine.shape == out[1].shape and torch.equal(mine, out[1]):
+                if mine.shape == out.shape and torch.equal(mine, out):
                     return rope
     return None
