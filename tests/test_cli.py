@@ -157,6 +157,51 @@ def test_sliding_qk_norm_model_in_its_stored_dtype(gemma3_bf16_dir, tiny_model_d
     assert json.loads((out32 / "results.json").read_text())["meta"]["dtype"] == "float32"
 
 
+def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """A hybrid checkpoint (Qwen3.5's text model: Gated DeltaNet layers around an attention
+    layer) through the commands: calibrate (statistics of its one K/V layer), eval with the
+    calibrated recipe (the identity exact, QuantizedCache skipped), then a cache from the file."""
+    import torch
+    import transformers
+
+    from kakeyaturbo.cache import KakeyaCache
+    from kakeyaturbo.calibration import Calibration
+
+    model_dir = tmp_path / "tiny-qwen3_5"
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.save_pretrained(model_dir)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(model_dir)
+    text = tiny_model_dir / "text.txt"
+    cal = tmp_path / "h.kkcal"
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--window", "64", "--sensitivity-windows", "2", "--score", "16",
+                     "--samples", "20", "--out", str(cal)]) == 0
+    out = tmp_path / "eval-out"
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", "calibrated-4bit",
+                     "--calibration", str(cal), "--baselines", "identity", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["methods"]
+    assert "quanto-int4" not in res  # QuantizedCache takes full-attention layers only
+    assert (res["identity"]["dppl"], res["identity"]["kl"]) == (0.0, 0.0)
+    row = res["kakeyaturbo:calibrated-4bit"]
+    assert 3.0 < row["bits_per_element"] < 6.0 and 0 < row["kl"] < 1.0
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert Calibration.load(cal).stats.layer_index == (1,)
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=16)
+    ids = torch.randint(3, len(tok), (1, 40), generator=torch.Generator().manual_seed(0))
+    seq = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert cache.fast and seq.shape[1] == 44 and cache.layers[1].num_sealed() == 2
+    assert cache.memory()["state"] > 0
+    assert not cache_dir.exists()
+
+
 def test_dtype_choices() -> None:
     from kakeyaturbo.eval import model
 
