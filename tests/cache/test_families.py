@@ -102,9 +102,8 @@ def test_identity_codec_is_exact_through_the_eval(family) -> None:
     cache = transformers.DynamicCache(config=model.config)
     forward(model, _ids(t=ctx), cache)
     got = compress_cache(cache, IdentityCodec())
-    d = layout.uniform_heads()[2]
     held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]  # kv_heads 0: state
-    assert got["elements"] == sum(2 * s.kv_heads * n * d for s, n in zip(layout.layers, held))
+    assert got["elements"] == sum(2 * s.kv_heads * n * s.head_dim for s, n in zip(layout.layers, held))
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])
@@ -152,7 +151,7 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     calls = rope_calls(model, monkeypatch)
     stats = calibration.collect(model, wins, n_sink=1, samples=8, weighting="uniform")
     monkeypatch.undo()
-    hq, hkv, d = layout.uniform_heads()
+    hq, hkv, d = layout.calibration_group()[1]
     nl = len(_rope_layers(layout))
     assert stats.layer_index == layout.kv_layers  # rows: the K/V layers (a hybrid's, not all)
     if nl == 0:  # no RoPE anywhere (GPT-2): the statistics are those of the cached keys
@@ -393,9 +392,10 @@ def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
 
 
 def test_gemma4_layers_of_two_head_sizes() -> None:
-    """Gemma 4's global layers have another head_dim (and may have other kv-heads) than its
-    sliding ones, read per layer from the config: caches of any codec serve it (keys with or
-    without RoPE); calibration statistics, stacked over layers of one shape, are refused by name."""
+    """Gemma 4's full layers have another head_dim and kv-head count than its sliding ones, read
+    per layer from the config: caches of any codec serve it (keys with or without RoPE); a
+    calibration covers the full layers (whose cache grows with the context), the sliding layer
+    of the other shape stays raw, and attention runs over the codes of the full layers."""
     cfg = transformers.Gemma4TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, hidden_size_per_layer_input=16,
@@ -406,16 +406,43 @@ def test_gemma4_layers_of_two_head_sizes() -> None:
     model = transformers.Gemma4ForCausalLM(cfg).eval()
     layout = describe(model)
     assert [(s.q_heads, s.kv_heads, s.head_dim) for s in layout.layers] == [(4, 2, 16), (4, 1, 32), (4, 1, 32)]
+    assert layout.calibration_group() == ((1, 2), (4, 1, 32))
     ids = _ids()
     ref_seq, ref_logits = _generate(model, ids, transformers.DynamicCache(config=model.config))
-    for codec in (IdentityCodec(), IdentityCodec(pre_rope_keys=True),
-                  kt.cache.BlockCodec(recipes.load("balanced"))):
+    for codec in (IdentityCodec(), IdentityCodec(pre_rope_keys=True), kt.cache.BlockCodec(recipes.load("balanced"))):
         cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
         seq, logits = _generate(model, ids, cache)
-        assert cache.layers[1].num_sealed() > 0
-        if not isinstance(codec, IdentityCodec):
-            continue
-        assert torch.equal(seq, ref_seq)
-        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
-    with pytest.raises(kt.UnsupportedModelError, match=r"'gemma4_text': layers differ.*\(4, 1, 32\), \(4, 2, 16\)"):
-        calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10]], samples=2)
+        assert cache.layers[0].num_sealed() > 0 and cache.layers[1].num_sealed() > 0
+        if isinstance(codec, IdentityCodec):
+            assert torch.equal(seq, ref_seq)
+            torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-4)
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 24)) for _ in range(3)]
+    stats = calibration.collect(model, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(model, wins, n_sink=1, score=6)
+    assert stats.layer_index == sens.layer_index == (1, 2) and stats.q2.shape == (2, 1, 32, 32)
+    codec = calibration.ModelCodec(stats, recipes.load("calibrated-4bit"), sensitivity=sens).check_model(model)
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
+    assert fast.fast, fast.fast_reason
+    seq_f, _ = _generate(model, ids, fast, n=8)
+    seq_s, _ = _generate(model, ids, slow, n=8)
+    assert torch.equal(seq_f, seq_s)
+    assert fast.layers[0].streams == () and fast.layers[0].num_sealed() == 0  # the sliding layer: raw
+    assert fast.layers[1].fast and fast.layers[1].num_sealed() > 0 and fast.layers[2].num_sealed() > 0
+    # In the evaluation, the raw layer counts 16 bits per element.
+    m = harness.codec_method(recipes.load("calibrated-4bit"), layout.num_layers, codec=codec)
+    res = harness.evaluate(model, [list(w) + list(w[:7]) for w in wins], 24, [m])[m.name]
+    assert 4.0 < res["bits_per_element"] < 16.0 and res["kl"] > 0
+
+
+def test_calibration_needs_one_shape_for_the_full_layers() -> None:
+    """Full-attention layers of two shapes leave no group a calibration could stack."""
+    from kakeyaturbo.families.layout import LayerSpec, ModelLayout
+
+    layout = ModelLayout("x", (LayerSpec(0, "full", None, 4, 2, 16), LayerSpec(1, "full", None, 4, 1, 32),
+                               LayerSpec(2, "sliding", 8, 4, 2, 16)), None, "none")
+    with pytest.raises(kt.UnsupportedModelError, match=r"'x': layers differ.*\(4, 1, 32\), \(4, 2, 16\)"):
+        layout.calibration_group()
+    one = ModelLayout("y", layout.layers[:1] + layout.layers[2:], None, "none")
+    assert one.calibration_group() == ((0, 2), (4, 2, 16))

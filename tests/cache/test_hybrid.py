@@ -38,7 +38,7 @@ def fitted(qwen3_next):
 def test_layout_lists_the_kv_layers(qwen3_next) -> None:
     layout = describe(qwen3_next)
     assert [s.kind for s in layout.layers] == ["state", "full", "state"]
-    assert layout.kv_layers == (1,) and layout.uniform_heads() == (4, 2, 16)
+    assert layout.kv_layers == (1,) and layout.calibration_group() == ((1,), (4, 2, 16))
     assert [s.cache_type for s in layout.layers] == ["linear_attention", "full_attention", "linear_attention"]
     assert layout.rope.layer(0) is None and layout.rope.layer(1) is not None
     nemo = describe(build("nemotron_h"))  # a Mamba-2 layer, attention, an MLP-only layer
@@ -62,7 +62,7 @@ def test_statistics_and_codecs_are_keyed_by_the_model_layer(qwen3_next, fitted, 
     # Statistics of layer 1 do not fit a model whose K/V layer is another.
     moved = AttentionStats(meta=dict(stats.meta, layer_index=[2]),
                            **{k: getattr(stats, k) for k in AttentionStats.ARRAYS})
-    with pytest.raises(ModelMismatchError, match=r"layers \[2\].*K/V layers.*\[1\]"):
+    with pytest.raises(ModelMismatchError, match=r"layers \[2\].*calibrated K/V layers.*\[1\]"):
         Calibration.for_model(qwen3_next, moved)
     moved_sens = Sensitivity(meta=dict(sens.meta, layer_index=[2]), k=sens.k, v=sens.v)
     with pytest.raises(ModelMismatchError, match=r"\[2\].*\[1\]"):

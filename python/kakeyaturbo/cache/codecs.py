@@ -161,6 +161,14 @@ def boundary_layers(boundary: Sequence[int], num_layers: Optional[int]) -> Froze
     return frozenset(out)
 
 
+def codes_layer(codec: StreamCodec, layer: int) -> bool:
+    """Whether ``codec`` codes ``layer``: any layer, unless it names the layers it was fitted for
+    (``codec.layers``: a calibrated codec of Gemma 4's full-attention layers leaves its sliding
+    layers of another head size raw)."""
+    layers = getattr(codec, "layers", None)
+    return layers is None or layer in layers
+
+
 def wants_rope(codec: StreamCodec, streams: Sequence[str]) -> bool:
     """Whether keys are compressed by a codec that codes them without RoPE."""
     return bool(getattr(codec, "pre_rope_keys", False)) and "k" in streams

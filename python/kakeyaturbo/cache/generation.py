@@ -19,7 +19,7 @@ from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
-from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, wants_rope
+from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, codes_layer, wants_rope
 from .layer import KakeyaLayer
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
@@ -37,7 +37,9 @@ class KakeyaCache(Cache):
     of ``block_size`` tokens of each stream in ``streams`` is sealed through ``codec`` (one blob
     per batch row and kv-head) and held only as bytes; the last partial block stays raw
     (staging); ``boundary`` layers (negative indices count from the last layer) are never
-    sealed. With a calibrated codec (keys coded before or after RoPE), attention is computed
+    sealed, nor are layers a calibrated codec was not fitted for (``codec.layers``: Gemma 4's
+    sliding layers of another head size than its full ones, see
+    :meth:`~kakeyaturbo.families.ModelLayout.calibration_group`). With a calibrated codec (keys coded before or after RoPE), attention is computed
     from the codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
     (``keep_decoded=True`` keeps the decoded tensors instead, trading memory back for speed;
     they count in :meth:`nbytes`). Raw rows keep the dtype the model hands over.
@@ -201,8 +203,9 @@ class KakeyaCache(Cache):
 
             kw = {"number_of_states": spec.states} if spec.states else {}
             return DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type](**kw)
+        raw = i in self.boundary or not codes_layer(self.codec, i)
         layer = KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
-                            streams=() if i in self.boundary else self.streams,
+                            streams=() if raw else self.streams,
                             rope=layer_rope(self.rope, i), positions=self._positions,
                             keep_decoded=self.keep_decoded,
                             window=self.windows[i] if i < len(self.windows) else None)

@@ -9,7 +9,7 @@ import torch
 
 from ..codec import _checks
 from ..errors import InvalidParameterError
-from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_streams, decode_rows,
+from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_streams, codes_layer, decode_rows,
                      encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, rope_for
 
@@ -42,7 +42,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     and kv-head, the rows after the sink go through ``codec.encode`` / ``codec.decode`` as one blob
     and the decoded rows are written back into the same tensors (in the tensors' dtype).
     Untouched, bit for bit: sink tokens (positions ``< n_sink`` still held), the ``boundary``
-    layers (negative indices count from the last layer) and streams not in ``streams``.
+    layers (negative indices count from the last layer), layers a codec that names its layers
+    (``codec.layers``) was not fitted for, and streams not in ``streams``.
 
     When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied to
     the decoded keys with each layer's own rotation: ``rope`` is the model's
@@ -74,7 +75,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
             if k is None or v is None or k.numel() == 0:
                 continue
             elems += k.numel() + v.numel()
-            if i in skip:
+            if i in skip or not codes_layer(codec, i):
                 raw += k.numel() + v.numel()
                 continue
             done.append(i)

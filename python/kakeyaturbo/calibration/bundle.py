@@ -106,16 +106,16 @@ class Calibration:
         from ..families import describe
 
         layout = describe(model)
-        _, kv, d = layout.uniform_heads()
-        want = (len(layout.kv_layers), kv, d)
+        layers, (_, kv, d) = layout.calibration_group()
+        want = (len(layers), kv, d)
         if self.shape != want:
             raise ModelMismatchError(
                 f"{what} hold (layers, kv-heads, head_dim) = {self.shape}, but the model "
                 f"({layout.model_type!r}) has {want}")
-        if self.stats.layer_index != layout.kv_layers:
+        if self.stats.layer_index != layers:
             raise ModelMismatchError(
-                f"{what} are of layers {list(self.stats.layer_index)}, but the model's K/V layers "
-                f"({layout.model_type!r}) are {list(layout.kv_layers)}")
+                f"{what} are of layers {list(self.stats.layer_index)}, but the model's calibrated K/V "
+                f"layers ({layout.model_type!r}) are {list(layers)}")
 
     def check_model(self, model: Any) -> "Calibration":
         """Itself when it was made for ``model``; ModelMismatchError naming the file and what

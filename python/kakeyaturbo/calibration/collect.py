@@ -25,14 +25,15 @@ CAPTURE_POINT = "attention interface: q/k after any q/k norm with RoPE removed, 
 
 
 def attention_modules(model: Any) -> List[Any]:
-    """The self-attention modules of a decoder's K/V layers, in layer order (one per layer, or
-    InvalidParameterError naming the model type)."""
+    """The self-attention modules of the K/V layers a calibration covers
+    (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in layer order (one per
+    layer, or InvalidParameterError naming the model type)."""
     from ..families import attention_modules as _attention_modules
     from ..families import describe
 
     layout = describe(model)
     mods = _attention_modules(model)
-    want = layout.kv_layers
+    want = layout.calibration_group()[0]
     if any(i not in mods for i in want):
         raise InvalidParameterError(
             f"model type {layout.model_type!r}: attention modules found for layers {sorted(mods)}, "
@@ -78,14 +79,14 @@ class _Moments:
 
 
 def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
-    """``(rope, K/V layer indices, q_heads, kv_heads, head_dim)``; statistics are stacked over
-    the K/V layers in order."""
+    """``(rope, layer indices, q_heads, kv_heads, head_dim)`` of the K/V layers statistics are
+    stacked over (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in order."""
     from ..families import describe
 
     layout = describe(model)
     rope = layout.require_rope()
-    hq, hkv, d = layout.uniform_heads()
-    return rope, layout.kv_layers, hq, hkv, d
+    layers, (hq, hkv, d) = layout.calibration_group()
+    return rope, layers, hq, hkv, d
 
 
 def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
@@ -347,6 +348,10 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
+        if first_window:
+            first_keys[i] = k.detach()
+        if i not in at:  # a K/V layer of another shape (not calibrated): attention as it is
+            return attend(q, k, v)
         t = q.shape[2]
         j = at[i]
         qp = domain(i, q, kwargs)[0].reshape(hkv, group * t, d)
@@ -361,8 +366,6 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             out = attend(q, k, v)
             wq = torch.ones((hkv, group * t), dtype=torch.float64)
             wk = None
-        if first_window:
-            first_keys[i] = k.detach()
         q2[j] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
         q_count[j] += wq.sum(dim=1)
         for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
@@ -394,7 +397,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             first_window = False
             first_keys.clear()
     o_gram = np.zeros((n_layers, hkv, d, d))
-    for i, a in sorted(cap.seen.items()):
+    for i, a in sorted((i, a) for i, a in cap.seen.items() if i in at):
         w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
         for h in range(hkv):
             for g in range(group):
@@ -458,6 +461,8 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
+        if i not in kv_layers:  # a K/V layer of another shape (not calibrated)
+            return attend(q, k, v)
         where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
         parts = []
         for s, x in (("k", k), ("v", v)):

@@ -238,16 +238,17 @@ class ModelCodec:
         return tuple(sorted({k[1] for k in self.codecs}))
 
     def check_model(self, model: Any) -> "ModelCodec":
-        """Itself when its codecs fit ``model`` (its K/V layers, kv-heads and head_dim, and
+        """Itself when its codecs fit ``model`` (the K/V layers of its calibration group,
+        :meth:`~kakeyaturbo.families.ModelLayout.calibration_group`, their kv-heads and head_dim, and
         where a codec file recorded one, the model's type and the fingerprint of its attention
         weights); ModelMismatchError saying what differs otherwise."""
         from ..families import describe
 
         where = f"codec file {str(self.path)!r}" if self.path else "the codec"
         layout = describe(model)
-        _, kv, d = layout.uniform_heads()
+        layers, (_, kv, d) = layout.calibration_group()
         have = (_span(self.layers), 1 + max(k[2] for k in self.codecs), next(iter(self.codecs.values())).d)
-        want = (_span(layout.kv_layers), kv, d)
+        want = (_span(layers), kv, d)
         if have != want:
             raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
                                      f"model ({layout.model_type!r}) has {want}")

@@ -86,16 +86,27 @@ class ModelLayout:
                 f"model type {self.model_type!r}: keys without RoPE are not available: {self.rope_error}")
         return self.rope
 
-    def uniform_heads(self) -> Tuple[int, int, int]:
-        """``(q_heads, kv_heads, head_dim)`` shared by every K/V layer (calibration statistics are
-        stacked over them); UnsupportedModelError when they differ."""
-        shapes = {(s.q_heads, s.kv_heads, s.head_dim) for s in self.layers if s.has_kv}
-        if len(shapes) != 1:
-            raise UnsupportedModelError(
-                f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)} "
-                "((q_heads, kv_heads, head_dim)); calibration statistics need one shape over the K/V "
-                "layers (per-block recipes and the identity codec serve any)")
-        return next(iter(shapes))
+    def calibration_group(self) -> Tuple[Tuple[int, ...], Tuple[int, int, int]]:
+        """``(layers, (q_heads, kv_heads, head_dim))``: the K/V layers calibration statistics are
+        stacked over (one shape) and their shape. Every K/V layer where they share one shape;
+        where they do not (Gemma 4's full layers have another head_dim than its sliding ones),
+        the layers of the full-attention layers' shape, provided every full-attention layer has
+        it: the layers whose cache grows with the context. The other K/V layers (sliding, within
+        their window) are then not calibrated and stay raw in a calibrated recipe's cache.
+        UnsupportedModelError when no such group exists."""
+        kv = [s for s in self.layers if s.has_kv]
+        shape = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in kv}
+        shapes = set(shape.values())
+        if len(shapes) == 1:
+            return tuple(shape), next(iter(shapes))
+        full = {shape[s.index] for s in kv if not s.is_sliding}
+        if len(full) == 1:
+            want = next(iter(full))
+            return tuple(i for i, sh in shape.items() if sh == want), want
+        raise UnsupportedModelError(
+            f"model type {self.model_type!r}: layers differ in heads or head_dim {sorted(shapes)} "
+            "((q_heads, kv_heads, head_dim)), full-attention layers among them; calibration "
+            "statistics need one shape (per-block recipes and the identity codec serve any)")
 
 
 def text_config(model: Any) -> Any:
