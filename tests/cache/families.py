@@ -16,6 +16,8 @@ VOCAB, WINDOW = 97, 8
 #: Three layers, a full one between two sliding ones.
 SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 
+#: Five layers, the last two sharing the K/V rows of the last sliding and full layers before them.
+SHARED_FIVE = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 #: A hybrid's three layers: an attention layer between two recurrent ones.
 LINEAR_FULL_LINEAR = ["linear_attention", "full_attention", "linear_attention"]
 _DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -181,12 +183,19 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "persimmon": (lambda: _make(T.PersimmonConfig, T.PersimmonForCausalLM, partial_rotary_factor=0.5),
                   "MHA, fused qkv, q/k LayerNorm, partial rotary (half)"),
     "gemma4_text": (lambda: _make(T.Gemma4TextConfig, T.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16,
-                                  sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
-                                                                      "full_attention"],
-                                  per_layer_config={}, hidden_size_per_layer_input=16,
+                                  sliding_window=WINDOW, num_hidden_layers=5, num_kv_shared_layers=2,
+                                  layer_types=SHARED_FIVE, per_layer_config={}, hidden_size_per_layer_input=16,
                                   vocab_size_per_layer_input=VOCAB),
                     "q/k RMSNorm and a scale-free v norm, RoPE by one call per tensor, `proportional` RoPE "
-                    "(a quarter) on full layers, per-layer inputs; one head_dim here"),
+                    "(a quarter) on full layers, per-layer inputs; KV sharing (the last two layers attend over "
+                    "the rows of the last sliding and full layers before them); one head_dim here"),
+    "gemma3n_text": (lambda: _make(T.Gemma3nTextConfig, T.Gemma3nForCausalLM, num_key_value_heads=2, head_dim=16,
+                                   sliding_window=WINDOW, num_hidden_layers=5, num_kv_shared_layers=2,
+                                   layer_types=SHARED_FIVE, hidden_size_per_layer_input=16,
+                                   vocab_size_per_layer_input=VOCAB, laurel_rank=8, altup_num_inputs=2,
+                                   activation_sparsity_pattern=[0.0] * 5, intermediate_size=[128] * 5),
+                     "q/k RMSNorm and a scale-free v norm, RoPE by one call per tensor, AltUp and LAuReL "
+                     "blocks, per-layer inputs; KV sharing as Gemma 4's"),
     # Hybrids: layers without K/V rows (recurrent, state-space or convolution state; MLP-only)
     # between the attention layers, kept as transformers keeps them.
     "qwen3_next": (lambda: _make(T.Qwen3NextConfig, T.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
@@ -237,20 +246,21 @@ def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.T
     orig = getattr(mod, "apply_rotary_pos_emb", None)
     if orig is None:  # a family without RoPE
         return calls
-    single: List[torch.Tensor] = []  # Gemma 4 rotates one tensor per call: queries, then keys
+    hq = model.config.get_text_config(decoder=True).num_attention_heads
+    query: List[torch.Tensor] = []  # Gemma 4 rotates one tensor per call: the queries, then the keys
 
     def spy(*a: Any, **kw: Any) -> Any:
         out = orig(*a, **kw)  # type: ignore[misc]
         if isinstance(out, tuple):
             calls.append((a[0].detach().clone(), a[1].detach().clone(), a[2], a[3]))
             return out
-        x = a[0].detach().clone()
-        if (a[3] if len(a) > 3 else kw.get("unsqueeze_dim", 1)) == 2:  # [batch, rows, heads, D]
-            x = x.transpose(1, 2)
-        single.append(x)
-        if len(single) == 2:
-            calls.append((single[0], single[1], a[1], a[2]))
-            single.clear()
+        if (a[3] if len(a) > 3 else kw.get("unsqueeze_dim", 1)) != 2:
+            return out  # not the model's own call ([batch, rows, heads, D]): describe's probe
+        x = a[0].detach().clone().transpose(1, 2)
+        if x.shape[1] == hq:  # queries (a layer sharing K/V rotates only these)
+            query[:] = [x]
+        elif query:
+            calls.append((query[0], x, a[1], a[2]))
         return out
 
     monkeypatch.setattr(mod, "apply_rotary_pos_emb", spy)

@@ -45,7 +45,8 @@ def _generate(model, ids, cache, n: int = 16):
 
 
 def _rope_layers(layout):
-    return [i for i in range(layout.num_layers) if layout.rope.layer(i) is not None]
+    """The layers that rotate keys of their own (not those sharing another's K/V)."""
+    return [i for i in layout.kv_layers if layout.rope.layer(i) is not None]
 
 
 def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
@@ -76,8 +77,11 @@ def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
         err = float((back - k_pre[:, :, first:]).abs().max() / k_pre.abs().max())
         worst = max(worst, err)
     assert worst < 1e-6, f"{name}: removal error {worst:.2e} of the largest key entry"
-    for i in set(range(layout.num_layers)) - set(layers):  # NoPE layers: keys cached as they are
-        assert layout.rope.layer(i) is None
+    for s in layout.layers:
+        if s.kind == "shared":  # KV sharing: the keys it reads carry its producer's RoPE
+            assert layout.rope.layer(s.index) is layout.rope.layer(s.reads)
+        elif s.index not in layers:  # NoPE layers: keys cached as they are
+            assert layout.rope.layer(s.index) is None
 
 
 def test_identity_codec_is_exact_through_the_eval(family) -> None:
@@ -102,8 +106,8 @@ def test_identity_codec_is_exact_through_the_eval(family) -> None:
     cache = transformers.DynamicCache(config=model.config)
     forward(model, _ids(t=ctx), cache)
     got = compress_cache(cache, IdentityCodec())
-    held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]  # kv_heads 0: state
-    assert got["elements"] == sum(2 * s.kv_heads * n * s.head_dim for s, n in zip(layout.layers, held))
+    held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]
+    assert got["elements"] == sum(2 * s.kv_heads * n * s.head_dim for s, n in zip(layout.layers, held) if s.has_kv)
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])
@@ -164,10 +168,14 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
         k = torch.cat(ks, dim=2)[0].double()
         np.testing.assert_allclose(stats.k_mean[-1], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
     else:
-        i = _rope_layers(layout)[-1]
+        # The last layer whose rows no other layer reads (with KV sharing, a row of the
+        # statistics also holds the queries of the layers sharing it).
+        read = {s.reads for s in layout.layers}
+        i = [r for r in _rope_layers(layout) if r not in read][-1]
+        at = _rope_layers(layout).index(i)
         calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
-        q = torch.cat([c[0] for c in calls[nl - 1::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
-        k = torch.cat([c[1][:, :, 1:] for c in calls[nl - 1::nl]], dim=2)[0].double()
+        q = torch.cat([c[0] for c in calls[at::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
+        k = torch.cat([c[1][:, :, 1:] for c in calls[at::nl]], dim=2)[0].double()
         w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
         j = layout.kv_layers.index(i)
         np.testing.assert_allclose(stats.k_mean[j, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
@@ -315,7 +323,7 @@ def test_attention_other_than_described_is_refused(monkeypatch) -> None:
 def test_layers_without_rope_found_or_refused(monkeypatch) -> None:
     """Cohere 2 and EXAONE 4 rotate their sliding layers' keys only: describe reads which layers
     do (families.layout._ROPE_IF); for a family whose rule it did not know, collecting statistics
-    before RoPE counts the calls of apply_rotary_pos_emb and refuses rather than remove a RoPE
+    before RoPE sees which layers call apply_rotary_pos_emb and refuses rather than remove a RoPE
     the keys never had."""
     from kakeyaturbo.families import layout as layout_mod
 
@@ -326,7 +334,7 @@ def test_layers_without_rope_found_or_refused(monkeypatch) -> None:
         assert [rope.layer(i) is not None for i in range(3)] == [True, False, True], name
         monkeypatch.delitem(layout_mod._ROPE_IF, name)
         assert describe(model).rope.layer(1) is not None  # the rule unknown: read as rotating
-        with pytest.raises(kt.UnsupportedModelError, match=f"'{name}'.*ran 2 times.*3 layers"):
+        with pytest.raises(kt.UnsupportedModelError, match=f"'{name}': layer 1 did not call its apply_rotary_pos_emb"):
             calibration.collect(model, wins, samples=2)
         monkeypatch.undo()
 
@@ -446,3 +454,67 @@ def test_calibration_needs_one_shape_for_the_full_layers() -> None:
         layout.calibration_group()
     one = ModelLayout("y", layout.layers[:1] + layout.layers[2:], None, "none")
     assert one.calibration_group() == ((0, 2), (4, 2, 16))
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma3n_text"])
+def test_kv_sharing_layers_weigh_the_rows_they_read(name) -> None:
+    """With KV sharing (the last two layers attend over the rows of layers 2 and 1), a row of the
+    statistics holds the queries of every layer reading it, RoPE removed (uniform weighting:
+    their plain second moment), and the output projections of them all."""
+    model = build(name)
+    layout = describe(model)
+    assert [(s.kind, s.reads) for s in layout.layers] == [
+        ("sliding", None), ("full", None), ("sliding", None), ("shared", 2), ("shared", 1)]
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 24)) for _ in range(2)]
+    stats = calibration.collect(model, wins, n_sink=1, samples=4, weighting="uniform")
+    assert stats.layer_index == (0, 1, 2)
+    seen = {}
+
+    def handler(i, module, q, k, v, mask, kwargs, attend):
+        pre = layout.rope.layer(i).remove(q.detach().double(), torch.arange(q.shape[2])[None])
+        seen.setdefault(i, []).append(pre[0])  # [hq, t, d]
+        return attend(q, k, v)
+
+    with torch.no_grad(), AttentionCapture(model, handler):
+        for w in wins:
+            model(input_ids=torch.tensor([w]), use_cache=False)
+    hq, hkv, d = layout.calibration_group()[1]
+    for row, readers in ((2, (2, 3)), (1, (1, 4)), (0, (0,))):
+        q = torch.cat([torch.cat(seen[i], dim=1) for i in readers], dim=1)  # [hq, n, d]
+        qg = q.reshape(hkv, hq // hkv * q.shape[1], d)
+        want = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
+        np.testing.assert_allclose(stats.q2[row], want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    mods = {m.layer_idx: m for m in model.modules() if type(m).__name__.endswith("Attention")}
+    w_o = {i: mods[i].o_proj.weight.detach().double().numpy() for i in (2, 3)}
+    want = sum(w[:, :d].T @ w[:, :d] + w[:, d:2 * d].T @ w[:, d:2 * d] for w in w_o.values())
+    np.testing.assert_allclose(stats.o_gram[2, 0], want, rtol=1e-10)
+
+
+def test_kv_sharing_sensitivity_reaches_through_the_sharing_layers() -> None:
+    """The gradient at a layer's cached keys includes what flows back through the layers that
+    attend over them (Gemma 4's layer 3 reads layer 2): against the same gradient taken by hand."""
+    model = build("gemma4_text")
+    layout = describe(model)
+    w = list(np.random.default_rng(1).integers(3, VOCAB, 24))
+    score, n_sink = 6, 1
+    sens = calibration.collect_sensitivity(model, [w], n_sink=n_sink, score=score)
+    ctx = len(w) - score - 1
+    leaf = {}
+
+    def handler(i, module, q, k, v, mask, kwargs, attend):
+        if i == 2:
+            leaf["k"] = k[:, :, :ctx].detach().requires_grad_(True)
+            leaf["kv"] = (torch.cat([leaf["k"], k[:, :, ctx:]], dim=2), v)
+        if i in (2, 3):
+            return attend(q, *leaf["kv"])
+        return attend(q, k, v)
+
+    ids = torch.tensor([w])
+    with torch.enable_grad(), AttentionCapture(model, handler):
+        logits = model(input_ids=ids, use_cache=False).logits[0, ctx:-1]
+        nll = -torch.log_softmax(logits.double(), dim=-1).gather(1, ids[0, ctx + 1:, None]).sum()
+        g = torch.autograd.grad(nll, [leaf["k"]])[0]
+    g = layout.rope.layer(2).transpose(g.double(), torch.arange(ctx)[None])[0, :, n_sink:]
+    want = torch.bmm(g.transpose(1, 2), g).numpy()
+    np.testing.assert_allclose(sens.k[2], want, rtol=1e-6, atol=1e-9 * np.abs(want).max())

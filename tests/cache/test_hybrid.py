@@ -141,3 +141,42 @@ def test_refused_hybrids() -> None:
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
     with pytest.raises(kt.UnsupportedModelError, match="'mamba'.*no layer caches K/V rows"):
         KakeyaCache(IdentityCodec(), model=mamba)
+
+
+def test_a_kv_sharing_cache_is_saved_and_continued(tmp_path) -> None:
+    """Gemma 4's layers that share K/V cache nothing: saved as empty entries, loaded back as
+    transformers' DummyLayer, and generation continues as from the cache that was saved."""
+    import json
+
+    from kakeyaturbo.cache import BlockCodec
+
+    model = build("gemma4_text")
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
+    cache = KakeyaCache(BlockCodec(recipes.load("balanced")), model=model, block_size=8, n_sink=1)
+    with torch.no_grad():
+        model(input_ids=ids[:, :26], cache=cache)
+    path = cache.save(tmp_path / "g4.kkpfx")
+    loaded = KakeyaCache.load(path, model)
+    assert [type(layer).__name__ for layer in loaded.layers][3:] == ["DummyLayer", "DummyLayer"]
+    a = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache=loaded)
+    b = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, cache=cache)
+    assert torch.equal(a, b)
+    # An entry of rows for a layer that caches nothing is refused.
+    from kakeyaturbo.cache import persist
+
+    header, _ = persist.read_header(path)
+    assert header["layers"][3] == {"seen": 0, "streams": {}}
+    raw = path.read_bytes()
+    head = json.dumps({k: v for k, v in header.items() if not k.startswith("_")}, sort_keys=True,
+                      separators=(",", ":")).encode()
+    assert head in raw
+    bad = head.replace(b'{"seen":0,"streams":{}}', b'{"seen":7,"streams":{}}', 1)
+    assert len(bad) == len(head)
+    broken = raw.replace(head, bad)
+    import struct
+    import zlib
+
+    broken = broken[:-4] + struct.pack("<I", zlib.crc32(broken[:-4]))
+    (tmp_path / "bad.kkpfx").write_bytes(broken)
+    with pytest.raises(kt.CorruptDataError, match="layer 3 saw 7 tokens and holds nothing"):
+        KakeyaCache.load(tmp_path / "bad.kkpfx", model)

@@ -96,6 +96,7 @@ class KakeyaCache(Cache):
         layout = None
         #: A hybrid model's layers without K/V rows: index -> their spec (kept as transformers keeps them).
         self._state_specs: Dict[int, Any] = {}
+        self._readers: Dict[int, int] = {}
         if model is not None:
             layout = describe(model)
             if num_layers is not None and num_layers != layout.num_layers:
@@ -103,6 +104,9 @@ class KakeyaCache(Cache):
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
             self._state_specs = {s.index: s for s in layout.layers if not s.has_kv}
+            for s in layout.layers:  # KV sharing: the layers that also read a layer's rows
+                if s.reads is not None:
+                    self._readers[s.reads] = self._readers.get(s.reads, 1) + 1
         self.codec = codec
         self.block_size = block_size
         self.n_sink = n_sink
@@ -209,6 +213,7 @@ class KakeyaCache(Cache):
                             rope=layer_rope(self.rope, i), positions=self._positions,
                             keep_decoded=self.keep_decoded,
                             window=self.windows[i] if i < len(self.windows) else None)
+        layer.readers = self._readers.get(i, 1)
         if self.fast and set(STREAMS) <= set(layer.streams):
             layer.fast = True
             layer.fast_check = self._fast_check

@@ -109,6 +109,10 @@ class KakeyaLayer(CacheLayerMixin):
         self._codes_epoch = 0  # counts the changes of _codes other than blocks appended
         self._device_codes: Any = None  # (epoch, blocks, LayerBatch, positions): the Triton kernel's
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
+        #: Attention calls that read the layer's rows per forward pass: its own, and those of the
+        #: layers sharing its K/V (Gemma 3n, Gemma 4; set by the cache). The last one settles.
+        self.readers = 1
+        self._reads = 0
         self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
 
     def __repr__(self) -> str:
@@ -205,11 +209,19 @@ class KakeyaLayer(CacheLayerMixin):
     def settle(self) -> None:
         """The deferred part of a fast update, once attention has read the call's rows raw: a
         sliding layer drops what left its window, full blocks are sealed."""
+        self._reads = 0
         if not self._pending:
             return
         self._pending = 0
         for name in STREAMS:
             self._settle(name)
+
+    def read(self) -> None:
+        """One attention call has read the layer's rows of this forward pass: the last of its
+        :attr:`readers` settles the update."""
+        self._reads += 1
+        if self._reads >= self.readers:
+            self.settle()
 
     def materialize(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """During a fast update: the K and V the slow path would have returned for it (sealed

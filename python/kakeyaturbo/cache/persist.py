@@ -47,6 +47,7 @@ from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, Model
 from ..families import describe
 from ..recipes import Recipe
 from .codecs import STREAMS, BlockCodec, IdentityCodec, StreamCodec
+from .layer import KakeyaLayer
 
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
@@ -115,8 +116,9 @@ def _default_positions(pos: torch.Tensor) -> bool:
 
 def _refuse_state_layers(layout: Any) -> None:
     """UnsupportedModelError for a hybrid model: its layers' recurrent and convolution states
-    are not part of the file format."""
-    state = [spec.index for spec in layout.layers if not spec.has_kv]
+    are not part of the file format (layers that cache nothing, transformers' ``dummy``: MLP-only
+    blocks, layers sharing another's K/V, are saved as empty entries)."""
+    state = [spec.index for spec in layout.layers if not spec.has_kv and spec.cache_type != "dummy"]
     if state:
         raise UnsupportedModelError(
             f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, "
@@ -154,6 +156,9 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     layers = []
     dtype = batch = None
     for layer in cache.layers:
+        if not isinstance(layer, KakeyaLayer):  # caches nothing (transformers' DummyLayer)
+            layers.append({"seen": 0, "streams": {}})
+            continue
         state = layer.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
         for name, part in state["streams"].items():
@@ -430,7 +435,11 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
         if cache._positions.pos.shape[1] != seen:
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
     try:
-        for layer, state in zip(cache.layers, states):
+        for i, (layer, state) in enumerate(zip(cache.layers, states)):
+            if not isinstance(layer, KakeyaLayer):
+                if state["seen"] or state["streams"]:
+                    raise CorruptDataError(f"{where}: layer {i} caches nothing, the file holds rows for it")
+                continue
             layer.import_state(state)
             if verify and not keep_decoded:
                 for name in layer.streams if state["streams"] else ():

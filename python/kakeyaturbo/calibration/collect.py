@@ -78,15 +78,18 @@ class _Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
-def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
-    """``(rope, layer indices, q_heads, kv_heads, head_dim)`` of the K/V layers statistics are
-    stacked over (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in order."""
+def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
+    """``(rope, layer indices, q_heads, kv_heads, head_dim, shared, kv)``: the K/V layers
+    statistics are stacked over (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in
+    order, and their shape; ``shared``, the layers that attend over one of them (KV sharing:
+    layer -> the one it reads); ``kv``, every layer holding its own K/V rows."""
     from ..families import describe
 
     layout = describe(model)
     rope = layout.require_rope()
     layers, (hq, hkv, d) = layout.calibration_group()
-    return rope, layers, hq, hkv, d
+    shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
+    return rope, layers, hq, hkv, d, shared, layout.kv_layers
 
 
 def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
@@ -99,23 +102,22 @@ def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
 
 
 class _RotatedKeys:
-    """While open, the keys the model's own ``apply_rotary_pos_emb`` returns, per call (one per
-    layer that applies RoPE, in layer order); nothing where the modeling module has none. A
-    function that rotates one tensor per call (Gemma 4: the queries, then the keys) is seen
-    twice per layer; :attr:`keys` then holds every second output."""
+    """While open, what the model's own ``apply_rotary_pos_emb`` returns, call by call: the keys
+    of a ``(q, k) -> (q, k)`` function, every output of one that rotates one tensor per call
+    (Gemma 4: the queries, then the keys). :meth:`take` hands over what was recorded since the
+    last take (called as each layer's attention runs: the rotations of that layer). Nothing is
+    recorded where the modeling module has no such function."""
 
     def __init__(self, model: Any) -> None:
         from ..families.layout import rope_module
 
         self.module = rope_module(model)
-        self.pairs: List[Any] = []  # the keys of (q, k) -> (q, k) calls
-        self.singles: List[Any] = []  # the outputs of x -> x calls
+        self.seen = False
+        self._pending: List[Any] = []
 
-    @property
-    def keys(self) -> List[Any]:
-        if self.pairs or len(self.singles) % 2:  # an odd count is no (q, k) pairs: refused by count
-            return self.pairs or self.singles
-        return self.singles[1::2]
+    def take(self) -> List[Any]:
+        out, self._pending = self._pending, []
+        return out
 
     def __enter__(self) -> "_RotatedKeys":
         if self.module is not None:
@@ -123,10 +125,11 @@ class _RotatedKeys:
 
             def spy(*a: Any, **kw: Any) -> Any:
                 out = orig(*a, **kw)
+                self.seen = True
                 if isinstance(out, tuple) and len(out) == 2:
-                    self.pairs.append(out[1].detach())
+                    self._pending.append(out[1].detach())
                 elif hasattr(out, "detach"):
-                    self.singles.append(out.detach())
+                    self._pending.append(out.detach())
                 return out
 
             self.module.apply_rotary_pos_emb = spy
@@ -147,35 +150,42 @@ def _close(a: Any, b: Any, ulps: int, dtype: Any) -> bool:
     return (a.double() - b).abs().max().item() <= tol * max(b.abs().max().item(), 1e-30)
 
 
-def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Any], rotated: List[Any]) -> None:
+def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Tuple[Any, List[Any]]]) -> None:
     """UnsupportedModelError when a layer's keys as attention receives them are not those its
-    ``apply_rotary_pos_emb`` returned (``rotated``, in order of the layers that apply RoPE): the
-    family changes its keys after RoPE (a k norm on the rotated keys, HunYuan), so removing RoPE
-    from what the cache holds does not give position-free keys to calibrate on. Nothing is
-    checked where no call was seen (a family whose attention does not look the function up in
-    its module); UnsupportedModelError when the calls seen are not one per layer that applies RoPE
-    by :func:`~kakeyaturbo.families.describe` (a family that rotates some layers only, by a
-    rule describe does not know)."""
+    ``apply_rotary_pos_emb`` returned: the family changes its keys after RoPE (a k norm on the
+    rotated keys, HunYuan), so removing RoPE from what the cache holds does not give
+    position-free keys to calibrate on. ``got``: per layer holding its own K/V rows, its keys as
+    attention received them and what the function returned as the layer ran
+    (:meth:`_RotatedKeys.take`). Nothing is checked where no call was seen at all (a family whose
+    attention does not look the function up in its module); UnsupportedModelError where a layer
+    that :func:`~kakeyaturbo.families.describe` reads as rotating its keys called it not at all,
+    or one it reads as not rotating did (a family that rotates some layers only, by a rule
+    describe does not know)."""
     from ..families.layout import model_type
 
-    layers = [i for i in sorted(got) if rope.layer(i) is not None]
-    if not layers or not rotated:
+    if not any(outs for _, outs in got.values()):
         return
-    if len(rotated) != len(layers):
-        raise UnsupportedModelError(
-            f"model type {model_type(model)!r}: its apply_rotary_pos_emb ran {len(rotated)} times in a "
-            f"forward pass, but {len(layers)} layers read as rotating their keys; which layers apply "
-            "RoPE is not known for this family, so keys are not calibrated without RoPE (code them "
-            "as the cache holds them: [k] rope = 'after', statistics collected with rope='after')")
-    for i, r in zip(layers, rotated):
-        k = got[i]
-        if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
-            r = r.transpose(1, 2)  # rotated as [batch, rows, heads, D] (Gemma 4), then transposed
-        w = r.shape[-1]
-        if r.shape[:-1] != k.shape[:-1] or w > k.shape[-1]:
-            return
+    for i in sorted(got):
+        k, outs = got[i]
+        if (rope.layer(i) is not None) != bool(outs):
+            raise UnsupportedModelError(
+                f"model type {model_type(model)!r}: layer {i} " + ("called" if outs else "did not call")
+                + " its apply_rotary_pos_emb, but reads as " + ("not " if outs else "")
+                + "rotating its keys; which layers apply RoPE is not known for this family, so keys "
+                "are not calibrated without RoPE (code them as the cache holds them: [k] rope = "
+                "'after', statistics collected with rope='after')")
+        # The last output of the layer's calls that has the keys' shape (a function rotating one
+        # tensor per call may hand them over as [batch, rows, heads, D], transposed after).
+        key = None
+        for r in outs:
+            if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
+                r = r.transpose(1, 2)
+            if r.shape[:-1] == k.shape[:-1] and r.shape[-1] <= k.shape[-1]:
+                key = r
+        if key is None:  # no output of the keys' shape: nothing to compare
+            continue
         # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.
-        if not _close(k[..., :w], r, 4, k.dtype):
+        if not _close(k[..., :key.shape[-1]], key, 4, k.dtype):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
                 "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "
@@ -329,9 +339,11 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
-    rope, kv_layers, hq, hkv, d = _shapes(model)
+    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model)
     n_layers = len(kv_layers)
     at = {i: j for j, i in enumerate(kv_layers)}  # model layer index -> row of the statistics
+    # A layer sharing another's K/V: its queries and attention weigh the rows of the one it reads.
+    at.update({i: at[src] for i, src in shared.items()})
     group = hq // hkv
 
     def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
@@ -349,7 +361,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
         if first_window:
-            first_keys[i] = k.detach()
+            rotated = spy.take()  # what apply_rotary_pos_emb returned for this layer
+            if i in own:
+                first_keys[i] = (k.detach(), rotated)
         if i not in at:  # a K/V layer of another shape (not calibrated): attention as it is
             return attend(q, k, v)
         t = q.shape[2]
@@ -371,17 +385,21 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
         for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
             x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
             acc.add(j, x, wk)
-            if sel:
+            if sel and i not in shared:  # a shared layer's rows are its producer's
                 for h in range(hkv):
                     acc.samples[j][h].append(x[h, sel].numpy().astype(np.float32))
         return out
 
     # The first window also checks every layer: the weighted output is the model's own, and
     # (keys before RoPE) attention reads the keys RoPE returned.
-    first_keys: Dict[int, Any] = {}
+    first_keys: Dict[int, Tuple[Any, List[Any]]] = {}
     first_window = True
+    spy = _RotatedKeys(model)
     cap = AttentionCapture(model, handler)
-    no_logits = _no_logits(model)
+    # Layers that share K/V then compute the last positions only (Gemma 4), where the statistics
+    # need every query of the window (and transformers' sdpa masks such a layer's few queries
+    # as if they were the first positions: their attention is not the model's full pass).
+    no_logits = {} if shared else _no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
@@ -389,10 +407,10 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             if not first_window:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
                 continue
-            with _RotatedKeys(model) as spy:
+            with spy:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if side == "before":
-                _check_keys_rotate_last(model, rope, first_keys, spy.keys)
+                _check_keys_rotate_last(model, rope, first_keys)
             cap.check(kv_layers)
             first_window = False
             first_keys.clear()
@@ -449,18 +467,21 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    rope, kv_layers, hq, hkv, d = _shapes(model)
+    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model)
     n_layers = len(kv_layers)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
     fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
     leaves: Dict[Tuple[str, int], Any] = {}
+    shared_parts: Dict[int, Tuple[Any, Any]] = {}  # each layer's K/V with its leaves in, for those sharing it
     where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows
     ctx = 0
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
+        if i in shared:  # attends over the rows of the layer it reads: the same leaves
+            return attend(q, *shared_parts[shared[i]])
         if i not in kv_layers:  # a K/V layer of another shape (not calibrated)
             return attend(q, k, v)
         where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
@@ -469,9 +490,10 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
             cached = x[:, :, :ctx].detach().requires_grad_(True)
             leaves[(s, i)] = cached
             parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
+        shared_parts[i] = (parts[0], parts[1])
         return attend(q, parts[0], parts[1])
 
-    keep = bool(_no_logits(model))
+    keep = bool(_no_logits(model)) and not shared  # (see collect: KV sharing needs every position)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)

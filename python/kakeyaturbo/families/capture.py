@@ -83,7 +83,7 @@ class AttentionCapture:
             from .layout import describe
 
             self._shapes = {s.index: (s.q_heads, s.kv_heads, s.head_dim)
-                            for s in describe(self.model).layers if s.has_kv}
+                            for s in describe(self.model).layers if s.attends}
         self._orig = self.model.config._attn_implementation
         orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
         mask = "eager" if self.weights else orig

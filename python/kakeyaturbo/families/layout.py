@@ -30,9 +30,12 @@ _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
 class LayerSpec:
     """One layer: ``kind`` ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees
     keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), with the head
-    counts and ``head_dim`` of its cached rows; or ``"state"``, a layer of a hybrid model that
+    counts and ``head_dim`` of its cached rows; ``"state"``, a layer of a hybrid model that
     holds no K/V rows (``cache_type``, the transformers cache layer type: ``linear_attention``,
-    ``conv`` or ``dummy``, with ``states`` conv/recurrent states; head counts 0)."""
+    ``conv`` or ``dummy``, with ``states`` conv/recurrent states; head counts 0); or
+    ``"shared"``, an attention layer that caches nothing and attends over the K/V rows of layer
+    ``reads`` (Gemma 3n's and Gemma 4's KV sharing: its heads and ``window`` are its own, its
+    cache layer transformers' ``dummy``)."""
 
     index: int
     kind: str
@@ -42,6 +45,7 @@ class LayerSpec:
     head_dim: int
     cache_type: str = ""
     states: int = 0
+    reads: Optional[int] = None
 
     @property
     def is_sliding(self) -> bool:
@@ -50,6 +54,11 @@ class LayerSpec:
     @property
     def has_kv(self) -> bool:
         """Whether the layer caches K/V rows (full or sliding attention)."""
+        return self.kind in ("full", "sliding")
+
+    @property
+    def attends(self) -> bool:
+        """Whether the layer runs attention (over its own K/V rows or, shared, another's)."""
         return self.kind != "state"
 
 
@@ -146,6 +155,29 @@ def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
     return types, kwargs
 
 
+def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
+    """KV sharing (Gemma 3n, Gemma 4): each ``reuse`` layer's producer, the ``store`` layer of
+    its layer type (``config.kv_sharing_modes``); ``{}`` without sharing, None where the config
+    says layers share but not how."""
+    try:
+        modes = getattr(cfg, "kv_sharing_modes", None)
+    except Exception:  # a config whose sharing does not add up
+        return None
+    if not modes or "reuse" not in modes:
+        return None if getattr(cfg, "num_kv_shared_layers", 0) else {}
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if len(types) != len(modes):
+        return None
+    out: Dict[int, int] = {}
+    for i, mode in enumerate(modes):
+        if mode == "reuse":
+            store = [j for j in range(i) if modes[j] == "store" and types[j] == types[i]]
+            if not store:
+                return None
+            out[i] = store[-1]
+    return out
+
+
 def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     """Refuses what does not keep one standard K/V row per token and head."""
     if getattr(cfg, "is_encoder_decoder", False):
@@ -161,8 +193,8 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "qk_rope_head_dim", None):
         raise _refuse(mt, "multi-head latent attention: keys join a rotated and an unrotated part of "
                           "different widths; not a standard K/V cache")
-    if getattr(cfg, "num_kv_shared_layers", 0) or "reuse" in (getattr(cfg, "kv_sharing_modes", None) or ()):
-        raise _refuse(mt, "layers share another layer's K/V cache")
+    if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
+        raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
     own = _own_cache_class(model)
     if own is not None:
         raise _refuse(mt, f"its modeling code keeps a cache class of its own ({own}) and takes no other")
@@ -357,8 +389,14 @@ def describe(model: Any) -> ModelLayout:
         raise _refuse(mt, "no num_hidden_layers in its config: not a transformers decoder")
     types, kwargs = _layer_types(cfg, mt)
     _check_kv(model, cfg, mt, types)
-    specs = []
+    shared = _sharing(cfg) or {}
+    specs: List[LayerSpec] = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        if i in shared:  # attends over the K/V rows of an earlier layer of its type
+            src = specs[shared[i]]
+            hq, hkv, d = _layer_heads(cfg, i)
+            specs.append(LayerSpec(i, "shared", src.window, hq, hkv, d, lt, reads=src.index))
+            continue
         if lt in STATE_LAYER_TYPES:
             specs.append(LayerSpec(i, "state", None, 0, 0, 0, lt, int(kw.get("number_of_states", 0))))
             continue
@@ -368,6 +406,8 @@ def describe(model: Any) -> ModelLayout:
         hq, hkv, d = _layer_heads(cfg, i)
         specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt))
     rope, err = _rope(model, cfg, types)
+    if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE
+        rope = ModelRope([rope.layer(shared.get(i, i)) for i in range(len(types))])
     return ModelLayout(mt, tuple(specs), rope, err)
 
 
