@@ -234,8 +234,32 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
 }
 
 
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16)
+_ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+               n_group=1, topk_group=1)
+
+#: Multi-head latent attention: each layer caches a latent row (32 wide here, no RoPE) as keys and
+#: the rotated key part (8 wide) as values. Served by codecs of the cached rows (not calibrated).
+MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
+    "deepseek_v3": (lambda: _make(T.DeepseekV3Config, T.DeepseekV3ForCausalLM, **_MLA, **_ROUTED),
+                    "MLA, routed and shared experts"),
+    "deepseek_v2": (lambda: _make(T.DeepseekV2Config, T.DeepseekV2ForCausalLM, **_MLA, **_ROUTED),
+                    "MLA, routed and shared experts"),
+    "glm4_moe_lite": (lambda: _make(T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM, **_MLA, **_ROUTED),
+                      "MLA (GLM-4.7-Flash), routed and shared experts"),
+    "minicpm3": (lambda: _make(T.MiniCPM3Config, T.MiniCPM3ForCausalLM, **dict(_MLA, q_lora_rank=16)),
+                 "MLA with a low-rank query"),
+    "youtu": (lambda: _make(T.YoutuConfig, T.YoutuForCausalLM, **dict(_MLA, q_lora_rank=16)),
+              "MLA with a low-rank query"),
+    "kimi_linear": (lambda: _make(T.KimiLinearConfig, T.KimiLinearForCausalLM, layer_types=LINEAR_FULL_LINEAR,
+                                  linear_head_dim=16, linear_num_heads=4, **_MLA),
+                    "hybrid: Kimi Delta Attention layers around an MLA layer"),
+}
+
+
 def build(name: str) -> Any:
-    return FAMILIES[name][0]()
+    return (FAMILIES.get(name) or MLA[name])[0]()
 
 
 def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -86,8 +86,8 @@ def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, 
     from ..families import describe
 
     layout = describe(model)
-    rope = layout.require_rope()
     layers, (hq, hkv, d) = layout.calibration_group()
+    rope = layout.require_rope()
     shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
     return rope, layers, hq, hkv, d, shared, layout.kv_layers
 

@@ -46,6 +46,8 @@ class LayerSpec:
     cache_type: str = ""
     states: int = 0
     reads: Optional[int] = None
+    #: Width of the cached values where it is not ``head_dim`` (multi-head latent attention).
+    v_dim: Optional[int] = None
 
     @property
     def is_sliding(self) -> bool:
@@ -72,6 +74,10 @@ class ModelLayout:
     layers: Tuple[LayerSpec, ...]
     rope: Optional[ModelRope]
     rope_error: Optional[str]
+    #: Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash, ...): each layer caches one
+    #: latent row per token as its "keys" (``head_dim`` wide, no RoPE) and the rotated key part
+    #: shared by every head as its "values" (``v_dim`` wide, RoPE applied).
+    latent: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -102,7 +108,15 @@ class ModelLayout:
         the layers of the full-attention layers' shape, provided every full-attention layer has
         it: the layers whose cache grows with the context. The other K/V layers (sliding, within
         their window) are then not calibrated and stay raw in a calibrated recipe's cache.
-        UnsupportedModelError when no such group exists."""
+        UnsupportedModelError when no such group exists, or for multi-head latent attention (the
+        statistics are taken where attention runs, over keys and values expanded from the
+        latent, not over the rows the cache holds)."""
+        if self.latent:
+            raise UnsupportedModelError(
+                f"model type {self.model_type!r}: multi-head latent attention caches a latent, while "
+                "calibration statistics are taken where attention runs, over the keys and values "
+                "expanded from it; calibrated recipes are not available (per-block recipes and the "
+                "identity codec code the cached rows)")
         kv = [s for s in self.layers if s.has_kv]
         shape = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in kv}
         shapes = set(shape.values())
@@ -155,6 +169,12 @@ def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
     return types, kwargs
 
 
+#: Why keys without RoPE are not available with multi-head latent attention.
+_LATENT = ("multi-head latent attention: the cache holds a latent row without RoPE as keys and the "
+           "rotated key part as values, so there is no RoPE to take off the keys; code them as cached "
+           "(per-block recipes, the identity codec)")
+
+
 def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
     """KV sharing (Gemma 3n, Gemma 4): each ``reuse`` layer's producer, the ``store`` layer of
     its layer type (``config.kv_sharing_modes``); ``{}`` without sharing, None where the config
@@ -190,9 +210,6 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
                "indexed_attention": "indexed sparse attention (an indexer cache beside the K/V rows)"}
         reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
-    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "qk_rope_head_dim", None):
-        raise _refuse(mt, "multi-head latent attention: keys join a rotated and an unrotated part of "
-                          "different widths; not a standard K/V cache")
     if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
         raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
     own = _own_cache_class(model)
@@ -379,7 +396,9 @@ def describe(model: Any) -> ModelLayout:
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
     and the reason when its K/V layers do not hold one K/V row per token and head
     (encoder-decoders, chunked attention, layers holding a recurrent state and K/V rows together,
-    shared KV layers, multi-head latent attention) or no layer holds K/V rows. A RoPE that cannot be recomputed from positions alone (``dynamic``,
+    shared KV layers by a rule it does not read) or no layer holds K/V rows. Multi-head latent
+    attention is described as it caches (:attr:`ModelLayout.latent`: one latent row as keys, the
+    rotated key part as values, one "head" each), without a RoPE to take off. A RoPE that cannot be recomputed from positions alone (``dynamic``,
     ``longrope``, an unknown pairing) is not refused here but recorded in ``rope_error``:
     only codecs that code keys without RoPE need it (:meth:`ModelLayout.require_rope`).
     """
@@ -390,6 +409,7 @@ def describe(model: Any) -> ModelLayout:
     types, kwargs = _layer_types(cfg, mt)
     _check_kv(model, cfg, mt, types)
     shared = _sharing(cfg) or {}
+    latent = bool(getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None))
     specs: List[LayerSpec] = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         if i in shared:  # attends over the K/V rows of an earlier layer of its type
@@ -404,7 +424,13 @@ def describe(model: Any) -> ModelLayout:
         if lt == "sliding_attention" and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
         hq, hkv, d = _layer_heads(cfg, i)
+        if latent:  # one latent row (keys) and one rotated key row (values) per token
+            specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, 1, int(cfg.kv_lora_rank), lt,
+                                   v_dim=int(cfg.qk_rope_head_dim)))
+            continue
         specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt))
+    if latent:
+        return ModelLayout(mt, tuple(specs), None, _LATENT, latent=True)
     rope, err = _rope(model, cfg, types)
     if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE
         rope = ModelRope([rope.layer(shared.get(i, i)) for i in range(len(types))])
