@@ -224,6 +224,10 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                  hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=16,
                                  ssm_state_size=8, n_groups=1),
                    "hybrid: a Mamba-2 layer, an attention layer without positional encoding, an MLP-only layer (no cache)"),
+    "falcon_h1": (lambda: _make(T.FalconH1Config, T.FalconH1ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
+                  "hybrid in every layer: attention and a Mamba-2 mixer side by side, the layer's cache holding "
+                  "K/V rows and the mixer's states together; MuP multipliers"),
     "lfm2": (lambda: _make(T.Lfm2Config, T.Lfm2ForCausalLM, num_key_value_heads=2,
                            layer_types=["conv", "full_attention", "conv"]),
              "hybrid: short-convolution layers, attention with q/k RMSNorm per head"),

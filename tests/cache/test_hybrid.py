@@ -125,11 +125,6 @@ def test_a_hybrid_cache_is_not_saved(qwen3_next, tmp_path) -> None:
 
 def test_refused_hybrids() -> None:
     common = dict(num_key_value_heads=2, head_dim=16)
-    # A layer holding a recurrent state and K/V rows together (Falcon-H1's parallel hybrid).
-    falcon = _make(transformers.FalconH1Config, transformers.FalconH1ForCausalLM, mamba_d_ssm=64,
-                   mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, **common)
-    with pytest.raises(kt.UnsupportedModelError, match="'falcon_h1'.*recurrent state and K/V rows together"):
-        describe(falcon)
     # MiniMax's forward takes only its own cache class.
     minimax = _make(transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM, num_local_experts=2,
                     num_experts_per_tok=1, layer_types=["linear_attention", "full_attention", "linear_attention"],
@@ -180,3 +175,45 @@ def test_a_kv_sharing_cache_is_saved_and_continued(tmp_path) -> None:
     (tmp_path / "bad.kkpfx").write_bytes(broken)
     with pytest.raises(kt.CorruptDataError, match="layer 3 saw 7 tokens and holds nothing"):
         KakeyaCache.load(tmp_path / "bad.kkpfx", model)
+
+
+def test_layers_holding_kv_rows_and_states_together(tmp_path) -> None:
+    """Falcon-H1's layers run attention and a Mamba-2 mixer side by side: each cache layer holds
+    K/V rows (coded) and the mixer's states (as transformers holds them), which a saved cache
+    does not carry."""
+    from kakeyaturbo.cache.layer import KakeyaStateLayer
+
+    model = build("falcon_h1")
+    layout = describe(model)
+    assert [(s.kind, s.cache_type, s.states) for s in layout.layers] == [("full", "hybrid", 1)] * 3
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
+    ref = transformers.DynamicCache(config=model.config)
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    with torch.no_grad():
+        model(input_ids=ids, cache=ref)
+        model(input_ids=ids, cache=cache)
+    for a, b in zip(cache.layers, ref.layers):
+        assert isinstance(a, KakeyaStateLayer) and a.num_sealed() == 7
+        assert torch.equal(a.recurrent_states[0], b.recurrent_states[0]) and torch.equal(a.conv_states[0], b.conv_states[0])
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert cache.memory()["state"] == sum(t.numel() * t.element_size() for b in ref.layers
+                                          for t in (b.recurrent_states[0], b.conv_states[0]))
+    with pytest.raises(kt.UnsupportedModelError, match=r"'falcon_h1': layers \[0, 1, 2\] hold a recurrent"):
+        cache.save(tmp_path / "f.kkpfx")
+
+
+def test_a_block_shared_across_layers_is_served_not_calibrated() -> None:
+    """Zamba 2 runs one attention block for several layers, each with its own cache layer: its
+    caches are served as DynamicCache's; calibration cannot tell its layers apart and refuses."""
+    model = _make(transformers.Zamba2Config, transformers.Zamba2ForCausalLM, num_key_value_heads=2, num_hidden_layers=4,
+                  layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16,
+                  n_mamba_heads=8, use_mem_rope=True)
+    assert describe(model).kv_layers == (1, 3)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    ref = model.generate(ids, cache=transformers.DynamicCache(config=model.config), **kw)
+    for pre in (False, True):
+        cache = KakeyaCache(IdentityCodec(pre_rope_keys=pre), model=model, block_size=8, n_sink=1)
+        assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
+    with pytest.raises(kt.UnsupportedModelError, match="'zamba2': an attention module with layer_idx -1 ran"):
+        calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2)

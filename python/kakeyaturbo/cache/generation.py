@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, codes_layer, wants_rope
-from .layer import KakeyaLayer
+from .layer import KakeyaLayer, KakeyaStateLayer
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
@@ -97,6 +98,7 @@ class KakeyaCache(Cache):
         #: A hybrid model's layers without K/V rows: index -> their spec (kept as transformers keeps them).
         self._state_specs: Dict[int, Any] = {}
         self._readers: Dict[int, int] = {}
+        self._kv_states: Dict[int, int] = {}
         if model is not None:
             layout = describe(model)
             if num_layers is not None and num_layers != layout.num_layers:
@@ -104,6 +106,7 @@ class KakeyaCache(Cache):
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
             self._state_specs = {s.index: s for s in layout.layers if not s.has_kv}
+            self._kv_states = {s.index: s.states for s in layout.layers if s.has_kv and s.states}
             for s in layout.layers:  # KV sharing: the layers that also read a layer's rows
                 if s.reads is not None:
                     self._readers[s.reads] = self._readers.get(s.reads, 1) + 1
@@ -208,7 +211,9 @@ class KakeyaCache(Cache):
             kw = {"number_of_states": spec.states} if spec.states else {}
             return DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type](**kw)
         raw = i in self.boundary or not codes_layer(self.codec, i)
-        layer = KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
+        states = self._kv_states.get(i)  # K/V rows and a recurrent state in one layer (Falcon-H1)
+        cls: Any = KakeyaLayer if states is None else partial(KakeyaStateLayer, number_of_states=states)
+        layer = cls(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
                             streams=() if raw else self.streams,
                             rope=layer_rope(self.rope, i), positions=self._positions,
                             keep_decoded=self.keep_decoded,
@@ -286,7 +291,7 @@ class KakeyaCache(Cache):
 
     def nbytes_uncompressed(self) -> int:
         """Bytes a ``DynamicCache`` would hold for the same tokens at the same dtype."""
-        return sum(layer.nbytes_uncompressed() if isinstance(layer, KakeyaLayer) else _state_bytes(layer)
+        return sum((layer.nbytes_uncompressed() if isinstance(layer, KakeyaLayer) else 0) + _state_bytes(layer)
                    for layer in self.layers)
 
 
@@ -302,7 +307,7 @@ def _state_bytes(layer: Any) -> int:
 
 
 def _layer_memory(layer: Any) -> Dict[str, int]:
-    return layer.memory() if isinstance(layer, KakeyaLayer) else {"state": _state_bytes(layer)}
+    return dict(layer.memory() if isinstance(layer, KakeyaLayer) else {}, state=_state_bytes(layer))
 
 
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, LinearAttentionLayer
 
 from .._extras import missing
 from ..codec.attention import LayerCodes
@@ -557,3 +557,37 @@ class KakeyaLayer(CacheLayerMixin):
 
 def _tensor_bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
+    """A hybrid layer that holds K/V rows and a recurrent or convolution state together (Falcon-H1
+    runs attention and a Mamba-2 mixer side by side in every layer; transformers' ``hybrid``
+    layer type): the K/V rows as a :class:`KakeyaLayer` holds them, the states as transformers'
+    ``LinearAttentionLayer`` does (uncompressed, fixed-size)."""
+
+    def __init__(self, *args: Any, number_of_states: int = 1, **kwargs: Any) -> None:
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+        KakeyaLayer.__init__(self, *args, **kwargs)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        # K/V rows come positionally from update(); states by keyword from update_conv_state() or
+        # update_recurrent_state().
+        if args:
+            KakeyaLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        KakeyaLayer.reset(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        KakeyaLayer.crop(self, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        KakeyaLayer.reorder_cache(self, beam_idx)
+
+    def get_max_length(self) -> int:
+        return KakeyaLayer.get_max_length(self)

@@ -118,7 +118,7 @@ def _refuse_state_layers(layout: Any) -> None:
     """UnsupportedModelError for a hybrid model: its layers' recurrent and convolution states
     are not part of the file format (layers that cache nothing, transformers' ``dummy``: MLP-only
     blocks, layers sharing another's K/V, are saved as empty entries)."""
-    state = [spec.index for spec in layout.layers if not spec.has_kv and spec.cache_type != "dummy"]
+    state = [spec.index for spec in layout.layers if spec.states or (not spec.has_kv and spec.cache_type != "dummy")]
     if state:
         raise UnsupportedModelError(
             f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, "

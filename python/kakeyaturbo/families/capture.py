@@ -133,8 +133,13 @@ class AttentionCapture:
 
     def _check_shapes(self, layer: int, query: Any, key: Any) -> None:
         want = (self._shapes or {}).get(layer)
+        if want is None:
+            raise UnsupportedModelError(
+                f"model type {model_type(self.model)!r}: an attention module with layer_idx {layer} ran, which is "
+                "not an attention layer of the model's config (a block shared across layers, as Zamba's, "
+                "attends for several layers by one index): its statistics cannot be told apart")
         got = (query.shape[1], key.shape[1], key.shape[-1]) if query.ndim == 4 and key.ndim == 4 else None
-        if want is None or got != want or query.shape[-1] != want[2]:
+        if got != want or query.shape[-1] != want[2]:
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r}: layer {layer}'s attention receives queries "
                 f"{tuple(query.shape)} and keys {tuple(key.shape)} ([batch, heads, rows, head_dim]), "

@@ -15,7 +15,13 @@ from .rope import LayerRope, ModelRope, detect_rope
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
 #: ``window - 1`` tokens of a sliding-window layer.
-KV_LAYER_TYPES = ("full_attention", "sliding_attention")
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding")
+#: Of those, the layers that also hold a recurrent or convolution state beside their K/V rows
+#: (Falcon-H1's attention and Mamba-2 mixer side by side); the cache keeps the state as
+#: transformers does.
+STATEFUL_KV_TYPES = ("hybrid", "hybrid_sliding")
+#: K/V layer types with a sliding window.
+_SLIDING_TYPES = ("sliding_attention", "hybrid_sliding")
 #: Cache layer types of hybrid models that hold no K/V rows but a fixed-size state (a linear
 #: attention's or state-space model's recurrent state, a short convolution's), and ``dummy``
 #: (a layer without attention, an MLP block: nothing cached). The cache keeps them as
@@ -30,7 +36,8 @@ _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
 class LayerSpec:
     """One layer: ``kind`` ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees
     keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), with the head
-    counts and ``head_dim`` of its cached rows; ``"state"``, a layer of a hybrid model that
+    counts and ``head_dim`` of its cached rows (with ``states`` conv/recurrent states beside them
+    where ``cache_type`` is transformers' ``hybrid``: Falcon-H1); ``"state"``, a layer of a hybrid model that
     holds no K/V rows (``cache_type``, the transformers cache layer type: ``linear_attention``,
     ``conv`` or ``dummy``, with ``states`` conv/recurrent states; head counts 0); or
     ``"shared"``, an attention layer that caches nothing and attends over the K/V rows of layer
@@ -205,8 +212,6 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if bad:
         why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)",
-               "hybrid": "layers that hold a recurrent state and K/V rows together",
-               "hybrid_sliding": "layers that hold a recurrent state and K/V rows together",
                "indexed_attention": "indexed sparse attention (an indexer cache beside the K/V rows)"}
         reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
@@ -420,15 +425,16 @@ def describe(model: Any) -> ModelLayout:
         if lt in STATE_LAYER_TYPES:
             specs.append(LayerSpec(i, "state", None, 0, 0, 0, lt, int(kw.get("number_of_states", 0))))
             continue
-        window = kw.get("sliding_window") if lt == "sliding_attention" else None
-        if lt == "sliding_attention" and not (isinstance(window, int) and window >= 1):
+        window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None
+        if lt in _SLIDING_TYPES and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
         hq, hkv, d = _layer_heads(cfg, i)
         if latent:  # one latent row (keys) and one rotated key row (values) per token
             specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, 1, int(cfg.kv_lora_rank), lt,
                                    v_dim=int(cfg.qk_rope_head_dim)))
             continue
-        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt))
+        states = int(kw.get("number_of_states", 1)) if lt in STATEFUL_KV_TYPES else 0
+        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt, states))
     if latent:
         return ModelLayout(mt, tuple(specs), None, _LATENT, latent=True)
     rope, err = _rope(model, cfg, types)
