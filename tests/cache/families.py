@@ -243,6 +243,8 @@ _MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_he
 _ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                n_group=1, topk_group=1)
 
+_DSA = dict(index_head_dim=16, index_n_heads=4, index_topk=8)  # top 8 rows: prompts of 30 tokens skip some
+
 #: Multi-head latent attention: each layer caches a latent row (32 wide here, no RoPE) as keys and
 #: the rotated key part (8 wide) as values. Served by codecs of the cached rows (not calibrated).
 MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
@@ -256,6 +258,13 @@ MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
                  "MLA with a low-rank query"),
     "youtu": (lambda: _make(T.YoutuConfig, T.YoutuForCausalLM, **dict(_MLA, q_lora_rank=16)),
               "MLA with a low-rank query"),
+    "deepseek_v32": (lambda: _make(T.DeepseekV32Config, T.DeepseekV32ForCausalLM, **_DSA, **_ROUTED,
+                                   **dict(_MLA, q_lora_rank=16)),
+                     "MLA with dynamic sparse attention: an indexer's keys cached beside the rows, which pick "
+                     "the rows each query attends to"),
+    "glm_moe_dsa": (lambda: _make(T.GlmMoeDsaConfig, T.GlmMoeDsaForCausalLM, **_DSA, **_ROUTED,
+                                  **dict(_MLA, q_lora_rank=16)),
+                    "MLA with dynamic sparse attention (GLM-5)"),
     "kimi_linear": (lambda: _make(T.KimiLinearConfig, T.KimiLinearForCausalLM, layer_types=LINEAR_FULL_LINEAR,
                                   linear_head_dim=16, linear_num_heads=4, **_MLA),
                     "hybrid: Kimi Delta Attention layers around an MLA layer"),

@@ -121,7 +121,7 @@ def test_block_codec_generates_and_holds_bytes(llama32) -> None:
             blob_bytes += sum(len(b) for b in blobs)
             assert st.decoded == [] and st.staging.shape[-2] == n - bs
     raw_bytes = LAYERS * 2 * KV_HEADS * (n - bs) * 32 * 4  # staging, float32
-    assert cache.memory() == {"blobs": blob_bytes, "sink": 0, "staging": raw_bytes, "decoded": 0, "state": 0,
+    assert cache.memory() == {"blobs": blob_bytes, "sink": 0, "staging": raw_bytes, "decoded": 0, "state": 0, "indexer": 0,
                               "positions": 0, "rope_table": 0}
     assert cache.nbytes() == blob_bytes + raw_bytes
     full = LAYERS * 2 * KV_HEADS * n * 32 * 4

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash, MiniCPM3, Youtu, Kimi Linear) on
+"""Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-4.7-Flash, GLM-5, MiniCPM3, Youtu, Kimi Linear) on
 tiny random-weight models (``families.MLA``): described as it caches (a latent row as keys, the
 rotated key part as values, one "head" each), served by codecs of the cached rows; keys without
 RoPE and calibration refused by name."""
@@ -55,8 +55,14 @@ def test_codecs_of_the_cached_rows_serve_it(family) -> None:
     seq, logits = _generate(model, ids, cache)
     assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits), name
     kv = describe(model).kv_layers
-    assert cache.nbytes_uncompressed() - cache.memory()["state"] == sum(
+    mem = cache.memory()
+    assert cache.nbytes_uncompressed() - mem["state"] - mem["indexer"] == sum(
         t.numel() * t.element_size() for i in kv for t in (ref.layers[i].keys, ref.layers[i].values))
+    for i in kv:  # dynamic sparse attention: the indexer's keys held raw, as DynamicCache holds them
+        want = getattr(ref.layers[i], "indexer_keys", None)
+        assert (want is None) == (mem["indexer"] == 0)
+        if want is not None:
+            assert torch.equal(cache.layers[i].indexer_keys, want)
     lossy = KakeyaCache(BlockCodec(recipes.load("balanced")), model=model, block_size=8, n_sink=1)
     seq2, logits2 = _generate(model, ids, lossy)
     assert torch.isfinite(logits2).all() and all(lossy.layers[i].num_sealed() == 4 for i in kv)
@@ -78,3 +84,20 @@ def test_keys_without_rope_and_calibration_refused(family) -> None:
     for rope in ("before", "after"):
         with pytest.raises(kt.UnsupportedModelError, match=f"'{name}': multi-head latent attention caches a latent"):
             calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2, rope=rope)
+
+
+def test_indexer_keys_are_not_saved(tmp_path) -> None:
+    model = build("deepseek_v32")
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=8)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11]]), cache=cache)
+    assert cache.memory()["indexer"] == 3 * 9 * 16 * 4  # three layers, nine tokens, 16 float32 each
+    keys = cache.layers[0].indexer_keys.clone()
+    cache.batch_repeat_interleave(2)  # beam search: the indexer's keys follow the rows
+    assert cache.layers[0].indexer_keys.shape == (2, 9, 16)
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].indexer_keys, keys)
+    cache.layers[0].crop(-2)
+    assert cache.layers[0].indexer_keys.shape == (1, 7, 16) and cache.layers[0].get_seq_length() == 7
+    with pytest.raises(kt.UnsupportedModelError, match=r"'deepseek_v32': layers \[0, 1, 2\] hold .* an indexer's keys"):
+        cache.save(tmp_path / "d.kkpfx")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import weakref
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from transformers.cache_utils import Cache
@@ -21,7 +21,7 @@ from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, codes_layer, wants_rope
-from .layer import KakeyaLayer, KakeyaStateLayer
+from .layer import KakeyaIndexedLayer, KakeyaLayer, KakeyaStateLayer
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
@@ -99,6 +99,7 @@ class KakeyaCache(Cache):
         self._state_specs: Dict[int, Any] = {}
         self._readers: Dict[int, int] = {}
         self._kv_states: Dict[int, int] = {}
+        self._indexed: Set[int] = set()
         if model is not None:
             layout = describe(model)
             if num_layers is not None and num_layers != layout.num_layers:
@@ -107,6 +108,7 @@ class KakeyaCache(Cache):
             windows = tuple(s.window for s in layout.layers)
             self._state_specs = {s.index: s for s in layout.layers if not s.has_kv}
             self._kv_states = {s.index: s.states for s in layout.layers if s.has_kv and s.states}
+            self._indexed = {s.index for s in layout.layers if s.cache_type == "indexed_attention"}
             for s in layout.layers:  # KV sharing: the layers that also read a layer's rows
                 if s.reads is not None:
                     self._readers[s.reads] = self._readers.get(s.reads, 1) + 1
@@ -213,6 +215,8 @@ class KakeyaCache(Cache):
         raw = i in self.boundary or not codes_layer(self.codec, i)
         states = self._kv_states.get(i)  # K/V rows and a recurrent state in one layer (Falcon-H1)
         cls: Any = KakeyaLayer if states is None else partial(KakeyaStateLayer, number_of_states=states)
+        if i in self._indexed:  # K/V rows and an indexer's keys (dynamic sparse attention)
+            cls = KakeyaIndexedLayer
         layer = cls(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
                             streams=() if raw else self.streams,
                             rope=layer_rope(self.rope, i), positions=self._positions,
@@ -267,11 +271,12 @@ class KakeyaCache(Cache):
         """Bytes held, by kind: ``blobs`` (sealed blocks), ``sink``, ``staging``, ``decoded``
         (only with keep_decoded), ``state`` (a hybrid model's recurrent and convolution states,
         held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`),
+        ``indexer`` (the indexer keys of a dynamic-sparse-attention layer, DeepSeek V3.2's, raw),
         ``positions`` (int32 per token and batch row, only when
         the codec codes keys without RoPE) and ``rope_table`` (the cos/sin table attention over
         keys coded before RoPE reads: 8 bytes per position and rotary frequency, shared by the
         layers and by every cache of the model: reported here in full, left out of :meth:`nbytes`)."""
-        out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0, "state": 0}
+        out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0, "state": 0, "indexer": 0}
         for layer in self.layers:
             for key, n in _layer_memory(layer).items():
                 out[key] += n

@@ -591,3 +591,52 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
 
     def get_max_length(self) -> int:
         return KakeyaLayer.get_max_length(self)
+
+
+class KakeyaIndexedLayer(KakeyaLayer):
+    """A layer of dynamic sparse attention (DeepSeek V3.2, GLM-5: transformers'
+    ``indexed_attention``): its K/V rows as a :class:`KakeyaLayer` holds them, and the indexer's
+    keys (``[batch, tokens, index_head_dim]``, which pick the rows each query attends to) raw,
+    grown as transformers' ``DynamicIndexedLayer`` grows them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.indexer_keys: Optional[torch.Tensor] = None
+        self.indexer_position_ids: Optional[torch.Tensor] = None
+        self.is_indexer_initialized = False
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Appends ``[batch, q, index_head_dim]`` indexer keys; returns all of them."""
+        if self.indexer_keys is None:
+            self.indexer_keys = indexer_key_states
+            self.is_indexer_initialized = True
+        else:
+            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        return self.indexer_keys
+
+    def reset(self) -> None:
+        super().reset()
+        self.indexer_keys = self.indexer_position_ids = None
+        self.is_indexer_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove and self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, :self.seen]
+
+    def _select(self, idx: torch.Tensor) -> None:
+        super()._select(idx)
+        if self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[idx.to(self.indexer_keys.device)]
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids[:, idx.to(self.indexer_position_ids.device)]
+
+    def memory(self) -> Dict[str, int]:
+        out = super().memory()
+        k = self.indexer_keys
+        out["indexer"] = 0 if k is None else k.numel() * k.element_size()
+        return out
+
+    def nbytes_uncompressed(self) -> int:
+        k = self.indexer_keys
+        return super().nbytes_uncompressed() + (0 if k is None else k.numel() * k.element_size())

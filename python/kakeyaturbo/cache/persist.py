@@ -115,14 +115,16 @@ def _default_positions(pos: torch.Tensor) -> bool:
 
 
 def _refuse_state_layers(layout: Any) -> None:
-    """UnsupportedModelError for a hybrid model: its layers' recurrent and convolution states
-    are not part of the file format (layers that cache nothing, transformers' ``dummy``: MLP-only
-    blocks, layers sharing another's K/V, are saved as empty entries)."""
-    state = [spec.index for spec in layout.layers if spec.states or (not spec.has_kv and spec.cache_type != "dummy")]
+    """UnsupportedModelError for a hybrid model (its layers' recurrent and convolution states) or
+    dynamic sparse attention (the indexer's keys): they are not part of the file format. Layers
+    that cache nothing (transformers' ``dummy``: MLP-only blocks, layers sharing another's K/V)
+    are saved as empty entries."""
+    state = [spec.index for spec in layout.layers if spec.states or spec.cache_type == "indexed_attention"
+             or (not spec.has_kv and spec.cache_type != "dummy")]
     if state:
         raise UnsupportedModelError(
-            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, "
-            "which a saved cache does not carry; a hybrid model's cache cannot be saved or loaded")
+            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state or an "
+            "indexer's keys, which a saved cache does not carry; such a model's cache cannot be saved or loaded")
 
 
 def save(cache: Any, path: PathLike, model: Any = None) -> Path:

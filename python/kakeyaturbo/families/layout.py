@@ -15,7 +15,7 @@ from .rope import LayerRope, ModelRope, detect_rope
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
 #: ``window - 1`` tokens of a sliding-window layer.
-KV_LAYER_TYPES = ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding")
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "indexed_attention")
 #: Of those, the layers that also hold a recurrent or convolution state beside their K/V rows
 #: (Falcon-H1's attention and Mamba-2 mixer side by side); the cache keeps the state as
 #: transformers does.
@@ -211,8 +211,7 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
         raise _refuse(mt, "encoder-decoder models keep a cross-attention cache; only decoders are supported")
     bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if bad:
-        why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)",
-               "indexed_attention": "indexed sparse attention (an indexer cache beside the K/V rows)"}
+        why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)"}
         reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
     if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
