@@ -110,16 +110,25 @@ def gemma3_bf16_dir(tiny_model_dir, tmp_path_factory):
     import torch
     import transformers
 
-    out = tmp_path_factory.mktemp("tiny-gemma3")
+    return _checkpoint(tiny_model_dir, tmp_path_factory.mktemp("tiny-gemma3"), transformers.Gemma3TextConfig,
+                       transformers.Gemma3ForCausalLM, torch.bfloat16, num_key_value_heads=1, head_dim=32,
+                       sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def _checkpoint(tiny_model_dir, out, config_cls, model_cls, dtype=None, **config):
+    """A tiny random-weight model of 3 layers (64 wide, 4 query heads) saved to ``out`` with the
+    tiny tokenizer, in ``dtype`` (None: float32)."""
+    import torch
+    import transformers
+
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    transformers.Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    cfg = config_cls(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                     num_attention_heads=4, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+                     pad_token_id=1, **config)
+    model = model_cls(cfg)
+    (model if dtype is None else model.to(dtype)).save_pretrained(out)
     return out
 
 
@@ -167,17 +176,12 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
     from kakeyaturbo.cache import KakeyaCache
     from kakeyaturbo.calibration import Calibration
 
-    model_dir = tmp_path / "tiny-qwen3_5"
-    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    tok.save_pretrained(model_dir)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3_5TextConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    transformers.Qwen3_5ForCausalLM(cfg).save_pretrained(model_dir)
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-qwen3_5", transformers.Qwen3_5TextConfig,
+                            transformers.Qwen3_5ForCausalLM, num_key_value_heads=2, head_dim=16,
+                            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                            linear_value_head_dim=16,
+                            layer_types=["linear_attention", "full_attention", "linear_attention"])
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     text = tiny_model_dir / "text.txt"
     cal = tmp_path / "h.kkcal"
     assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
