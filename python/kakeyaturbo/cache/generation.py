@@ -40,8 +40,9 @@ class KakeyaCache(Cache):
     (staging); ``boundary`` layers (negative indices count from the last layer) are never
     sealed, nor are layers a calibrated codec was not fitted for (``codec.layers``: Gemma 4's
     sliding layers of another head size than its full ones, see
-    :meth:`~kakeyaturbo.families.ModelLayout.calibration_group`). With a calibrated codec (keys coded before or after RoPE), attention is computed
-    from the codes (``fast``, below); otherwise it reads sealed blocks by decoding them at every step
+    :meth:`~kakeyaturbo.families.ModelLayout.calibration_group`). With a calibrated codec (keys
+    coded before or after RoPE), attention is computed from the codes (``fast``, below);
+    otherwise it reads sealed blocks by decoding them at every step
     (``keep_decoded=True`` keeps the decoded tensors instead, trading memory back for speed;
     they count in :meth:`nbytes`). Raw rows keep the dtype the model hands over.
 
@@ -95,7 +96,10 @@ class KakeyaCache(Cache):
                 raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
         windows: Tuple[Optional[int], ...] = ()
         layout = None
-        #: A hybrid model's layers without K/V rows: index -> their spec (kept as transformers keeps them).
+        # From the model's layout: the layers without K/V rows of their own (a hybrid's state
+        # layers, KV-sharing layers: transformers' own cache layers), by index; the attention
+        # calls that read each K/V layer's rows (KV sharing); the K/V layers that also hold
+        # recurrent states (their count) and those that hold an indexer's keys.
         self._state_specs: Dict[int, Any] = {}
         self._readers: Dict[int, int] = {}
         self._kv_states: Dict[int, int] = {}
@@ -218,10 +222,9 @@ class KakeyaCache(Cache):
         if i in self._indexed:  # K/V rows and an indexer's keys (dynamic sparse attention)
             cls = KakeyaIndexedLayer
         layer = cls(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
-                            streams=() if raw else self.streams,
-                            rope=layer_rope(self.rope, i), positions=self._positions,
-                            keep_decoded=self.keep_decoded,
-                            window=self.windows[i] if i < len(self.windows) else None)
+                    streams=() if raw else self.streams, rope=layer_rope(self.rope, i),
+                    positions=self._positions, keep_decoded=self.keep_decoded,
+                    window=self.windows[i] if i < len(self.windows) else None)
         layer.readers = self._readers.get(i, 1)
         if self.fast and set(STREAMS) <= set(layer.streams):
             layer.fast = True

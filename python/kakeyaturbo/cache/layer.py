@@ -608,10 +608,9 @@ class KakeyaIndexedLayer(KakeyaLayer):
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """Appends ``[batch, q, index_head_dim]`` indexer keys; returns all of them."""
         if self.indexer_keys is None:
-            self.indexer_keys = indexer_key_states
+            self.indexer_keys = indexer_key_states[:, :0]
             self.is_indexer_initialized = True
-        else:
-            self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+        self.indexer_keys = torch.cat([self.indexer_keys, indexer_key_states], dim=1)
         return self.indexer_keys
 
     def reset(self) -> None:
@@ -632,11 +631,7 @@ class KakeyaIndexedLayer(KakeyaLayer):
             self.indexer_position_ids = self.indexer_position_ids[:, idx.to(self.indexer_position_ids.device)]
 
     def memory(self) -> Dict[str, int]:
-        out = super().memory()
-        k = self.indexer_keys
-        out["indexer"] = 0 if k is None else k.numel() * k.element_size()
-        return out
+        return dict(super().memory(), indexer=_tensor_bytes(self.indexer_keys))
 
     def nbytes_uncompressed(self) -> int:
-        k = self.indexer_keys
-        return super().nbytes_uncompressed() + (0 if k is None else k.numel() * k.element_size())
+        return super().nbytes_uncompressed() + _tensor_bytes(self.indexer_keys)

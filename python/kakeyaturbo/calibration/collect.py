@@ -112,7 +112,6 @@ class _RotatedKeys:
         from ..families.layout import rope_module
 
         self.module = rope_module(model)
-        self.seen = False
         self._pending: List[Any] = []
 
     def take(self) -> List[Any]:
@@ -125,7 +124,6 @@ class _RotatedKeys:
 
             def spy(*a: Any, **kw: Any) -> Any:
                 out = orig(*a, **kw)
-                self.seen = True
                 if isinstance(out, tuple) and len(out) == 2:
                     self._pending.append(out[1].detach())
                 elif hasattr(out, "detach"):
@@ -328,9 +326,15 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     RoPE applied (for codecs that code keys the way the cache holds them, so that attention can
     be computed from the codes; values are the same either way).
 
+    The statistics cover the model's K/V layers of one shape
+    (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`: all of them, or Gemma 4's full
+    layers), one row each (``meta["layer_index"]`` names them where they are not ``0 .. L-1``: a
+    hybrid's); a layer that shares another's K/V (Gemma 3n, Gemma 4) adds its queries, attention
+    weights and output projection to the row of the layer it reads.
+
     Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed,
     whose keys change after RoPE (checked on the first window, keys before RoPE only) or whose
-    layers differ in shape, InvalidParameterError on a bad ``weighting`` or ``rope``.
+    K/V layers leave no such group, InvalidParameterError on a bad ``weighting`` or ``rope``.
     """
     import torch
 

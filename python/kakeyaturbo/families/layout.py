@@ -34,15 +34,18 @@ _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer: ``kind`` ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees
-    keys ``p - window + 1 .. p``; the cache holds the last ``window - 1`` tokens), with the head
-    counts and ``head_dim`` of its cached rows (with ``states`` conv/recurrent states beside them
-    where ``cache_type`` is transformers' ``hybrid``: Falcon-H1); ``"state"``, a layer of a hybrid model that
-    holds no K/V rows (``cache_type``, the transformers cache layer type: ``linear_attention``,
-    ``conv`` or ``dummy``, with ``states`` conv/recurrent states; head counts 0); or
-    ``"shared"``, an attention layer that caches nothing and attends over the K/V rows of layer
-    ``reads`` (Gemma 3n's and Gemma 4's KV sharing: its heads and ``window`` are its own, its
-    cache layer transformers' ``dummy``)."""
+    """One layer, by ``kind``:
+
+    - ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees keys ``p - window + 1
+      .. p``; the cache holds the last ``window - 1`` tokens), with the head counts and
+      ``head_dim`` of its cached rows (``v_dim`` the values' width where it differs: multi-head
+      latent attention), and ``states`` conv/recurrent states beside them where ``cache_type``
+      (the transformers cache layer type) is ``hybrid`` (Falcon-H1);
+    - ``"state"``: a hybrid model's layer that holds no K/V rows but ``states`` conv/recurrent
+      states (``cache_type`` ``linear_attention`` or ``conv``) or nothing (``dummy``: an MLP
+      block); head counts 0;
+    - ``"shared"``: an attention layer that caches nothing and attends over the K/V rows of layer
+      ``reads`` (Gemma 3n's and Gemma 4's KV sharing; its heads and ``window`` are its own)."""
 
     index: int
     kind: str
@@ -397,14 +400,17 @@ def describe(model: Any) -> ModelLayout:
     state, MLP-only blocks) are ``"state"`` layers: kept by the cache as transformers keeps them,
     never coded (:attr:`ModelLayout.kv_layers` lists the others).
 
+    Multi-head latent attention is described as it caches (:attr:`ModelLayout.latent`: one
+    latent row as keys, the rotated key part as values, one "head" each), without a RoPE to take
+    off.
+
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
     and the reason when its K/V layers do not hold one K/V row per token and head
-    (encoder-decoders, chunked attention, layers holding a recurrent state and K/V rows together,
-    shared KV layers by a rule it does not read) or no layer holds K/V rows. Multi-head latent
-    attention is described as it caches (:attr:`ModelLayout.latent`: one latent row as keys, the
-    rotated key part as values, one "head" each), without a RoPE to take off. A RoPE that cannot be recomputed from positions alone (``dynamic``,
-    ``longrope``, an unknown pairing) is not refused here but recorded in ``rope_error``:
-    only codecs that code keys without RoPE need it (:meth:`ModelLayout.require_rope`).
+    (encoder-decoders, chunked attention, KV sharing by a rule it does not read, a modeling module
+    that takes only its own cache class) or no layer holds K/V rows. A RoPE that cannot be
+    recomputed from positions alone (``dynamic``, ``longrope``, an unknown pairing) is not refused
+    here but recorded in ``rope_error``: only codecs that code keys without RoPE need it
+    (:meth:`ModelLayout.require_rope`).
     """
     cfg = text_config(model)
     mt = model_type(model)
