@@ -518,3 +518,32 @@ def test_kv_sharing_sensitivity_reaches_through_the_sharing_layers() -> None:
     g = layout.rope.layer(2).transpose(g.double(), torch.arange(ctx)[None])[0, :, n_sink:]
     want = torch.bmm(g.transpose(1, 2), g).numpy()
     np.testing.assert_allclose(sens.k[2], want, rtol=1e-6, atol=1e-9 * np.abs(want).max())
+
+
+def test_a_rotation_not_recomputable_is_calibrated_after_rope() -> None:
+    """Phi-4-mini's `longrope` switches its frequencies by the length of each forward call, so a
+    cached key's rotation is not a function of its position: keys without RoPE are refused by
+    name, while a recipe that codes them as cached (after RoPE) is calibrated and attends over
+    the codes, past the switch (original context 16 tokens here, generation to 36)."""
+    from .conftest import fast_recipe
+
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
+            "original_max_position_embeddings": 16}
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_parameters=rope, pad_token_id=0)).eval()
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 14)) for _ in range(3)]
+    with pytest.raises(kt.UnsupportedModelError, match="'phi3'.*'longrope'"):
+        calibration.collect(model, wins, samples=4)
+    stats = calibration.collect(model, wins, samples=4, rope="after")
+    codec = calibration.ModelCodec(stats, fast_recipe("after"))
+    ids = _ids(t=12)
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
+    assert fast.fast, fast.fast_reason
+    seq_f, log_f = _generate(model, ids, fast, n=24)
+    seq_s, log_s = _generate(model, ids, slow, n=24)
+    assert torch.equal(seq_f, seq_s) and fast.layers[0].num_sealed() == 8
+    torch.testing.assert_close(log_f, log_s, rtol=0, atol=1e-3)

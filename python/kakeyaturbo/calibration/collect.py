@@ -78,8 +78,10 @@ class _Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
-def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
-    """``(rope, layer indices, q_heads, kv_heads, head_dim, shared, kv)``: the K/V layers
+def _shapes(model: Any, side: str) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
+    """``(rope, layer indices, q_heads, kv_heads, head_dim, shared, kv)``: the RoPE to take off
+    the keys (``side`` ``"before"``; None ``"after"``, where the keys are taken as cached, so a
+    rotation that cannot be recomputed, Phi-4's ``longrope``, does not matter), the K/V layers
     statistics are stacked over (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in
     order, and their shape; ``shared``, the layers that attend over one of them (KV sharing:
     layer -> the one it reads); ``kv``, every layer holding its own K/V rows."""
@@ -87,7 +89,7 @@ def _shapes(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, 
 
     layout = describe(model)
     layers, (hq, hkv, d) = layout.calibration_group()
-    rope = layout.require_rope()
+    rope = layout.require_rope() if side == "before" else None
     shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
     return rope, layers, hq, hkv, d, shared, layout.kv_layers
 
@@ -332,7 +334,8 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     hybrid's); a layer that shares another's K/V (Gemma 3n, Gemma 4) adds its queries, attention
     weights and output projection to the row of the layer it reads.
 
-    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed,
+    Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed
+    (``rope="before"`` only: after it, keys are taken as cached, whatever their rotation),
     whose keys change after RoPE (checked on the first window, keys before RoPE only) or whose
     K/V layers leave no such group, InvalidParameterError on a bad ``weighting`` or ``rope``.
     """
@@ -343,7 +346,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
-    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model)
+    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model, side)
     n_layers = len(kv_layers)
     at = {i: j for j, i in enumerate(kv_layers)}  # model layer index -> row of the statistics
     # A layer sharing another's K/V: its queries and attention weigh the rows of the one it reads.
@@ -471,7 +474,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model)
+    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model, side)
     n_layers = len(kv_layers)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
@@ -525,8 +528,8 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                 keys = [(s, i) for i in kv_layers for s in ("k", "v")]
                 grads = torch.autograd.grad(nll, [leaves[key] for key in keys])
                 for (s, i), g in zip(keys, grads):
-                    r = rope.layer(i)
-                    if s == "k" and r is not None and side == "before":
+                    r = None if rope is None else rope.layer(i)
+                    if s == "k" and r is not None:
                         g = r.transpose(g.double(), where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
                     fisher[s][kv_layers.index(i)] += torch.bmm(g.transpose(1, 2), g).numpy()
