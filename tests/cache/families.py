@@ -271,8 +271,19 @@ MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
 }
 
 
+#: Families whose keys' RoPE cannot be taken off (so only recipes that code keys after RoPE are
+#: calibrated for them).
+AFTER_ROPE: Dict[str, Tuple[Callable[[], Any], str]] = {
+    "llama4_text": (lambda: _make(T.Llama4TextConfig, T.Llama4ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                  intermediate_size_mlp=128, num_hidden_layers=4, attention_chunk_size=WINDOW,
+                                  num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1, 1, 0],
+                                  interleave_moe_layer_step=2),
+                    "chunked attention (chunks of 8), a NoPE global layer, complex-valued RoPE, MoE MLP"),
+}
+
+
 def build(name: str) -> Any:
-    return (FAMILIES.get(name) or MLA[name])[0]()
+    return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE[name])[0]()
 
 
 def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:

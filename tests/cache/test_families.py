@@ -248,13 +248,6 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
             with pytest.raises(kt.UnsupportedModelError, match=f"'llama'.*{why}"):
                 call()
         KakeyaCache(IdentityCodec(), model=m)  # keys kept with their RoPE: nothing to refuse
-    chunked = transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        attention_chunk_size=8, num_local_experts=1, pad_token_id=0)
-    m4 = transformers.Llama4ForCausalLM(chunked).eval()
-    with pytest.raises(kt.UnsupportedModelError, match="llama4.*chunked attention"):
-        KakeyaCache(IdentityCodec(), model=m4)
     with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
         describe(torch.nn.Linear(2, 2))
     # NanoChat's rotate_half turns the other way (cat(x2, -x1)), a pairing none of the table forms
@@ -547,3 +540,38 @@ def test_a_rotation_not_recomputable_is_calibrated_after_rope() -> None:
     seq_s, log_s = _generate(model, ids, slow, n=24)
     assert torch.equal(seq_f, seq_s) and fast.layers[0].num_sealed() == 8
     torch.testing.assert_close(log_f, log_s, rtol=0, atol=1e-3)
+
+
+def test_llama4_chunked_attention() -> None:
+    """Llama 4's chunked layers (a query sees the earlier tokens of its chunk of 8 here) keep what
+    a sliding layer of that window keeps, and attention over the codes follows the model's mask,
+    which marks the chunks: the identity codec bit-exact against DynamicCache across chunks, a
+    recipe coding keys after RoPE (its complex-valued RoPE has no apply_rotary_pos_emb to check a
+    removal against) calibrated and attending over the codes as the slow path."""
+    from .conftest import fast_recipe
+
+    model = build("llama4_text")
+    layout = describe(model)
+    assert [(s.kind, s.window) for s in layout.layers] == [("chunked", 8)] * 3 + [("full", None)]
+    ids = _ids()
+    ref = transformers.DynamicCache(config=model.config)
+    ref_seq, ref_logits = _generate(model, ids, ref, n=12)
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    seq, logits = _generate(model, ids, cache, n=12)
+    assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits)
+    assert [a.get_mask_sizes(1) for a in cache.layers] == [b.get_mask_sizes(1) for b in ref.layers]
+    with pytest.raises(kt.UnsupportedModelError, match="'llama4_text'.*no apply_rotary_pos_emb"):
+        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model)
+    g = np.random.default_rng(0)
+    stats = calibration.collect(model, [list(g.integers(3, VOCAB, 20)) for _ in range(3)], samples=4, rope="after")
+    codec = calibration.ModelCodec(stats, fast_recipe("after"))
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
+    assert fast.fast, fast.fast_reason
+    seq_f, log_f = _generate(model, ids, fast, n=12)
+    seq_s, log_s = _generate(model, ids, slow, n=12)
+    assert torch.equal(seq_f, seq_s) and all(layer.num_sealed() for layer in fast.layers)
+    torch.testing.assert_close(log_f, log_s, rtol=0, atol=1e-4)
+    from kakeyaturbo.eval import peers
+
+    assert "chunked-attention" in peers.unsupported("quanto-int4", model)  # QuantizedCache: full layers only

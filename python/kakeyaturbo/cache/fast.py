@@ -48,6 +48,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "arcee", "gpt_oss", "glm4", "ernie4_5", "glm4_moe", "cohere2", "olmoe", "minimax_m2",
                       "phimoe", "nemotron", "granitemoe", "exaone_moe", "ministral3", "vaultgemma", "glm",
                       "ernie4_5_moe", "flex_olmo", "bitnet", "persimmon", "gemma4_text", "gemma3n_text",
+                      "llama4_text",
                       # hybrids: recurrent, state-space or convolution layers beside the attention
                       "qwen3_next", "qwen3_5_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
                       "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1"})

@@ -98,6 +98,7 @@ def unsupported(name: str, model: Any) -> Optional[str]:
 
     layout = describe(model)
     other = [what for what, has in (("sliding-window", any(layout.sliding)),
+                                    ("chunked-attention", any(s.kind == "chunked" for s in layout.layers)),
                                     ("recurrent or convolution state", len(layout.kv_layers) < layout.num_layers))
              if has]
     if other:

@@ -15,13 +15,14 @@ from .rope import LayerRope, ModelRope, detect_rope
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
 #: ``window - 1`` tokens of a sliding-window layer.
-KV_LAYER_TYPES = ("full_attention", "sliding_attention", "hybrid", "hybrid_sliding", "indexed_attention")
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding",
+                  "indexed_attention")
 #: Of those, the layers that also hold a recurrent or convolution state beside their K/V rows
 #: (Falcon-H1's attention and Mamba-2 mixer side by side); the cache keeps the state as
 #: transformers does.
 STATEFUL_KV_TYPES = ("hybrid", "hybrid_sliding")
-#: K/V layer types with a sliding window.
-_SLIDING_TYPES = ("sliding_attention", "hybrid_sliding")
+#: K/V layer types with a sliding window (or a chunk: the cache keeps as much for either).
+_SLIDING_TYPES = ("sliding_attention", "hybrid_sliding", "chunked_attention")
 #: Cache layer types of hybrid models that hold no K/V rows but a fixed-size state (a linear
 #: attention's or state-space model's recurrent state, a short convolution's), and ``dummy``
 #: (a layer without attention, an MLP block: nothing cached). The cache keeps them as
@@ -36,8 +37,11 @@ _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
 class LayerSpec:
     """One layer, by ``kind``:
 
-    - ``"full"`` or ``"sliding"`` attention (a query at position ``p`` sees keys ``p - window + 1
-      .. p``; the cache holds the last ``window - 1`` tokens), with the head counts and
+    - ``"full"``, ``"sliding"`` (a query at position ``p`` sees keys ``p - window + 1 .. p``; the
+      cache holds the last ``window - 1`` tokens) or ``"chunked"`` attention (Llama 4: a query
+      sees the earlier keys of its chunk of ``window`` tokens, all within the last ``window``
+      positions; the cache holds as much as a sliding layer of that window, and the model's
+      mask marks the chunks), with the head counts and
       ``head_dim`` of its cached rows (``v_dim`` the values' width where it differs: multi-head
       latent attention), and ``states`` conv/recurrent states beside them where ``cache_type``
       (the transformers cache layer type) is ``hybrid`` (Falcon-H1);
@@ -66,7 +70,7 @@ class LayerSpec:
     @property
     def has_kv(self) -> bool:
         """Whether the layer caches K/V rows (full or sliding attention)."""
-        return self.kind in ("full", "sliding")
+        return self.kind in ("full", "sliding", "chunked")
 
     @property
     def attends(self) -> bool:
@@ -214,8 +218,7 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
         raise _refuse(mt, "encoder-decoder models keep a cross-attention cache; only decoders are supported")
     bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if bad:
-        why = {"chunked_attention": "chunked attention (its cache does not roll like a sliding window)"}
-        reasons = "; ".join(why.get(t, f"layer type {t!r}") for t in bad)
+        reasons = "; ".join(f"layer type {t!r}" for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
     if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
         raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
@@ -406,7 +409,7 @@ def describe(model: Any) -> ModelLayout:
 
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
     and the reason when its K/V layers do not hold one K/V row per token and head
-    (encoder-decoders, chunked attention, KV sharing by a rule it does not read, a modeling module
+    (encoder-decoders, KV sharing by a rule it does not read, a modeling module
     that takes only its own cache class) or no layer holds K/V rows. A RoPE that cannot be
     recomputed from positions alone (``dynamic``, ``longrope``, an unknown pairing) is not refused
     here but recorded in ``rope_error``: only codecs that code keys without RoPE need it
@@ -432,14 +435,14 @@ def describe(model: Any) -> ModelLayout:
             continue
         window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None
         if lt in _SLIDING_TYPES and not (isinstance(window, int) and window >= 1):
-            raise _refuse(mt, f"layer {i} is sliding-window attention without a window size")
+            raise _refuse(mt, f"layer {i} is sliding-window or chunked attention without a window size")
         hq, hkv, d = _layer_heads(cfg, i)
+        kind = "chunked" if lt == "chunked_attention" else "sliding" if window else "full"
         if latent:  # one latent row (keys) and one rotated key row (values) per token
-            specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, 1, int(cfg.kv_lora_rank), lt,
-                                   v_dim=int(cfg.qk_rope_head_dim)))
+            specs.append(LayerSpec(i, kind, window, hq, 1, int(cfg.kv_lora_rank), lt, v_dim=int(cfg.qk_rope_head_dim)))
             continue
         states = int(kw.get("number_of_states", 1)) if lt in STATEFUL_KV_TYPES else 0
-        specs.append(LayerSpec(i, "sliding" if window else "full", window, hq, hkv, d, lt, states))
+        specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states))
     if latent:
         return ModelLayout(mt, tuple(specs), None, _LATENT, latent=True)
     rope, err = _rope(model, cfg, types)
