@@ -206,6 +206,35 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
     assert not cache_dir.exists()
 
 
+def test_layers_of_two_head_sizes_calibrated_by_group(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """Gemma 4 (full layers of another head size than its sliding one): `calibrate` collects each
+    group of layers of one shape and writes them in one file, which serves every layer."""
+    import torch
+    import transformers
+
+    from kakeyaturbo.cache import KakeyaCache
+    from kakeyaturbo.calibration import Calibration
+
+    n = len(transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
+    wide = {"head_dim": 32, "num_key_value_heads": 1}
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-gemma4", transformers.Gemma4TextConfig,
+                            transformers.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention", "full_attention"],
+                            per_layer_config={"01": wide, "02": wide}, hidden_size_per_layer_input=16,
+                            vocab_size_per_layer_input=n)
+    cal = tmp_path / "g4.kkcal"
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(tiny_model_dir / "text.txt"),
+                     "--calibration-text", "same", "--windows", "2", "--window", "64", "--sensitivity-windows", "2",
+                     "--score", "16", "--samples", "20", "--out", str(cal)]) == 0
+    assert [st.layer_index for st, _ in Calibration.load(cal).pairs()] == [(1, 2), (0,)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=8)
+    ids = torch.randint(3, n, (1, 30), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert cache.codec.layers == (0, 1, 2) and all(layer.num_sealed() for layer in cache.layers)
+    assert not cache_dir.exists()
+
+
 def test_dtype_choices() -> None:
     from kakeyaturbo.eval import model
 

@@ -123,9 +123,10 @@ def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str
 
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
                   cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
-    """Per calibrated recipe's name, its (stats, sensitivity), or its ModelCodec where a codec
-    file (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``) gives it: ``--calibration``
-    naming one, or the recipe's ``[calibration] path``; statistics are shared by recipes that
+    """Per calibrated recipe's name, its (stats, sensitivity), or its ModelCodec where a file
+    gives it: ``--calibration`` naming a calibration file (codecs of every group of layers it
+    calibrates) or a codec file (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``), or
+    the recipe's ``[calibration] path`` naming a codec file; statistics are shared by recipes that
     depend on the same ones."""
     out: Dict[Any, Any] = {}
     if args.calibration and is_codec_file(args.calibration):
@@ -138,9 +139,9 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
         cal = Calibration.load(args.calibration).check_model(m)
         _say(f"calibration {args.calibration} ({cal.library}, made for {cal.model_type} "
              f"{cal.fingerprint})")
-        for rec in recs:
+        for rec in recs:  # codecs of every group of layers the file calibrates
             if rec.mode == "calibrated":
-                out[rec.name] = cal.parts(rec)
+                out[rec.name] = codec_for_model(m, rec, cal)[0]
         return out
     for rec in recs:
         if rec.mode != "calibrated":
@@ -240,30 +241,39 @@ def calibrate(args: argparse.Namespace) -> int:
         for p in obj.save(path):
             _say(f"wrote {p}")
 
-    got = []
-    for d, c in corpus.composition(text, args.windows, tok):
-        wins = calibration_windows(tok, d, c, args.window)
-        stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
-                        samples=args.samples, progress=_progress(f"calibration {d}"),
-                        meta={"model": model_path.name, **corpus.meta(d)})
-        if to_cache:
-            write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope))
-        got.append((stats, c))
-    stats = pool_stats(got, meta={"text": text, "rope": args.rope}) if mixed else got[0][0]
-    sens = None
-    if args.sensitivity_windows > 0:
-        sgot = []
-        for d, c in corpus.composition(text, args.sensitivity_windows, tok):
+    # One pass per group of K/V layers of one shape (Gemma 4: its full layers, then its sliding
+    # ones); the first group's statistics are the ones the evaluation finds in the cache.
+    from .families import describe as describe_model
+
+    pairs = []
+    for n, layers in enumerate(g[0] for g in describe_model(m).shape_groups()):
+        part = "" if n == 0 else f" (layers {layers[0]}..{layers[-1]})"
+        cache_it = to_cache and n == 0
+        got = []
+        for d, c in corpus.composition(text, args.windows, tok):
             wins = calibration_windows(tok, d, c, args.window)
-            one = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
-                                      labels=args.labels,
-                                      progress=_progress(f"sensitivity {d}"),
-                                      meta={"model": model_path.name, **corpus.meta(d)})
-            if to_cache:
-                write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
-                                            args.n_sink, dtype, args.rope))
-            sgot.append((one, c))
-        sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
+            stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
+                            samples=args.samples, progress=_progress(f"calibration {d}{part}"),
+                            meta={"model": model_path.name, **corpus.meta(d)}, layers=layers)
+            if cache_it:
+                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope))
+            got.append((stats, c))
+        stats = pool_stats(got, meta={"text": text, "rope": args.rope}) if mixed else got[0][0]
+        sens = None
+        if args.sensitivity_windows > 0:
+            sgot = []
+            for d, c in corpus.composition(text, args.sensitivity_windows, tok):
+                wins = calibration_windows(tok, d, c, args.window)
+                one = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
+                                          labels=args.labels, layers=layers,
+                                          progress=_progress(f"sensitivity {d}{part}"),
+                                          meta={"model": model_path.name, **corpus.meta(d)})
+                if cache_it:
+                    write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
+                                                args.n_sink, dtype, args.rope))
+                sgot.append((one, c))
+            sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
+        pairs.append((stats, sens))
     if not (args.out or args.codec):
         return 0
     record = {"model": model_path.name, "text": text, "split": "calibration",
@@ -272,7 +282,7 @@ def calibrate(args: argparse.Namespace) -> int:
               "sensitivity_windows": args.sensitivity_windows, "score": args.score,
               "labels": args.labels,
               "dtype": dtype, "rope": args.rope}
-    cal = Calibration.for_model(m, stats, sens, record)
+    cal = Calibration.for_model(m, *pairs[0], record, groups=pairs[1:])
     if args.out:
         out = cal.save(Path(args.out).expanduser())
         _say(f"wrote {out} (made for {cal.model_type} {cal.fingerprint})")

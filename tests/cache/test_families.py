@@ -392,7 +392,7 @@ def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
         kc.crop(-1)
 
 
-def test_gemma4_layers_of_two_head_sizes() -> None:
+def test_gemma4_layers_of_two_head_sizes(tmp_path) -> None:
     """Gemma 4's full layers have another head_dim and kv-head count than its sliding ones, read
     per layer from the config: caches of any codec serve it (keys with or without RoPE); a
     calibration covers the full layers (whose cache grows with the context), the sliding layer
@@ -435,6 +435,27 @@ def test_gemma4_layers_of_two_head_sizes() -> None:
     m = harness.codec_method(recipes.load("calibrated-4bit"), layout.num_layers, codec=codec)
     res = harness.evaluate(model, [list(w) + list(w[:7]) for w in wins], 24, [m])[m.name]
     assert 4.0 < res["bits_per_element"] < 16.0 and res["kl"] > 0
+    # The sliding layer's group calibrated too: a calibration of both groups, through its file,
+    # gives one codec of every layer, each group fitted from its own statistics.
+    assert layout.shape_groups() == (((1, 2), (4, 1, 32)), ((0,), (4, 2, 16)))
+    s0 = calibration.collect(model, wins, n_sink=1, samples=8, layers=[0])
+    z0 = calibration.collect_sensitivity(model, wins, n_sink=1, score=6, layers=[0])
+    assert s0.layer_index == z0.layer_index == (0,) and s0.q2.shape == (1, 2, 16, 16)
+    cal = calibration.Calibration.for_model(model, stats, sens, groups=[(s0, z0)])
+    cal = calibration.Calibration.load(cal.save(tmp_path / "g4.kkcal")).check_model(model)
+    assert [st.layer_index for st, _ in cal.pairs()] == [(1, 2), (0,)]
+    both = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=4)
+    assert both.codec.layers == (0, 1, 2) and both.fast
+    seq_b, _ = _generate(model, ids, both, n=8)
+    seq_bs, _ = _generate(model, ids, KakeyaCache(both.codec, model=model, block_size=4, n_sink=1, fast=False), n=8)
+    assert torch.equal(seq_b, seq_bs) and all(layer.num_sealed() for layer in both.layers)
+    assert {c.d for (_, layer, _), c in both.codec.codecs.items() if layer == 0} == {16}
+    path = both.codec.save(tmp_path / "g4.kkcodec", model)
+    assert calibration.ModelCodec.load(path).check_model(model).layers == (0, 1, 2)
+    with pytest.raises(kt.InvalidParameterError, match="layers \\[1\\] are not one of its groups"):
+        calibration.collect(model, wins, samples=2, layers=[1])
+    with pytest.raises(calibration.bundle.ModelMismatchError, match="a group of layers \\[1, 2\\]"):
+        calibration.Calibration.for_model(model, stats, sens, groups=[(stats, sens)])
 
 
 def test_calibration_needs_one_shape_for_the_full_layers() -> None:

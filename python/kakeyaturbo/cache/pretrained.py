@@ -53,5 +53,7 @@ def codec_for_model(model: Any, recipe: Union[Recipe, str, "os.PathLike[str]"],
                 f"{rec.name!r} (or with other settings)")
         return codec.check_model(model), rec
     cal = source if isinstance(source, Calibration) else Calibration.load(source)
-    stats, sens = cal.check_model(model).parts(rec)
-    return ModelCodec(stats, rec, threads=threads, sensitivity=sens), rec
+    # One codec per group of K/V layers of one shape the calibration covers (Gemma 4: full and
+    # sliding layers), each fitted from its own statistics.
+    parts = cal.check_model(model).all_parts(rec)
+    return ModelCodec.merged([ModelCodec(st, rec, threads=threads, sensitivity=se) for st, se in parts]), rec

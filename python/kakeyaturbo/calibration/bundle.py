@@ -1,7 +1,10 @@
 """A calibration that travels with its model: ONE self-contained safetensors file holding a
 model's attention statistics and sensitivity, with metadata that says which model it was made
 for (its type and a fingerprint of its attention weights), on which text and with which
-settings, by which library version, and a checksum of every array.
+settings, by which library version, and a checksum of every array. A model whose K/V layers
+come in several shapes (Gemma 4) has one pair per group of layers of one shape: the first under
+``stats/`` and ``sensitivity/``, the others under ``group1/``, ``group2/``, ... (their metadata
+in ``groups``).
 
 ``kakeyaturbo calibrate --out FILE`` writes it; :meth:`Calibration.load` reads it back (numpy
 only), :meth:`Calibration.check_model` refuses it for another model, and
@@ -16,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,7 +72,10 @@ class Calibration:
     """A model's calibration: :class:`AttentionStats`, the :class:`Sensitivity` where it was
     gathered, and who it belongs to (``model_type``, ``fingerprint`` of the attention weights,
     ``shape`` = (layers, kv_heads, head_dim)); ``settings`` (corpus, windows, dtype, ...) and
-    ``library`` (the version that made it) as recorded; ``path`` the file it came from."""
+    ``library`` (the version that made it) as recorded; ``path`` the file it came from.
+    ``groups``: the ``(stats, sensitivity)`` of the model's further groups of K/V layers of one
+    shape (:meth:`~kakeyaturbo.families.ModelLayout.shape_groups` after the first: Gemma 4's
+    sliding layers), where they were calibrated too."""
 
     stats: AttentionStats
     sensitivity: Optional[Sensitivity]
@@ -78,6 +84,7 @@ class Calibration:
     settings: Dict[str, Any] = field(default_factory=dict)
     library: str = f"kakeyaturbo {__version__}"
     path: Optional[Path] = None
+    groups: Tuple[Tuple[AttentionStats, Optional[Sensitivity]], ...] = ()
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -85,19 +92,24 @@ class Calibration:
 
     @classmethod
     def for_model(cls, model: Any, stats: AttentionStats, sensitivity: Optional[Sensitivity] = None,
-                  settings: Optional[Dict[str, Any]] = None) -> "Calibration":
+                  settings: Optional[Dict[str, Any]] = None,
+                  groups: Sequence[Tuple[AttentionStats, Optional[Sensitivity]]] = ()) -> "Calibration":
         """The calibration of a loaded ``model`` from statistics gathered on it (its type and
         fingerprint are read from the model); checked against the model's shapes."""
         from ..families import describe
 
         cal = cls(stats=stats, sensitivity=sensitivity, model_type=describe(model).model_type,
-                  fingerprint=fingerprint(model), settings=dict(settings or {}))
+                  fingerprint=fingerprint(model), settings=dict(settings or {}), groups=tuple(groups))
+        for st, se in cal.pairs():
+            if se is not None and (se.k.shape != st.q2.shape or se.layer_index != st.layer_index):
+                raise InvalidParameterError(f"sensitivity of shape {se.k.shape} does not match the "
+                                            f"statistics' {st.q2.shape} (or not over the same layers)")
         cal._check_shapes(model, "statistics")
-        if sensitivity is not None and (sensitivity.k.shape != stats.q2.shape
-                                        or sensitivity.layer_index != stats.layer_index):
-            raise InvalidParameterError(f"sensitivity of shape {sensitivity.k.shape} does not match the "
-                                        f"statistics' {stats.q2.shape} (or not over the same layers)")
         return cal
+
+    def pairs(self) -> List[Tuple[AttentionStats, Optional[Sensitivity]]]:
+        """``(stats, sensitivity)`` of every group of layers it calibrates, the main one first."""
+        return [(self.stats, self.sensitivity), *self.groups]
 
     def _where(self) -> str:
         return f"calibration file {str(self.path)!r}" if self.path else "calibration"
@@ -106,7 +118,8 @@ class Calibration:
         from ..families import describe
 
         layout = describe(model)
-        layers, (_, kv, d) = layout.calibration_group()
+        groups = layout.shape_groups()
+        layers, (_, kv, d) = groups[0]
         want = (len(layers), kv, d)
         if self.shape != want:
             raise ModelMismatchError(
@@ -116,6 +129,13 @@ class Calibration:
             raise ModelMismatchError(
                 f"{what} are of layers {list(self.stats.layer_index)}, but the model's calibrated K/V "
                 f"layers ({layout.model_type!r}) are {list(layers)}")
+        others = {g[0]: g[1][1:] for g in groups[1:]}
+        for st, _ in self.groups:
+            if others.get(st.layer_index) != (st.kv_heads, int(st.q2.shape[-1])):
+                raise ModelMismatchError(
+                    f"{what} hold a group of layers {list(st.layer_index)} ({st.kv_heads} kv-heads, "
+                    f"head_dim {st.q2.shape[-1]}) that is not one of the model's "
+                    f"({layout.model_type!r}: {[(list(g[0]), g[1][1:]) for g in groups[1:]]})")
 
     def check_model(self, model: Any) -> "Calibration":
         """Itself when it was made for ``model``; ModelMismatchError naming the file and what
@@ -135,22 +155,28 @@ class Calibration:
         return self
 
     def parts(self, recipe: Any) -> Tuple[AttentionStats, Optional[Sensitivity]]:
-        """``(stats, sensitivity)`` for a calibrated recipe; InvalidParameterError when the
-        recipe needs the sensitivity and the file holds none."""
-        if getattr(recipe, "needs_sensitivity", False) and self.sensitivity is None:
+        """``(stats, sensitivity)`` of the main group for a calibrated recipe;
+        InvalidParameterError when the recipe needs the sensitivity and the file holds none."""
+        return self.all_parts(recipe)[0]
+
+    def all_parts(self, recipe: Any) -> List[Tuple[AttentionStats, Optional[Sensitivity]]]:
+        """:meth:`parts` of every group it calibrates, the main one first."""
+        if getattr(recipe, "needs_sensitivity", False) and any(se is None for _, se in self.pairs()):
             raise InvalidParameterError(
                 f"recipe {recipe.name!r} needs the model's sensitivity, which {self._where()} does "
                 "not hold (it was calibrated with --sensitivity-windows 0)")
-        return self.stats, self.sensitivity
+        return self.pairs()
 
     # --- the file ---------------------------------------------------------------------------
 
     def save(self, path: "os.PathLike[str] | str") -> Path:
         """Writes the one file (safetensors; see the module doc) and returns its path."""
-        arrays = {_STATS + k: np.ascontiguousarray(getattr(self.stats, k)) for k in self.stats.ARRAYS}
-        if self.sensitivity is not None:
-            arrays.update({_SENS + k: np.ascontiguousarray(getattr(self.sensitivity, k))
-                           for k in self.sensitivity.ARRAYS})
+        arrays: Dict[str, np.ndarray] = {}
+        for n, (st, se) in enumerate(self.pairs()):
+            pre = "" if n == 0 else f"group{n}/"
+            arrays.update({pre + _STATS + k: np.ascontiguousarray(getattr(st, k)) for k in st.ARRAYS})
+            if se is not None:
+                arrays.update({pre + _SENS + k: np.ascontiguousarray(getattr(se, k)) for k in se.ARRAYS})
         meta = {
             "format": FORMAT, "version": str(VERSION), "library": self.library,
             "model_type": self.model_type, "fingerprint": self.fingerprint,
@@ -161,6 +187,9 @@ class Calibration:
                                            sort_keys=True),
             "sha256": _checksum(arrays),
         }
+        if self.groups:
+            meta["groups"] = json.dumps([[st.meta, se.meta if se is not None else None] for st, se in self.groups],
+                                        sort_keys=True)
         return write_file(path, arrays, meta)
 
     @classmethod
@@ -179,20 +208,27 @@ class Calibration:
             def js(key: str) -> Any:
                 return json.loads(meta[key])
 
-            missing = [k for k in AttentionStats.ARRAYS if _STATS + k not in arrays]
-            if missing:
-                raise CorruptDataError(f"{where} lacks the arrays {missing}")
-            stats = AttentionStats(meta=js("stats_meta"),
-                                   **{k: arrays[_STATS + k] for k in AttentionStats.ARRAYS})
-            sens = None
-            if any(k.startswith(_SENS) for k in arrays):
-                sens = Sensitivity(meta=js("sensitivity_meta") or {},
-                                   **{k: arrays[_SENS + k] for k in Sensitivity.ARRAYS})
+            metas = [[js("stats_meta"), js("sensitivity_meta")]] + list(js("groups") if "groups" in meta else [])
+            if not all(isinstance(m, list) and len(m) == 2 for m in metas):
+                raise CorruptDataError(f"{where}: its groups record does not read")
+            pairs = []
+            for n, (st_meta, se_meta) in enumerate(metas):
+                pre = "" if n == 0 else f"group{n}/"
+                missing = [pre + _STATS + k for k in AttentionStats.ARRAYS if pre + _STATS + k not in arrays]
+                if missing:
+                    raise CorruptDataError(f"{where} lacks the arrays {missing}")
+                st = AttentionStats(meta=st_meta, **{k: arrays[pre + _STATS + k] for k in AttentionStats.ARRAYS})
+                se = None
+                if any(k.startswith(pre + _SENS) for k in arrays):
+                    se = Sensitivity(meta=se_meta or {}, **{k: arrays[pre + _SENS + k] for k in Sensitivity.ARRAYS})
+                if se is not None and (se.k.shape != st.q2.shape or se.layer_index != st.layer_index):
+                    raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
+                pairs.append((st, se))
+            (stats, sens), groups = pairs[0], tuple(pairs[1:])
             cal = cls(stats=stats, sensitivity=sens, model_type=str(meta["model_type"]),
                       fingerprint=str(meta["fingerprint"]), settings=js("settings"),
-                      library=str(meta.get("library", "")), path=p)
-            if list(cal.shape) != js("shape") or (sens is not None and (
-                    sens.k.shape != stats.q2.shape or sens.layer_index != stats.layer_index)):
+                      library=str(meta.get("library", "")), path=p, groups=groups)
+            if list(cal.shape) != js("shape"):
                 raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
         except CorruptDataError:
             raise

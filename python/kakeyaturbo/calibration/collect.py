@@ -78,17 +78,28 @@ class _Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
-def _shapes(model: Any, side: str) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
+def _shapes(model: Any, side: str, group: Optional[Sequence[int]] = None
+            ) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
     """``(rope, layer indices, q_heads, kv_heads, head_dim, shared, kv)``: the RoPE to take off
     the keys (``side`` ``"before"``; None ``"after"``, where the keys are taken as cached, so a
     rotation that cannot be recomputed, Phi-4's ``longrope``, does not matter), the K/V layers
-    statistics are stacked over (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`), in
-    order, and their shape; ``shared``, the layers that attend over one of them (KV sharing:
-    layer -> the one it reads); ``kv``, every layer holding its own K/V rows."""
+    statistics are stacked over (``group``, one of
+    :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`' layer lists; default the
+    calibration group), in order, and their shape; ``shared``, the layers that attend over one of
+    them (KV sharing: layer -> the one it reads); ``kv``, every layer holding its own K/V rows."""
     from ..families import describe
 
     layout = describe(model)
-    layers, (hq, hkv, d) = layout.calibration_group()
+    groups = layout.shape_groups()
+    if group is None:
+        layers, (hq, hkv, d) = groups[0]
+    else:
+        found = [g for g in groups if list(g[0]) == [int(i) for i in group]]
+        if not found:
+            raise InvalidParameterError(
+                f"model type {layout.model_type!r}: layers {list(group)} are not one of its groups of K/V "
+                f"layers of one shape {[list(g[0]) for g in groups]}")
+        layers, (hq, hkv, d) = found[0]
     rope = layout.require_rope() if side == "before" else None
     shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
     return rope, layers, hq, hkv, d, shared, layout.kv_layers
@@ -307,7 +318,8 @@ def _side(rope: str) -> str:
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
-            meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> AttentionStats:
+            meta: Optional[Dict[str, Any]] = None, rope: str = "before",
+            layers: Optional[Sequence[int]] = None) -> AttentionStats:
     """Runs ``model`` over ``windows`` (token id lists) and gathers :class:`AttentionStats` of its
     queries, keys and values before RoPE (after q/k norms where the family has them). ``samples``
     rows per (layer, kv-head) are drawn uniformly (seeded) from the positions ``>= n_sink`` of all
@@ -328,9 +340,9 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     RoPE applied (for codecs that code keys the way the cache holds them, so that attention can
     be computed from the codes; values are the same either way).
 
-    The statistics cover the model's K/V layers of one shape
-    (:meth:`~kakeyaturbo.families.ModelLayout.calibration_group`: all of them, or Gemma 4's full
-    layers), one row each (``meta["layer_index"]`` names them where they are not ``0 .. L-1``: a
+    The statistics cover the model's K/V layers of one shape, ``layers`` (one of
+    :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`' layer lists; default the calibration
+    group: all of them, or Gemma 4's full layers), one row each (``meta["layer_index"]`` names them where they are not ``0 .. L-1``: a
     hybrid's); a layer that shares another's K/V (Gemma 3n, Gemma 4) adds its queries, attention
     weights and output projection to the row of the layer it reads.
 
@@ -346,7 +358,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
-    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model, side)
+    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model, side, layers)
     n_layers = len(kv_layers)
     at = {i: j for j, i in enumerate(kv_layers)}  # model layer index -> row of the statistics
     # A layer sharing another's K/V: its queries and attention weigh the rows of the one it reads.
@@ -446,7 +458,8 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                         score: int = 64,
                         progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
                         meta: Optional[Dict[str, Any]] = None, rope: str = "before",
-                        labels: str = "text", seed: int = 0) -> Sensitivity:
+                        labels: str = "text", seed: int = 0,
+                        layers: Optional[Sequence[int]] = None) -> Sensitivity:
     """Runs ``model`` over ``windows`` (token id lists) with gradients and gathers its
     :class:`Sensitivity`, the way the evaluation uses a cache: the first ``ctx = len - score -
     1`` tokens of a window are the cached prefix, the next ``score`` tokens are fed through it
@@ -458,7 +471,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     layer's cached rows does not reach the other layers' cached rows, which were filled before
     it), while the fed tokens stay differentiable through every layer. ``rope="after"`` keeps
     the keys' gradients as attention receives the keys (RoPE applied), for codecs that code them
-    that way.
+    that way. ``layers``: the K/V layers, as :func:`collect` takes them.
 
     ``labels`` names the next tokens whose NLL is the loss: ``"text"``, the window's own (the
     empirical Fisher: positions weigh by how surprised the model is), or ``"model"``, each drawn
@@ -474,7 +487,7 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model, side)
+    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model, side, layers)
     n_layers = len(kv_layers)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(

@@ -29,9 +29,10 @@ def pool_stats(items: Sequence[Tuple[AttentionStats, float]], *, samples: Option
     w = _weights(items)
     first = items[0][0]
     for s, _ in items:
-        if s.q2.shape != first.q2.shape:
+        if s.q2.shape != first.q2.shape or s.layer_index != first.layer_index:
             raise InvalidParameterError(f"cannot pool statistics of shapes {s.q2.shape} and "
-                                        f"{first.q2.shape}")
+                                        f"{first.q2.shape} (layers {list(s.layer_index)} and "
+                                        f"{list(first.layer_index)})")
     q2 = sum(p * s.q2 for (s, _), p in zip(items, w))
     pooled = {}
     for name in ("k", "v"):
@@ -67,9 +68,9 @@ def pool_sensitivity(items: Sequence[Tuple[Sensitivity, float]], *,
     w = _weights(items)
     first = items[0][0]
     for s, _ in items:
-        if s.k.shape != first.k.shape:
+        if s.k.shape != first.k.shape or s.layer_index != first.layer_index:
             raise InvalidParameterError(f"cannot pool sensitivities of shapes {s.k.shape} and "
-                                        f"{first.k.shape}")
+                                        f"{first.k.shape} (or of other layers)")
     info = dict(first.meta)
     info.update(meta or {})
     info["parts"] = [dict(s.meta, weight=float(p)) for (s, _), p in zip(items, w)]

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -207,12 +207,14 @@ class ModelCodec:
             raise
         except (KeyError, ValueError, TypeError, AttributeError, KakeyaError) as e:
             raise CorruptDataError(f"{where}: {e}") from None
-        layers = sorted({k[1] for k in codecs})
-        kv = sorted({k[2] for k in codecs})
-        want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer in layers for h in kv}
-        if not codecs or set(codecs) != want or min(layers) < 0 or kv != list(range(len(kv))):
+        # Every layer's kv-heads 0..n-1 (n per layer: a model's groups of layers may differ), for
+        # every stream of the recipe.
+        heads = {layer: 1 + max(h for (_, la, h) in codecs if la == layer) for (_, layer, _) in codecs}
+        want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer, n in heads.items()
+                for h in range(n)}
+        if not codecs or set(codecs) != want or min(heads) < 0:
             raise CorruptDataError(f"{where}: its calibrations do not cover the recipe's streams "
-                                   f"over layers {layers} and kv-heads 0..{len(kv) - 1}")
+                                   f"over layers {sorted(heads)} and their kv-heads")
         try:
             made_for = json.loads(meta.get("model", "null"))
             if made_for is not None:
@@ -232,26 +234,68 @@ class ModelCodec:
         out.model_bytes = sum(c.model_bytes for c in codecs.values())
         return out
 
+    def _heads(self, layers: Sequence[int]) -> Any:
+        """The kv-head count of the codecs of ``layers`` (a set of counts where they differ)."""
+        got = {1 + max(h for (_, la, h) in self.codecs if la == layer) for layer in layers
+               if any(la == layer for (_, la, _) in self.codecs)}
+        return next(iter(got)) if len(got) == 1 else sorted(got)
+
+    def _width(self, layers: Sequence[int]) -> Any:
+        """The head_dim of the codecs of ``layers`` (a set where they differ)."""
+        got = {c.d for (_, la, _), c in self.codecs.items() if la in set(layers)}
+        return next(iter(got)) if len(got) == 1 else sorted(got)
+
+    @classmethod
+    def merged(cls, parts: Sequence["ModelCodec"]) -> "ModelCodec":
+        """One codec of several fitted for the same recipe over disjoint layers (a model's groups
+        of K/V layers of one shape, each fitted from its own statistics: Gemma 4's full and
+        sliding layers); the first itself when there is one."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        out = cls.__new__(cls)
+        out.__dict__.update(first.__dict__)
+        out.codecs, out.tables = {}, {}
+        for part in parts:
+            if part.recipe != first.recipe or part.pre_rope_keys != first.pre_rope_keys:
+                raise InvalidParameterError("codecs of different recipes do not merge")
+            if set(part.codecs) & set(out.codecs):
+                raise InvalidParameterError("codecs fitted for the same layers do not merge")
+            out.codecs.update(part.codecs)
+            for stream, tables in part.tables.items():
+                out.tables.setdefault(stream, {}).update(tables)
+        out.model_bytes = sum(c.model_bytes for c in out.codecs.values())
+        return out
+
     @property
     def layers(self) -> Tuple[int, ...]:
         """The model's layer indices the codecs were fitted for (its K/V layers)."""
         return tuple(sorted({k[1] for k in self.codecs}))
 
     def check_model(self, model: Any) -> "ModelCodec":
-        """Itself when its codecs fit ``model`` (the K/V layers of its calibration group,
-        :meth:`~kakeyaturbo.families.ModelLayout.calibration_group`, their kv-heads and head_dim, and
-        where a codec file recorded one, the model's type and the fingerprint of its attention
-        weights); ModelMismatchError saying what differs otherwise."""
+        """Itself when its codecs fit ``model`` (whole groups of its K/V layers of one shape,
+        :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`, the calibration group among
+        them, with their kv-heads and head_dim; and where a codec file recorded one, the model's
+        type and the fingerprint of its attention weights); ModelMismatchError saying what
+        differs otherwise."""
         from ..families import describe
 
         where = f"codec file {str(self.path)!r}" if self.path else "the codec"
         layout = describe(model)
-        layers, (_, kv, d) = layout.calibration_group()
-        have = (_span(self.layers), 1 + max(k[2] for k in self.codecs), next(iter(self.codecs.values())).d)
-        want = (_span(layers), kv, d)
-        if have != want:
-            raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
-                                     f"model ({layout.model_type!r}) has {want}")
+        groups = layout.shape_groups()
+        mine = set(self.layers)
+        extra = sorted(mine - set(layout.kv_layers))
+        if extra:
+            raise ModelMismatchError(f"{where} holds layers {extra}, which the model ({layout.model_type!r}) "
+                                     f"has no K/V rows for (its K/V layers: {list(layout.kv_layers)})")
+        for n, (layers, (_, kv, d)) in enumerate(groups):
+            if n and not mine & set(layers):
+                continue  # another shape's layers left raw (Gemma 4's sliding ones)
+            have = (_span(tuple(sorted(mine & set(layers)))), self._heads(layers), self._width(layers))
+            want = (_span(layers), kv, d)
+            if have != want:
+                raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
+                                         f"model ({layout.model_type!r}) has {want}")
         if self.model_info is not None:
             if self.model_info["type"] != layout.model_type:
                 raise ModelMismatchError(f"{where} was fitted for a {self.model_info['type']!r} model, "

@@ -115,13 +115,26 @@ class ModelLayout:
                 f"model type {self.model_type!r}: keys without RoPE are not available: {self.rope_error}")
         return self.rope
 
+    def shape_groups(self) -> Tuple[Tuple[Tuple[int, ...], Tuple[int, int, int]], ...]:
+        """Every K/V layer, grouped by ``(q_heads, kv_heads, head_dim)``: ``((layers, shape),
+        ...)``, the :meth:`calibration_group` first (one group where the layers share a shape;
+        Gemma 4: its full layers, then its sliding ones). Each group's statistics are stacked
+        alike; UnsupportedModelError as :meth:`calibration_group`."""
+        first = self.calibration_group()
+        rest: Dict[Tuple[int, int, int], List[int]] = {}
+        for s in self.layers:
+            if s.has_kv and s.index not in first[0]:
+                rest.setdefault((s.q_heads, s.kv_heads, s.head_dim), []).append(s.index)
+        return (first,) + tuple((tuple(v), k) for k, v in rest.items())
+
     def calibration_group(self) -> Tuple[Tuple[int, ...], Tuple[int, int, int]]:
         """``(layers, (q_heads, kv_heads, head_dim))``: the K/V layers calibration statistics are
         stacked over (one shape) and their shape. Every K/V layer where they share one shape;
         where they do not (Gemma 4's full layers have another head_dim than its sliding ones),
         the layers of the full-attention layers' shape, provided every full-attention layer has
         it: the layers whose cache grows with the context. The other K/V layers (sliding, within
-        their window) are then not calibrated and stay raw in a calibrated recipe's cache.
+        their window) stay raw in a calibrated recipe's cache unless the calibration holds their
+        group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` collects every group).
         UnsupportedModelError when no such group exists, or for multi-head latent attention (the
         statistics are taken where attention runs, over keys and values expanded from the
         latent, not over the rows the cache holds)."""
