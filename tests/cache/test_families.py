@@ -456,6 +456,17 @@ def test_gemma4_layers_of_two_head_sizes(tmp_path) -> None:
         calibration.collect(model, wins, samples=2, layers=[1])
     with pytest.raises(calibration.bundle.ModelMismatchError, match="a group of layers \\[1, 2\\]"):
         calibration.Calibration.for_model(model, stats, sens, groups=[(stats, sens)])
+    with pytest.raises(calibration.bundle.ModelMismatchError, match="a group of layers twice"):
+        calibration.Calibration.for_model(model, stats, sens, groups=[(s0, z0), (s0, z0)])
+    # A groups record that does not read: a typed error naming the file.
+    meta, arrays = calibration.bundle._read(tmp_path / "g4.kkcal", "x")
+    calibration.bundle.write_file(tmp_path / "bad.kkcal", arrays, dict(meta, groups="[1]"))
+    with pytest.raises(kt.CorruptDataError, match="bad.kkcal.*groups record does not read"):
+        calibration.Calibration.load(tmp_path / "bad.kkcal")
+    del meta["groups"]  # its arrays without their record: refused, not ignored
+    calibration.bundle.write_file(tmp_path / "bad.kkcal", arrays, meta)
+    with pytest.raises(kt.CorruptDataError, match="holds arrays no group record describes"):
+        calibration.Calibration.load(tmp_path / "bad.kkcal")
 
 
 def test_calibration_needs_one_shape_for_the_full_layers() -> None:

@@ -130,6 +130,8 @@ class Calibration:
                 f"{what} are of layers {list(self.stats.layer_index)}, but the model's calibrated K/V "
                 f"layers ({layout.model_type!r}) are {list(layers)}")
         others = {g[0]: g[1][1:] for g in groups[1:]}
+        if len({st.layer_index for st, _ in self.groups}) != len(self.groups):
+            raise ModelMismatchError(f"{what} hold a group of layers twice")
         for st, _ in self.groups:
             if others.get(st.layer_index) != (st.kv_heads, int(st.q2.shape[-1])):
                 raise ModelMismatchError(
@@ -224,6 +226,11 @@ class Calibration:
                 if se is not None and (se.k.shape != st.q2.shape or se.layer_index != st.layer_index):
                     raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
                 pairs.append((st, se))
+            read = {f"{'' if n == 0 else f'group{n}/'}{part}{k}" for n in range(len(pairs))
+                    for part, names in ((_STATS, AttentionStats.ARRAYS), (_SENS, Sensitivity.ARRAYS)) for k in names}
+            if set(arrays) - read:
+                raise CorruptDataError(f"{where} holds arrays no group record describes "
+                                       f"({sorted(set(arrays) - read)[:3]} ...)")
             (stats, sens), groups = pairs[0], tuple(pairs[1:])
             cal = cls(stats=stats, sensitivity=sens, model_type=str(meta["model_type"]),
                       fingerprint=str(meta["fingerprint"]), settings=js("settings"),

@@ -342,9 +342,10 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
 
     The statistics cover the model's K/V layers of one shape, ``layers`` (one of
     :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`' layer lists; default the calibration
-    group: all of them, or Gemma 4's full layers), one row each (``meta["layer_index"]`` names them where they are not ``0 .. L-1``: a
-    hybrid's); a layer that shares another's K/V (Gemma 3n, Gemma 4) adds its queries, attention
-    weights and output projection to the row of the layer it reads.
+    group: all of them, or Gemma 4's full layers), one row each (``meta["layer_index"]`` names
+    them where they are not ``0 .. L-1``: a hybrid's); a layer that shares another's K/V (Gemma
+    3n, Gemma 4) adds its queries, attention weights and output projection to the row of the
+    layer it reads.
 
     Raises UnsupportedModelError (a ValueError) for a model whose keys' RoPE cannot be removed
     (``rope="before"`` only: after it, keys are taken as cached, whatever their rotation),
