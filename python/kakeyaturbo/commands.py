@@ -124,10 +124,10 @@ def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
                   cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
     """Per calibrated recipe's name, its (stats, sensitivity), or its ModelCodec where a file
-    gives it: ``--calibration`` naming a calibration file (codecs of every group of layers it
-    calibrates) or a codec file (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``), or
-    the recipe's ``[calibration] path`` naming a codec file; statistics are shared by recipes that
-    depend on the same ones."""
+    gives it: ``--calibration`` or the recipe's ``[calibration] path`` naming a calibration file
+    (codecs of every group of layers it calibrates) or a codec file (``ModelCodec.save``,
+    ``kakeyaturbo calibrate --codec-out``); statistics are shared by recipes that depend on the
+    same ones."""
     out: Dict[Any, Any] = {}
     if args.calibration and is_codec_file(args.calibration):
         for rec in recs:
@@ -146,20 +146,20 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
     for rec in recs:
         if rec.mode != "calibrated":
             continue
-        if rec.calibration.path and is_codec_file(rec.calibration.path):
-            out[rec.name] = codec_for_model(m, rec)[0]
-            _say(f"{rec.name}: codecs from codec file {rec.calibration.path}")
+        if rec.calibration.path and (is_codec_file(rec.calibration.path)
+                                     or is_calibration_file(rec.calibration.path)):
+            out[rec.name] = codec_for_model(m, rec)[0]  # (every group of layers a calibration file holds)
+            _say(f"{rec.name}: codecs from {rec.calibration.path}")
             continue
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if key not in out:
             text = cal_text or rec.calibration.corpus
-            if not (rec.calibration.path and is_calibration_file(rec.calibration.path)):
-                todo = missing(rec, m, tok, model_path, text)
-                if todo:
-                    plan = calibration_plan(todo)
-                    announce_calibration(m, tok, text_path, rec.calibration,
-                                         plan.get("statistics", (0, ""))[0],
-                                         plan.get("sensitivity", (0, ""))[0], todo)
+            todo = missing(rec, m, tok, model_path, text)
+            if todo:
+                plan = calibration_plan(todo)
+                announce_calibration(m, tok, text_path, rec.calibration,
+                                     plan.get("statistics", (0, ""))[0],
+                                     plan.get("sensitivity", (0, ""))[0], todo)
             out[key] = for_recipe(rec, m, tok, model_path, text, progress=_progress)
         out[rec.name] = out[key]
     return out
