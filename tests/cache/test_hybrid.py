@@ -217,3 +217,19 @@ def test_a_block_shared_across_layers_is_served_not_calibrated() -> None:
         assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
     with pytest.raises(kt.UnsupportedModelError, match="'zamba2': an attention module with layer_idx -1 ran"):
         calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1", "nemotron_h", "gemma4_text"])
+def test_left_padded_batches(name) -> None:
+    """A batch of two prompts, one left-padded: keys coded without RoPE come back at each row's
+    own positions beside the recurrent states (or shared layers), the tokens those of DynamicCache."""
+    model = build(name)
+    ids = torch.randint(3, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, cache=transformers.DynamicCache(config=model.config), **kw)
+    got = model.generate(ids, cache=KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model, block_size=4,
+                                                n_sink=1), **kw)
+    assert torch.equal(got, ref)
