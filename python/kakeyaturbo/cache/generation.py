@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import weakref
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import Cache
@@ -96,26 +96,16 @@ class KakeyaCache(Cache):
                 raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
         windows: Tuple[Optional[int], ...] = ()
         layout = None
-        # From the model's layout: the layers without K/V rows of their own (a hybrid's state
-        # layers, KV-sharing layers: transformers' own cache layers), by index; the attention
-        # calls that read each K/V layer's rows (KV sharing); the K/V layers that also hold
-        # recurrent states (their count) and those that hold an indexer's keys.
-        self._state_specs: Dict[int, Any] = {}
-        self._readers: Dict[int, int] = {}
-        self._kv_states: Dict[int, int] = {}
-        self._indexed: Set[int] = set()
+        #: The model's layers as :func:`describe` read them (empty without a model): which cache
+        #: layer each gets (:meth:`_new_layer`).
+        self._specs: Tuple[Any, ...] = ()
         if model is not None:
             layout = describe(model)
             if num_layers is not None and num_layers != layout.num_layers:
                 raise InvalidParameterError(f"num_layers={num_layers} but the model has {layout.num_layers} layers")
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
-            self._state_specs = {s.index: s for s in layout.layers if not s.has_kv}
-            self._kv_states = {s.index: s.states for s in layout.layers if s.has_kv and s.states}
-            self._indexed = {s.index for s in layout.layers if s.cache_type == "indexed_attention"}
-            for s in layout.layers:  # KV sharing: the layers that also read a layer's rows
-                if s.reads is not None:
-                    self._readers[s.reads] = self._readers.get(s.reads, 1) + 1
+            self._specs = layout.layers
         self.codec = codec
         self.block_size = block_size
         self.n_sink = n_sink
@@ -210,22 +200,25 @@ class KakeyaCache(Cache):
         return load(path, model, codec, calibration=calibration, **kwargs)
 
     def _new_layer(self, i: int) -> Any:
-        spec = self._state_specs.get(i)
-        if spec is not None:  # a recurrent / convolution state or no cache: transformers' own layer
+        spec = self._specs[i] if i < len(self._specs) else None
+        if spec is not None and not spec.has_kv:
+            # A hybrid's recurrent / convolution state, or no cache (MLP-only, KV sharing):
+            # transformers' own layer.
             from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
             kw = {"number_of_states": spec.states} if spec.states else {}
             return DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type](**kw)
         raw = i in self.boundary or not codes_layer(self.codec, i)
-        states = self._kv_states.get(i)  # K/V rows and a recurrent state in one layer (Falcon-H1)
-        cls: Any = KakeyaLayer if states is None else partial(KakeyaStateLayer, number_of_states=states)
-        if i in self._indexed:  # K/V rows and an indexer's keys (dynamic sparse attention)
+        cls: Any = KakeyaLayer
+        if spec is not None and spec.states:  # K/V rows and a recurrent state in one layer (Falcon-H1)
+            cls = partial(KakeyaStateLayer, number_of_states=spec.states)
+        elif spec is not None and spec.cache_type == "indexed_attention":  # and an indexer's keys
             cls = KakeyaIndexedLayer
         layer = cls(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
                     streams=() if raw else self.streams, rope=layer_rope(self.rope, i),
                     positions=self._positions, keep_decoded=self.keep_decoded,
                     window=self.windows[i] if i < len(self.windows) else None)
-        layer.readers = self._readers.get(i, 1)
+        layer.readers = 1 + sum(s.reads == i for s in self._specs)  # its own attention, KV sharing's
         if self.fast and set(STREAMS) <= set(layer.streams):
             layer.fast = True
             layer.fast_check = self._fast_check
