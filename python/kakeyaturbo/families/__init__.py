@@ -1,7 +1,8 @@
 """What each decoder family transformers ships needs from the cache, found on the loaded model
 (needs torch and transformers: the ``eval`` extra).
 
-- `layout`: :func:`describe`, a model per layer (full or sliding-window attention, heads, the
+- `layout`: :func:`describe`, a model per layer (full, sliding-window or chunked attention; a
+  hybrid's recurrent or convolution state; KV sharing; multi-head latent attention; heads, the
   RoPE of its keys) and :class:`~kakeyaturbo.errors.UnsupportedModelError` for what cannot work;
 - `rope`: RoPE as the families apply it (pairings, partial rotary, per-layer-type rotary
   modules), its exact inverse and transpose;
