@@ -181,7 +181,7 @@ def test_layers_holding_kv_rows_and_states_together(tmp_path) -> None:
     """Falcon-H1's layers run attention and a Mamba-2 mixer side by side: each cache layer holds
     K/V rows (coded) and the mixer's states (as transformers holds them), which a saved cache
     does not carry."""
-    from kakeyaturbo.cache.layer import KakeyaStateLayer
+    from kakeyaturbo.cache.extra_layers import KakeyaStateLayer
 
     model = build("falcon_h1")
     layout = describe(model)

@@ -21,7 +21,8 @@ from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, codes_layer, wants_rope
-from .layer import KakeyaIndexedLayer, KakeyaLayer, KakeyaStateLayer
+from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
+from .layer import KakeyaLayer
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope

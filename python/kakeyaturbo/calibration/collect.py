@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
+from .checks import RotatedKeys, check_keys_rotate_last, check_same_output
 from .stats import AttentionStats, Sensitivity
 
 # `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
@@ -112,109 +113,6 @@ def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
     if list(layers) != list(range(len(layers))):
         out["layer_index"] = [int(i) for i in layers]
     return out
-
-
-class _RotatedKeys:
-    """While open, what the model's own ``apply_rotary_pos_emb`` returns, call by call: the keys
-    of a ``(q, k) -> (q, k)`` function, every output of one that rotates one tensor per call
-    (Gemma 4: the queries, then the keys). :meth:`take` hands over what was recorded since the
-    last take (called as each layer's attention runs: the rotations of that layer). Nothing is
-    recorded where the modeling module has no such function."""
-
-    def __init__(self, model: Any) -> None:
-        from ..families.layout import rope_module
-
-        self.module = rope_module(model)
-        self._pending: List[Any] = []
-
-    def take(self) -> List[Any]:
-        out, self._pending = self._pending, []
-        return out
-
-    def __enter__(self) -> "_RotatedKeys":
-        if self.module is not None:
-            orig = self.orig = self.module.apply_rotary_pos_emb
-
-            def spy(*a: Any, **kw: Any) -> Any:
-                out = orig(*a, **kw)
-                if isinstance(out, tuple) and len(out) == 2:
-                    self._pending.append(out[1].detach())
-                elif hasattr(out, "detach"):
-                    self._pending.append(out.detach())
-                return out
-
-            self.module.apply_rotary_pos_emb = spy
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.module is not None:
-            self.module.apply_rotary_pos_emb = self.orig
-
-
-def _close(a: Any, b: Any, ulps: int, dtype: Any) -> bool:
-    """Whether ``a`` is within ``max(1e-4, ulps * eps(dtype))`` of ``b``'s largest magnitude
-    everywhere (tensors of one shape; ``dtype``'s rounding allowed)."""
-    import torch
-
-    tol = max(1e-4, ulps * float(torch.finfo(dtype).eps)) if dtype.is_floating_point else 1e-4
-    b = b.double()
-    return (a.double() - b).abs().max().item() <= tol * max(b.abs().max().item(), 1e-30)
-
-
-def _check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Tuple[Any, List[Any]]]) -> None:
-    """UnsupportedModelError when a layer's keys as attention receives them are not those its
-    ``apply_rotary_pos_emb`` returned: the family changes its keys after RoPE (a k norm on the
-    rotated keys, HunYuan), so removing RoPE from what the cache holds does not give
-    position-free keys to calibrate on. ``got``: per layer holding its own K/V rows, its keys as
-    attention received them and what the function returned as the layer ran
-    (:meth:`_RotatedKeys.take`). Nothing is checked where no call was seen at all (a family whose
-    attention does not look the function up in its module); UnsupportedModelError where a layer
-    that :func:`~kakeyaturbo.families.describe` reads as rotating its keys called it not at all,
-    or one it reads as not rotating did (a family that rotates some layers only, by a rule
-    describe does not know)."""
-    from ..families.layout import model_type
-
-    if not any(outs for _, outs in got.values()):
-        return
-    for i in sorted(got):
-        k, outs = got[i]
-        if (rope.layer(i) is not None) != bool(outs):
-            raise UnsupportedModelError(
-                f"model type {model_type(model)!r}: layer {i} " + ("called" if outs else "did not call")
-                + " its apply_rotary_pos_emb, but reads as " + ("not " if outs else "")
-                + "rotating its keys; which layers apply RoPE is not known for this family, so keys "
-                "are not calibrated without RoPE (code them as the cache holds them: [k] rope = "
-                "'after', statistics collected with rope='after')")
-        # The last output of the layer's calls that has the keys' shape (a function rotating one
-        # tensor per call may hand them over as [batch, rows, heads, D], transposed after).
-        key = None
-        for r in outs:
-            if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
-                r = r.transpose(1, 2)
-            if r.shape[:-1] == k.shape[:-1] and r.shape[-1] <= k.shape[-1]:
-                key = r
-        if key is None:  # no output of the keys' shape: nothing to compare
-            continue
-        # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.
-        if not _close(k[..., :key.shape[-1]], key, 4, k.dtype):
-            raise UnsupportedModelError(
-                f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
-                "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "
-                "rotated keys), so they have no RoPE-free form to code; code them as the cache holds "
-                "them ([k] rope = 'after', statistics collected with rope='after')")
-
-
-def _check_same_output(model: Any, layer: int, mine: Any, theirs: Any) -> None:
-    """UnsupportedModelError when the attention output computed from the probabilities the
-    statistics are weighted by (:func:`attention_p2`) is not the model's own (to the rounding of
-    the model's dtype): its attention is not the softmax attention those weights describe."""
-    from ..families.layout import model_type
-
-    if mine.shape != theirs.shape or not _close(mine, theirs, 8, theirs.dtype):
-        raise UnsupportedModelError(
-            f"model type {model_type(model)!r}: layer {layer}'s attention is not the softmax attention "
-            "the attention-weighted statistics assume (its output differs from the one computed from "
-            "those probabilities); collect its statistics with weighting='uniform'")
 
 
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
@@ -393,7 +291,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
             out = (o, None)
             if first_window:
-                _check_same_output(model, i, o, attend(q, k, v)[0])
+                check_same_output(model, i, o, attend(q, k, v)[0])
             wq = wq.reshape(hkv, group * t)  # per query
             wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
         else:
@@ -414,7 +312,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     # (keys before RoPE) attention reads the keys RoPE returned.
     first_keys: Dict[int, Tuple[Any, List[Any]]] = {}
     first_window = True
-    spy = _RotatedKeys(model)
+    spy = RotatedKeys(model)
     cap = AttentionCapture(model, handler)
     # Layers that share K/V then compute the last positions only (Gemma 4), where the statistics
     # need every query of the window (and transformers' sdpa masks such a layer's few queries
@@ -430,7 +328,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             with spy:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if side == "before":
-                _check_keys_rotate_last(model, rope, first_keys)
+                check_keys_rotate_last(model, rope, first_keys)
             cap.check(kv_layers)
             first_window = False
             first_keys.clear()
