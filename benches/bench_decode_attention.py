@@ -138,8 +138,7 @@ def median_ms(fns: Dict[str, Callable[[], Any]], reps: int) -> Dict[str, float]:
     On 2 cores the thread pools of one method disturb the first call of the next (idle rayon
     or OpenMP workers spinning, or torch re-sizing its pool): interleaved call by call, each
     two-thread time depended on which method came before it (2026-12-04, 32/8 x 128 at 8k,
-    pre-RoPE on two threads: 7.17 ms interleaved, 4.49 ms in turns, README "Attention over the
-    codes"). The untimed call absorbs that; the turns keep every method's calls spread over
+    pre-RoPE on two threads: 7.17 ms interleaved, 4.49 ms in turns, docs/decode-attention.md). The untimed call absorbs that; the turns keep every method's calls spread over
     the run."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
     while any(len(v) < reps for v in times.values()):

@@ -13,7 +13,7 @@ codes the keys of a third (evaluation) window; the coding error is carried to th
 RoPE and scored against every query that sees the key (causal, the layer's own queries after
 RoPE). Reported: `sum (q . e)^2 / sum (q . k)^2` over the query/key pairs, mean over the layers
 sampled (every third) and kv-heads. A proxy, not the model's KL: the KL of keys before and after
-RoPE is measured in README "Keys before or after RoPE (measured)"; this ranks the domains at
+RoPE is measured in docs/decode-attention.md, "Keys before or after RoPE"; this ranks the domains at
 equal bits and says how far the tile domains fall from both.
 
     .venv/bin/python benches/bench_key_domains.py [--bits 3] [--tiles 64,16] [--out bench-out]

@@ -15,7 +15,7 @@ Layout (FORMAT.md, "Saved prefix files"; all integers little-endian):
 |---|---|---|
 | magic | 4 bytes | ``KKYP`` |
 | version | u16 | 1 |
-| flags | u16 | 0 (reserved for a lossless stage; none is applied, see README) |
+| flags | u16 | 0 (reserved for a lossless stage; none is applied, see docs/prefix.md) |
 | header length ``h`` | u32 | |
 | header | ``h`` bytes | UTF-8 JSON: settings, owners, and per layer and stream the counts of the sections below |
 | sections | | per layer, per stream (``k`` then ``v``): sink rows, staging rows (raw, ``[B, H, n, D]``), blob lengths (u32 per blob, block-major, then batch row, then kv-head), the blobs; then positions (int32 ``[B, T]``) when stored |
