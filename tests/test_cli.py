@@ -235,6 +235,76 @@ def test_layers_of_two_head_sizes_calibrated_by_group(tiny_model_dir, tmp_path, 
     assert not cache_dir.exists()
 
 
+def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir, capsys) -> None:
+    """`eval` with a recipe's own calibration (no file named) gathers statistics for every group of
+    K/V layers of one shape, each cached apart: all layers are coded (none left raw at 16 bits),
+    the estimate counts a pass per group, and `calibrate` fills the same cache."""
+    import transformers
+
+    from dataclasses import replace
+
+    from kakeyaturbo import recipes
+    from kakeyaturbo.calibration import Calibration, gather
+    from kakeyaturbo.recipes import recipe
+
+    n = len(transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
+    wide = {"head_dim": 32, "num_key_value_heads": 1}
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-gemma4", transformers.Gemma4TextConfig,
+                            transformers.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention", "full_attention"],
+                            per_layer_config={"01": wide, "02": wide}, hidden_size_per_layer_input=16,
+                            vocab_size_per_layer_input=n)
+    text = tiny_model_dir / "text.txt"
+    small = (recipe.HERE / "calibrated-4bit.toml").read_text()
+    for a, b in (('"calibrated-4bit"', '"small-4bit"'), ("windows = 16\nwindow = 1024", "windows = 2\nwindow = 64"),
+                 ("sensitivity_windows = 16\nscore = 256", "sensitivity_windows = 2\nscore = 16")):
+        assert a in small
+        small = small.replace(a, b)
+    rec_path = tmp_path / "small-4bit.toml"
+    rec_path.write_text(small)
+    rec = recipes.load(rec_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    # Before anything is cached: each group's windows, statistics and sensitivity.
+    todo = gather.missing(rec, model, tok, model_dir, str(text), all_groups=True)
+    assert [w for w, _, _ in todo] == ["statistics", "statistics", "sensitivity", "sensitivity"]
+    assert gather.missing(rec, model, tok, model_dir, str(text)) == [todo[0], todo[2]]
+
+    def run(out: str) -> dict:
+        assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                         "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", str(rec_path),
+                         "--baselines", "", "--peers", "", "--out", str(tmp_path / out)]) == 0
+        return json.loads((tmp_path / out / "results.json").read_text())["methods"]["kakeyaturbo:small-4bit"]
+
+    capsys.readouterr()
+    first = run("eval-1")
+    err = capsys.readouterr().err
+    assert "statistics on 4 windows" in err and "sensitivity on 4 windows" in err  # 2 windows x 2 groups
+    # Every layer coded: a raw sliding layer would hold a third of the elements at 16 bits.
+    assert first["bits_per_element"] < 5.0 and 0 < first["kl"] < 1.0
+    assert len(list((cache_dir / "calibration").glob("*layers1x*.safetensors"))) == 2  # the sliding group's pair
+    again = run("eval-2")  # from the cache: nothing gathered, the same figures
+    assert "calibrating once" not in capsys.readouterr().err
+    assert (again["bits_per_element"], again["kl"]) == (first["bits_per_element"], first["kl"])
+    pairs = gather.for_recipe_groups(rec, model, tok, model_dir, str(text))
+    assert [st.layer_index for st, _ in pairs] == [(1, 2), (0,)]
+    assert gather.for_recipe(rec, model, tok, model_dir, str(text))[0].layer_index == (1, 2)
+    # `calibrate` (no --out) writes those same cache files for every group.
+    shutil.rmtree(cache_dir)
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--window", "64", "--sensitivity-windows", "2", "--score", "16"]) == 0
+    assert gather.missing(rec, model, tok, model_dir, str(text), all_groups=True) == []
+    # A recipe naming a calibration file of both groups gives both; one naming a statistics file, one.
+    cal = Calibration.for_model(model, *pairs[0], groups=pairs[1:]).save(tmp_path / "g.kkcal")
+    named = replace(rec, calibration=replace(rec.calibration, path=str(cal)))
+    assert len(gather.for_recipe_groups(named, model, tok, model_dir)) == 2
+    pairs[0][0].save(tmp_path / "s.safetensors")
+    pairs[0][1].save(tmp_path / "z.safetensors")
+    files = replace(rec, calibration=replace(rec.calibration, path=str(tmp_path / "s.safetensors"),
+                                             sensitivity_path=str(tmp_path / "z.safetensors")))
+    assert [st.layer_index for st, _ in gather.for_recipe_groups(files, model, tok, model_dir)] == [(1, 2)]
+
+
 def test_dtype_choices() -> None:
     from kakeyaturbo.eval import model
 

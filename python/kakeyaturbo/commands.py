@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import __version__, assets, recipes
 from .calibration import (Calibration, calibration_windows, collect, collect_sensitivity,
-                          for_recipe, sensitivity_path, stats_path)
+                          for_recipe_groups, sensitivity_path, stats_path)
 from .cache.pretrained import codec_for_model
 from .calibration import corpus
 from .calibration.bundle import is_calibration_file
@@ -79,12 +79,16 @@ def _windows_of(what: "bool | int", total: int) -> int:
 
 def calibration_plan(todo: List[Tuple[str, str, int]]) -> Dict[str, Tuple[int, str]]:
     """``{what: (windows, "domain n, ...")}`` of what :func:`kakeyaturbo.calibration.gather.missing`
-    says is still to collect (a mixture's domains each with their share)."""
+    says is still to collect (a mixture's domains each with their share, summed over the groups
+    of layers that each take their own pass)."""
     out: Dict[str, Tuple[int, str]] = {}
     for what in ("statistics", "sensitivity"):
-        parts = [(corpus.describe(d), c) for w, d, c in todo if w == what]
+        parts: Dict[str, int] = {}
+        for w, d, c in todo:
+            if w == what:
+                parts[corpus.describe(d)] = parts.get(corpus.describe(d), 0) + c
         if parts:
-            out[what] = (sum(c for _, c in parts), ", ".join(f"{d} {c}" for d, c in parts))
+            out[what] = (sum(parts.values()), ", ".join(f"{d} {c}" for d, c in parts.items()))
     return out
 
 
@@ -123,11 +127,12 @@ def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str
 
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
                   cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
-    """Per calibrated recipe's name, its (stats, sensitivity), or its ModelCodec where a file
-    gives it: ``--calibration`` or the recipe's ``[calibration] path`` naming a calibration file
-    (codecs of every group of layers it calibrates) or a codec file (``ModelCodec.save``,
-    ``kakeyaturbo calibrate --codec-out``); statistics are shared by recipes that depend on the
-    same ones."""
+    """Per calibrated recipe's name, its ``[(stats, sensitivity), ...]`` (one pair per group of
+    K/V layers of one shape, :func:`~kakeyaturbo.calibration.for_recipe_groups`), or its
+    ModelCodec where a file gives it: ``--calibration`` or the recipe's ``[calibration] path``
+    naming a calibration file (codecs of every group of layers it calibrates) or a codec file
+    (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``); statistics are shared by
+    recipes that depend on the same ones."""
     out: Dict[Any, Any] = {}
     if args.calibration and is_codec_file(args.calibration):
         for rec in recs:
@@ -154,13 +159,13 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if key not in out:
             text = cal_text or rec.calibration.corpus
-            todo = missing(rec, m, tok, model_path, text)
+            todo = missing(rec, m, tok, model_path, text, all_groups=True)
             if todo:
                 plan = calibration_plan(todo)
                 announce_calibration(m, tok, text_path, rec.calibration,
                                      plan.get("statistics", (0, ""))[0],
                                      plan.get("sensitivity", (0, ""))[0], todo)
-            out[key] = for_recipe(rec, m, tok, model_path, text, progress=_progress)
+            out[key] = for_recipe_groups(rec, m, tok, model_path, text, progress=_progress)
         out[rec.name] = out[key]
     return out
 
@@ -190,11 +195,12 @@ def evaluate(args: argparse.Namespace) -> int:
         methods.append(harness.peer_method(name))
     cals = _calibrations(args, m, tok, model_path, text_path, cal_text, recs)
     for rec in recs:
-        got = cals.get(rec.name, (None, None))
+        got = cals.get(rec.name, [(None, None)])
         if isinstance(got, ModelCodec):
             methods.append(harness.codec_method(rec, layers, codec=got))
         else:
-            methods.append(harness.codec_method(rec, layers, stats=got[0], sensitivity=got[1]))
+            (stats, sens), *groups = got
+            methods.append(harness.codec_method(rec, layers, stats=stats, sensitivity=sens, groups=groups))
         if args.attribute:
             methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
@@ -242,21 +248,22 @@ def calibrate(args: argparse.Namespace) -> int:
             _say(f"wrote {p}")
 
     # One pass per group of K/V layers of one shape (Gemma 4: its full layers, then its sliding
-    # ones); the first group's statistics are the ones the evaluation finds in the cache.
+    # ones), each cached where the evaluation looks for it (the first group under the names it
+    # always had).
     from .families import describe as describe_model
 
     pairs = []
     for n, layers in enumerate(g[0] for g in describe_model(m).shape_groups()):
         part = "" if n == 0 else f" (layers {layers[0]}..{layers[-1]})"
-        cache_it = to_cache and n == 0
+        group = None if n == 0 else layers
         got = []
         for d, c in corpus.composition(text, args.windows, tok):
             wins = calibration_windows(tok, d, c, args.window)
             stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
                             samples=args.samples, progress=_progress(f"calibration {d}{part}"),
                             meta={"model": model_path.name, **corpus.meta(d)}, layers=layers)
-            if cache_it:
-                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope))
+            if to_cache:
+                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, group))
             got.append((stats, c))
         stats = pool_stats(got, meta={"text": text, "rope": args.rope}) if mixed else got[0][0]
         sens = None
@@ -268,9 +275,9 @@ def calibrate(args: argparse.Namespace) -> int:
                                           labels=args.labels, layers=layers,
                                           progress=_progress(f"sensitivity {d}{part}"),
                                           meta={"model": model_path.name, **corpus.meta(d)})
-                if cache_it:
+                if to_cache:
                     write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
-                                                args.n_sink, dtype, args.rope))
+                                                args.n_sink, dtype, args.rope, group))
                 sgot.append((one, c))
             sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
         pairs.append((stats, sens))

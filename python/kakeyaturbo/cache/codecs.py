@@ -116,12 +116,16 @@ class BlockCodec:
 
 def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
               sensitivity: Optional[Sensitivity] = None, threads: Optional[int] = None,
-              pre_rope_keys: bool = False) -> StreamCodec:
+              pre_rope_keys: bool = False,
+              groups: Sequence[Tuple[AttentionStats, Optional[Sensitivity]]] = ()) -> StreamCodec:
     """The codec of a recipe: a :class:`BlockCodec` for a per-block recipe (``pre_rope_keys``:
     code its keys without RoPE), a :class:`~kakeyaturbo.calibration.ModelCodec` fitted from
     ``stats`` (and ``sensitivity`` where the recipe asks) for a calibrated one (keys always
-    without RoPE, as calibrated). ``threads``: for the core (None: all cores). The statistics
-    of a model come from :func:`kakeyaturbo.calibration.for_recipe`."""
+    without RoPE, as calibrated), and from each ``(stats, sensitivity)`` of ``groups`` for the
+    model's other groups of K/V layers of one shape (Gemma 4's sliding layers), merged into one.
+    ``threads``: for the core (None: all cores). The statistics of a model come from
+    :func:`kakeyaturbo.calibration.for_recipe` (every group:
+    :func:`~kakeyaturbo.calibration.for_recipe_groups`)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
     if recipe.mode == "block":
@@ -130,7 +134,8 @@ def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
         raise InvalidParameterError(
             f"recipe {recipe.name!r} is calibrated: give its statistics "
             "(kakeyaturbo.calibration.for_recipe or AttentionStats.load)")
-    return ModelCodec(stats, recipe, threads=threads, sensitivity=sensitivity)
+    parts = [(stats, sensitivity), *groups]
+    return ModelCodec.merged([ModelCodec(st, recipe, threads=threads, sensitivity=se) for st, se in parts])
 
 
 def check_streams(streams: Sequence[str]) -> Tuple[str, ...]:

@@ -34,7 +34,8 @@ from .fit import (
     weighted_variances,
     whitening_factor,
 )
-from .gather import cached_sensitivity, cached_stats, for_recipe, sensitivity_path, stats_path
+from .gather import (cached_sensitivity, cached_stats, for_recipe, for_recipe_groups, sensitivity_path,
+                     stats_path)
 from .model_codec import ModelCodec
 from .stats import AttentionStats, Sensitivity
 
@@ -60,6 +61,7 @@ __all__ = [
     "fit_stream",
     "fit_tables",
     "for_recipe",
+    "for_recipe_groups",
     "global_allocation",
     "head_spectrum",
     "is_calibration_file",

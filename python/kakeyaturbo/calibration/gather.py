@@ -3,14 +3,18 @@ from the cache, or collected on the calibration split of a corpus (and then cach
 
 The corpus is the one the caller names (``--calibration-text``), else the recipe's
 ``[calibration] corpus`` (default: the shipped mixture, :mod:`.mixture`). A mixture's statistics
-are gathered per domain, cached so, and pooled (:func:`.mixture.pool_stats`)."""
+are gathered per domain, cached so, and pooled (:func:`.mixture.pool_stats`). A model whose K/V
+layers come in groups of two shapes (Gemma 4) has statistics per group
+(:meth:`~kakeyaturbo.families.ModelLayout.shape_groups`), each cached apart
+(:func:`for_recipe_groups`); the first group's keep the file names they always had."""
 
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .. import assets
 from ..errors import InvalidParameterError
@@ -54,24 +58,37 @@ def _labels_part(labels: str) -> str:
     return "" if labels == "text" else f"-labels{labels}"
 
 
+Layers = Optional[Sequence[int]]
+
+
+def _layers_part(layers: Layers) -> str:
+    """Names a group of K/V layers other than the calibration group (None), by its size and a
+    checksum of its indices."""
+    if layers is None:
+        return ""
+    idx = [int(i) for i in layers]
+    return f"-layers{len(idx)}x{zlib.crc32(','.join(map(str, idx)).encode()):08x}"
+
+
 def stats_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
-               settings: CalibrationSettings, dtype: str = "float32", rope: str = "before") -> Path:
+               settings: CalibrationSettings, dtype: str = "float32", rope: str = "before",
+               layers: Layers = None) -> Path:
     """Where :func:`cached_stats` keeps the statistics of a (model, corpus, settings, dtype, side
-    of RoPE the keys are taken on); a mixture's are kept per domain, this names its pooled file
-    (what ``calibrate`` writes)."""
+    of RoPE the keys are taken on, group of layers: None for the calibration group); a mixture's
+    are kept per domain, this names its pooled file (what ``calibrate`` writes)."""
     key = (f"{_key(model_path, text_path)}-{settings.windows}x{settings.window}-"
-           f"{settings.weighting}{_dtype_part(dtype)}{_rope_part(rope)}-{COLLECTION}")
+           f"{settings.weighting}{_dtype_part(dtype)}{_rope_part(rope)}{_layers_part(layers)}-{COLLECTION}")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
 
 def sensitivity_path(model_path: "os.PathLike[str] | str", text_path: "os.PathLike[str] | str",
                      settings: CalibrationSettings, n_sink: int, dtype: str = "float32",
-                     rope: str = "before") -> Path:
+                     rope: str = "before", layers: Layers = None) -> Path:
     """Where :func:`cached_sensitivity` keeps the sensitivity of a (model, corpus, settings, dtype,
-    side of RoPE)."""
+    side of RoPE, group of layers)."""
     key = (f"{_key(model_path, text_path)}-{settings.sensitivity_windows}x{settings.window}-"
            f"score{settings.score}{_labels_part(settings.labels)}-sink{n_sink}"
-           f"{_dtype_part(dtype)}{_rope_part(rope)}-"
+           f"{_dtype_part(dtype)}{_rope_part(rope)}{_layers_part(layers)}-"
            f"{COLLECTION}-sensitivity")
     return assets.CACHE / "calibration" / f"{key}.safetensors"
 
@@ -87,25 +104,28 @@ def _text(text: "os.PathLike[str] | str | None", settings: CalibrationSettings) 
 def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                  text_path: "os.PathLike[str] | str | None", settings: CalibrationSettings, *,
                  n_sink: int = 1, samples: int = 512,
-                 progress: Progress = lambda it: it, rope: str = "before") -> AttentionStats:
+                 progress: Progress = lambda it: it, rope: str = "before",
+                 layers: Layers = None) -> AttentionStats:
     """The statistics a recipe's ``[calibration]`` asks for: its ``path`` if given, else the
-    cached file for this model, corpus (``text_path``; None: ``settings.corpus``) and settings,
+    cached file for this model, corpus (``text_path``; None: ``settings.corpus``), settings and
+    group of layers (``layers``, one of the model's shape groups; None: the calibration group),
     collected (and cached) when missing; a mixture's per domain, pooled."""
     if settings.path:
         return AttentionStats.load(settings.path)
     text = _text(text_path, settings)
     if corpus.is_mixture(text):
         parts = [(cached_stats(model, tok, model_path, d, replace(settings, windows=c),
-                               n_sink=n_sink, samples=samples, progress=progress, rope=rope), c)
+                               n_sink=n_sink, samples=samples, progress=progress, rope=rope,
+                               layers=layers), c)
                  for d, c in corpus.composition(text, settings.windows, tok)]
         return pool_stats(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope,
                                        "composition": [[s.meta.get("text"), c] for s, c in parts]})
-    path = stats_path(model_path, text, settings, model_dtype(model), rope)
+    path = stats_path(model_path, text, settings, model_dtype(model), rope, layers)
     if path.exists():
         return AttentionStats.load(path)
     wins = corpus.calibration_windows(tok, text, settings.windows, settings.window)
     stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, samples=samples,
-                    progress=progress, meta=_meta(model_path, text), rope=rope)
+                    progress=progress, meta=_meta(model_path, text), rope=rope, layers=layers)
     stats.save(path)
     return stats
 
@@ -113,36 +133,50 @@ def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
 def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                        text_path: "os.PathLike[str] | str | None", settings: CalibrationSettings,
                        *, n_sink: int = 1, progress: Progress = lambda it: it,
-                       rope: str = "before") -> Sensitivity:
+                       rope: str = "before", layers: Layers = None) -> Sensitivity:
     """The :class:`Sensitivity` a recipe's ``[calibration]`` asks for: its
-    ``sensitivity_path`` if given, else the cached file for this model, corpus and settings,
-    gathered (and cached) on the calibration split when missing; a mixture's per domain,
-    pooled."""
+    ``sensitivity_path`` if given, else the cached file for this model, corpus, settings and
+    group of layers (as :func:`cached_stats`), gathered (and cached) on the calibration split
+    when missing; a mixture's per domain, pooled."""
     if settings.sensitivity_path:
         return Sensitivity.load(settings.sensitivity_path)
     text = _text(text_path, settings)
     if corpus.is_mixture(text):
         parts = [(cached_sensitivity(model, tok, model_path, d,
                                      replace(settings, sensitivity_windows=c), n_sink=n_sink,
-                                     progress=progress, rope=rope), c)
+                                     progress=progress, rope=rope, layers=layers), c)
                  for d, c in corpus.composition(text, settings.sensitivity_windows, tok)]
         return pool_sensitivity(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope})
-    path = sensitivity_path(model_path, text, settings, n_sink, model_dtype(model), rope)
+    path = sensitivity_path(model_path, text, settings, n_sink, model_dtype(model), rope, layers)
     if path.exists():
         return Sensitivity.load(path)
     wins = corpus.calibration_windows(tok, text, settings.sensitivity_windows, settings.window)
     sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
-                               labels=settings.labels,
+                               labels=settings.labels, layers=layers,
                                progress=progress, meta=_meta(model_path, text), rope=rope)
     sens.save(path)
     return sens
 
 
+def _groups(recipe: Recipe, model: Any, all_groups: bool) -> List[Layers]:
+    """The groups of K/V layers to gather for: the calibration group (None) and, with
+    ``all_groups``, the model's other groups of one shape (Gemma 4's sliding layers), unless the
+    recipe names its statistics or sensitivity file (those cover one group)."""
+    st = recipe.calibration
+    if not all_groups or st.path or st.sensitivity_path:
+        return [None]
+    from ..families import describe
+
+    return [None] + [layers for layers, _ in describe(model).shape_groups()[1:]]
+
+
 def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
-            text_path: "os.PathLike[str] | str | None" = None) -> List[Tuple[str, str, int]]:
+            text_path: "os.PathLike[str] | str | None" = None, *,
+            all_groups: bool = False) -> List[Tuple[str, str, int]]:
     """``[(what, corpus, windows)]`` a recipe's calibration would still have to collect (nothing
-    named by a file, nothing cached): ``what`` is ``statistics`` or ``sensitivity``. For
-    announcing the cost before it is paid."""
+    named by a file, nothing cached): ``what`` is ``statistics`` or ``sensitivity``; with
+    ``all_groups``, for every group of layers :func:`for_recipe_groups` gathers (a corpus once
+    per group that misses it). For announcing the cost before it is paid."""
     if recipe.mode != "calibrated":
         return []
     st = recipe.calibration
@@ -156,29 +190,52 @@ def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] 
     for what, n in jobs:
         if (st.path if what == "statistics" else st.sensitivity_path):
             continue
-        for d, c in corpus.composition(text, n, tok):
-            if what == "statistics":
-                p = stats_path(model_path, d, replace(st, windows=c), dtype, recipe.key_rope)
-            else:
-                p = sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
-                                     recipe.key_rope)
-            if not p.exists():
-                out.append((what, d, c))
+        for layers in _groups(recipe, model, all_groups):
+            for d, c in corpus.composition(text, n, tok):
+                if what == "statistics":
+                    p = stats_path(model_path, d, replace(st, windows=c), dtype, recipe.key_rope, layers)
+                else:
+                    p = sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
+                                         recipe.key_rope, layers)
+                if not p.exists():
+                    out.append((what, d, c))
     return out
+
+
+Pair = Tuple[Optional[AttentionStats], Optional[Sensitivity]]
 
 
 def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
                text_path: "os.PathLike[str] | str | None" = None, *,
-               progress: Callable[[str], Progress] = lambda _desc: lambda it: it
-               ) -> Tuple[Optional[AttentionStats], Optional[Sensitivity]]:
+               progress: Callable[[str], Progress] = lambda _desc: lambda it: it) -> Pair:
     """``(stats, sensitivity)`` of a recipe for a loaded model, each from its file, the cache or
     the calibration split of a corpus: ``text_path`` (a domain, a mixture or a file) when given,
     else the recipe's ``[calibration] corpus`` (``progress(description)`` wraps the windows);
     ``(None, None)`` for a per-block recipe, no sensitivity where the recipe needs none. A
     ``[calibration] path`` naming a calibration file (``kakeyaturbo calibrate --out``) gives
-    both, refused with ModelMismatchError when it was made for another model."""
+    both, refused with ModelMismatchError when it was made for another model. The statistics
+    cover the calibration group of K/V layers (every K/V layer where they share one shape; for
+    every group, :func:`for_recipe_groups`)."""
+    return _for_recipe(recipe, model, tok, model_path, text_path, progress, False)[0]
+
+
+def for_recipe_groups(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                      text_path: "os.PathLike[str] | str | None" = None, *,
+                      progress: Callable[[str], Progress] = lambda _desc: lambda it: it) -> List[Pair]:
+    """:func:`for_recipe` for every group of K/V layers of one shape
+    (:meth:`~kakeyaturbo.families.ModelLayout.shape_groups`; one pair where the layers share a
+    shape): ``[(stats, sensitivity), ...]``, the calibration group first, each group gathered and
+    cached apart (Gemma 4: its full layers, then its sliding ones). A calibration file gives the
+    groups it holds; a recipe naming its statistics or sensitivity file, the first group only
+    (the other layers then stay raw)."""
+    return _for_recipe(recipe, model, tok, model_path, text_path, progress, True)
+
+
+def _for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+                text_path: "os.PathLike[str] | str | None", progress: Callable[[str], Progress],
+                all_groups: bool) -> List[Pair]:
     if recipe.mode != "calibrated":
-        return None, None
+        return [(None, None)]
     if recipe.calibration.path and is_codec_file(recipe.calibration.path):
         raise InvalidParameterError(
             f"recipe {recipe.name!r}: [calibration] path {recipe.calibration.path!r} is a codec file "
@@ -187,13 +244,19 @@ def for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[st
             "KakeyaCache.from_pretrained(model, recipe, calibration=FILE), kakeyaturbo eval")
     if recipe.calibration.path and is_calibration_file(recipe.calibration.path):
         # One file made by `kakeyaturbo calibrate --out`: checked against this model.
-        return Calibration.load(recipe.calibration.path).check_model(model).parts(recipe)
+        pairs = Calibration.load(recipe.calibration.path).check_model(model).all_parts(recipe)
+        return pairs if all_groups else pairs[:1]
     n_sink = max(recipe.n_sink, 1)
     rope = recipe.key_rope
-    stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
-                         progress=progress("calibration"), rope=rope)
-    sens = None
-    if recipe.needs_sensitivity:
-        sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
-                                  n_sink=n_sink, progress=progress("sensitivity"), rope=rope)
-    return stats, sens
+    out: List[Pair] = []
+    for layers in _groups(recipe, model, all_groups):
+        part = "" if layers is None else f" (layers {list(layers)})"
+        stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
+                             progress=progress(f"calibration{part}"), rope=rope, layers=layers)
+        sens = None
+        if recipe.needs_sensitivity:
+            sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
+                                      n_sink=n_sink, progress=progress(f"sensitivity{part}"), rope=rope,
+                                      layers=layers)
+        out.append((stats, sens))
+    return out

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..calibration import corpus, for_recipe
+from ..calibration import corpus, for_recipe_groups
 from ..errors import InvalidParameterError
 
 Progress = Callable[[str], Callable[[Iterable[Any]], Iterable[Any]]]
@@ -30,7 +30,8 @@ def methods_for(model: Any, tok: Any, model_path: Any, recipes: Sequence[Any],
                 calibrations: Sequence[str], baselines: Sequence[str], *,
                 progress: Progress = lambda _d: lambda it: it) -> List[Any]:
     """The baselines, then every recipe calibrated on every corpus (statistics from the cache,
-    collected where missing; recipes with the same calibration settings share them)."""
+    collected where missing, for every group of K/V layers of one shape; recipes with the same
+    calibration settings share them)."""
     from . import harness
 
     layers = model.config.num_hidden_layers
@@ -44,9 +45,9 @@ def methods_for(model: Any, tok: Any, model_path: Any, recipes: Sequence[Any],
                 continue
             key = (cal, rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity)
             if key not in got:
-                got[key] = for_recipe(rec, model, tok, model_path, cal, progress=progress)
-            stats, sens = got[key]
-            m = harness.codec_method(rec, layers, stats=stats, sensitivity=sens)
+                got[key] = for_recipe_groups(rec, model, tok, model_path, cal, progress=progress)
+            (stats, sens), *groups = got[key]
+            m = harness.codec_method(rec, layers, stats=stats, sensitivity=sens, groups=groups)
             methods.append(replace(m, name=method_name(rec, cal)))
     return methods
 

@@ -64,15 +64,17 @@ def _no_quantise(stream: str, x: np.ndarray) -> Tuple[np.ndarray, int]:
 
 
 def codec_method(recipe: Recipe, num_layers: int, *, stats: Any = None,
-                 sensitivity: Any = None, codec: Any = None) -> Method:
+                 sensitivity: Any = None, codec: Any = None, groups: Sequence[Any] = ()) -> Method:
     """The method of a recipe: its per-block codec, or (``mode = "calibrated"``) the
     calibrated codecs fitted from ``stats`` (:class:`kakeyaturbo.calibration.AttentionStats`)
     and, where the recipe asks, ``sensitivity`` (:class:`kakeyaturbo.calibration.Sensitivity`),
-    or ``codec``, codecs fitted already (a ``ModelCodec`` of this recipe, e.g. loaded from a
+    with ``groups`` the ``(stats, sensitivity)`` of the model's other groups of K/V layers of one
+    shape, or ``codec``, codecs fitted already (a ``ModelCodec`` of this recipe, e.g. loaded from a
     codec file)."""
     if codec is None:
-        codec = codec_for(recipe, stats=stats, sensitivity=sensitivity)
-    elif getattr(codec, "recipe", None) != recipe or stats is not None or sensitivity is not None:
+        codec = codec_for(recipe, stats=stats, sensitivity=sensitivity, groups=groups)
+    elif (getattr(codec, "recipe", None) != recipe or stats is not None or sensitivity is not None
+          or groups):
         raise InvalidParameterError(f"codec_method: the codec given for recipe {recipe.name!r} must "
                                     "have been fitted for it, and comes without statistics")
     model_bytes = int(getattr(codec, "model_bytes", 0))
