@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import __version__, assets, recipes
-from .calibration import (Calibration, calibration_windows, collect, collect_sensitivity,
+from .calibration import (Calibration, calibration_windows, collect_groups, collect_sensitivity_groups,
                           for_recipe_groups, sensitivity_path, stats_path)
 from .cache.pretrained import codec_for_model
 from .calibration import corpus
@@ -247,40 +247,42 @@ def calibrate(args: argparse.Namespace) -> int:
         for p in obj.save(path):
             _say(f"wrote {p}")
 
-    # One pass per group of K/V layers of one shape (Gemma 4: its full layers, then its sliding
-    # ones), each cached where the evaluation looks for it (the first group under the names it
-    # always had).
+    # Every group of K/V layers of one shape (Gemma 4: its full layers, then its sliding ones) in
+    # one pass over the windows, each cached where the evaluation looks for it (the first group
+    # under the names it always had).
     from .families import describe as describe_model
 
-    pairs = []
-    for n, layers in enumerate(g[0] for g in describe_model(m).shape_groups()):
-        part = "" if n == 0 else f" (layers {layers[0]}..{layers[-1]})"
-        group = None if n == 0 else layers
-        got = []
-        for d, c in corpus.composition(text, args.windows, tok):
-            wins = calibration_windows(tok, d, c, args.window)
-            stats = collect(m, wins, n_sink=args.n_sink, weighting=args.weighting, rope=args.rope,
-                            samples=args.samples, progress=_progress(f"calibration {d}{part}"),
-                            meta={"model": model_path.name, **corpus.meta(d)}, layers=layers)
+    groups = [None] + [g[0] for g in describe_model(m).shape_groups()[1:]]
+    n_groups = f" ({len(groups)} groups of layers)" if len(groups) > 1 else ""
+    got: List[List[Tuple[Any, int]]] = [[] for _ in groups]
+    for d, c in corpus.composition(text, args.windows, tok):
+        wins = calibration_windows(tok, d, c, args.window)
+        parts = collect_groups(m, wins, groups=groups, n_sink=args.n_sink, weighting=args.weighting,
+                               rope=args.rope, samples=args.samples,
+                               progress=_progress(f"calibration {d}{n_groups}"),
+                               meta={"model": model_path.name, **corpus.meta(d)})
+        for n, stats in enumerate(parts):
             if to_cache:
-                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, group))
-            got.append((stats, c))
-        stats = pool_stats(got, meta={"text": text, "rope": args.rope}) if mixed else got[0][0]
-        sens = None
-        if args.sensitivity_windows > 0:
-            sgot = []
-            for d, c in corpus.composition(text, args.sensitivity_windows, tok):
-                wins = calibration_windows(tok, d, c, args.window)
-                one = collect_sensitivity(m, wins, n_sink=args.n_sink, score=args.score, rope=args.rope,
-                                          labels=args.labels, layers=layers,
-                                          progress=_progress(f"sensitivity {d}{part}"),
-                                          meta={"model": model_path.name, **corpus.meta(d)})
+                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, groups[n]))
+            got[n].append((stats, c))
+    stats_of = [pool_stats(g, meta={"text": text, "rope": args.rope}) if mixed else g[0][0] for g in got]
+    sens_of: List[Any] = [None] * len(groups)
+    if args.sensitivity_windows > 0:
+        sgot: List[List[Tuple[Any, int]]] = [[] for _ in groups]
+        for d, c in corpus.composition(text, args.sensitivity_windows, tok):
+            wins = calibration_windows(tok, d, c, args.window)
+            parts = collect_sensitivity_groups(m, wins, groups=groups, n_sink=args.n_sink, score=args.score,
+                                               rope=args.rope, labels=args.labels,
+                                               progress=_progress(f"sensitivity {d}{n_groups}"),
+                                               meta={"model": model_path.name, **corpus.meta(d)})
+            for n, one in enumerate(parts):
                 if to_cache:
                     write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
-                                                args.n_sink, dtype, args.rope, group))
-                sgot.append((one, c))
-            sens = pool_sensitivity(sgot, meta={"text": text, "rope": args.rope}) if mixed else sgot[0][0]
-        pairs.append((stats, sens))
+                                                args.n_sink, dtype, args.rope, groups[n]))
+                sgot[n].append((one, c))
+        sens_of = [pool_sensitivity(g, meta={"text": text, "rope": args.rope}) if mixed else g[0][0]
+                   for g in sgot]
+    pairs = list(zip(stats_of, sens_of))
     if not (args.out or args.codec):
         return 0
     record = {"model": model_path.name, "text": text, "split": "calibration",

@@ -441,6 +441,40 @@ def test_gemma4_layers_of_two_head_sizes(tmp_path) -> None:
     s0 = calibration.collect(model, wins, n_sink=1, samples=8, layers=[0])
     z0 = calibration.collect_sensitivity(model, wins, n_sink=1, score=6, layers=[0])
     assert s0.layer_index == z0.layer_index == (0,) and s0.q2.shape == (1, 2, 16, 16)
+    # Both groups from one pass over the windows: what a pass per group gives, to float32 rounding
+    # (the layers of both groups return the attention output computed from the probabilities).
+    passes = []
+    hook = model.register_forward_pre_hook(lambda *_: passes.append(1))
+    joint = calibration.collect_groups(model, wins, n_sink=1, samples=8)
+    joint_z = calibration.collect_sensitivity_groups(model, wins, n_sink=1, score=6)
+    hook.remove()
+    assert len(passes) == 2 * len(wins)
+    for got, want in zip(joint + joint_z, (stats, s0, sens, z0)):
+        assert got.layer_index == want.layer_index and got.meta["layers"] == want.meta["layers"]
+        for name in got.ARRAYS:
+            a, b = getattr(got, name), getattr(want, name)
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * max(np.abs(b).max(), 1e-30), err_msg=name)
+    with pytest.raises(kt.InvalidParameterError, match="asked twice"):
+        calibration.collect_groups(model, wins, groups=[None, [1, 2]])
+    # A group's sensitivity is that of a cache, every layer's cached rows fixed (a pass for the
+    # sliding layer alone once let its gradients run through the full layers' cached rows): one
+    # cached position, the gradient at its value row through a prefilled DynamicCache.
+    score = 3
+    w = list(wins[0][:1 + 1 + score + 1])  # sink, one cached position, fed tokens, target
+    z = calibration.collect_sensitivity(model, [w], n_sink=1, score=score, layers=[0])
+    ids = torch.tensor([w])
+    with torch.no_grad():
+        _, cache = harness._forward(model, ids[:, :2])
+    offset = torch.zeros(2, 16, requires_grad=True)
+    rows = cache.layers[0].values.clone()
+    rows[0, :, 1] = rows[0, :, 1] + offset
+    cache.layers[0].values = rows
+    logits, _ = harness._forward(model, ids[:, 2:-1], cache)
+    nll = -torch.log_softmax(logits[0].double(), -1).gather(1, ids[0, 3:, None]).sum()
+    (g,) = torch.autograd.grad(nll, [offset])
+    g = g.double().numpy()
+    for h in range(2):
+        np.testing.assert_allclose(z.v[0, h], np.outer(g[h], g[h]), rtol=1e-4, atol=1e-6 * np.abs(g[h]).max() ** 2)
     cal = calibration.Calibration.for_model(model, stats, sens, groups=[(s0, z0)])
     cal = calibration.Calibration.load(cal.save(tmp_path / "g4.kkcal")).check_model(model)
     assert [st.layer_index for st, _ in cal.pairs()] == [(1, 2), (0,)]

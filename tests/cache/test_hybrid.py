@@ -202,6 +202,39 @@ def test_layers_holding_kv_rows_and_states_together(tmp_path) -> None:
         cache.save(tmp_path / "f.kkpfx")
 
 
+@pytest.mark.parametrize("name", ["granitemoehybrid", "lfm2", "falcon_h1"])
+def test_sensitivity_is_that_of_a_cache_with_its_states(name) -> None:
+    """The sensitivity of a hybrid's cached rows is the gradient through a prefilled cache, whose
+    recurrent and convolution states were computed once: with one cached position, ``g g^T`` for
+    the gradient at its value row of every K/V layer, taken through a ``DynamicCache``. (Before,
+    the cached positions' attention outputs also reached the fed tokens through the states of
+    the layers after them: 140 % off on Granite 4's tiny model. Jamba's and Bamba's scans compute
+    the prefix differently with and without a cache, to 1e-4 and 3e-3 of their logits, and
+    Gated DeltaNet's state update runs in place, so no gradient is taken through their caches.)"""
+    from kakeyaturbo.eval import harness
+
+    model = build(name)
+    score, ctx = 3, 2
+    w = list(np.random.default_rng(0).integers(3, VOCAB, ctx + score + 1))
+    sens = calibration.collect_sensitivity(model, [w], n_sink=1, score=score)
+    ids = torch.tensor([w])
+    for row, layer in enumerate(describe(model).kv_layers):
+        with torch.no_grad():
+            _, cache = harness._forward(model, ids[:, :ctx])
+        lay = cache.layers[layer]
+        offset = torch.zeros(lay.values.shape[1], lay.values.shape[-1], requires_grad=True)
+        rows = lay.values.clone()
+        rows[0, :, 1] = rows[0, :, 1] + offset
+        lay.values = rows
+        logits, _ = harness._forward(model, ids[:, ctx:-1], cache)
+        nll = -torch.log_softmax(logits[0].double(), -1).gather(1, ids[0, ctx + 1:, None]).sum()
+        (g,) = torch.autograd.grad(nll, [offset])
+        g = g.double().numpy()
+        for h in range(g.shape[0]):
+            np.testing.assert_allclose(sens.v[row, h], np.outer(g[h], g[h]), rtol=1e-4,
+                                       atol=1e-5 * np.abs(g).max() ** 2)
+
+
 def test_a_block_shared_across_layers_is_served_not_calibrated() -> None:
     """Zamba 2 runs one attention block for several layers, each with its own cache layer: its
     caches are served as DynamicCache's; calibration cannot tell its layers apart and refuses."""

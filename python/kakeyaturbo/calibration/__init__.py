@@ -15,7 +15,8 @@ codecs fitted from it. Data flows one way through the modules:
 
 from .allocation import LLOYD_MAX_MSE, allocate_bits, global_allocation, row_budget, water_fill_rates
 from .bundle import Calibration, fingerprint, is_calibration_file
-from .collect import attention_modules, collect, collect_sensitivity
+from .collect import (attention_modules, collect, collect_groups, collect_sensitivity,
+                      collect_sensitivity_groups)
 from .corpus import calibration_windows
 from .fit import (
     RIDGE,
@@ -55,6 +56,8 @@ __all__ = [
     "calibration_windows",
     "collect",
     "collect_sensitivity",
+    "collect_groups",
+    "collect_sensitivity_groups",
     "fingerprint",
     "fit_codec",
     "fit_spectrum",

@@ -79,31 +79,51 @@ class _Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
-def _shapes(model: Any, side: str, group: Optional[Sequence[int]] = None
-            ) -> Tuple[Any, Tuple[int, ...], int, int, int, Dict[int, int], Tuple[int, ...]]:
-    """``(rope, layer indices, q_heads, kv_heads, head_dim, shared, kv)``: the RoPE to take off
-    the keys (``side`` ``"before"``; None ``"after"``, where the keys are taken as cached, so a
-    rotation that cannot be recomputed, Phi-4's ``longrope``, does not matter), the K/V layers
-    statistics are stacked over (``group``, one of
-    :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`' layer lists; default the
-    calibration group), in order, and their shape; ``shared``, the layers that attend over one of
-    them (KV sharing: layer -> the one it reads); ``kv``, every layer holding its own K/V rows."""
+class _Group:
+    """One group of K/V layers of one shape being collected: its layers (the model's indices, in
+    order), shape, and the layers that attend over one of them (KV sharing: layer -> the one it
+    reads)."""
+
+    def __init__(self, layers: Tuple[int, ...], hq: int, hkv: int, d: int, shared: Dict[int, int]) -> None:
+        self.layers, self.hq, self.hkv, self.d, self.shared = layers, hq, hkv, d, shared
+        self.group = hq // hkv
+        self.row = {i: j for j, i in enumerate(layers)}  # model layer index -> row of the statistics
+        self.row.update({i: self.row[src] for i, src in shared.items()})
+
+
+Groups = Optional[Sequence[Optional[Sequence[int]]]]
+
+
+def _groups(model: Any, side: str, groups: Groups
+            ) -> Tuple[Any, List[_Group], Tuple[int, ...], Dict[int, int]]:
+    """``(rope, groups, kv, reads)``: the RoPE to take off the keys (``side`` ``"before"``; None
+    ``"after"``, where the keys are taken as cached, so a rotation that cannot be recomputed,
+    Phi-4's ``longrope``, does not matter), the groups of K/V layers to collect (``groups``: layer
+    lists of :meth:`~kakeyaturbo.families.ModelLayout.shape_groups`, None in it for the
+    calibration group; None: every group, the calibration group first), every layer holding
+    its own K/V rows, and every layer that attends over another's (layer -> the one it reads)."""
     from ..families import describe
 
     layout = describe(model)
-    groups = layout.shape_groups()
-    if group is None:
-        layers, (hq, hkv, d) = groups[0]
-    else:
-        found = [g for g in groups if list(g[0]) == [int(i) for i in group]]
-        if not found:
-            raise InvalidParameterError(
-                f"model type {layout.model_type!r}: layers {list(group)} are not one of its groups of K/V "
-                f"layers of one shape {[list(g[0]) for g in groups]}")
-        layers, (hq, hkv, d) = found[0]
+    known = layout.shape_groups()
+    out = []
+    for group in ([g[0] for g in known] if groups is None else groups):
+        if group is None:
+            layers, (hq, hkv, d) = known[0]
+        else:
+            found = [g for g in known if list(g[0]) == [int(i) for i in group]]
+            if not found:
+                raise InvalidParameterError(
+                    f"model type {layout.model_type!r}: layers {list(group)} are not one of its groups of K/V "
+                    f"layers of one shape {[list(g[0]) for g in known]}")
+            layers, (hq, hkv, d) = found[0]
+        if any(g.layers == layers for g in out):
+            raise InvalidParameterError(f"layers {list(layers)} asked twice")
+        shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
+        out.append(_Group(layers, hq, hkv, d, shared))
     rope = layout.require_rope() if side == "before" else None
-    shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
-    return rope, layers, hq, hkv, d, shared, layout.kv_layers
+    reads = {s.index: s.reads for s in layout.layers if s.kind == "shared"}
+    return rope, out, layout.kv_layers, reads
 
 
 def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
@@ -250,6 +270,21 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     whose keys change after RoPE (checked on the first window, keys before RoPE only) or whose
     K/V layers leave no such group, InvalidParameterError on a bad ``weighting`` or ``rope``.
     """
+    return collect_groups(model, windows, groups=[layers], n_sink=n_sink, samples=samples, seed=seed,
+                          weighting=weighting, progress=progress, meta=meta, rope=rope)[0]
+
+
+def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Groups = None,
+                   n_sink: int = 1, samples: int = 512, seed: int = 0, weighting: str = "attention",
+                   progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+                   meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> List[AttentionStats]:
+    """:func:`collect` for several groups of K/V layers of one shape in one pass over the windows:
+    ``groups`` lists them (:meth:`~kakeyaturbo.families.ModelLayout.shape_groups`' layer lists,
+    None for the calibration group; default every group, the calibration group first), and the
+    statistics of each come back in that order, as :func:`collect` gives them one group at a time
+    (to float32 rounding: layers of every group collected return the attention output computed
+    from the probabilities, where a pass for one group runs the model's own attention in the
+    others)."""
     import torch
 
     from ..families import AttentionCapture, output_projection
@@ -257,19 +292,16 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
-    rope, kv_layers, hq, hkv, d, shared, own = _shapes(model, side, layers)
-    n_layers = len(kv_layers)
-    at = {i: j for j, i in enumerate(kv_layers)}  # model layer index -> row of the statistics
-    # A layer sharing another's K/V: its queries and attention weigh the rows of the one it reads.
-    at.update({i: at[src] for i, src in shared.items()})
-    group = hq // hkv
+    rope, specs, own, reads = _groups(model, side, groups)
+    at = {i: (g, j) for g in specs for i, j in g.row.items()}  # model layer -> (group, row)
 
     def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
         return _pre_rope(rope, i, x, kwargs) if side == "before" else x.detach().double()
 
-    q2 = torch.zeros((n_layers, hkv, d, d), dtype=torch.float64)
-    q_count = torch.zeros((n_layers, hkv), dtype=torch.float64)
-    k_acc, v_acc = _Moments(n_layers, hkv, d), _Moments(n_layers, hkv, d)
+    q2 = [torch.zeros((len(g.layers), g.hkv, g.d, g.d), dtype=torch.float64) for g in specs]
+    q_count = [torch.zeros((len(g.layers), g.hkv), dtype=torch.float64) for g in specs]
+    k_acc = [_Moments(len(g.layers), g.hkv, g.d) for g in specs]
+    v_acc = [_Moments(len(g.layers), g.hkv, g.d) for g in specs]
     rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
     total = rows_per_window * len(windows)
     rng = np.random.default_rng(seed)
@@ -282,29 +314,30 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
             rotated = spy.take()  # what apply_rotary_pos_emb returned for this layer
             if i in own:
                 first_keys[i] = (k.detach(), rotated)
-        if i not in at:  # a K/V layer of another shape (not calibrated): attention as it is
+        if i not in at:  # a K/V layer of a group not collected: attention as it is
             return attend(q, k, v)
         t = q.shape[2]
-        j = at[i]
-        qp = domain(i, q, kwargs)[0].reshape(hkv, group * t, d)
+        g, j = at[i]
+        n = specs.index(g)
+        qp = domain(i, q, kwargs)[0].reshape(g.hkv, g.group * t, g.d)
         if weighting == "attention":  # the output from the probabilities the weights need
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
             out = (o, None)
             if first_window:
                 check_same_output(model, i, o, attend(q, k, v)[0])
-            wq = wq.reshape(hkv, group * t)  # per query
+            wq = wq.reshape(g.hkv, g.group * t)  # per query
             wk = wk_t[:, n_sink:]  # [hkv, t - n_sink] per key
         else:
             out = attend(q, k, v)
-            wq = torch.ones((hkv, group * t), dtype=torch.float64)
+            wq = torch.ones((g.hkv, g.group * t), dtype=torch.float64)
             wk = None
-        q2[j] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
-        q_count[j] += wq.sum(dim=1)
-        for acc, x in ((k_acc, domain(i, k, kwargs)), (v_acc, v.detach().double())):
+        q2[n][j] += torch.bmm((qp * wq[..., None]).transpose(1, 2), qp)
+        q_count[n][j] += wq.sum(dim=1)
+        for acc, x in ((k_acc[n], domain(i, k, kwargs)), (v_acc[n], v.detach().double())):
             x = x[0, :, n_sink:]  # [hkv, t - n_sink, d]
             acc.add(j, x, wk)
-            if sel and i not in shared:  # a shared layer's rows are its producer's
-                for h in range(hkv):
+            if sel and i not in g.shared:  # a shared layer's rows are its producer's
+                for h in range(g.hkv):
                     acc.samples[j][h].append(x[h, sel].numpy().astype(np.float32))
         return out
 
@@ -317,7 +350,7 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
     # Layers that share K/V then compute the last positions only (Gemma 4), where the statistics
     # need every query of the window (and transformers' sdpa masks such a layer's few queries
     # as if they were the first positions: their attention is not the model's full pass).
-    no_logits = {} if shared else _no_logits(model)
+    no_logits = {} if reads else _no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
@@ -329,28 +362,30 @@ def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, sa
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
             if side == "before":
                 check_keys_rotate_last(model, rope, first_keys)
-            cap.check(kv_layers)
+            cap.check([i for g in specs for i in g.layers])
             first_window = False
             first_keys.clear()
-    o_gram = np.zeros((n_layers, hkv, d, d))
-    for i, a in sorted((i, a) for i, a in cap.seen.items() if i in at):
-        w_o = output_projection(a, hq, d).weight.detach().double().numpy()  # [hidden, hq * d]
-        for h in range(hkv):
-            for g in range(group):
-                blk = w_o[:, (h * group + g) * d:(h * group + g + 1) * d]
-                o_gram[at[i], h] += blk.T @ blk
-    km, kc = k_acc.moments()
-    vm, vc = v_acc.moments()
-
-    info = dict(meta or {})
-    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                tokens=sum(len(w) for w in windows), **_layer_meta(kv_layers), q_heads=hq, kv_heads=hkv,
-                head_dim=d, samples=len(pick), date=datetime.date.today().isoformat(),
-                weighting=weighting, hooks=CAPTURE_POINT, rope=side)
-    q2n = (q2 / q_count.clamp_min(1e-300)[:, :, None, None]).numpy()
-    return AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm,
-                          v_cov=vc, o_gram=o_gram, k_samples=k_acc.stacked_samples(d),
-                          v_samples=v_acc.stacked_samples(d))
+    out = []
+    for n, g in enumerate(specs):
+        o_gram = np.zeros((len(g.layers), g.hkv, g.d, g.d))
+        for i, a in sorted((i, a) for i, a in cap.seen.items() if i in g.row):
+            w_o = output_projection(a, g.hq, g.d).weight.detach().double().numpy()  # [hidden, hq * d]
+            for h in range(g.hkv):
+                for r in range(g.group):
+                    blk = w_o[:, (h * g.group + r) * g.d:(h * g.group + r + 1) * g.d]
+                    o_gram[g.row[i], h] += blk.T @ blk
+        km, kc = k_acc[n].moments()
+        vm, vc = v_acc[n].moments()
+        info = dict(meta or {})
+        info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                    tokens=sum(len(w) for w in windows), **_layer_meta(g.layers), q_heads=g.hq,
+                    kv_heads=g.hkv, head_dim=g.d, samples=len(pick), date=datetime.date.today().isoformat(),
+                    weighting=weighting, hooks=CAPTURE_POINT, rope=side)
+        q2n = (q2[n] / q_count[n].clamp_min(1e-300)[:, :, None, None]).numpy()
+        out.append(AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
+                                  o_gram=o_gram, k_samples=k_acc[n].stacked_samples(g.d),
+                                  v_samples=v_acc[n].stacked_samples(g.d)))
+    return out
 
 
 def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
@@ -368,7 +403,9 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     (before RoPE, after any k norm); positions ``< n_sink`` are left out, they stay
     uncompressed. Each cached row is made an independent input, as in a cache (an error in one
     layer's cached rows does not reach the other layers' cached rows, which were filled before
-    it), while the fed tokens stay differentiable through every layer. ``rope="after"`` keeps
+    it), while the fed tokens stay differentiable through every layer; in a model with
+    recurrent or convolution states (hybrids) the states over the cached positions are held as
+    computed, as a cache holds them. ``rope="after"`` keeps
     the keys' gradients as attention receives the keys (RoPE applied), for codecs that code them
     that way. ``layers``: the K/V layers, as :func:`collect` takes them.
 
@@ -378,41 +415,71 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
     ``seed`` and the window's index): the expected outer product of those gradients is the
     Gauss-Newton curvature of the loss, the same for any label, which is what a small
     zero-mean coding error costs in expectation, in NLL as in KL from the uncompressed model."""
+    return collect_sensitivity_groups(model, windows, groups=[layers], n_sink=n_sink, score=score,
+                                      progress=progress, meta=meta, rope=rope, labels=labels, seed=seed)[0]
+
+
+def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Groups = None,
+                               n_sink: int = 1, score: int = 64,
+                               progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+                               meta: Optional[Dict[str, Any]] = None, rope: str = "before",
+                               labels: str = "text", seed: int = 0) -> List[Sensitivity]:
+    """:func:`collect_sensitivity` for several groups of K/V layers of one shape (``groups`` as
+    :func:`collect_groups` takes them) from one gradient pass per window: the same loss, its
+    gradients at the cached rows of every group's layers at once."""
     import torch
 
-    from ..families import AttentionCapture
+    from ..families import AttentionCapture, describe
     from ..families.capture import positions as call_positions
 
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
-    rope, kv_layers, hq, hkv, d, shared, _ = _shapes(model, side, layers)
-    n_layers = len(kv_layers)
+    rope, specs, own, reads = _groups(model, side, groups)
+    kv_layers = [i for g in specs for i in g.layers]
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
-    fisher = {s: np.zeros((n_layers, hkv, d, d)) for s in ("k", "v")}
+    fisher = [{s: np.zeros((len(g.layers), g.hkv, g.d, g.d)) for s in ("k", "v")} for g in specs]
     leaves: Dict[Tuple[str, int], Any] = {}
     shared_parts: Dict[int, Tuple[Any, Any]] = {}  # each layer's K/V with its leaves in, for those sharing it
     where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows
     ctx = 0
 
+    def prefix_fixed(out: Tuple[Any, Any], q: Any, k: Any, v: Any, attend: Any) -> Tuple[Any, Any]:
+        """The attention output with the cached positions' own rows as the model computed them
+        before any error (a recurrent layer after this one carries them into its state, which a
+        cache does not recompute); only the fed tokens see the cached rows as inputs."""
+        fixed = attend(q, k.detach(), v.detach())[0]
+        return torch.cat([fixed[:, :ctx], out[0][:, ctx:]], dim=1), out[1]
+
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
                 attend: Any) -> Tuple[Any, Any]:
-        if i in shared:  # attends over the rows of the layer it reads: the same leaves
-            return attend(q, *shared_parts[shared[i]])
-        if i not in kv_layers:  # a K/V layer of another shape (not calibrated)
+        if i in reads:  # attends over the rows of the layer it reads: the same inputs
+            out = attend(q, *shared_parts[reads[i]])
+            return prefix_fixed(out, q, *shared_parts[reads[i]], attend) if stateful else out
+        if i not in own:
             return attend(q, k, v)
-        where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
         parts = []
         for s, x in (("k", k), ("v", v)):
-            cached = x[:, :, :ctx].detach().requires_grad_(True)
-            leaves[(s, i)] = cached
+            cached = x[:, :, :ctx].detach()
+            if i in kv_layers:
+                cached.requires_grad_(True)
+                leaves[(s, i)] = cached
+            # A K/V layer of a group not collected: its cached rows are fixed inputs too, as in a
+            # cache (else the gradients at the collected rows would run through them).
             parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
+        if i in kv_layers:
+            where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
         shared_parts[i] = (parts[0], parts[1])
-        return attend(q, parts[0], parts[1])
+        out = attend(q, parts[0], parts[1])
+        return prefix_fixed(out, q, k, v, attend) if stateful else out
 
-    keep = bool(_no_logits(model)) and not shared  # (see collect: KV sharing needs every position)
+    # In a model with recurrent (or convolution) states the cached positions' attention outputs
+    # reach the fed tokens through those states too: they are kept as computed. (Without such
+    # states they reach them only through later layers' cached rows, which are inputs here.)
+    stateful = any(s.states for s in describe(model).layers)
+    keep = bool(_no_logits(model)) and not reads  # (see collect: KV sharing needs every position)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
@@ -444,14 +511,18 @@ def collect_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink:
                     if s == "k" and r is not None:
                         g = r.transpose(g.double(), where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
-                    fisher[s][kv_layers.index(i)] += torch.bmm(g.transpose(1, 2), g).numpy()
+                    m = next(m for m, spec in enumerate(specs) if i in spec.layers)
+                    fisher[m][s][specs[m].layers.index(i)] += torch.bmm(g.transpose(1, 2), g).numpy()
     finally:
         for p in trainable:
             p.requires_grad_(True)
-    info = dict(meta or {})
-    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                score=score, labels=labels, **_layer_meta(kv_layers), kv_heads=hkv, head_dim=d, cached="independent",
-                date=datetime.date.today().isoformat(),
-                hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
-    n = max(len(windows), 1)
-    return Sensitivity(meta=info, k=fisher["k"] / n, v=fisher["v"] / n)
+    out = []
+    for m, g in enumerate(specs):
+        info = dict(meta or {})
+        info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                    score=score, labels=labels, **_layer_meta(g.layers), kv_heads=g.hkv, head_dim=g.d,
+                    cached="independent", date=datetime.date.today().isoformat(),
+                    hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
+        n = max(len(windows), 1)
+        out.append(Sensitivity(meta=info, k=fisher[m]["k"] / n, v=fisher[m]["v"] / n))
+    return out

@@ -21,7 +21,7 @@ from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings, Recipe
 from . import corpus
 from .bundle import Calibration, is_calibration_file
-from .collect import collect, collect_sensitivity
+from .collect import collect_groups, collect_sensitivity_groups
 from .mixture import pool_sensitivity, pool_stats
 from .model_codec import is_codec_file
 from .stats import AttentionStats, Sensitivity
@@ -110,24 +110,8 @@ def cached_stats(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
     cached file for this model, corpus (``text_path``; None: ``settings.corpus``), settings and
     group of layers (``layers``, one of the model's shape groups; None: the calibration group),
     collected (and cached) when missing; a mixture's per domain, pooled."""
-    if settings.path:
-        return AttentionStats.load(settings.path)
-    text = _text(text_path, settings)
-    if corpus.is_mixture(text):
-        parts = [(cached_stats(model, tok, model_path, d, replace(settings, windows=c),
-                               n_sink=n_sink, samples=samples, progress=progress, rope=rope,
-                               layers=layers), c)
-                 for d, c in corpus.composition(text, settings.windows, tok)]
-        return pool_stats(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope,
-                                       "composition": [[s.meta.get("text"), c] for s, c in parts]})
-    path = stats_path(model_path, text, settings, model_dtype(model), rope, layers)
-    if path.exists():
-        return AttentionStats.load(path)
-    wins = corpus.calibration_windows(tok, text, settings.windows, settings.window)
-    stats = collect(model, wins, n_sink=n_sink, weighting=settings.weighting, samples=samples,
-                    progress=progress, meta=_meta(model_path, text), rope=rope, layers=layers)
-    stats.save(path)
-    return stats
+    return _cached(model, tok, model_path, text_path, settings, [layers], n_sink=n_sink,
+                   samples=samples, progress=progress, rope=rope, kind="statistics")[0]
 
 
 def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
@@ -138,24 +122,60 @@ def cached_sensitivity(model: Any, tok: Any, model_path: "os.PathLike[str] | str
     ``sensitivity_path`` if given, else the cached file for this model, corpus, settings and
     group of layers (as :func:`cached_stats`), gathered (and cached) on the calibration split
     when missing; a mixture's per domain, pooled."""
-    if settings.sensitivity_path:
-        return Sensitivity.load(settings.sensitivity_path)
+    return _cached(model, tok, model_path, text_path, settings, [layers], n_sink=n_sink,
+                   progress=progress, rope=rope, kind="sensitivity")[0]
+
+
+def _cached(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
+            text_path: "os.PathLike[str] | str | None", settings: CalibrationSettings,
+            groups: List[Layers], *, n_sink: int, progress: Progress, rope: str, kind: str,
+            samples: int = 512) -> List[Any]:
+    """:func:`cached_stats` (``kind`` ``"statistics"``) or :func:`cached_sensitivity`
+    (``"sensitivity"``) of several groups of layers, in order: the groups missing from the cache
+    collected in one pass over the windows (:func:`.collect.collect_groups`)."""
+    stats = kind == "statistics"
+    named = settings.path if stats else settings.sensitivity_path
+    if named:
+        if groups != [None]:
+            raise InvalidParameterError(f"a recipe naming its {kind} file ({named!r}) has them for the "
+                                        "calibration group of layers only")
+        return [(AttentionStats if stats else Sensitivity).load(named)]
     text = _text(text_path, settings)
+    n_windows = settings.windows if stats else settings.sensitivity_windows
     if corpus.is_mixture(text):
-        parts = [(cached_sensitivity(model, tok, model_path, d,
-                                     replace(settings, sensitivity_windows=c), n_sink=n_sink,
-                                     progress=progress, rope=rope, layers=layers), c)
-                 for d, c in corpus.composition(text, settings.sensitivity_windows, tok)]
-        return pool_sensitivity(parts, meta={"text": text, "corpus_key": corpus.key(text), "rope": rope})
-    path = sensitivity_path(model_path, text, settings, n_sink, model_dtype(model), rope, layers)
-    if path.exists():
-        return Sensitivity.load(path)
-    wins = corpus.calibration_windows(tok, text, settings.sensitivity_windows, settings.window)
-    sens = collect_sensitivity(model, wins, n_sink=n_sink, score=settings.score,
-                               labels=settings.labels, layers=layers,
-                               progress=progress, meta=_meta(model_path, text), rope=rope)
-    sens.save(path)
-    return sens
+        parts = [(_cached(model, tok, model_path, d,
+                          replace(settings, windows=c) if stats else replace(settings, sensitivity_windows=c),
+                          groups, n_sink=n_sink, samples=samples, progress=progress, rope=rope, kind=kind), c)
+                 for d, c in corpus.composition(text, n_windows, tok)]
+        meta = {"text": text, "corpus_key": corpus.key(text), "rope": rope}
+        out = []
+        for n in range(len(groups)):
+            got = [(part[n], c) for part, c in parts]
+            if stats:
+                out.append(pool_stats(got, meta=dict(meta, composition=[[st.meta.get("text"), c]
+                                                                         for st, c in got])))
+            else:
+                out.append(pool_sensitivity(got, meta=meta))
+        return out
+    dtype = model_dtype(model)
+    paths = [stats_path(model_path, text, settings, dtype, rope, g) if stats
+             else sensitivity_path(model_path, text, settings, n_sink, dtype, rope, g) for g in groups]
+    have = {n: (AttentionStats if stats else Sensitivity).load(p) for n, p in enumerate(paths) if p.exists()}
+    todo = [n for n in range(len(groups)) if n not in have]
+    if todo:
+        wins = corpus.calibration_windows(tok, text, n_windows, settings.window)
+        asked = [groups[n] for n in todo]
+        if stats:
+            got = collect_groups(model, wins, groups=asked, n_sink=n_sink, weighting=settings.weighting,
+                                 samples=samples, progress=progress, meta=_meta(model_path, text), rope=rope)
+        else:
+            got = collect_sensitivity_groups(model, wins, groups=asked, n_sink=n_sink, score=settings.score,
+                                             labels=settings.labels, progress=progress,
+                                             meta=_meta(model_path, text), rope=rope)
+        for n, one in zip(todo, got):
+            one.save(paths[n])
+            have[n] = one
+    return [have[n] for n in range(len(groups))]
 
 
 def _groups(recipe: Recipe, model: Any, all_groups: bool) -> List[Layers]:
@@ -248,15 +268,11 @@ def _for_recipe(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[s
         return pairs if all_groups else pairs[:1]
     n_sink = max(recipe.n_sink, 1)
     rope = recipe.key_rope
-    out: List[Pair] = []
-    for layers in _groups(recipe, model, all_groups):
-        part = "" if layers is None else f" (layers {list(layers)})"
-        stats = cached_stats(model, tok, model_path, text_path, recipe.calibration, n_sink=n_sink,
-                             progress=progress(f"calibration{part}"), rope=rope, layers=layers)
-        sens = None
-        if recipe.needs_sensitivity:
-            sens = cached_sensitivity(model, tok, model_path, text_path, recipe.calibration,
-                                      n_sink=n_sink, progress=progress(f"sensitivity{part}"), rope=rope,
-                                      layers=layers)
-        out.append((stats, sens))
-    return out
+    groups = _groups(recipe, model, all_groups)
+    stats = _cached(model, tok, model_path, text_path, recipe.calibration, groups, n_sink=n_sink,
+                    progress=progress("calibration"), rope=rope, kind="statistics")
+    sens: List[Optional[Sensitivity]] = [None] * len(groups)
+    if recipe.needs_sensitivity:
+        sens = _cached(model, tok, model_path, text_path, recipe.calibration, groups, n_sink=n_sink,
+                       progress=progress("sensitivity"), rope=rope, kind="sensitivity")
+    return list(zip(stats, sens))
