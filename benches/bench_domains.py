@@ -48,6 +48,18 @@ def _uptime() -> str:
         return "?"
 
 
+def _specs(arg: str) -> List[str]:
+    """Comma-separated corpora; the ``DOMAIN=WEIGHT`` items after a ``mixture:`` stay with it
+    (``mixture,mixture:wiki-en=3,code=3`` is two calibrations)."""
+    out: List[str] = []
+    for part in arg.split(","):
+        if out and "=" in part and out[-1].startswith("mixture:"):
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
+
+
 def _tables(res: Any, recipe_names: List[str], head: str) -> str:
     parts = [head, ""]
     for r in recipe_names:
@@ -85,7 +97,9 @@ def _adapted(model: Any, tok: Any, path: Path, recs: List[Any], cals: List[str],
 def main(argv: "List[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a model directory or GGUF file, or 'hard-case'")
-    ap.add_argument("--calibrations", default="wiki-en,wiki-fr,wiki-es,code,prose,chat,mixture")
+    ap.add_argument("--calibrations", default="wiki-en,wiki-fr,wiki-es,code,prose,chat,mixture",
+                    help="comma-separated corpora to calibrate on (domains, files, 'mixture' or "
+                         "'mixture:DOMAIN=WEIGHT,...', whose items stay together)")
     ap.add_argument("--domains", default=ALL)
     ap.add_argument("--recipes", default="calibrated-4bit,calibrated-3bit")
     ap.add_argument("--baselines", default="turboquant4,turboquant3")
@@ -111,7 +125,7 @@ def main(argv: "List[str] | None" = None) -> int:
         return 0
 
     path = assets.hard_case_model() if args.model == "hard-case" else Path(args.model or assets.default_model())
-    cals = [corpus.check_spec(c) for c in args.calibrations.split(",") if c]
+    cals = [corpus.check_spec(c) for c in _specs(args.calibrations)]
     doms = [corpus.check_spec(d, allow_mixture=False) for d in args.domains.split(",") if d]
     recs = [recipes.load(r) for r in args.recipes.split(",") if r]
     t0 = time.time()
