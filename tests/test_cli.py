@@ -237,8 +237,8 @@ def test_layers_of_two_head_sizes_calibrated_by_group(tiny_model_dir, tmp_path, 
 
 def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir, capsys) -> None:
     """`eval` with a recipe's own calibration (no file named) gathers statistics for every group of
-    K/V layers of one shape, each cached apart: all layers are coded (none left raw at 16 bits),
-    the estimate counts a pass per group, and `calibrate` fills the same cache."""
+    K/V layers of one shape (in one pass over the windows), each cached apart: all layers are coded
+    (none left raw at 16 bits), and `calibrate` fills the same cache."""
     import transformers
 
     from dataclasses import replace
@@ -265,10 +265,10 @@ def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir,
     rec = recipes.load(rec_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    # Before anything is cached: each group's windows, statistics and sensitivity.
+    # Before anything is cached: the windows of the statistics and the sensitivity, once.
     todo = gather.missing(rec, model, tok, model_dir, str(text), all_groups=True)
-    assert [w for w, _, _ in todo] == ["statistics", "statistics", "sensitivity", "sensitivity"]
-    assert gather.missing(rec, model, tok, model_dir, str(text)) == [todo[0], todo[2]]
+    assert [(w, c) for w, _, c in todo] == [("statistics", 2), ("sensitivity", 2)]
+    assert gather.missing(rec, model, tok, model_dir, str(text)) == todo
 
     def run(out: str) -> dict:
         assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
@@ -279,7 +279,7 @@ def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir,
     capsys.readouterr()
     first = run("eval-1")
     err = capsys.readouterr().err
-    assert "statistics on 4 windows" in err and "sensitivity on 4 windows" in err  # 2 windows x 2 groups
+    assert "statistics on 2 windows" in err and "sensitivity on 2 windows" in err  # both groups in one pass
     # Every layer coded: a raw sliding layer would hold a third of the elements at 16 bits.
     assert first["bits_per_element"] < 5.0 and 0 < first["kl"] < 1.0
     assert len(list((cache_dir / "calibration").glob("*layers1x*.safetensors"))) == 2  # the sliding group's pair

@@ -79,16 +79,12 @@ def _windows_of(what: "bool | int", total: int) -> int:
 
 def calibration_plan(todo: List[Tuple[str, str, int]]) -> Dict[str, Tuple[int, str]]:
     """``{what: (windows, "domain n, ...")}`` of what :func:`kakeyaturbo.calibration.gather.missing`
-    says is still to collect (a mixture's domains each with their share, summed over the groups
-    of layers that each take their own pass)."""
+    says is still to collect (a mixture's domains each with their share)."""
     out: Dict[str, Tuple[int, str]] = {}
     for what in ("statistics", "sensitivity"):
-        parts: Dict[str, int] = {}
-        for w, d, c in todo:
-            if w == what:
-                parts[corpus.describe(d)] = parts.get(corpus.describe(d), 0) + c
+        parts = [(corpus.describe(d), c) for w, d, c in todo if w == what]
         if parts:
-            out[what] = (sum(parts.values()), ", ".join(f"{d} {c}" for d, c in parts.items()))
+            out[what] = (sum(c for _, c in parts), ", ".join(f"{d} {c}" for d, c in parts))
     return out
 
 

@@ -195,8 +195,8 @@ def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] 
             all_groups: bool = False) -> List[Tuple[str, str, int]]:
     """``[(what, corpus, windows)]`` a recipe's calibration would still have to collect (nothing
     named by a file, nothing cached): ``what`` is ``statistics`` or ``sensitivity``; with
-    ``all_groups``, for every group of layers :func:`for_recipe_groups` gathers (a corpus once
-    per group that misses it). For announcing the cost before it is paid."""
+    ``all_groups``, a corpus that any group of layers :func:`for_recipe_groups` gathers misses
+    (the missing groups are collected in one pass). For announcing the cost before it is paid."""
     if recipe.mode != "calibrated":
         return []
     st = recipe.calibration
@@ -207,18 +207,19 @@ def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] 
     jobs = [("statistics", st.windows)]
     if recipe.needs_sensitivity:
         jobs.append(("sensitivity", st.sensitivity_windows))
+    groups = _groups(recipe, model, all_groups)
     for what, n in jobs:
         if (st.path if what == "statistics" else st.sensitivity_path):
             continue
-        for layers in _groups(recipe, model, all_groups):
-            for d, c in corpus.composition(text, n, tok):
-                if what == "statistics":
-                    p = stats_path(model_path, d, replace(st, windows=c), dtype, recipe.key_rope, layers)
-                else:
-                    p = sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
-                                         recipe.key_rope, layers)
-                if not p.exists():
-                    out.append((what, d, c))
+        for d, c in corpus.composition(text, n, tok):
+            if what == "statistics":
+                paths = [stats_path(model_path, d, replace(st, windows=c), dtype, recipe.key_rope, g)
+                         for g in groups]
+            else:
+                paths = [sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
+                                          recipe.key_rope, g) for g in groups]
+            if not all(p.exists() for p in paths):
+                out.append((what, d, c))
     return out
 
 

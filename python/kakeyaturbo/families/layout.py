@@ -134,7 +134,7 @@ class ModelLayout:
         the layers of the full-attention layers' shape, provided every full-attention layer has
         it: the layers whose cache grows with the context. The other K/V layers (sliding, within
         their window) stay raw in a calibrated recipe's cache unless the calibration holds their
-        group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` collects every group).
+        group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` and ``eval`` collect every group).
         UnsupportedModelError when no such group exists, or for multi-head latent attention (the
         statistics are taken where attention runs, over keys and values expanded from the
         latent, not over the rows the cache holds)."""
