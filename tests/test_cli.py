@@ -206,6 +206,20 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
     assert not cache_dir.exists()
 
 
+def _two_head_sizes(tiny_model_dir, tmp_path):
+    """A tiny Gemma 4 checkpoint whose full layers have another head size than its sliding one,
+    and its vocabulary size."""
+    import transformers
+
+    n = len(transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
+    wide = {"head_dim": 32, "num_key_value_heads": 1}
+    return _checkpoint(tiny_model_dir, tmp_path / "tiny-gemma4", transformers.Gemma4TextConfig,
+                       transformers.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                       layer_types=["sliding_attention", "full_attention", "full_attention"],
+                       per_layer_config={"01": wide, "02": wide}, hidden_size_per_layer_input=16,
+                       vocab_size_per_layer_input=n), n
+
+
 def test_layers_of_two_head_sizes_calibrated_by_group(tiny_model_dir, tmp_path, cache_dir) -> None:
     """Gemma 4 (full layers of another head size than its sliding one): `calibrate` collects each
     group of layers of one shape and writes them in one file, which serves every layer."""
@@ -215,13 +229,7 @@ def test_layers_of_two_head_sizes_calibrated_by_group(tiny_model_dir, tmp_path, 
     from kakeyaturbo.cache import KakeyaCache
     from kakeyaturbo.calibration import Calibration
 
-    n = len(transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
-    wide = {"head_dim": 32, "num_key_value_heads": 1}
-    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-gemma4", transformers.Gemma4TextConfig,
-                            transformers.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                            layer_types=["sliding_attention", "full_attention", "full_attention"],
-                            per_layer_config={"01": wide, "02": wide}, hidden_size_per_layer_input=16,
-                            vocab_size_per_layer_input=n)
+    model_dir, n = _two_head_sizes(tiny_model_dir, tmp_path)
     cal = tmp_path / "g4.kkcal"
     assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(tiny_model_dir / "text.txt"),
                      "--calibration-text", "same", "--windows", "2", "--window", "64", "--sensitivity-windows", "2",
@@ -247,13 +255,7 @@ def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir,
     from kakeyaturbo.calibration import Calibration, gather
     from kakeyaturbo.recipes import recipe
 
-    n = len(transformers.AutoTokenizer.from_pretrained(tiny_model_dir))
-    wide = {"head_dim": 32, "num_key_value_heads": 1}
-    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-gemma4", transformers.Gemma4TextConfig,
-                            transformers.Gemma4ForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=16,
-                            layer_types=["sliding_attention", "full_attention", "full_attention"],
-                            per_layer_config={"01": wide, "02": wide}, hidden_size_per_layer_input=16,
-                            vocab_size_per_layer_input=n)
+    model_dir, n = _two_head_sizes(tiny_model_dir, tmp_path)
     text = tiny_model_dir / "text.txt"
     small = (recipe.HERE / "calibrated-4bit.toml").read_text()
     for a, b in (('"calibrated-4bit"', '"small-4bit"'), ("windows = 16\nwindow = 1024", "windows = 2\nwindow = 64"),

@@ -250,34 +250,35 @@ def calibrate(args: argparse.Namespace) -> int:
 
     groups = [None] + [g[0] for g in describe_model(m).shape_groups()[1:]]
     n_groups = f" ({len(groups)} groups of layers)" if len(groups) > 1 else ""
-    got: List[List[Tuple[Any, int]]] = [[] for _ in groups]
-    for d, c in corpus.composition(text, args.windows, tok):
-        wins = calibration_windows(tok, d, c, args.window)
-        parts = collect_groups(m, wins, groups=groups, n_sink=args.n_sink, weighting=args.weighting,
-                               rope=args.rope, samples=args.samples,
-                               progress=_progress(f"calibration {d}{n_groups}"),
-                               meta={"model": model_path.name, **corpus.meta(d)})
-        for n, stats in enumerate(parts):
-            if to_cache:
-                write(stats, stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, groups[n]))
-            got[n].append((stats, c))
-    stats_of = [pool_stats(g, meta={"text": text, "rope": args.rope}) if mixed else g[0][0] for g in got]
-    sens_of: List[Any] = [None] * len(groups)
-    if args.sensitivity_windows > 0:
-        sgot: List[List[Tuple[Any, int]]] = [[] for _ in groups]
-        for d, c in corpus.composition(text, args.sensitivity_windows, tok):
+    meta = {"text": text, "rope": args.rope}
+
+    def per_group(what: str, n_windows: int, gather_one: Any, path_of: Any, pool: Any) -> List[Any]:
+        """Per group, ``what`` of every domain of the corpus (each cached where asked), pooled."""
+        got: List[List[Tuple[Any, int]]] = [[] for _ in groups]
+        for d, c in corpus.composition(text, n_windows, tok):
             wins = calibration_windows(tok, d, c, args.window)
-            parts = collect_sensitivity_groups(m, wins, groups=groups, n_sink=args.n_sink, score=args.score,
-                                               rope=args.rope, labels=args.labels,
-                                               progress=_progress(f"sensitivity {d}{n_groups}"),
-                                               meta={"model": model_path.name, **corpus.meta(d)})
+            parts = gather_one(wins, progress=_progress(f"{what} {d}{n_groups}"),
+                               meta={"model": model_path.name, **corpus.meta(d)})
             for n, one in enumerate(parts):
                 if to_cache:
-                    write(one, sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c),
-                                                args.n_sink, dtype, args.rope, groups[n]))
-                sgot[n].append((one, c))
-        sens_of = [pool_sensitivity(g, meta={"text": text, "rope": args.rope}) if mixed else g[0][0]
-                   for g in sgot]
+                    write(one, path_of(d, c, groups[n]))
+                got[n].append((one, c))
+        return [pool(g, meta=meta) if mixed else g[0][0] for g in got]
+
+    stats_of = per_group(
+        "calibration", args.windows,
+        lambda wins, **kw: collect_groups(m, wins, groups=groups, n_sink=args.n_sink, weighting=args.weighting,
+                                          rope=args.rope, samples=args.samples, **kw),
+        lambda d, c, g: stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, g), pool_stats)
+    sens_of: List[Any] = [None] * len(groups)
+    if args.sensitivity_windows > 0:
+        sens_of = per_group(
+            "sensitivity", args.sensitivity_windows,
+            lambda wins, **kw: collect_sensitivity_groups(m, wins, groups=groups, n_sink=args.n_sink,
+                                                          score=args.score, rope=args.rope, labels=args.labels,
+                                                          **kw),
+            lambda d, c, g: sensitivity_path(model_path, d, replace(settings, sensitivity_windows=c), args.n_sink,
+                                             dtype, args.rope, g), pool_sensitivity)
     pairs = list(zip(stats_of, sens_of))
     if not (args.out or args.codec):
         return 0
