@@ -17,7 +17,7 @@ from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
 from kakeyaturbo.cache.generation import _state_bytes  # noqa: E402
 from kakeyaturbo.cache.prefix import held_span  # noqa: E402
-from kakeyaturbo.calibration.collect import attention_p2  # noqa: E402
+from kakeyaturbo.calibration.moments import attention_p2  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek V2/V3/V3.2, GLM-4.7-Flash, GLM-5, MiniCPM3, Youtu, Kimi Linear) on
 tiny random-weight models (``families.MLA``): described as it caches (a latent row as keys, the
-rotated key part as values, one "head" each), served by codecs of the cached rows; keys without
-RoPE and calibration refused by name."""
+rotated key part as values, one "head" each), served by codecs of the cached rows, calibrated on
+them (statistics and sensitivity taken at the cache); Kimi Linear's calibration refused by name."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _generate(model, ids, cache):
 def test_described_as_cached(family) -> None:
     name, model = family
     layout = describe(model)
-    assert layout.latent and layout.rope is None and "latent" in layout.rope_error
+    assert layout.latent and layout.rope_error is None and set(layout.rope.layers) == {None}  # no RoPE on the latent
     kv = [s for s in layout.layers if s.has_kv]
     assert kv and all((s.kv_heads, s.head_dim, s.v_dim) == (1, 32, 8) for s in kv), name
     ref = transformers.DynamicCache(config=model.config)
@@ -77,13 +77,77 @@ def test_codecs_of_the_cached_rows_serve_it(family) -> None:
     assert np.isfinite(row["kl"]) and row["kl"] > 0 and row["bits_per_element"] > 0
 
 
-def test_keys_without_rope_and_calibration_refused(family) -> None:
+def test_calibrated_on_the_rows_it_caches(family, tmp_path) -> None:
+    """Statistics and sensitivity of the cached rows: the uniform moments are those of the
+    DynamicCache's rows, the latent's queries map onto the scores, the sensitivity is the
+    gradient through a prefilled DynamicCache (one cached position: ``g g^T``); the shipped
+    recipe's codecs then serve the cache (keys without RoPE: the latent as cached), generate and
+    evaluate, from a calibration file too. Kimi Linear is refused by name."""
+    from kakeyaturbo.calibration import latent
+
     name, model = family
-    with pytest.raises(kt.UnsupportedModelError, match=f"'{name}'.*latent row without RoPE"):
-        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model)
-    for rope in ("before", "after"):
-        with pytest.raises(kt.UnsupportedModelError, match=f"'{name}': multi-head latent attention caches a latent"):
-            calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2, rope=rope)
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 20)) for _ in range(2)]
+    if name == "kimi_linear":
+        for collect in (calibration.collect, calibration.collect_sensitivity):
+            with pytest.raises(kt.UnsupportedModelError, match="'kimi_linear': latent attention beside recurrent"):
+                collect(model, wins)
+        return
+    kv = describe(model).kv_layers
+    uniform = calibration.collect(model, wins, n_sink=1, samples=4, weighting="uniform")
+    rows = {"k": [], "v": []}
+    for w in wins:
+        ref = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([w]), cache=ref)
+        rows["k"].append(torch.stack([ref.layers[i].keys[0, 0, 1:] for i in kv]))
+        rows["v"].append(torch.stack([ref.layers[i].values[0, 0, 1:] for i in kv]))
+    for s, mean in (("k", uniform.k_mean), ("v", uniform.v_mean)):
+        x = torch.cat(rows[s], dim=1).double()
+        np.testing.assert_allclose(mean[:, 0], x.mean(dim=1).numpy(), rtol=0, atol=1e-6)
+    assert uniform.dims == (32, 8) and uniform.k_samples.shape == (3, 1, 4, 32) and uniform.v_samples.shape[-1] == 8
+    mod = latent._modules(model, kv)[kv[0]]
+    c = torch.randn(32, dtype=torch.float64)
+    keys = mod.kv_b_proj.double()(c).reshape(4, 32)[:, :16]  # each head's keys without RoPE
+    torch.testing.assert_close(latent._key_up(mod) @ c, keys)
+    mod.kv_b_proj.float()
+    # The sensitivity with one cached position, against the gradient through a DynamicCache.
+    score = 3
+    w = wins[0][:1 + 1 + score + 1]
+    sens = calibration.collect_sensitivity(model, [w], n_sink=1, score=score)
+    ids = torch.tensor([w])
+    for row, i in enumerate(kv):
+        for s, attr in (("k", "keys"), ("v", "values")):
+            with torch.no_grad():
+                _, cache = harness._forward(model, ids[:, :2])
+            x = getattr(cache.layers[i], attr)
+            offset = torch.zeros(x.shape[-1], requires_grad=True)
+            y = x.clone()
+            y[0, 0, 1] = y[0, 0, 1] + offset
+            setattr(cache.layers[i], attr, y)
+            logits, _ = harness._forward(model, ids[:, 2:-1], cache)
+            nll = -torch.log_softmax(logits[0].double(), -1).gather(1, ids[0, 3:, None]).sum()
+            (grad,) = torch.autograd.grad(nll, [offset])
+            grad = grad.double().numpy()
+            np.testing.assert_allclose(sens.of(s)[row, 0], np.outer(grad, grad), rtol=1e-4,
+                                       atol=1e-6 * np.abs(grad).max() ** 2, err_msg=f"{name} {s} {i}")
+    # The shipped recipe on them: keys without RoPE are the latent as cached.
+    stats = calibration.collect(model, wins, n_sink=1, samples=8)
+    sens = calibration.collect_sensitivity(model, wins, n_sink=1, score=6)
+    cal = calibration.Calibration.for_model(model, stats, sens).save(tmp_path / "mla.kkcal")
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=8)
+    assert cache.codec.pre_rope_keys and {c.d for (s, _, _), c in cache.codec.codecs.items() if s == "v"} == {8}
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    seq, logits = _generate(model, ids, cache)
+    assert torch.isfinite(logits).all() and all(cache.layers[i].num_sealed() == 4 for i in kv)
+    assert 0 < cache.memory()["blobs"] and cache.nbytes() < cache.nbytes_uncompressed()
+    exact = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model, block_size=8, n_sink=1)
+    ref = transformers.DynamicCache(config=model.config)
+    assert torch.equal(_generate(model, ids, exact)[1], _generate(model, ids, ref)[1])
+    rec = recipes.load("calibrated-4bit")
+    m = harness.codec_method(rec, describe(model).num_layers, stats=stats, sensitivity=sens)
+    res = harness.evaluate(model, [list(w) + list(w[:11]) for w in wins], 24, [m])[m.name]
+    assert 3.0 < res["bits_per_element"] < 8.0 and np.isfinite(res["kl"])
 
 
 def test_indexer_keys_are_not_saved(tmp_path) -> None:

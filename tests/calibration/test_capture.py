@@ -62,7 +62,7 @@ def test_attention_weights_from_every_kind_of_mask() -> None:
     """The squared probabilities are the same whether the mask comes as eager's additive floats,
     sdpa's booleans, or not at all (causal, with the layer's sliding window from its kwargs),
     and equal those of a plain softmax over the full matrix."""
-    from kakeyaturbo.calibration.collect import attention_p2
+    from kakeyaturbo.calibration.moments import attention_p2
 
     g = torch.Generator().manual_seed(0)
     t, w = 37, 5

@@ -3,7 +3,8 @@ codecs fitted from it. Data flows one way through the modules:
 
 - `corpus`: the calibration text (split by document, disjoint from evaluation text) and windows;
 - `collect`: statistics gathered from a model of any family (torch), seen through the attention
-  interface before RoPE: moments, and the sensitivity by gradients at the cached rows;
+  interface before RoPE: moments, and the sensitivity by gradients at the cached rows (`latent`:
+  multi-head latent attention's, taken at the cache);
 - `stats`: :class:`AttentionStats` and :class:`Sensitivity`, stored as safetensors + JSON;
 - `bundle`: :class:`Calibration`, both in ONE file with the model's fingerprint (travels with
   the model: ``kakeyaturbo calibrate --out``);

@@ -101,7 +101,8 @@ class Calibration:
         cal = cls(stats=stats, sensitivity=sensitivity, model_type=describe(model).model_type,
                   fingerprint=fingerprint(model), settings=dict(settings or {}), groups=tuple(groups))
         for st, se in cal.pairs():
-            if se is not None and (se.k.shape != st.q2.shape or se.layer_index != st.layer_index):
+            if se is not None and (se.k.shape != st.q2.shape or se.v.shape != st.v_cov.shape
+                                   or se.layer_index != st.layer_index):
                 raise InvalidParameterError(f"sensitivity of shape {se.k.shape} does not match the "
                                             f"statistics' {st.q2.shape} (or not over the same layers)")
         cal._check_shapes(model, "statistics")
@@ -125,6 +126,10 @@ class Calibration:
             raise ModelMismatchError(
                 f"{what} hold (layers, kv-heads, head_dim) = {self.shape}, but the model "
                 f"({layout.model_type!r}) has {want}")
+        dv = layout.layers[layers[0]].v_dim or d
+        if self.stats.dims[1] != dv:  # multi-head latent attention: the rotated key part
+            raise ModelMismatchError(f"{what} hold values {self.stats.dims[1]} wide, but the model "
+                                     f"({layout.model_type!r}) caches them {dv} wide")
         if self.stats.layer_index != layers:
             raise ModelMismatchError(
                 f"{what} are of layers {list(self.stats.layer_index)}, but the model's calibrated K/V "
@@ -223,7 +228,8 @@ class Calibration:
                 se = None
                 if any(k.startswith(pre + _SENS) for k in arrays):
                     se = Sensitivity(meta=se_meta or {}, **{k: arrays[pre + _SENS + k] for k in Sensitivity.ARRAYS})
-                if se is not None and (se.k.shape != st.q2.shape or se.layer_index != st.layer_index):
+                if se is not None and (se.k.shape != st.q2.shape or se.v.shape != st.v_cov.shape
+                                       or se.layer_index != st.layer_index):
                     raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
                 pairs.append((st, se))
             read = {f"{'' if n == 0 else f'group{n}/'}{part}{k}" for n in range(len(pairs))

@@ -8,7 +8,6 @@ cached rows."""
 from __future__ import annotations
 
 import datetime
-import inspect
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,6 +15,8 @@ import numpy as np
 from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output
+from .latent import collect_latent, collect_latent_sensitivity
+from .moments import Moments, attention_p2, layer_meta, no_logits
 from .stats import AttentionStats, Sensitivity
 
 # `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
@@ -42,41 +43,20 @@ def attention_modules(model: Any) -> List[Any]:
     return [mods[i] for i in want]
 
 
-class _Moments:
-    """Weighted first and second moments of rows, per (layer, kv-head), accumulated in float64
-    torch (batched over the heads of a layer), and the sampled rows."""
+def _latent(model: Any, groups: Groups) -> bool:
+    """Whether ``model`` has multi-head latent attention (its statistics are taken at the cache,
+    :mod:`.latent`, one group of layers)."""
+    from ..families import describe
 
-    def __init__(self, layers: int, heads: int, d: int) -> None:
-        import torch
-
-        self.n = torch.zeros((layers, heads), dtype=torch.float64)
-        self.s1 = torch.zeros((layers, heads, d), dtype=torch.float64)
-        self.s2 = torch.zeros((layers, heads, d, d), dtype=torch.float64)
-        self.samples: List[List[List[np.ndarray]]] = [[[] for _ in range(heads)] for _ in range(layers)]
-
-    def add(self, layer: int, x: Any, w: Any = None) -> None:
-        """``x [heads, n, d]`` float64 rows, ``w [heads, n]`` their weights (None: 1)."""
-        import torch
-
-        if w is None:
-            self.n[layer] += x.shape[1]
-            self.s1[layer] += x.sum(dim=1)
-            self.s2[layer] += torch.bmm(x.transpose(1, 2), x)
-        else:
-            self.n[layer] += w.sum(dim=1)
-            xw = x * w[..., None]
-            self.s1[layer] += xw.sum(dim=1)
-            self.s2[layer] += torch.bmm(xw.transpose(1, 2), x)
-
-    def moments(self) -> Tuple[np.ndarray, np.ndarray]:
-        """``(mean [L, H, d], covariance [L, H, d, d])``."""
-        mean = self.s1 / self.n[..., None]
-        cov = self.s2 / self.n[..., None, None] - mean[..., :, None] * mean[..., None, :]
-        return mean.numpy(), cov.numpy()
-
-    def stacked_samples(self, d: int) -> np.ndarray:
-        return np.stack([np.stack([np.concatenate(a) if a else np.zeros((0, d), np.float32)
-                                   for a in row]) for row in self.samples]).astype(np.float32)
+    layout = describe(model)
+    if not layout.latent:
+        return False
+    known = list(layout.shape_groups()[0][0])
+    if groups is not None and (len(groups) != 1 or any(g is not None and [int(i) for i in g] != known
+                                                       for g in groups)):
+        raise InvalidParameterError(f"model type {layout.model_type!r}: its latent layers {known} are one "
+                                    f"group, asked for once; got {[None if g is None else list(g) for g in groups]}")
+    return True
 
 
 class _Group:
@@ -126,15 +106,6 @@ def _groups(model: Any, side: str, groups: Groups
     return rope, out, layout.kv_layers, reads
 
 
-def _layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
-    """``layers`` (the number of K/V layers) and, for a hybrid model whose K/V layers are not
-    ``0 .. n-1``, ``layer_index`` (the model's index of each)."""
-    out: Dict[str, Any] = {"layers": len(layers)}
-    if list(layers) != list(range(len(layers))):
-        out["layer_index"] = [int(i) for i in layers]
-    return out
-
-
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
     """``x [1, H, T, D]`` after RoPE -> float64 before it."""
     from ..families.capture import positions as call_positions
@@ -142,84 +113,6 @@ def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
     r = rope.layer(layer)
     x = x.detach().double()
     return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
-
-
-def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any], n_sink: int,
-                 chunk: int = 64, v: Any = None) -> Tuple[Any, ...]:
-    """Sums of squared attention probabilities of one layer and window, as the model's attention
-    computes the probabilities (its ``scaling``, ``softcap`` and the layer's mask: causal,
-    sliding window): ``wq [kv_heads, group, T]`` (``sum_{j >= n_sink} p_ij^2`` per query) and
-    ``wk [kv_heads, T]`` (``sum_i p_ij^2`` over the queries of the GQA group, per key), float64.
-
-    ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
-    positions); ``mask`` as the model's attention implementation gets it (None, or not 4-D as
-    flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
-    attended; float: added; keys after a query are masked in all of them). Computed in
-    float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
-    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed. With
-    ``v [1, Hkv, T, D]`` the attention output is computed from the same probabilities and
-    returned third, ``[1, T, Hq, D]`` in ``q``'s dtype, as transformers' attention functions
-    return it (the statistics pass uses it instead of running the model's attention a second
-    time; equal to the model's own output to float32 rounding, checked per family). A module
-    with learnt sinks (``module.sinks``, one logit per query head: GPT-OSS) has each query's
-    softmax taken with its head's sink logit as one more entry, which holds no value and is
-    dropped from the sums, as the model's attention does."""
-    import torch
-
-    _, hq, t, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    scaling = kwargs.get("scaling")
-    scaling = float(d ** -0.5 if scaling is None else scaling)
-    softcap = kwargs.get("softcap")
-    window = kwargs.get("sliding_window")
-    qf = q[0].detach().float().reshape(hkv, group, t, d)
-    kt = k[0].detach().float().transpose(1, 2)  # [hkv, d, t]
-    wq = torch.empty((hkv, group, t), dtype=torch.float64)
-    wk = torch.zeros((hkv, t), dtype=torch.float64)
-    pos = torch.arange(t)
-    sinks = getattr(module, "sinks", None)
-    if sinks is not None:
-        sinks = sinks.detach().float().reshape(hkv, group, 1, 1)
-    vf = None if v is None else v[0].detach().float()[:, None]  # [hkv, 1, t, d]
-    out = None if v is None else torch.empty((hkv, group, t, vf.shape[-1]), dtype=torch.float32)
-    for a in range(0, t, chunk):
-        b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
-        logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if mask is None or mask.ndim != 4:  # causal (and the layer's window) by position
-            hidden = pos[None, :b] > pos[a:b, None]
-            if window:
-                hidden |= pos[None, :b] <= pos[a:b, None] - window
-            logits.masked_fill_(hidden, float("-inf"))
-        elif mask.dtype == torch.bool:
-            logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
-        else:
-            logits += mask[0, 0, a:b, :b].float()
-        if sinks is None:
-            p2 = torch.softmax(logits, dim=-1)
-        else:
-            p2 = torch.softmax(torch.cat([logits, sinks.expand(-1, -1, b - a, 1)], dim=-1), dim=-1)[..., :-1]
-        if out is not None:
-            out[:, :, a:b] = torch.matmul(p2, vf[:, :, :b])
-        p2.square_()
-        wq[:, :, a:b] = p2[..., n_sink:].sum(dim=-1)
-        wk[:, :b] += p2.sum(dim=(1, 2))
-    if out is None:
-        return wq, wk
-    return wq, wk, out.reshape(1, hq, t, -1).transpose(1, 2).contiguous().to(q.dtype)
-
-
-def _no_logits(model: Any) -> Dict[str, Any]:
-    """Forward arguments that skip the LM head where the model's forward can (``logits_to_keep``:
-    the statistics need no logits, and over a window the head is a fifth of a small model's
-    forward pass)."""
-    try:
-        accepted = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
 
 
 ROPE_SIDES = ("before", "after")
@@ -292,6 +185,9 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
+    if _latent(model, groups):
+        return [collect_latent(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
+                               progress=progress, meta=meta, rope=side)]
     rope, specs, own, reads = _groups(model, side, groups)
     at = {i: (g, j) for g in specs for i, j in g.row.items()}  # model layer -> (group, row)
 
@@ -300,8 +196,8 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
 
     q2 = [torch.zeros((len(g.layers), g.hkv, g.d, g.d), dtype=torch.float64) for g in specs]
     q_count = [torch.zeros((len(g.layers), g.hkv), dtype=torch.float64) for g in specs]
-    k_acc = [_Moments(len(g.layers), g.hkv, g.d) for g in specs]
-    v_acc = [_Moments(len(g.layers), g.hkv, g.d) for g in specs]
+    k_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
+    v_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
     rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
     total = rows_per_window * len(windows)
     rng = np.random.default_rng(seed)
@@ -350,16 +246,16 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     # Layers that share K/V then compute the last positions only (Gemma 4), where the statistics
     # need every query of the window (and transformers' sdpa masks such a layer's few queries
     # as if they were the first positions: their attention is not the model's full pass).
-    no_logits = {} if reads else _no_logits(model)
+    head = {} if reads else no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel[:] = [p - w_i * rows_per_window for p in pick
                       if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
             if not first_window:
-                model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, **head)
                 continue
             with spy:
-                model(input_ids=torch.tensor([list(w)]), use_cache=False, **no_logits)
+                model(input_ids=torch.tensor([list(w)]), use_cache=False, **head)
             if side == "before":
                 check_keys_rotate_last(model, rope, first_keys)
             cap.check([i for g in specs for i in g.layers])
@@ -378,7 +274,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         vm, vc = v_acc[n].moments()
         info = dict(meta or {})
         info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                    tokens=sum(len(w) for w in windows), **_layer_meta(g.layers), q_heads=g.hq,
+                    tokens=sum(len(w) for w in windows), **layer_meta(g.layers), q_heads=g.hq,
                     kv_heads=g.hkv, head_dim=g.d, samples=len(pick), date=datetime.date.today().isoformat(),
                     weighting=weighting, hooks=CAPTURE_POINT, rope=side)
         q2n = (q2[n] / q_count[n].clamp_min(1e-300)[:, :, None, None]).numpy()
@@ -435,6 +331,9 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
+    if _latent(model, groups):
+        return [collect_latent_sensitivity(model, windows, n_sink=n_sink, score=score, progress=progress,
+                                           meta=meta, rope=side, labels=labels, seed=seed)]
     rope, specs, own, reads = _groups(model, side, groups)
     kv_layers = [i for g in specs for i in g.layers]
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
@@ -479,7 +378,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     # reach the fed tokens through those states too: they are kept as computed. (Without such
     # states they reach them only through later layers' cached rows, which are inputs here.)
     stateful = any(s.states for s in describe(model).layers)
-    keep = bool(_no_logits(model)) and not reads  # (see collect: KV sharing needs every position)
+    keep = bool(no_logits(model)) and not reads  # (see collect: KV sharing needs every position)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
@@ -520,7 +419,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     for m, g in enumerate(specs):
         info = dict(meta or {})
         info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                    score=score, labels=labels, **_layer_meta(g.layers), kv_heads=g.hkv, head_dim=g.d,
+                    score=score, labels=labels, **layer_meta(g.layers), kv_heads=g.hkv, head_dim=g.d,
                     cached="independent", date=datetime.date.today().isoformat(),
                     hooks=f"gradients at the cached rows; {CAPTURE_POINT}", rope=side)
         n = max(len(windows), 1)

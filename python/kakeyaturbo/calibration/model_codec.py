@@ -62,11 +62,12 @@ class ModelCodec:
                 f"recipe {recipe.name!r} allocates by sensitivity or whitens by it: pass the "
                 "model's Sensitivity (kakeyaturbo.calibration.cached_sensitivity)")
         if sensitivity is not None and (sensitivity.k.shape != stats.q2.shape
+                                        or sensitivity.v.shape != stats.v_cov.shape
                                         or sensitivity.layer_index != stats.layer_index):
             raise InvalidParameterError(
-                f"sensitivity of shape {sensitivity.k.shape} (layers, kv-heads, D, D) over layers "
-                f"{list(sensitivity.layer_index)} does not match the statistics' {stats.q2.shape} "
-                f"over {list(stats.layer_index)}")
+                f"sensitivity of shapes {sensitivity.k.shape} and {sensitivity.v.shape} (layers, kv-heads, "
+                f"D, D) over layers {list(sensitivity.layer_index)} does not match the statistics' "
+                f"{stats.q2.shape} and {stats.v_cov.shape} over {list(stats.layer_index)}")
         rope = recipe.key_rope
         for what, obj in (("statistics", stats), ("sensitivity", sensitivity)):
             have = (getattr(obj, "meta", None) or {}).get("rope", "before") if obj is not None else rope
@@ -240,10 +241,11 @@ class ModelCodec:
                if any(la == layer for (_, la, _) in self.codecs)}
         return next(iter(got)) if len(got) == 1 else sorted(got)
 
-    def _width(self, layers: Sequence[int]) -> Any:
-        """The head_dim of the codecs of ``layers`` (a set where they differ)."""
-        got = {c.d for (_, la, _), c in self.codecs.items() if la in set(layers)}
-        return next(iter(got)) if len(got) == 1 else sorted(got)
+    def _width(self, layers: Sequence[int], stream: str) -> Any:
+        """The row width of the codecs of ``stream`` for ``layers`` (a set where they differ;
+        None where none codes it)."""
+        got = {c.d for (s, la, _), c in self.codecs.items() if s == stream and la in set(layers)}
+        return None if not got else next(iter(got)) if len(got) == 1 else sorted(got)
 
     @classmethod
     def merged(cls, parts: Sequence["ModelCodec"]) -> "ModelCodec":
@@ -291,8 +293,12 @@ class ModelCodec:
         for n, (layers, (_, kv, d)) in enumerate(groups):
             if n and not mine & set(layers):
                 continue  # another shape's layers left raw (Gemma 4's sliding ones)
-            have = (_span(tuple(sorted(mine & set(layers)))), self._heads(layers), self._width(layers))
-            want = (_span(layers), kv, d)
+            dv = layout.layers[layers[0]].v_dim or d  # multi-head latent attention: another width
+            kw, vw = self._width(layers, "k"), self._width(layers, "v")
+            have = (_span(tuple(sorted(mine & set(layers)))), self._heads(layers), kw if kw is not None else vw)
+            want = (_span(layers), kv, d if kw is not None else dv)
+            if have == want and kw is not None and vw is not None and vw != dv:
+                have, want = have + (vw,), want + (dv,)  # the values' width too
             if have != want:
                 raise ModelMismatchError(f"{where} holds (layers, kv-heads, head_dim) = {have}, but the "
                                          f"model ({layout.model_type!r}) has {want}")

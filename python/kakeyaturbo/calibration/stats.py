@@ -97,7 +97,9 @@ def _layer_index(owner: str, meta: Dict[str, Any], n: int) -> Tuple[int, ...]:
 class AttentionStats(_Stored):
     """Per (layer, kv-head) statistics of a model's attention, pre-RoPE. Arrays are float64
     ``[L, H_kv, ...]`` over the model's K/V layers (:attr:`layer_index`); ``*_samples`` float32
-    ``[L, H_kv, S, D]``."""
+    ``[L, H_kv, S, D]``. The keys' arrays (``q2``, ``k_*``) are ``D_k`` wide, the values' (``v_*``,
+    ``o_gram``) ``D_v``: the same but for multi-head latent attention, whose cached "keys" are a
+    latent row and "values" the rotated key part."""
 
     meta: Dict[str, Any]
     q2: np.ndarray
@@ -115,17 +117,19 @@ class AttentionStats(_Stored):
     def __post_init__(self) -> None:
         """Checks that every array agrees on (layers, kv-heads, head_dim) and is finite;
         raises InvalidParameterError naming the array."""
-        q2 = np.asarray(self.q2)
-        if q2.ndim != 4:
+        q2, v_cov = np.asarray(self.q2), np.asarray(self.v_cov)
+        if q2.ndim != 4 or v_cov.ndim != 4:
             raise InvalidParameterError(
-                f"calibration 'q2' must be [layers, kv_heads, D, D], got shape {list(q2.shape)}")
+                f"calibration 'q2' and 'v_cov' must be [layers, kv_heads, D, D], got shapes "
+                f"{list(q2.shape)} and {list(v_cov.shape)}")
         n, h, d = q2.shape[0], q2.shape[1], q2.shape[2]
+        dv = v_cov.shape[2]
         f64 = np.float64
         for name, shape, dtype in (("q2", (n, h, d, d), f64), ("k_mean", (n, h, d), f64),
-                                   ("k_cov", (n, h, d, d), f64), ("v_mean", (n, h, d), f64),
-                                   ("v_cov", (n, h, d, d), f64), ("o_gram", (n, h, d, d), f64),
+                                   ("k_cov", (n, h, d, d), f64), ("v_mean", (n, h, dv), f64),
+                                   ("v_cov", (n, h, dv, dv), f64), ("o_gram", (n, h, dv, dv), f64),
                                    ("k_samples", (n, h, None, d), np.float32),
-                                   ("v_samples", (n, h, None, d), np.float32)):
+                                   ("v_samples", (n, h, None, dv), np.float32)):
             setattr(self, name, _check("calibration", name, getattr(self, name), shape, dtype))
         _layer_index("calibration", self.meta, n)
 
@@ -144,12 +148,18 @@ class AttentionStats(_Stored):
     def kv_heads(self) -> int:
         return int(self.q2.shape[1])
 
+    @property
+    def dims(self) -> Tuple[int, int]:
+        """``(D_k, D_v)``: the width of the keys' and the values' rows."""
+        return int(self.q2.shape[2]), int(self.v_cov.shape[2])
+
 
 @dataclass
 class Sensitivity(_Stored):
     """How much a model's loss reacts to errors in its cached keys and values: per (layer,
     kv-head) the second moment ``sum_t g_t g_t^T`` of the gradient of the loss with respect to
-    each cached pre-RoPE key (``k``) and value (``v``) row, float64 ``[L, H_kv, D, D]``, summed
+    each cached pre-RoPE key (``k``) and value (``v``) row, float64 ``[L, H_kv, D, D]`` (``D_k``
+    and ``D_v`` wide where they differ, as :class:`AttentionStats`), summed
     over the cached positions and averaged over windows (an empirical Fisher). To second order
     an error ``e_t`` in row ``t`` raises the loss by ``e_t^T F e_t / 2``, so ``F`` weighs every
     coded component by what it costs the model."""
@@ -162,12 +172,13 @@ class Sensitivity(_Stored):
     KIND = "sensitivity"
 
     def __post_init__(self) -> None:
-        k = np.asarray(self.k)
-        if k.ndim != 4 or k.shape[2] != k.shape[3]:
-            raise InvalidParameterError(
-                f"sensitivity 'k' must be [layers, kv_heads, D, D], got shape {list(k.shape)}")
-        for name in self.ARRAYS:
-            setattr(self, name, _check("sensitivity", name, getattr(self, name), k.shape, np.float64))
+        k, v = np.asarray(self.k), np.asarray(self.v)
+        for name, a in (("k", k), ("v", v)):
+            if a.ndim != 4 or a.shape[2] != a.shape[3]:
+                raise InvalidParameterError(
+                    f"sensitivity {name!r} must be [layers, kv_heads, D, D], got shape {list(a.shape)}")
+        self.k = _check("sensitivity", "k", k, k.shape, np.float64)
+        self.v = _check("sensitivity", "v", v, k.shape[:2] + v.shape[2:], np.float64)
         _layer_index("sensitivity", self.meta, k.shape[0])
 
     @property

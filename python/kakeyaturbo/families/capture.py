@@ -68,7 +68,7 @@ class AttentionCapture:
         self.handler = handler
         self.weights = bool(weights)
         self.seen: Dict[int, Any] = {}
-        self._shapes: Optional[Dict[int, Tuple[int, int, int]]] = None
+        self._shapes: Optional[Dict[int, Tuple[int, int, Optional[int]]]] = None
         self._orig: Optional[str] = None
         self._delegate: Dict[type, Callable[..., Tuple[Any, Any]]] = {}
 
@@ -82,8 +82,11 @@ class AttentionCapture:
         if self._shapes is None:  # before any forward (describe runs the family's RoPE function)
             from .layout import describe
 
-            self._shapes = {s.index: (s.q_heads, s.kv_heads, s.head_dim)
-                            for s in describe(self.model).layers if s.attends}
+            layout = describe(self.model)
+            # Multi-head latent attention hands attention keys expanded from the latent: a key
+            # head per query head, of the query's size.
+            self._shapes = {s.index: (s.q_heads, s.q_heads, None) if layout.latent else
+                            (s.q_heads, s.kv_heads, s.head_dim) for s in layout.layers if s.attends}
         self._orig = self.model.config._attn_implementation
         orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
         mask = "eager" if self.weights else orig
@@ -125,6 +128,7 @@ class AttentionCapture:
         self._check_shapes(layer, query, key)
         self.seen[layer] = module
         fn = self._function(module)
+        mask, kwargs = _sparse_mask(mask, kwargs, key.shape[2])
 
         def attend(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
             return fn(module, q, k, v, mask, **kwargs)
@@ -139,7 +143,9 @@ class AttentionCapture:
                 "not an attention layer of the model's config (a block shared across layers, as Zamba's, "
                 "attends for several layers by one index): its statistics cannot be told apart")
         got = (query.shape[1], key.shape[1], key.shape[-1]) if query.ndim == 4 and key.ndim == 4 else None
-        if got != want or query.shape[-1] != want[2]:
+        if want[2] is None and got is not None:
+            got = got[:2] + (None,) if key.shape[-1] == query.shape[-1] else got
+        if got != want or (want[2] is not None and query.shape[-1] != want[2]):
             raise UnsupportedModelError(
                 f"model type {model_type(self.model)!r}: layer {layer}'s attention receives queries "
                 f"{tuple(query.shape)} and keys {tuple(key.shape)} ([batch, heads, rows, head_dim]), "
@@ -154,6 +160,24 @@ class AttentionCapture:
                 f"model type {model_type(self.model)!r}: layers {missing} did not run their attention "
                 "through transformers' AttentionInterface, so their queries, keys and values cannot be "
                 "seen")
+
+
+def _sparse_mask(mask: Any, kwargs: Dict[str, Any], keys: int) -> Tuple[Any, Dict[str, Any]]:
+    """Dynamic sparse attention (DeepSeek V3.2, GLM-5) hands attention functions other than
+    eager and sdpa the keys each query may see as ``indices`` ``[batch, queries, top-k]``; the
+    mask with them folded in, as the model does for eager and sdpa, and the rest of ``kwargs``."""
+    import torch
+
+    idx = kwargs.get("indices")
+    if not isinstance(idx, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return mask, kwargs
+    hidden = torch.ones((idx.shape[0], idx.shape[1], keys), dtype=torch.bool, device=idx.device)
+    hidden = hidden.scatter(-1, idx.long(), False).unsqueeze(1)  # True: not selected
+    if mask.dtype == torch.bool:
+        mask = mask & ~hidden
+    else:
+        mask = mask.masked_fill(hidden, torch.finfo(mask.dtype).min)
+    return mask, {k: v for k, v in kwargs.items() if k != "indices"}
 
 
 def positions(kwargs: Dict[str, Any], batch: int, t: int) -> Any:

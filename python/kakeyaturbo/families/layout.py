@@ -89,8 +89,9 @@ class ModelLayout:
     rope: Optional[ModelRope]
     rope_error: Optional[str]
     #: Multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash, ...): each layer caches one
-    #: latent row per token as its "keys" (``head_dim`` wide, no RoPE) and the rotated key part
-    #: shared by every head as its "values" (``v_dim`` wide, RoPE applied).
+    #: latent row per token as its "keys" (``head_dim`` wide, no RoPE: ``rope`` holds no rotation
+    #: for it) and the rotated key part shared by every head as its "values" (``v_dim`` wide,
+    #: RoPE applied, coded as cached).
     latent: bool = False
 
     @property
@@ -135,15 +136,7 @@ class ModelLayout:
         it: the layers whose cache grows with the context. The other K/V layers (sliding, within
         their window) stay raw in a calibrated recipe's cache unless the calibration holds their
         group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` and ``eval`` collect every group).
-        UnsupportedModelError when no such group exists, or for multi-head latent attention (the
-        statistics are taken where attention runs, over keys and values expanded from the
-        latent, not over the rows the cache holds)."""
-        if self.latent:
-            raise UnsupportedModelError(
-                f"model type {self.model_type!r}: multi-head latent attention caches a latent, while "
-                "calibration statistics are taken where attention runs, over the keys and values "
-                "expanded from it; calibrated recipes are not available (per-block recipes and the "
-                "identity codec code the cached rows)")
+        UnsupportedModelError when no such group exists."""
         kv = [s for s in self.layers if s.has_kv]
         shape = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in kv}
         shapes = set(shape.values())
@@ -194,12 +187,6 @@ def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
     if len(types) != n:
         raise _refuse(mt, f"{len(types)} layer types for {n} layers")
     return types, kwargs
-
-
-#: Why keys without RoPE are not available with multi-head latent attention.
-_LATENT = ("multi-head latent attention: the cache holds a latent row without RoPE as keys and the "
-           "rotated key part as values, so there is no RoPE to take off the keys; code them as cached "
-           "(per-block recipes, the identity codec)")
 
 
 def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
@@ -417,8 +404,8 @@ def describe(model: Any) -> ModelLayout:
     never coded (:attr:`ModelLayout.kv_layers` lists the others).
 
     Multi-head latent attention is described as it caches (:attr:`ModelLayout.latent`: one
-    latent row as keys, the rotated key part as values, one "head" each), without a RoPE to take
-    off.
+    latent row as keys, the rotated key part as values, one "head" each); the latent carries no
+    RoPE, so codecs of keys without RoPE code it as cached.
 
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
     and the reason when its K/V layers do not hold one K/V row per token and head
@@ -456,8 +443,8 @@ def describe(model: Any) -> ModelLayout:
             continue
         states = int(kw.get("number_of_states", 1)) if lt in STATEFUL_KV_TYPES else 0
         specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states))
-    if latent:
-        return ModelLayout(mt, tuple(specs), None, _LATENT, latent=True)
+    if latent:  # the latent keys carry no rotation: nothing to take off or put back
+        return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)
     if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE
         rope = ModelRope([rope.layer(shared.get(i, i)) for i in range(len(types))])

@@ -1,0 +1,133 @@
+"""What the statistics accumulate: weighted first and second moments of rows, and the attention
+weights (sums of squared probabilities, as the model computes them) that weigh them."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+
+class Moments:
+    """Weighted first and second moments of rows, per (layer, kv-head), accumulated in float64
+    torch (batched over the heads of a layer), and the sampled rows."""
+
+    def __init__(self, layers: int, heads: int, d: int) -> None:
+        import torch
+
+        self.n = torch.zeros((layers, heads), dtype=torch.float64)
+        self.s1 = torch.zeros((layers, heads, d), dtype=torch.float64)
+        self.s2 = torch.zeros((layers, heads, d, d), dtype=torch.float64)
+        self.samples: List[List[List[np.ndarray]]] = [[[] for _ in range(heads)] for _ in range(layers)]
+
+    def add(self, layer: int, x: Any, w: Any = None) -> None:
+        """``x [heads, n, d]`` float64 rows, ``w [heads, n]`` their weights (None: 1)."""
+        import torch
+
+        if w is None:
+            self.n[layer] += x.shape[1]
+            self.s1[layer] += x.sum(dim=1)
+            self.s2[layer] += torch.bmm(x.transpose(1, 2), x)
+        else:
+            self.n[layer] += w.sum(dim=1)
+            xw = x * w[..., None]
+            self.s1[layer] += xw.sum(dim=1)
+            self.s2[layer] += torch.bmm(xw.transpose(1, 2), x)
+
+    def moments(self) -> Tuple[np.ndarray, np.ndarray]:
+        """``(mean [L, H, d], covariance [L, H, d, d])``."""
+        mean = self.s1 / self.n[..., None]
+        cov = self.s2 / self.n[..., None, None] - mean[..., :, None] * mean[..., None, :]
+        return mean.numpy(), cov.numpy()
+
+    def stacked_samples(self, d: int) -> np.ndarray:
+        return np.stack([np.stack([np.concatenate(a) if a else np.zeros((0, d), np.float32)
+                                   for a in row]) for row in self.samples]).astype(np.float32)
+
+
+def layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
+    """``layers`` (the number of K/V layers) and, for a hybrid model whose K/V layers are not
+    ``0 .. n-1``, ``layer_index`` (the model's index of each)."""
+    out: Dict[str, Any] = {"layers": len(layers)}
+    if list(layers) != list(range(len(layers))):
+        out["layer_index"] = [int(i) for i in layers]
+    return out
+
+
+def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any], n_sink: int,
+                 chunk: int = 64, v: Any = None) -> Tuple[Any, ...]:
+    """Sums of squared attention probabilities of one layer and window, as the model's attention
+    computes the probabilities (its ``scaling``, ``softcap`` and the layer's mask: causal,
+    sliding window): ``wq [kv_heads, group, T]`` (``sum_{j >= n_sink} p_ij^2`` per query) and
+    ``wk [kv_heads, T]`` (``sum_i p_ij^2`` over the queries of the GQA group, per key), float64.
+
+    ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
+    positions); ``mask`` as the model's attention implementation gets it (None, or not 4-D as
+    flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
+    attended; float: added; keys after a query are masked in all of them). Computed in
+    float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
+    ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed. With
+    ``v [1, Hkv, T, D]`` the attention output is computed from the same probabilities and
+    returned third, ``[1, T, Hq, D]`` in ``q``'s dtype, as transformers' attention functions
+    return it (the statistics pass uses it instead of running the model's attention a second
+    time; equal to the model's own output to float32 rounding, checked per family). A module
+    with learnt sinks (``module.sinks``, one logit per query head: GPT-OSS) has each query's
+    softmax taken with its head's sink logit as one more entry, which holds no value and is
+    dropped from the sums, as the model's attention does."""
+    import torch
+
+    _, hq, t, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scaling = kwargs.get("scaling")
+    scaling = float(d ** -0.5 if scaling is None else scaling)
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    qf = q[0].detach().float().reshape(hkv, group, t, d)
+    kt = k[0].detach().float().transpose(1, 2)  # [hkv, d, t]
+    wq = torch.empty((hkv, group, t), dtype=torch.float64)
+    wk = torch.zeros((hkv, t), dtype=torch.float64)
+    pos = torch.arange(t)
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().float().reshape(hkv, group, 1, 1)
+    vf = None if v is None else v[0].detach().float()[:, None]  # [hkv, 1, t, d]
+    out = None if v is None else torch.empty((hkv, group, t, vf.shape[-1]), dtype=torch.float32)
+    for a in range(0, t, chunk):
+        b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
+        logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is None or mask.ndim != 4:  # causal (and the layer's window) by position
+            hidden = pos[None, :b] > pos[a:b, None]
+            if window:
+                hidden |= pos[None, :b] <= pos[a:b, None] - window
+            logits.masked_fill_(hidden, float("-inf"))
+        elif mask.dtype == torch.bool:
+            logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
+        else:
+            logits += mask[0, 0, a:b, :b].float()
+        if sinks is None:
+            p2 = torch.softmax(logits, dim=-1)
+        else:
+            p2 = torch.softmax(torch.cat([logits, sinks.expand(-1, -1, b - a, 1)], dim=-1), dim=-1)[..., :-1]
+        if out is not None:
+            out[:, :, a:b] = torch.matmul(p2, vf[:, :, :b])
+        p2.square_()
+        wq[:, :, a:b] = p2[..., n_sink:].sum(dim=-1)
+        wk[:, :b] += p2.sum(dim=(1, 2))
+    if out is None:
+        return wq, wk
+    return wq, wk, out.reshape(1, hq, t, -1).transpose(1, 2).contiguous().to(q.dtype)
+
+
+def no_logits(model: Any) -> Dict[str, Any]:
+    """Forward arguments that skip the LM head where the model's forward can (``logits_to_keep``:
+    the statistics need no logits, and over a window the head is a fifth of a small model's
+    forward pass)."""
+    try:
+        accepted = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
