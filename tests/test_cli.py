@@ -307,6 +307,42 @@ def test_eval_gathers_every_group_of_layers(tiny_model_dir, tmp_path, cache_dir,
     assert [st.layer_index for st, _ in gather.for_recipe_groups(files, model, tok, model_dir)] == [(1, 2)]
 
 
+def test_latent_attention_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """A DeepSeek V3 checkpoint (multi-head latent attention): calibrate on the rows its cache
+    holds, eval with the calibration file (identity exact), and a cache from the file."""
+    import torch
+    import transformers
+
+    from kakeyaturbo.cache import KakeyaCache
+    from kakeyaturbo.calibration import Calibration
+
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-deepseek", transformers.DeepseekV3Config,
+                            transformers.DeepseekV3ForCausalLM, num_key_value_heads=4, kv_lora_rank=32,
+                            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            first_k_dense_replace=1, n_group=1, topk_group=1)
+    text = tiny_model_dir / "text.txt"
+    cal = tmp_path / "d.kkcal"
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--window", "64", "--sensitivity-windows", "2", "--score", "16",
+                     "--samples", "20", "--out", str(cal)]) == 0
+    assert Calibration.load(cal).stats.dims == (32, 8)
+    out = tmp_path / "eval-out"
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", "calibrated-4bit",
+                     "--calibration", str(cal), "--baselines", "identity", "--peers", "", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["methods"]
+    assert (res["identity"]["dppl"], res["identity"]["kl"]) == (0.0, 0.0)
+    row = res["kakeyaturbo:calibrated-4bit"]
+    assert 3.0 < row["bits_per_element"] < 6.0 and 0 <= row["kl"] < 1.0
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=16)
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert all(layer.num_sealed() == 2 for layer in cache.layers)
+    assert not cache_dir.exists()
+
+
 def test_dtype_choices() -> None:
     from kakeyaturbo.eval import model
 
