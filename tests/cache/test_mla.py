@@ -165,3 +165,24 @@ def test_indexer_keys_are_not_saved(tmp_path) -> None:
     assert cache.layers[0].indexer_keys.shape == (1, 7, 16) and cache.layers[0].get_seq_length() == 7
     with pytest.raises(kt.UnsupportedModelError, match=r"'deepseek_v32': layers \[0, 1, 2\] hold .* an indexer's keys"):
         cache.save(tmp_path / "d.kkpfx")
+
+
+def test_a_calibrated_cache_is_saved_and_continued(tmp_path) -> None:
+    """A calibrated cache of latent rows saved to a prefix file and loaded with its calibration
+    continues token for token as the cache it was saved from."""
+    model = build("deepseek_v3")
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 20)) for _ in range(2)]
+    cal = calibration.Calibration.for_model(model, calibration.collect(model, wins, samples=8),
+                                            calibration.collect_sensitivity(model, wins, score=6))
+    cal = cal.save(tmp_path / "d.kkcal")
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=8)
+    ids = torch.randint(3, VOCAB, (1, 25), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    loaded = KakeyaCache.load(cache.save(tmp_path / "d.kkpfx"), model, calibration=cal)
+    assert all(layer.num_sealed() == 3 for layer in loaded.layers)
+    ids = torch.cat([ids, torch.tensor([[5, 6, 7]])], dim=1)
+    a = model.generate(ids, max_new_tokens=5, do_sample=False, cache=loaded, pad_token_id=0)
+    b = model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache, pad_token_id=0)
+    assert torch.equal(a, b)
