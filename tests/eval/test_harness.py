@@ -107,3 +107,18 @@ def test_attribution_methods_split_streams_and_layers() -> None:
     assert set().union(*compressed) == set(range(1, 10))  # layer 0 stays a boundary layer
     assert all(a.isdisjoint(b) for i, a in enumerate(compressed) for b in compressed[i + 1:])
     assert all(g.codec is m.codec for g in groups)
+
+
+def test_the_prefill_keeps_the_last_logits_only(tiny) -> None:
+    """The prefill's logits are not read: it computes the last position's only (all of them
+    would take ctx x vocab floats, 10 GB at 16k tokens and a 152k vocabulary), and fills the
+    same cache as a full pass."""
+    model, windows = tiny
+    ids = torch.tensor([windows[0][:CTX]])
+    with torch.no_grad():
+        full, a = harness._forward(model, ids)
+        last, b = harness._forward(model, ids, keep=1)
+    assert full.shape[1] == CTX and last.shape[1] == 1
+    torch.testing.assert_close(last[0, -1], full[0, -1])
+    for x, y in zip(a.layers, b.layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)

@@ -110,11 +110,15 @@ def baseline_methods(names: Sequence[str]) -> List[Method]:
     return out
 
 
-def _forward(model: Any, ids: Any, cache: Any = None) -> Tuple[Any, Any]:
+def _forward(model: Any, ids: Any, cache: Any = None, keep: "int | None" = None) -> Tuple[Any, Any]:
     """One forward pass; the cache keyword is `cache` in transformers 5.24, `past_key_values`
-    before it."""
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids=ids, use_cache=True, **{key: cache})
+    before it. ``keep``: the logits of the last ``keep`` positions only, where the model's
+    forward can (a prefill needs none: at 16k tokens and a 152k vocabulary all of them would take
+    10 GB)."""
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    extra = {"logits_to_keep": keep} if keep is not None and "logits_to_keep" in params else {}
+    out = model(input_ids=ids, use_cache=True, **{key: cache}, **extra)
     new = getattr(out, "cache", None)
     return out.logits, new if new is not None else out.past_key_values
 
@@ -182,7 +186,7 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
         for w in progress(windows):
             ids = torch.tensor([list(w)])
             cont, target = ids[:, ctx:-1], ids[0, ctx + 1:]
-            _, prefilled = _forward(model, ids[:, :ctx])
+            _, prefilled = _forward(model, ids[:, :ctx], keep=1)
 
             def score(method: "Method | None") -> np.ndarray:
                 bits = elems = 0

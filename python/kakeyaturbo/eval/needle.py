@@ -176,7 +176,7 @@ def _prefilled(model: Any, p: Prompt, prefill_dir: "os.PathLike[str] | str | Non
         path = Path(prefill_dir) / f"{p.length}-{h}.pt"
         if path.is_file():
             return torch.load(path, weights_only=False)
-    _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]))
+    _, prefilled = _forward(model, torch.tensor([p.ids[:-1]]), keep=1)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")
