@@ -16,7 +16,7 @@ from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output
 from .latent import collect_latent, collect_latent_sensitivity
-from .moments import Moments, attention_p2, layer_meta, no_logits
+from .moments import Moments, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
 
 # `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
@@ -395,13 +395,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
                                    logits_to_keep=score + 1).logits[0, :-1]
                 else:
                     logits = model(input_ids=ids, use_cache=False).logits[0, ctx:t - 1]
-                logp = torch.log_softmax(logits.double(), dim=-1)
-                if labels == "text":
-                    target = ids[0, ctx + 1:, None]
-                else:
-                    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
-                    target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
-                nll = -logp.gather(1, target).sum()
+                nll = scored_nll(logits, ids, ctx, labels, seed, n)
                 cap.check(kv_layers)
                 keys = [(s, i) for i in kv_layers for s in ("k", "v")]
                 grads = torch.autograd.grad(nll, [leaves[key] for key in keys])

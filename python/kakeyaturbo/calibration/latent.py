@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import InvalidParameterError, UnsupportedModelError
 from ..recipes import CalibrationSettings
 from .checks import check_same_output
-from .moments import Moments, attention_p2, layer_meta, no_logits
+from .moments import Moments, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
 
 #: Where the statistics of a latent cache are taken (recorded in their meta).
@@ -213,13 +213,7 @@ def collect_latent_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, 
                     leaves.append((s, i, x))
             with torch.enable_grad():
                 logits = model(input_ids=ids[:, ctx:-1], cache=cache).logits[0]
-                logp = torch.log_softmax(logits.double(), dim=-1)
-                if labels == "text":
-                    target = ids[0, ctx + 1:, None]
-                else:
-                    gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
-                    target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
-                nll = -logp.gather(1, target).sum()
+                nll = scored_nll(logits, ids, ctx, labels, seed, n)
                 try:
                     grads = torch.autograd.grad(nll, [x for _, _, x in leaves])
                 except RuntimeError as e:  # e.g. a recurrent layer updating its cached state in place

@@ -1,5 +1,6 @@
 """What the statistics accumulate: weighted first and second moments of rows, and the attention
-weights (sums of squared probabilities, as the model computes them) that weigh them."""
+weights (sums of squared probabilities, as the model computes them) that weigh them; and the loss
+the sensitivity differentiates."""
 
 from __future__ import annotations
 
@@ -131,3 +132,19 @@ def no_logits(model: Any) -> Dict[str, Any]:
     except (TypeError, ValueError):
         return {}
     return {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+
+
+def scored_nll(logits: Any, ids: Any, ctx: int, labels: str, seed: int, window: int) -> Any:
+    """The summed next-token NLL of the scored positions ``ctx .. len - 2`` (``logits`` theirs,
+    ``[scored, vocab]``): of the window's own next tokens (``labels`` ``"text"``), or of tokens
+    drawn from the model's prediction at each (``"model"``, seeded by ``seed`` and the window's
+    index)."""
+    import torch
+
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    if labels == "text":
+        target = ids[0, ctx + 1:, None]
+    else:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + window)
+        target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
+    return -logp.gather(1, target).sum()
