@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -310,3 +310,64 @@ def staged_rope(table: RopeTable, device: torch.device) -> Any:
     if got is None:
         got = per[str(device)] = stack_rope(table, device)
     return got
+
+
+class SealedCodes:
+    """A layer's sealed blocks as the attention kernels read them: a
+    :class:`~kakeyaturbo.LayerCodes` kept in step with the blobs of its K and V streams (sharing
+    their bytes objects, not copies) and, for the Triton kernel, its copy on the device. ``epoch``
+    counts the changes other than blocks appended, after which the device copy is staged anew."""
+
+    def __init__(self) -> None:
+        self.codes: Any = None
+        self.starts: List[int] = []  # the position each block the codes hold starts at
+        self.epoch = 0
+        self._device: Any = None  # (epoch, blocks, LayerBatch, positions)
+
+    def forget(self) -> None:
+        """Drops the codes (rebuilt from the blobs on the next :meth:`sync`)."""
+        self.codes = None
+        self.epoch += 1
+
+    def sync(self, k: Any, v: Any, batch: int, make: Callable[[], Any]) -> Any:
+        """The codes of the K and V streams' sealed blocks (``blocks``, ``starts``): the blocks
+        sealed since the last call appended, front blocks a sliding window dropped popped, and
+        built anew (``make()``) for another batch or any other change."""
+        if self.codes is None or self.codes.batch != batch:
+            self.codes = make()
+            self.starts = []
+            self.epoch += 1
+        cs = self.starts
+        while cs and (not k.starts or cs[0] < k.starts[0]):
+            self.codes.pop_front_block()
+            cs.pop(0)
+            self.epoch += 1
+        if cs != k.starts[:len(cs)] or k.starts != v.starts:
+            self.codes.clear()
+            cs.clear()
+            self.epoch += 1
+        for j in range(len(cs), len(k.starts)):
+            for st in (k, v):  # shared with the codes only as bytes objects (not views)
+                if not all(type(b) is bytes for row in st.blocks[j] for b in row):
+                    st.blocks[j] = [[bytes(b) for b in row] for row in st.blocks[j]]
+            self.codes.append_blocks(k.blocks[j], v.blocks[j])
+            cs.append(k.starts[j])
+        return self.codes
+
+    def on_device(self, device: torch.device, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
+        """The synced codes on ``device`` and ``positions`` there: blocks appended since the last
+        call are parsed alone (:func:`~kakeyaturbo.kernels.attention.extend_layer`), any other
+        change stages the layer anew (:func:`~kakeyaturbo.kernels.attention.stack_layer`)."""
+        from ..kernels.attention import extend_layer, stack_layer
+
+        n = len(self.starts)
+        held = self._device
+        if held is not None and held[0] == self.epoch and held[1] == n:
+            return held[2], held[3]
+        if held is not None and held[0] == self.epoch and 0 < held[1] < n:
+            batch = extend_layer(held[2], self.codes, held[1])
+        else:
+            batch = stack_layer(self.codes, device)
+        pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(device)
+        self._device = (self.epoch, n, batch, pos)
+        return batch, pos

@@ -15,7 +15,7 @@ from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
 from . import fast as fast_mod
-from .fast import TAG, rope_table
+from .fast import TAG, SealedCodes, rope_table
 from .positions import Positions, position_ids
 
 _HAS_TRITON = not missing(("triton",))
@@ -104,10 +104,7 @@ class KakeyaLayer(CacheLayerMixin):
         self.synthesis = "bf16"
         #: The attention kernel over the codes (set by the cache): "auto", "rust" or "triton".
         self.kernel = "auto"
-        self._codes: Any = None  # LayerCodes of the sealed blocks, built lazily
-        self._codes_starts: List[int] = []
-        self._codes_epoch = 0  # counts the changes of _codes other than blocks appended
-        self._device_codes: Any = None  # (epoch, blocks, LayerBatch, positions): the Triton kernel's
+        self._codes = SealedCodes()  # the sealed blocks as the kernels read them, built lazily
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
         #: Attention calls that read the layer's rows per forward pass: its own, and those of the
         #: layers sharing its K/V (Gemma 3n, Gemma 4; set by the cache). The last one settles.
@@ -179,32 +176,12 @@ class KakeyaLayer(CacheLayerMixin):
             return "rust"
         return "triton" if self.kernel == "auto" and device.type == "cuda" and _HAS_TRITON else None
 
-    def _forget_codes(self) -> None:
-        """Drops the LayerCodes (rebuilt from the sealed blobs on the next :meth:`codes`)."""
-        self._codes = None
-        self._codes_epoch += 1
-
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
         """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
-        positions there (``positions`` as :meth:`key_rotation` gives them, or None). Blocks
-        sealed since the last call are appended (:func:`~kakeyaturbo.kernels.attention.
-        extend_layer`: only they are parsed); any other change (a block dropped, a batch
-        reordered, a crop) stages the layer anew (:func:`~kakeyaturbo.kernels.attention.
-        stack_layer`)."""
-        from ..kernels.attention import extend_layer, stack_layer
-
-        codes = self.codes()
-        n = len(self._codes_starts)
-        held = self._device_codes
-        if held is not None and held[0] == self._codes_epoch and held[1] == n:
-            return held[2], held[3]
-        if held is not None and held[0] == self._codes_epoch and 0 < held[1] < n:
-            batch = extend_layer(held[2], codes, held[1])
-        else:
-            batch = stack_layer(codes, self.device)
-        pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(self.device)
-        self._device_codes = (self._codes_epoch, n, batch, pos)
-        return batch, pos
+        positions there (``positions`` as :meth:`key_rotation` gives them, or None); only the
+        blocks sealed since the last call are parsed (:meth:`SealedCodes.on_device`)."""
+        self.codes()
+        return self._codes.on_device(self.device, positions)
 
     def settle(self) -> None:
         """The deferred part of a fast update, once attention has read the call's rows raw: a
@@ -243,30 +220,14 @@ class KakeyaLayer(CacheLayerMixin):
         if not self.fast or not self.is_initialized:
             return None
         k, v = self._s["k"], self._s["v"]
-        if self._codes is None or self._codes.batch != self._batch():
+
+        def make() -> LayerCodes:
             calib = getattr(self.codec, "codecs")
-            heads = k.staging.shape[1]
-            self._codes = LayerCodes([calib[("k", self.index, h)] for h in range(heads)],
-                                     [calib[("v", self.index, h)] for h in range(heads)],
-                                     batch=self._batch())
-            self._codes_starts = []
-            self._codes_epoch += 1
-        cs = self._codes_starts
-        while cs and (not k.starts or cs[0] < k.starts[0]):
-            self._codes.pop_front_block()
-            cs.pop(0)
-            self._codes_epoch += 1
-        if cs != k.starts[:len(cs)] or k.starts != v.starts:
-            self._codes.clear()
-            cs.clear()
-            self._codes_epoch += 1
-        for j in range(len(cs), len(k.starts)):
-            for st in (k, v):  # shared with the codes only as bytes objects (not views)
-                if not all(type(b) is bytes for row in st.blocks[j] for b in row):
-                    st.blocks[j] = [[bytes(b) for b in row] for row in st.blocks[j]]
-            self._codes.append_blocks(k.blocks[j], v.blocks[j])
-            cs.append(k.starts[j])
-        return self._codes
+            heads = range(k.staging.shape[1])
+            return LayerCodes([calib[("k", self.index, h)] for h in heads],
+                              [calib[("v", self.index, h)] for h in heads], batch=self._batch())
+
+        return self._codes.sync(k, v, self._batch(), make)
 
     def key_rotation(self) -> Optional[Tuple[Any, np.ndarray]]:
         """Keys coded before RoPE, during a fast update: the rope table (shared, see
@@ -301,7 +262,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._s = {}
         self.seen = 0
         self.is_initialized = False
-        self._forget_codes()
+        self._codes.forget()
         self._pending = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -316,7 +277,7 @@ class KakeyaLayer(CacheLayerMixin):
         if r == 0 or not self.is_initialized:
             return
         self.settle()
-        self._forget_codes()
+        self._codes.forget()
         if self.window is not None and self.seen >= self.window:
             raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
                                "window: it cannot be cropped")
@@ -417,7 +378,7 @@ class KakeyaLayer(CacheLayerMixin):
             self.reset()
             return
         self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
-        self._forget_codes()
+        self._codes.forget()
         self._pending = 0
         self.seen = int(state["seen"])
         for name, part in streams.items():
@@ -442,7 +403,7 @@ class KakeyaLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.settle()
-        self._forget_codes()
+        self._codes.forget()
         rows = idx.to("cpu").tolist()
         for st in self._s.values():
             dev = st.staging.device
@@ -522,7 +483,7 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
-        self._forget_codes()
+        self._codes.forget()
         st = self._s[name]
         dec = self._block(name, len(st.blocks) - 1)
         st.staging = torch.cat([dec, st.staging], dim=-2)
