@@ -16,7 +16,7 @@ from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output
 from .latent import collect_latent, collect_latent_sensitivity
-from .moments import Moments, attention_p2, layer_meta, no_logits, scored_nll
+from .moments import Moments, SampledRows, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
 
 # `kakeyaturbo.families` (torch) is imported inside the functions that need it: the calibration
@@ -189,7 +189,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         return [collect_latent(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
                                progress=progress, meta=meta, rope=side)]
     rope, specs, own, reads = _groups(model, side, groups)
-    at = {i: (g, j) for g in specs for i, j in g.row.items()}  # model layer -> (group, row)
+    at = {i: (n, g, j) for n, g in enumerate(specs) for i, j in g.row.items()}  # layer -> (group, row)
 
     def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
         return _pre_rope(rope, i, x, kwargs) if side == "before" else x.detach().double()
@@ -198,10 +198,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     q_count = [torch.zeros((len(g.layers), g.hkv), dtype=torch.float64) for g in specs]
     k_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
     v_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
-    rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
-    total = rows_per_window * len(windows)
-    rng = np.random.default_rng(seed)
-    pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
+    drawn = SampledRows(windows, n_sink, samples, seed)
     sel: List[int] = []
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
@@ -213,8 +210,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         if i not in at:  # a K/V layer of a group not collected: attention as it is
             return attend(q, k, v)
         t = q.shape[2]
-        g, j = at[i]
-        n = specs.index(g)
+        n, g, j = at[i]
         qp = domain(i, q, kwargs)[0].reshape(g.hkv, g.group * t, g.d)
         if weighting == "attention":  # the output from the probabilities the weights need
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
@@ -249,8 +245,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     head = {} if reads else no_logits(model)
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
-            sel[:] = [p - w_i * rows_per_window for p in pick
-                      if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
+            sel[:] = drawn.of(w_i)
             if not first_window:
                 model(input_ids=torch.tensor([list(w)]), use_cache=False, **head)
                 continue
@@ -275,7 +270,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         info = dict(meta or {})
         info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
                     tokens=sum(len(w) for w in windows), **layer_meta(g.layers), q_heads=g.hq,
-                    kv_heads=g.hkv, head_dim=g.d, samples=len(pick), date=datetime.date.today().isoformat(),
+                    kv_heads=g.hkv, head_dim=g.d, samples=len(drawn.pick), date=datetime.date.today().isoformat(),
                     weighting=weighting, hooks=CAPTURE_POINT, rope=side)
         q2n = (q2[n] / q_count[n].clamp_min(1e-300)[:, :, None, None]).numpy()
         out.append(AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
@@ -336,6 +331,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
                                            meta=meta, rope=side, labels=labels, seed=seed)]
     rope, specs, own, reads = _groups(model, side, groups)
     kv_layers = [i for g in specs for i in g.layers]
+    row = {i: (m, j) for m, g in enumerate(specs) for j, i in enumerate(g.layers)}  # layer -> (group, row)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
@@ -404,8 +400,8 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
                     if s == "k" and r is not None:
                         g = r.transpose(g.double(), where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
-                    m = next(m for m, spec in enumerate(specs) if i in spec.layers)
-                    fisher[m][s][specs[m].layers.index(i)] += torch.bmm(g.transpose(1, 2), g).numpy()
+                    m, j = row[i]
+                    fisher[m][s][j] += torch.bmm(g.transpose(1, 2), g).numpy()
     finally:
         for p in trainable:
             p.requires_grad_(True)

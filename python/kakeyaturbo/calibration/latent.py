@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import InvalidParameterError, UnsupportedModelError
 from ..recipes import CalibrationSettings
 from .checks import check_same_output
-from .moments import Moments, attention_p2, layer_meta, no_logits, scored_nll
+from .moments import Moments, SampledRows, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
 
 #: Where the statistics of a latent cache are taken (recorded in their meta).
@@ -107,10 +107,7 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
     qr2 = torch.zeros((n, 1, dv, dv), dtype=torch.float64)
     q_count = torch.zeros((n, 1), dtype=torch.float64)
     k_acc, v_acc = Moments(n, 1, r), Moments(n, 1, dv)
-    rows_per_window = max(0, len(windows[0]) - n_sink) if windows else 0
-    total = rows_per_window * len(windows)
-    pick = np.sort(np.random.default_rng(seed).choice(total, size=min(samples, total), replace=False)) \
-        if total else []
+    drawn = SampledRows(windows, n_sink, samples, seed)
     weights: Dict[int, Any] = {}
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
@@ -146,8 +143,7 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
     first = True
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
-            sel = [p - w_i * rows_per_window for p in pick
-                   if w_i * rows_per_window <= p < (w_i + 1) * rows_per_window]
+            sel = drawn.of(w_i)
             cache = _cache(model)
             model(input_ids=torch.tensor([list(w)]), cache=cache, **head)
             if first:
@@ -163,7 +159,7 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
     vm, vc = v_acc.moments()
     norm = q_count.clamp_min(1e-300)[:, :, None, None]
     info = _meta(meta, layers, hq, r, dv, windows, n_sink, rope, tokens=sum(len(w) for w in windows),
-                 samples=len(pick), weighting=weighting)
+                 samples=len(drawn.pick), weighting=weighting)
     return AttentionStats(meta=info, q2=(q2 / norm).numpy(), k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
                           o_gram=(qr2 / norm).numpy(), k_samples=k_acc.stacked_samples(r),
                           v_samples=v_acc.stacked_samples(dv))

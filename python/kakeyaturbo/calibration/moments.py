@@ -47,6 +47,22 @@ class Moments:
                                    for a in row]) for row in self.samples]).astype(np.float32)
 
 
+class SampledRows:
+    """Which rows to keep as samples: ``samples`` positions drawn uniformly (seeded), without
+    repeats, from the positions ``>= n_sink`` of all windows (each ``len(windows[0])`` long)."""
+
+    def __init__(self, windows: Sequence[Sequence[int]], n_sink: int, samples: int, seed: int) -> None:
+        self.per_window = max(0, len(windows[0]) - n_sink) if windows else 0
+        total = self.per_window * len(windows)
+        rng = np.random.default_rng(seed)
+        self.pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
+
+    def of(self, window: int) -> List[int]:
+        """The rows drawn in window ``window``, counted from its position ``n_sink``."""
+        lo = window * self.per_window
+        return [int(p) - lo for p in self.pick if lo <= p < lo + self.per_window]
+
+
 def layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
     """``layers`` (the number of K/V layers) and, for a hybrid model whose K/V layers are not
     ``0 .. n-1``, ``layer_index`` (the model's index of each)."""
