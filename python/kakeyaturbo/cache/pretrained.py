@@ -11,7 +11,7 @@ from ..calibration.model_codec import is_codec_file
 from ..errors import InvalidParameterError
 from ..recipes import Recipe
 from ..recipes import load as load_recipe
-from .codecs import BlockCodec, StreamCodec
+from .codecs import BlockCodec, StreamCodec, codec_for
 
 CalibrationLike = Union[Calibration, "os.PathLike[str]", str, None]
 
@@ -55,5 +55,5 @@ def codec_for_model(model: Any, recipe: Union[Recipe, str, "os.PathLike[str]"],
     cal = source if isinstance(source, Calibration) else Calibration.load(source)
     # One codec per group of K/V layers of one shape the calibration covers (Gemma 4: full and
     # sliding layers), each fitted from its own statistics.
-    parts = cal.check_model(model).all_parts(rec)
-    return ModelCodec.merged([ModelCodec(st, rec, threads=threads, sensitivity=se) for st, se in parts]), rec
+    (stats, sens), *groups = cal.check_model(model).all_parts(rec)
+    return codec_for(rec, stats=stats, sensitivity=sens, threads=threads, groups=groups), rec
