@@ -373,7 +373,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     # In a model with recurrent (or convolution) states the cached positions' attention outputs
     # reach the fed tokens through those states too: they are kept as computed. (Without such
     # states they reach them only through later layers' cached rows, which are inputs here.)
-    stateful = any(s.states for s in describe(model).layers)
+    stateful = describe(model).stateful
     keep = bool(no_logits(model)) and not reads  # (see collect: KV sharing needs every position)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:

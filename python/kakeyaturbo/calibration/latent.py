@@ -64,7 +64,7 @@ def _layers(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
     layout = describe(model)
     layers, (hq, _, r) = layout.calibration_group()
     spec = layout.layers[layers[0]]
-    if any(s.states or s.kind == "state" for s in layout.layers):
+    if layout.stateful:
         raise UnsupportedModelError(
             f"model type {layout.model_type!r}: latent attention beside recurrent layers (Kimi Linear) is "
             "not calibrated: the sensitivity is taken through the cache, and those layers update their "

@@ -103,6 +103,12 @@ class ModelLayout:
         return tuple(s.is_sliding for s in self.layers)
 
     @property
+    def stateful(self) -> bool:
+        """Whether a layer holds a recurrent or convolution state (a hybrid model), which a cache
+        computes once over the cached positions."""
+        return any(s.states for s in self.layers)
+
+    @property
     def kv_layers(self) -> Tuple[int, ...]:
         """Indices of the layers that cache K/V rows (every layer but a hybrid model's state
         layers), in order: the layers statistics, codecs and sealed blocks are kept for."""
