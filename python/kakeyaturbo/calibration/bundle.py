@@ -101,8 +101,7 @@ class Calibration:
         cal = cls(stats=stats, sensitivity=sensitivity, model_type=describe(model).model_type,
                   fingerprint=fingerprint(model), settings=dict(settings or {}), groups=tuple(groups))
         for st, se in cal.pairs():
-            if se is not None and (se.k.shape != st.q2.shape or se.v.shape != st.v_cov.shape
-                                   or se.layer_index != st.layer_index):
+            if se is not None and not se.fits(st):
                 raise InvalidParameterError(f"sensitivity of shape {se.k.shape} does not match the "
                                             f"statistics' {st.q2.shape} (or not over the same layers)")
         cal._check_shapes(model, "statistics")
@@ -228,8 +227,7 @@ class Calibration:
                 se = None
                 if any(k.startswith(pre + _SENS) for k in arrays):
                     se = Sensitivity(meta=se_meta or {}, **{k: arrays[pre + _SENS + k] for k in Sensitivity.ARRAYS})
-                if se is not None and (se.k.shape != st.q2.shape or se.v.shape != st.v_cov.shape
-                                       or se.layer_index != st.layer_index):
+                if se is not None and not se.fits(st):
                     raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
                 pairs.append((st, se))
             read = {f"{'' if n == 0 else f'group{n}/'}{part}{k}" for n in range(len(pairs))

@@ -61,9 +61,7 @@ class ModelCodec:
             raise InvalidParameterError(
                 f"recipe {recipe.name!r} allocates by sensitivity or whitens by it: pass the "
                 "model's Sensitivity (kakeyaturbo.calibration.cached_sensitivity)")
-        if sensitivity is not None and (sensitivity.k.shape != stats.q2.shape
-                                        or sensitivity.v.shape != stats.v_cov.shape
-                                        or sensitivity.layer_index != stats.layer_index):
+        if sensitivity is not None and not sensitivity.fits(stats):
             raise InvalidParameterError(
                 f"sensitivity of shapes {sensitivity.k.shape} and {sensitivity.v.shape} (layers, kv-heads, "
                 f"D, D) over layers {list(sensitivity.layer_index)} does not match the statistics' "

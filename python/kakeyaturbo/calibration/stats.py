@@ -188,3 +188,8 @@ class Sensitivity(_Stored):
 
     def of(self, stream: str) -> np.ndarray:
         return self.k if stream == "k" else self.v
+
+    def fits(self, stats: "AttentionStats") -> bool:
+        """Whether it is of the same layers, kv-heads and row widths as ``stats``."""
+        return (self.k.shape == stats.q2.shape and self.v.shape == stats.v_cov.shape
+                and self.layer_index == stats.layer_index)
