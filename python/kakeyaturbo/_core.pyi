@@ -116,6 +116,7 @@ class LayerCodes:
         rope: Optional[
             Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], str, str]
         ] = None,
+        latent: bool = False,
     ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
 def roundtrip_layer(

@@ -307,6 +307,42 @@ def test_bf16_synthesis_stays_within_its_rounding() -> None:
         kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="fp16", **kw)
 
 
+@pytest.mark.parametrize("spec", [
+    Spec(seed=21, blocks=(512, 3), kv_heads=1, group=16, dk=128, dv=32, n_q=1),
+    Spec(seed=22, batch=2, blocks=(129, 63), group=3, dk=64, dv=16, n_q=3, window=100,
+         mask="additive", softcap=8.0, metric="inner_product"),
+], ids=lambda s: f"seed{s.seed}")
+def test_latent_attention_scores_both_streams_and_sums_the_latent(spec: Spec) -> None:
+    """Multi-head latent attention (``latent=True``): the K stream is the latent, the V stream
+    the rotated key part; queries ``[q_latent, q_rotated]`` score both, the output is the
+    weighted sum of the latent rows. Against the float64 reference over the decoded rows."""
+    c = build(spec)
+    g = np.random.default_rng(spec.seed)
+    q_rot = (g.standard_normal((*c.q.shape[:3], spec.dv)) * 0.3).astype(np.float32)
+    q = np.ascontiguousarray(np.concatenate([c.q, q_rot], axis=-1))
+    kw = dict(c.call(), scale=0.1)
+    got = kt.decode_attention(c.codes, q, c.tail_k, c.tail_v, return_lse=True, latent=True, **kw)
+    want = reference_attention(c.codes, q, c.tail_k, c.tail_v, latent=True, **kw)
+    assert got[0].shape == (*c.q.shape[:3], spec.dk)
+    from kakeyaturbo.reference.attention import decoded_kv
+
+    k, v = decoded_kv(c.codes, c.sink_k, c.sink_v, c.tail_k, c.tail_v)
+    kv = torch.cat([k, v], dim=-1).numpy().repeat(spec.group, axis=1)
+    s_mag = float((np.abs(q.astype(np.float64)) @ np.abs(kv).transpose(0, 1, 3, 2)).max()) * 0.1
+    compare(f"{spec} latent", got, (want[0].numpy(), want[1].numpy()), s_mag,
+            float(np.abs(k.numpy()).max()), TOL["attention_out"], TOL["attention_lse"])
+    # The rotated part counts: without it the weights differ.
+    q0 = q.copy()
+    q0[..., spec.dk:] = 0
+    other = kt.decode_attention(c.codes, q0, c.tail_k, c.tail_v, return_lse=True, latent=True, **kw)
+    assert np.abs(other[1] - got[1]).max() > 1e-4
+    with pytest.raises(kt.InvalidInputError, match="D_k \\+ D_v"):
+        kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, latent=True, **kw)
+    with pytest.raises(kt.InvalidParameterError, match="latent attention takes no rope"):
+        kt.decode_attention(c.codes, q, c.tail_k, c.tail_v, latent=True, rope=_table(1000, 16),
+                            positions=np.arange(c.codes.rows())[None].repeat(spec.batch, 0), **kw)
+
+
 def test_rope_tables_and_positions_are_checked() -> None:
     c = build(Spec(seed=16, blocks=(100,)))
     codes, q, tk, tv = c.codes, c.q, c.tail_k, c.tail_v

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 from .calibrated import SYNTHESES, CalibratedCodec
 
@@ -265,7 +265,7 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                      softcap: Optional[float] = None, window: Optional[int] = None,
                      mask: Any = None, threads: Optional[int] = None, return_lse: bool = False,
                      rope: Optional[RopeTable] = None, positions: Any = None,
-                     synthesis: str = "bf16", sink_logits: Any = None
+                     synthesis: str = "bf16", sink_logits: Any = None, latent: bool = False
                      ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """One attention step of a layer over its sealed codes and raw rows.
 
@@ -278,7 +278,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     - ``tail_k`` / ``tail_v``: float32 ``[B, H_kv, R, D_k]`` / ``[B, H_kv, R, D_v]``,
       ``R >= n_q`` (staging rows, then the current chunk).
     - ``sink_k`` / ``sink_v``: float32 ``[B, H_kv, S, D_k]`` / ``[B, H_kv, S, D_v]`` or None.
-    - ``scale``: scores are ``scale * q . k`` (default ``1 / sqrt(D_k)``); ``softcap``: then
+    - ``scale``: scores are ``scale * q . k`` (default ``1 / sqrt(D_k)``, ``1 / sqrt(D_k + D_v)``
+      with ``latent``); ``softcap``: then
       ``softcap * tanh(s / softcap)`` (Gemma 2); ``window``: a query sees the last ``window``
       positions (its own included); causal always.
     - ``mask``: additive float32 (finite or ``-inf``) or boolean (True: attend) ``[B, n_q, T]``
@@ -297,8 +298,15 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     - ``sink_logits``: float ``[H_q]`` or None: learnt attention sinks (GPT-OSS), one logit per
       query head that joins every softmax of that head and holds no value
       (:func:`with_sink_logits`; not to be confused with the raw sink rows above).
+    - ``latent``: multi-head latent attention in its absorbed form (DeepSeek V2/V3's MLA): the
+      K stream holds each position's latent row (``D_k`` wide), the V stream its rotated key
+      part (``D_v`` wide); ``q`` is ``[B, H_q, n_q, D_k + D_v]`` (each head's query moved into
+      the latent space, then its rotated part), a score is ``scale * q . [k, v]``, and the value
+      sum runs over the K stream: the output is ``[B, H_q, n_q, D_k]``, in the latent space
+      (the model's value projection follows). No ``rope``: the latent carries no RoPE, and the
+      rotated part is cached after it.
 
-    Returns float32 ``[B, H_q, n_q, D_v]`` (0 for a query that sees no position), and with
+    Returns float32 ``[B, H_q, n_q, D_v]`` (``D_k`` with ``latent``) (0 for a query that sees no position), and with
     ``return_lse`` also float32 ``[B, H_q, n_q]``: the natural log of each query's softmax
     denominator (``-inf`` where it sees nothing). Arrays may be numpy or CPU torch tensors.
     Raises TypeError for a wrong type, InvalidInputError for shapes that do not fit or
@@ -336,9 +344,14 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                                     f"got {pos.min()} .. {pos.max()}")
         rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style,
                synthesis)
+    lat = _checks.boolean(latent, "latent")
+    if lat and rot is not None:
+        raise InvalidParameterError("latent attention takes no rope: its latent rows carry no RoPE")
+    if scale is None and lat:
+        scale_ = 1.0 / math.sqrt(dk + dv)
     sinks = None if sink_logits is None else sink_logits_array(sink_logits, qa.shape[1])
     out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
-                               _checks.threads(threads), rot)
+                               _checks.threads(threads), rot, lat)
     if sinks is not None:
         out, lse = with_sink_logits(out, lse, sinks)
     return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

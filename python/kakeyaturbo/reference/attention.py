@@ -72,13 +72,16 @@ def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                         sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                         softcap: Optional[float] = None, window: Optional[int] = None,
                         mask: Any = None, rope: Optional[RopeTable] = None, positions: Any = None,
-                        sink_logits: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        sink_logits: Any = None, latent: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention over the decoded cache in float64; the arguments of
     :func:`kakeyaturbo.decode_attention`. Returns ``(out [B, H_q, n_q, D_v], lse [B, H_q,
     n_q])`` float64 tensors: a query that sees no position has output 0 and lse ``-inf`` (with
     ``sink_logits``, the softmax is taken over the scores and the head's sink logit, whose
-    weight is then dropped, as GPT-OSS's attention does: lse is the sink's there)."""
+    weight is then dropped, as GPT-OSS's attention does: lse is the sink's there). With
+    ``latent`` the scores read ``[k, v]`` and the sum runs over ``k`` (out ``[.., D_k]``)."""
     k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v, rope, positions)
+    if latent:
+        k, v = torch.cat([k, v], dim=-1), k
     qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
     b, hq, nq, dk = qd.shape
     group = hq // codes.kv_heads

@@ -208,7 +208,7 @@ impl PyLayerCodes {
     }
 
     /// One attention step; see `kakeyaturbo.codec.attention.LayerCodes.attend`.
-    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None, rope=None))]
+    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None, rope=None, latent=false))]
     #[allow(clippy::too_many_arguments)]
     fn attend<'py>(
         &self,
@@ -224,6 +224,7 @@ impl PyLayerCodes {
         window: Option<&Bound<'py, PyAny>>,
         threads: Option<&Bound<'py, PyAny>>,
         rope: Option<RopeArgs<'py>>,
+        latent: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let threads = convert::threads(py, threads)?;
         let scale = convert::float(py, scale, "scale")? as f32;
@@ -242,10 +243,13 @@ impl PyLayerCodes {
             self.inner.k_dim(),
             self.inner.v_dim(),
         );
-        if qshape[0] != b || qshape[3] != dk {
+        // Latent attention: queries score both streams; the output is the K stream's width.
+        let (dq, dout) = if latent { (dk + dv, dk) } else { (dk, dv) };
+        if qshape[0] != b || qshape[3] != dq {
+            let what = if latent { "D_k + D_v" } else { "D_k" };
             return Err(invalid_input(
                 py,
-                format!("q must be [B={b}, H_q, n_q, D_k={dk}], got {qshape:?}"),
+                format!("q must be [B={b}, H_q, n_q, {what}={dq}], got {qshape:?}"),
             ));
         }
         let (hq, nq) = (qshape[1], qshape[2]);
@@ -276,6 +280,7 @@ impl PyLayerCodes {
             scale,
             softcap,
             window,
+            latent,
         };
         let inner = &self.inner;
         // Keys coded before RoPE: (cos [rot/2, n_pos] frequency-major, sin, positions [B, T_c],
@@ -340,7 +345,7 @@ impl PyLayerCodes {
             })?
         })?;
         let out: Bound<'py, PyArrayDyn<f32>> =
-            PyArray1::from_vec(py, o.out).reshape(vec![b, hq, nq, dv])?;
+            PyArray1::from_vec(py, o.out).reshape(vec![b, hq, nq, dout])?;
         let lse: Bound<'py, PyArrayDyn<f32>> =
             PyArray1::from_vec(py, o.lse).reshape(vec![b, hq, nq])?;
         PyTuple::new(py, [out.into_any(), lse.into_any()])

@@ -118,6 +118,7 @@ fn main() {
         scale: 1.0 / (d as f32).sqrt(),
         softcap: None,
         window: None,
+        latent: false,
     };
     let run = || {
         attend_with(

@@ -53,11 +53,18 @@ fn sealed_work(pairs: usize, dk: usize, rows: usize) -> usize {
 /// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
 /// then the additive mask; a query sees only positions at or before its own and, with a
 /// `window`, the last `window` of them (its own included).
+///
+/// `latent`: multi-head latent attention in its absorbed form (DeepSeek's MLA): the K stream
+/// holds each position's latent row (`D_k` wide) and the V stream its rotated key part (`D_v`
+/// wide), a query is `[q_latent (D_k), q_rotated (D_v)]`, the score `q . [k, v]` (both streams
+/// dotted), and the value sum runs over the K stream: the output is `D_k` wide (the latent
+/// space; the model's value projection follows). Takes no key rotation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionParams {
     pub scale: f32,
     pub softcap: Option<f32>,
     pub window: Option<usize>,
+    pub latent: bool,
 }
 
 /// Raw rows of K and V for every (batch row, kv-head): `k` is `[B, H_kv, rows, D_k]`, `v`
@@ -77,7 +84,7 @@ impl RawRows<'_> {
     };
 }
 
-/// The attention output `[B, H_q, n_q, D_v]` and the natural log of each query's softmax
+/// The attention output `[B, H_q, n_q, D_v]` (`D_k` for latent attention) and the natural log of each query's softmax
 /// denominator (`-inf` for a query that sees no position; its output is 0), `[B, H_q, n_q]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionOutput {
@@ -266,16 +273,25 @@ struct Ctx<'a> {
     n_q: usize,
     dk: usize,
     dv: usize,
+    /// Latent attention ([`AttentionParams::latent`]): both streams score, the K stream is summed.
+    latent: bool,
+    /// The width of a query row (`D_k`, or `D_k + D_v` for latent attention) and of an output
+    /// row (`D_v`, or `D_k`).
+    dq: usize,
+    dout: usize,
     sealed: usize,
     total: usize,
 }
 
-/// The queries of one (batch row, kv-head) moved into each domain: `qs` scaled (`qr x D_k`),
-/// `w` and `qm` the code-domain weights and `q . mean` of each query row (`r = g * n_q + i`).
+/// The queries of one (batch row, kv-head) moved into each domain: `qs` scaled (`qr x D_q`),
+/// `w` and `qm` the code-domain weights and `q . mean` of each query row (`r = g * n_q + i`);
+/// for latent attention `w2` and `qm2` the same for the V stream (else empty).
 struct Prep {
     qs: Vec<f32>,
     w: Vec<f32>,
     qm: Vec<f32>,
+    w2: Vec<f32>,
+    qm2: Vec<f32>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -369,7 +385,16 @@ impl<'a> Ctx<'a> {
         if n_q == 0 {
             return input("n_q must be >= 1");
         }
-        check_len("q", q, &[batch, q_heads, n_q, dk], "[B, H_q, n_q, D_k]")?;
+        if p.latent && rope.is_some() {
+            return param("latent attention takes no key rotation (its latent rows carry no RoPE)");
+        }
+        let dq = if p.latent { dk + dv } else { dk };
+        let shape = if p.latent {
+            "[B, H_q, n_q, D_k + D_v]"
+        } else {
+            "[B, H_q, n_q, D_k]"
+        };
+        check_len("q", q, &[batch, q_heads, n_q, dq], shape)?;
         check_finite("q", q)?;
         for (name, r) in [("sink", &sink), ("tail", &tail)] {
             check_len(
@@ -444,9 +469,21 @@ impl<'a> Ctx<'a> {
             n_q,
             dk,
             dv,
+            latent: p.latent,
+            dq,
+            dout: if p.latent { dk } else { dv },
             sealed,
             total,
         })
+    }
+
+    /// The stream whose rows are summed: V, or K for latent attention.
+    fn value_store(&self, bh: usize) -> &'a super::store::CodeStore {
+        if self.latent {
+            self.codes.k_store(bh)
+        } else {
+            self.codes.v_store(bh)
+        }
     }
 
     fn qr(&self) -> usize {
@@ -457,22 +494,29 @@ impl<'a> Ctx<'a> {
     fn prep(&self, bh: usize) -> Prep {
         let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
         let t = self.codes.k_store(bh).tables();
-        let (qr, dk, m) = (self.qr(), self.dk, t.m);
-        let mut qs = vec![0f32; qr * dk];
+        let t2 = self.codes.v_store(bh).tables();
+        let (qr, dk, dq, m) = (self.qr(), self.dk, self.dq, t.m);
+        let m2 = if self.latent { t2.m } else { 0 };
+        let mut qs = vec![0f32; qr * dq];
         let mut w = vec![0f32; qr * m];
         let mut qm = vec![0f32; qr];
+        let mut w2 = vec![0f32; qr * m2];
+        let mut qm2 = vec![0f32; if self.latent { qr } else { 0 }];
         for r in 0..qr {
             let (g, i) = (r / self.n_q, r % self.n_q);
-            let at = ((b * self.q_heads + h * self.group + g) * self.n_q + i) * dk;
-            let dst = &mut qs[r * dk..(r + 1) * dk];
-            for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dk]) {
+            let at = ((b * self.q_heads + h * self.group + g) * self.n_q + i) * dq;
+            let dst = &mut qs[r * dq..(r + 1) * dq];
+            for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dq]) {
                 *o = x * self.scale;
             }
             if self.sealed > 0 && self.rope.is_none() {
-                qm[r] = t.query_weights(dst, &mut w[r * m..(r + 1) * m]);
+                qm[r] = t.query_weights(&dst[..dk], &mut w[r * m..(r + 1) * m]);
+                if self.latent {
+                    qm2[r] = t2.query_weights(&dst[dk..], &mut w2[r * m2..(r + 1) * m2]);
+                }
             }
         }
-        Prep { qs, w, qm }
+        Prep { qs, w, qm, w2, qm2 }
     }
 
     /// The pieces of every (batch row, kv-head), in position order within each.
@@ -559,7 +603,7 @@ impl<'a> Ctx<'a> {
 
     #[inline(always)]
     fn combine(&self, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
-        let (qr, dv, n_q) = (self.qr(), self.dv, self.n_q);
+        let (qr, dv, n_q) = (self.qr(), self.dout, self.n_q);
         let mut out = vec![0f32; self.batch * self.q_heads * n_q * dv];
         let mut lse = vec![f32::NEG_INFINITY; self.batch * self.q_heads * n_q];
         let mut start = 0;
@@ -567,7 +611,7 @@ impl<'a> Ctx<'a> {
             let bh = tasks[start].bh;
             let end = start + tasks[start..].iter().take_while(|t| t.bh == bh).count();
             let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
-            let vt = self.codes.v_store(bh).tables();
+            let vt = self.value_store(bh).tables();
             let mut a = vec![0f32; vt.m];
             let mut raw = vec![0f32; dv];
             let mut o = vec![0f32; dv];
@@ -759,25 +803,37 @@ fn code_part<K: Tile>(
 ) -> Part {
     let (ks, vs) = (cx.codes.k_store(bh), cx.codes.v_store(bh));
     let (kt, vt) = (ks.tables(), vs.tables());
-    let (mk, mv, qr) = (kt.m, vt.m, cx.qr());
+    // The stream summed: V, or K for latent attention (whose V stream scores beside K).
+    let ss = cx.value_store(bh);
+    let st = ss.tables();
+    let (mk, mv, ms, qr) = (kt.m, vt.m, st.m, cx.qr());
     let b = bh / cx.kv_heads;
     let (mut gk, mut gv) = ([0f32; TILE], [0f32; TILE]);
     let mut s = std::mem::take(&mut scratch.scores);
+    let mut s2 = std::mem::take(&mut scratch.scores2);
     let mut add = std::mem::take(&mut scratch.add);
     let mut acc = std::mem::take(&mut scratch.acc);
     zeroed(&mut s, qr * TILE);
+    if cx.latent {
+        zeroed(&mut s2, qr * TILE);
+    }
     zeroed(&mut add, cx.n_q * TILE);
-    zeroed(&mut acc, qr * mv * 16);
+    zeroed(&mut acc, qr * ms * 16);
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
     let mut overflow = false;
     let (mut kcur, mut vcur) = (Cursor::default(), Cursor::default());
+    // Latent attention reads the V stream's outliers for the scores and the K stream's twice.
+    let mut scur = Cursor::default();
     for &(bi, row0, rows, pos0) in tiles {
         if !cx.visibility(b, pos0, rows, &mut add) {
             continue;
         }
         let (kb, vb) = (&ks.blocks()[bi], &vs.blocks()[bi]);
         k.scales(kb, row0, rows, &mut gk);
+        if cx.latent {
+            k.scales(vb, row0, rows, &mut gv);
+        }
         if let Some(kr) = &cx.rope {
             // The rows' centroids (rounded to bfloat16 pairs for that synthesis), each
             // outlier's value in its place.
@@ -818,6 +874,24 @@ fn code_part<K: Tile>(
                     *v = g.mul_add(*v, qm);
                 }
             }
+            if cx.latent {
+                // The rotated key part's scores, from the V stream's codes: `s += fma(g, dot, qm2)`.
+                k.dot(vt, vb, row0, rows, &prep.w2, qr, &mut s2, scratch);
+                vcur.each(vb, bi, row0, rows, mv, |row, j, val| {
+                    let diff = val - centroid_at(vt, vb, row, j);
+                    let t = row - row0;
+                    for r in 0..qr {
+                        s2[r * TILE + t] = prep.w2[r * mv + j].mul_add(diff, s2[r * TILE + t]);
+                    }
+                });
+                for r in 0..qr {
+                    let qm = prep.qm2[r];
+                    let row = r * TILE..(r + 1) * TILE;
+                    for ((v, &x), &g) in s[row.clone()].iter_mut().zip(&s2[row]).zip(&gv) {
+                        *v += g.mul_add(x, qm);
+                    }
+                }
+            }
         }
         cx.finish_scores(&mut s, &add);
         let mut any = false;
@@ -826,7 +900,7 @@ fn code_part<K: Tile>(
             if let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) {
                 any = true;
                 if alpha != 1.0 {
-                    for v in &mut acc[r * mv * 16..(r + 1) * mv * 16] {
+                    for v in &mut acc[r * ms * 16..(r + 1) * ms * 16] {
                         *v *= alpha;
                     }
                 }
@@ -835,25 +909,30 @@ fn code_part<K: Tile>(
         if !any {
             continue;
         }
-        k.scales(vb, row0, rows, &mut gv);
+        let (sb, gs, cur) = if cx.latent {
+            (kb, &gk, &mut scur)
+        } else {
+            k.scales(vb, row0, rows, &mut gv);
+            (vb, &gv, &mut vcur)
+        };
         for r in 0..qr {
-            for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gv) {
+            for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(gs) {
                 *v *= g;
             }
         }
-        k.accumulate(vt, vb, row0, rows, &s, qr, &mut acc, scratch);
-        vcur.each(vb, bi, row0, rows, mv, |row, j, val| {
-            let diff = val - centroid_at(vt, vb, row, j);
+        k.accumulate(st, sb, row0, rows, &s, qr, &mut acc, scratch);
+        cur.each(sb, bi, row0, rows, ms, |row, j, val| {
+            let diff = val - centroid_at(st, sb, row, j);
             let t = row - row0;
             for r in 0..qr {
-                let a = &mut acc[(r * mv + j) * 16 + t % 16];
+                let a = &mut acc[(r * ms + j) * 16 + t % 16];
                 *a = s[r * TILE + t].mul_add(diff, *a);
             }
         });
     }
-    let mut sums = vec![0f32; qr * mv];
+    let mut sums = vec![0f32; qr * ms];
     k.lane_sums(&acc, &mut sums);
-    (scratch.scores, scratch.add, scratch.acc) = (s, add, acc);
+    (scratch.scores, scratch.scores2, scratch.add, scratch.acc) = (s, s2, add, acc);
     Part {
         code: true,
         overflow,
@@ -1009,13 +1088,15 @@ fn raw_part(
         Source::Sink => cx.sink,
         Source::Tail => cx.tail,
     };
-    let (qr, dk, dv) = (cx.qr(), cx.dk, cx.dv);
+    let (qr, dk, dv, dq, dout) = (cx.qr(), cx.dk, cx.dv, cx.dq, cx.dout);
     let b = bh / cx.kv_heads;
     let kk = &raw.k[bh * raw.rows * dk..(bh + 1) * raw.rows * dk];
     let vv = &raw.v[bh * raw.rows * dv..(bh + 1) * raw.rows * dv];
+    // The rows summed: the values, or the keys (the latent rows) for latent attention.
+    let (summed, ds) = if cx.latent { (kk, dk) } else { (vv, dv) };
     let mut s = vec![0f32; qr * TILE];
     let mut add = vec![0f32; cx.n_q * TILE];
-    let mut acc = vec![0f32; qr * dv];
+    let mut acc = vec![0f32; qr * dout];
     let mut mx = vec![f32::NEG_INFINITY; qr];
     let mut l = vec![0f32; qr];
     let mut overflow = false;
@@ -1025,11 +1106,17 @@ fn raw_part(
             continue;
         }
         for r in 0..qr {
-            let q = &prep.qs[r * dk..(r + 1) * dk];
+            let q = &prep.qs[r * dq..(r + 1) * dq];
             for t in 0..TILE {
                 s[r * TILE + t] = if t < n {
                     let at = (row0 + t0 + t) * dk;
-                    raw_dot(q, &kk[at..at + dk])
+                    let x = raw_dot(&q[..dk], &kk[at..at + dk]);
+                    if cx.latent {
+                        let at = (row0 + t0 + t) * dv;
+                        x + raw_dot(&q[dk..], &vv[at..at + dv])
+                    } else {
+                        x
+                    }
                 } else {
                     0.0
                 };
@@ -1041,7 +1128,7 @@ fn raw_part(
             let Some(alpha) = softmax_update(row, &mut mx[r], &mut l[r], &mut overflow) else {
                 continue;
             };
-            let a = &mut acc[r * dv..(r + 1) * dv];
+            let a = &mut acc[r * ds..(r + 1) * ds];
             if alpha != 1.0 {
                 a.iter_mut().for_each(|v| *v *= alpha);
             }
@@ -1049,8 +1136,8 @@ fn raw_part(
                 if p == 0.0 {
                     continue;
                 }
-                let at = (row0 + t0 + t) * dv;
-                for (x, &v) in a.iter_mut().zip(&vv[at..at + dv]) {
+                let at = (row0 + t0 + t) * ds;
+                for (x, &v) in a.iter_mut().zip(&summed[at..at + ds]) {
                     *x = p.mul_add(v, *x);
                 }
             }

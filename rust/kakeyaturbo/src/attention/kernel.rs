@@ -21,6 +21,8 @@ pub(crate) struct Scratch {
     pub bytes: Vec<u8>,
     /// The pieces' own buffers (scores, visibility, sums), reused between them.
     pub scores: Vec<f32>,
+    /// Latent attention: the scores of the V stream (the rotated key part).
+    pub scores2: Vec<f32>,
     pub add: Vec<f32>,
     pub acc: Vec<f32>,
     /// Synthesised keys of a tile, transposed (`D_k x 64`), and the cos/sin of its rows
@@ -49,6 +51,7 @@ impl Scratch {
             words: vec![0u32; words],
             bytes: vec![0u8; slots * TILE],
             scores: Vec::new(),
+            scores2: Vec::new(),
             add: Vec::new(),
             acc: Vec::new(),
             keys: Vec::new(),

@@ -37,6 +37,11 @@
 //!   per pair `(a, b)` of the rotation `y_a' = y_a cos + (-y_b) sin`, `y_b' = y_b cos + y_a sin`
 //!   (each product rounded, then the sum, as transformers rotates), then the score
 //!   `s` = `fma` chain over `d` from 0 of `q_d y'_d`.
+//! - Latent attention ([`AttentionParams::latent`]): a sealed row's score is the K stream's
+//!   `s` above plus, added last, the V stream's `fma(g_v, dot_v, q_v . mean_v)` (its own
+//!   `fma` chain and outliers, the query's last `D_v` entries); a raw row's score is the K
+//!   part's `q . k` plus the V part's, each as above; the value sums below then run over the
+//!   K stream (its scales, centroids, outliers and synthesis; raw rows' keys).
 //! - Then `s = cap * tanh(s / cap)` with a softcap, then `s + mask` (`-inf` where the position
 //!   is not seen: causal, outside the window, past the rows).
 //! - Online softmax per tile of 64 rows: `M' = max(M, max s)`, `a = exp(M - M')`,

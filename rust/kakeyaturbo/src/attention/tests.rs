@@ -69,6 +69,8 @@ struct Spec {
     /// Keys coded before RoPE: (rotary dimension, interleaved pairing).
     rope: Option<(usize, bool)>,
     synthesis: Synthesis,
+    /// Latent attention: queries `D_k + D_v` wide score both streams, K is summed.
+    latent: bool,
 }
 
 impl Default for Spec {
@@ -93,6 +95,7 @@ impl Default for Spec {
             mask: false,
             rope: None,
             synthesis: Synthesis::Bf16,
+            latent: false,
         }
     }
 }
@@ -190,7 +193,8 @@ fn build(s: &Spec) -> Case {
         s.tail,
     );
     let hq = s.kv_heads * s.group;
-    let q: Vec<f32> = (0..s.batch * hq * s.nq * s.dk)
+    let dq = if s.latent { s.dk + s.dv } else { s.dk };
+    let q: Vec<f32> = (0..s.batch * hq * s.nq * dq)
         .map(|_| noise(&mut g))
         .collect();
     let total = s.sink + s.blocks.iter().sum::<usize>() + s.tail;
@@ -258,6 +262,7 @@ fn build(s: &Spec) -> Case {
             scale: 1.0 / (s.dk as f32).sqrt(),
             softcap: s.softcap,
             window: s.window,
+            latent: s.latent,
         },
     }
 }
@@ -290,8 +295,8 @@ fn run(c: &Case, isa: Isa) -> Result<AttentionOutput, crate::Error> {
 fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
     let (batch, hkv) = (c.codes.batch(), c.codes.kv_heads());
     let group = c.hq / hkv;
-    let (dk, dv, nq) = (c.dk, c.dv, c.nq);
-    let mut out = vec![0f64; batch * c.hq * nq * dv];
+    let (dk, dv, nq, latent) = (c.dk, c.dv, c.nq, c.params.latent);
+    let mut out = vec![0f64; batch * c.hq * nq * if latent { dk } else { dv }];
     let mut lse = vec![f64::NEG_INFINITY; batch * c.hq * nq];
     let (mut vmax, mut smax) = (0f64, 0f64);
     for b in 0..batch {
@@ -340,17 +345,29 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
             k.extend_from_slice(&c.tail.0[bh * c.tail.2 * dk..(bh + 1) * c.tail.2 * dk]);
             v.extend_from_slice(&c.tail.1[bh * c.tail.2 * dv..(bh + 1) * c.tail.2 * dv]);
             let t = k.len() / dk;
+            // Latent attention scores `[k, v]` and sums `k`.
+            let (k64, v, dq, dout) = if latent {
+                let ka: Vec<f64> = (0..t)
+                    .flat_map(|p| {
+                        let vr = v[p * dv..(p + 1) * dv].iter().map(|&x| x as f64);
+                        k64[p * dk..(p + 1) * dk].iter().copied().chain(vr)
+                    })
+                    .collect();
+                (ka, k, dk + dv, dk)
+            } else {
+                (k64, v, dk, dv)
+            };
             vmax = v.iter().fold(vmax, |a, &x| a.max(x.abs() as f64));
             for gq in 0..group {
                 for i in 0..nq {
                     let hqi = h * group + gq;
-                    let qa = ((b * c.hq + hqi) * nq + i) * dk;
-                    let q = &c.q[qa..qa + dk];
+                    let qa = ((b * c.hq + hqi) * nq + i) * dq;
+                    let q = &c.q[qa..qa + dq];
                     let qp = t - nq + i;
                     let scale = c.params.scale as f64;
                     let s: Vec<f64> = (0..t)
                         .map(|p| {
-                            let kr = &k64[p * dk..(p + 1) * dk];
+                            let kr = &k64[p * dq..(p + 1) * dq];
                             let mut x: f64 = q.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum();
                             let mag: f64 =
                                 q.iter().zip(kr).map(|(&a, &b)| (a as f64 * b).abs()).sum();
@@ -377,9 +394,9 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
                     let l: f64 = p.iter().sum();
                     let row = (b * c.hq + hqi) * nq + i;
                     lse[row] = top + l.ln();
-                    for d in 0..dv {
-                        out[row * dv + d] =
-                            (0..t).map(|r| p[r] * v[r * dv + d] as f64).sum::<f64>() / l;
+                    for d in 0..dout {
+                        out[row * dout + d] =
+                            (0..t).map(|r| p[r] * v[r * dout + d] as f64).sum::<f64>() / l;
                     }
                 }
             }
@@ -506,6 +523,82 @@ fn matches_the_decoded_attention() {
         softcap: Some(5.0),
         ..Spec::default()
     });
+}
+
+#[test]
+fn latent_attention_scores_both_streams_and_sums_the_keys() {
+    // DeepSeek-like: one latent row per position (K), a rotated key part (V), many query
+    // heads reading it; and two kv-heads with several query tokens, masks and a softcap.
+    check(&Spec {
+        latent: true,
+        kv_heads: 1,
+        group: 16,
+        dk: 64,
+        dv: 16,
+        ..Spec::default()
+    });
+    check(&Spec {
+        latent: true,
+        batch: 2,
+        nq: 3,
+        mask: true,
+        softcap: Some(4.0),
+        window: Some(150),
+        ip: true,
+        blocks: vec![64, 200, 5],
+        ..Spec::default()
+    });
+    // The rotated part alone moves the result: zero queries for it give other scores.
+    let c = build(&Spec {
+        latent: true,
+        ..Spec::default()
+    });
+    let got = run(&c, Isa::Portable).unwrap();
+    let mut q = c.q.clone();
+    let dq = c.dk + c.dv;
+    for row in q.chunks_exact_mut(dq) {
+        row[c.dk..].fill(0.0);
+    }
+    let other = Case { q, ..c };
+    let diff = run(&other, Isa::Portable).unwrap();
+    assert_ne!(got.lse, diff.lse);
+    assert_eq!(got.out.len(), c_rows(&other) * other.dk);
+    // A key rotation with latent attention is a typed error.
+    let r = build(&Spec {
+        rope: Some((16, false)),
+        ..Spec::default()
+    });
+    let rr = r.rope.as_ref().unwrap().key_rope();
+    let p = AttentionParams {
+        latent: true,
+        ..r.params
+    };
+    let q = vec![0.5f32; c_rows(&r) * (r.dk + r.dv)];
+    let e = attend(
+        &r.codes,
+        &q,
+        r.hq,
+        r.nq,
+        RawRows {
+            k: &r.sink.0,
+            v: &r.sink.1,
+            rows: r.sink.2,
+        },
+        RawRows {
+            k: &r.tail.0,
+            v: &r.tail.1,
+            rows: r.tail.2,
+        },
+        None,
+        &p,
+        Some(&rr),
+    );
+    assert!(matches!(e, Err(crate::Error::InvalidParameter(_))), "{e:?}");
+}
+
+/// Query rows of a case (`B x H_q x n_q`).
+fn c_rows(c: &Case) -> usize {
+    c.codes.batch() * c.hq * c.nq
 }
 
 #[test]
@@ -833,12 +926,14 @@ proptest! {
         outliers in any::<bool>(), bmax in 1u8..=8, cap in any::<bool>(),
         window in proptest::option::of(1usize..400), mask in any::<bool>(),
         rope in proptest::option::of((2usize..80, any::<bool>())), f32_synthesis in any::<bool>(),
+        latent in any::<bool>(),
     ) {
         check(&Spec {
             seed, batch, kv_heads, group, dk, dv, blocks, sink, tail: nq + extra, nq, norm, ip,
             outliers, bmax, softcap: cap.then_some(3.0), window, mask,
-            rope: rope.filter(|_| dk >= 2),
+            rope: rope.filter(|_| dk >= 2 && !latent),
             synthesis: if f32_synthesis { Synthesis::F32 } else { Synthesis::Bf16 },
+            latent,
         });
     }
 }
