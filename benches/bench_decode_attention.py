@@ -74,24 +74,28 @@ SHAPES = ((9, 3, 64), (32, 8, 128))
 BLOCK = 512
 
 
-def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
+def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0, dv: Optional[int] = None,
+          decay: Tuple[float, float] = (0.9, 0.9)
           ) -> Tuple[kt.LayerCodes, np.ndarray, np.ndarray, Callable[[int], kt.LayerCodes]]:
     """Codes of ``tokens`` rows per kv-head (calibrations water-filled at ``bits`` on a decaying
-    spectrum), the float K and V they code, ``[1, H_kv, T, D]``, and a function that makes
-    another copy of the codes (its argument, the copy's index, unused) in memory of its own
-    (codecs built again, bytes copied): one more layer of a model for ``--layers``."""
+    spectrum: component ``j`` of K / V has variance ``decay[0 / 1] ** j`` times a draw in 0.5 ..
+    1.5), the float K and V they code, ``[1, H_kv, T, D]`` (V ``dv`` wide if given), and a
+    function that makes another copy of the codes (its argument, the copy's index, unused) in
+    memory of its own (codecs built again, bytes copied): one more layer of a model for
+    ``--layers``."""
     g = np.random.default_rng(seed)
     heads, fits = [], []
-    for _ in range(2 * hkv):
-        q, _ = np.linalg.qr(g.standard_normal((d, d)))
-        lam = 0.9 ** np.arange(d) * g.uniform(0.5, 1.5, d)
-        mean = 0.3 * g.standard_normal(d)
+    for i in range(2 * hkv):
+        w, dec = (d, decay[0]) if i < hkv else (dv or d, decay[1])
+        q, _ = np.linalg.qr(g.standard_normal((w, w)))
+        lam = dec ** np.arange(w) * g.uniform(0.5, 1.5, w)
+        mean = 0.3 * g.standard_normal(w)
         fit = calibration.fit_stream(mean, (q * lam) @ q.T, bits)
         fits.append(fit)
         heads.append((fit.codec(), mean, q, lam))
-    x = np.stack([(h[1] + (g.standard_normal((tokens, d)) * np.sqrt(h[3])) @ h[2].T).astype(np.float32)
-                  for h in heads])
-    blocks = [[h[0].encode(x[i, start:start + BLOCK], threads=1) for i, h in enumerate(heads)]
+    x = [(h[1] + (g.standard_normal((tokens, len(h[1]))) * np.sqrt(h[3])) @ h[2].T).astype(np.float32)
+         for h in heads]
+    blocks = [[h[0].encode(x[i][start:start + BLOCK], threads=1) for i, h in enumerate(heads)]
               for start in range(0, tokens, BLOCK)]
 
     def build(codecs: List[Any], copy: bool) -> kt.LayerCodes:
@@ -103,7 +107,7 @@ def layer(hkv: int, d: int, tokens: int, bits: float, seed: int = 0
         return codes
 
     codes = build([h[0] for h in heads], False)
-    return (codes, x[None, :hkv], x[None, hkv:],
+    return (codes, np.stack(x[:hkv])[None], np.stack(x[hkv:])[None],
             lambda i: build([fit.codec() for fit in fits], True))
 
 
@@ -361,6 +365,21 @@ def markdown(res: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def environment() -> Dict[str, Any]:
+    """The date (UTC), the CPU's model name, its cores and the versions a table names."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "kakeyaturbo": kt.__version__, "python": platform.python_version()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="2048,8192,32768")
@@ -387,22 +406,12 @@ def main() -> int:
     args = ap.parse_args()
     global PAUSE_S
     PAUSE_S = args.pause_ms / 1e3
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     rows = run([int(t) for t in args.tokens.split(",")], [float(b) for b in args.bits.split(",")],
                args.reps, args.layers, args.layers_mb,
                [r for r in args.recipes.split(",") if r], args.first_layer)
     loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
     res = {
-        "environment": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-                        "kakeyaturbo": kt.__version__, "python": platform.python_version()},
+        "environment": environment(),
         "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows),
         "first_layer": args.first_layer,
         "load_min": min(loads), "load_max": max(loads),

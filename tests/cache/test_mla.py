@@ -186,3 +186,61 @@ def test_a_calibrated_cache_is_saved_and_continued(tmp_path) -> None:
     a = model.generate(ids, max_new_tokens=5, do_sample=False, cache=loaded, pad_token_id=0)
     b = model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache, pad_token_id=0)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(set(MLA) - {"kimi_linear"}))
+def test_attention_over_the_codes(name, monkeypatch) -> None:
+    """A calibrated cache of latent rows attends over their codes in the absorbed form
+    (``fast._attend_latent``): no sealed block is ever decoded or expanded, and the tokens and
+    logits are those of the same cache decoding its blocks under the model's own sdpa attention
+    (dynamic sparse attention's picks folded into the mask as the model folds them there);
+    another cache computes as before once the attention function and ``expand_kv`` are wrapped."""
+    from kakeyaturbo.cache import fast as fast_mod
+    from kakeyaturbo.cache.layer import KakeyaLayer
+    from kakeyaturbo.calibration import ModelCodec
+
+    from .conftest import fast_recipe, generate
+
+    model = build(name)
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
+    codec = ModelCodec(calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform"),
+                       fast_recipe("before"))
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    dyn = generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
+    assert model.config._attn_implementation == "sdpa"
+    seq_s, log_s = generate(model, ids, slow, n=10)
+    fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    assert fast.fast, fast.fast_reason
+    orig = KakeyaLayer._block
+
+    def guarded(self, stream, j):
+        raise AssertionError(f"layer {self.index} decoded sealed block {j} of {stream}")
+
+    monkeypatch.setattr(KakeyaLayer, "_block", guarded)
+    calls = [0]
+    real = fast_mod.decode_attention
+
+    def counted(*a, **kw):
+        calls[0] += bool(kw.get("latent"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fast_mod, "decode_attention", counted)
+    seq_f, log_f = generate(model, ids, fast, n=10)
+    monkeypatch.setattr(KakeyaLayer, "_block", orig)
+    kv = describe(model).kv_layers
+    assert calls[0] >= 9 * len(kv) and all(fast.layers[i].num_sealed() >= 9 for i in kv)
+    assert torch.equal(seq_f, seq_s), name
+    scale = max(1.0, log_s.abs().max().item())
+    err = (log_f - log_s).abs().amax(dim=(1, 2))
+    assert err[:3].max().item() <= 1e-5 * scale and err.max().item() <= 1e-2 * scale, (name, err)
+    # Any other cache: the model's own expansion and attention, bit for bit.
+    assert model.config._attn_implementation in fast_mod.NAMES.values()
+    again = generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
+    assert torch.equal(again[0], dyn[0]) and torch.equal(again[1], dyn[1])
+    # The kernel over latent rows is the Rust one: on a GPU such a layer takes the slow path.
+    layer = fast.layers[kv[0]]
+    assert layer.latent and layer._kernel_for(torch.device("cuda")) is None
+    layer.kernel = "triton"
+    assert layer._kernel_for(torch.device("cpu")) == "rust"

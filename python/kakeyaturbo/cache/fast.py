@@ -20,6 +20,16 @@ inside the kernel and rotated with the cos/sin of their positions (:func:`rope_t
 table per rotary module, shared by every layer and cache that uses it), then dotted with the
 rotated queries. Unsupported cases fall back to decoding the sealed blocks and running the
 model's own implementation (:meth:`KakeyaLayer.materialize`).
+
+Multi-head latent attention (:data:`LATENT`: DeepSeek V2/V3/V3.2, GLM-4.7-Flash, GLM-5, MiniCPM3,
+Youtu) caches a latent row and a rotated key part per token and expands them into every head's
+keys and values (``expand_kv``, the value projection ``kv_b_proj``) before attention. For those,
+:func:`install` also wraps each attention module's ``expand_kv`` so that the rows a fast layer
+returned pass through unexpanded, and :func:`attention` computes the absorbed form: each head's
+query moved into the latent space (``W_uk^T q_nope``), scores from both streams' codes, the
+weighted sum of the latent codes, then the head's value projection (``W_uv``) on it
+(:func:`_attend_latent`). Dynamic sparse attention's picks (``indices``) are folded into the mask,
+as the model does for eager and sdpa. The Rust kernel only: on a GPU these layers take the slow path.
 """
 
 from __future__ import annotations
@@ -33,12 +43,19 @@ import numpy as np
 import torch
 
 from ..codec.attention import RopeTable, decode_attention
+from ..families.capture import sparse_mask
 from ..families.layout import model_type
 from ..families.rope import LayerRope
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
 NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
+
+#: Multi-head latent attention families whose attention modules expand the cached rows with
+#: ``expand_kv`` (wrapped by :func:`install`; checked on a tiny model of each in
+#: ``tests/cache/test_mla.py``).
+LATENT = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                    "minicpm3", "youtu"})
 
 #: Model types whose attention hands the tensor ``update`` returned straight to the attention
 #: function (checked on a tiny model of each in ``tests/cache/test_fast.py``).
@@ -51,7 +68,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "llama4_text",
                       # hybrids: recurrent, state-space or convolution layers beside the attention
                       "qwen3_next", "qwen3_5_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-                      "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1"})
+                      "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1"}) | LATENT
 
 #: The attribute of a key tensor that names the layer which returned it.
 TAG = "_kakeyaturbo_layer"
@@ -165,7 +182,29 @@ def install(model: Any) -> Optional[str]:
     register()
     if model.config._attn_implementation != NAMES[base]:
         model.set_attn_implementation(NAMES[base])
+    if mt in LATENT:
+        for module in model.modules():
+            if callable(getattr(type(module), "expand_kv", None)) and hasattr(module, "kv_b_proj"):
+                if not getattr(module.__dict__.get("expand_kv"), "_kakeyaturbo", False):
+                    module.expand_kv = _latent_expand(module)
     return None
+
+
+def _latent_expand(module: Any) -> Callable[[Any, Any], Tuple[Any, Any]]:
+    """``module.expand_kv`` that hands the rows a fast layer returned (tagged with it) to
+    :func:`attention` as they are (it attends in the latent space); any others are expanded as
+    the model's own ``expand_kv`` does."""
+    ref = weakref.ref(module)
+
+    def expand_kv(kv_nope: Any, k_rot: Any) -> Tuple[Any, Any]:
+        if getattr(kv_nope, TAG, None) is not None:
+            return kv_nope, k_rot
+        m = ref()
+        assert m is not None
+        return type(m).expand_kv(m, kv_nope, k_rot)
+
+    expand_kv._kakeyaturbo = True  # type: ignore[attr-defined]
+    return expand_kv
 
 
 def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[torch.Tensor]:
@@ -205,6 +244,8 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
     functions do."""
     layer = getattr(key, TAG, None)
     fn = _delegate(module, base)
+    if isinstance(attention_mask, torch.Tensor):  # dynamic sparse attention's picks, as eager/sdpa take them
+        attention_mask, kwargs = sparse_mask(attention_mask, kwargs, attention_mask.shape[-1])
     if layer is None:
         return fn(module, query, key, value, attention_mask, **kwargs)
     try:
@@ -217,7 +258,11 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
             # Nothing sealed (the prompt's own attention at prefill, a layer too short to
             # seal) or a case the kernel does not cover: the rows as the slow path hands them.
             k, v = layer.materialize()
+            if layer.latent:  # the cached rows, expanded as the model's expand_kv does
+                k, v = type(module).expand_kv(module, k, v)
             return fn(module, query, k, v, attention_mask, **kwargs)
+        if layer.latent:
+            return _attend_latent(layer, codes, module, query, attention_mask, kwargs)
         if layer._kernel_for(query.device) == "triton":
             return _attend_triton(layer, module, query, attention_mask, kwargs, rot)
         return _attend(layer, codes, module, query, attention_mask, kwargs, rot)
@@ -271,6 +316,31 @@ def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
                            synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None
+
+
+def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
+                   kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, None]:
+    """Multi-head latent attention over the codes, in its absorbed form: ``query`` is every
+    head's ``[q_nope, q_rot]``; ``q_nope`` goes into the latent space through the key half of
+    ``kv_b_proj`` (``W_uk^T q_nope``), the kernel scores the latent and rotated rows and sums the
+    latent ones (``latent=True``), and the value half (``W_uv``) maps each head's sum to its
+    values: the model's attention output without expanding a cached row."""
+    heads, dn, dv = query.shape[1], module.qk_nope_head_dim, module.v_head_dim
+    w = module.kv_b_proj.weight.detach().to("cpu", torch.float32).view(heads, dn + dv, -1)
+    q = query.detach().to("cpu", torch.float32)
+    q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn], w[:, :dn])
+    q_all = torch.cat([q_lat, q[..., dn:]], dim=-1).contiguous()
+    sk, sv, tk, tv = layer.raw_rows()
+    n_q = query.shape[-2]
+    total = sk.shape[-2] + codes.rows() + tk.shape[-2]
+    scale, softcap = _scale_softcap(module, query, kwargs)
+    m = _bool_mask(mask, n_q, total)
+    out = decode_attention(codes, q_all.numpy(), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
+                           scale=scale, softcap=softcap, window=layer.window,
+                           mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
+                           threads=layer.threads, latent=True)
+    o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out), w[:, dn:])
+    return o.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
 
 def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwargs: Dict[str, Any],

@@ -107,6 +107,9 @@ class KakeyaCache(Cache):
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
             self._specs = layout.layers
+        #: Multi-head latent attention (:attr:`ModelLayout.latent`): each layer's rows are a latent
+        #: and a rotated key part (attention over their codes: ``fast._attend_latent``).
+        self._latent = bool(layout is not None and layout.latent)
         self.codec = codec
         self.block_size = block_size
         self.n_sink = n_sink
@@ -220,6 +223,7 @@ class KakeyaCache(Cache):
                     positions=self._positions, keep_decoded=self.keep_decoded,
                     window=self.windows[i] if i < len(self.windows) else None)
         layer.readers = 1 + sum(s.reads == i for s in self._specs)  # its own attention, KV sharing's
+        layer.latent = self._latent
         if self.fast and set(STREAMS) <= set(layer.streams):
             layer.fast = True
             layer.fast_check = self._fast_check

@@ -104,6 +104,9 @@ class KakeyaLayer(CacheLayerMixin):
         self.synthesis = "bf16"
         #: The attention kernel over the codes (set by the cache): "auto", "rust" or "triton".
         self.kernel = "auto"
+        #: Multi-head latent attention (set by the cache): the K rows are the latent, the V rows
+        #: the rotated key part; attention over their codes runs on the Rust kernel only.
+        self.latent = False
         self._codes = SealedCodes()  # the sealed blocks as the kernels read them, built lazily
         self._pending = 0  # rows of the last update staged but not yet dropped or sealed
         #: Attention calls that read the layer's rows per forward pass: its own, and those of the
@@ -169,11 +172,14 @@ class KakeyaLayer(CacheLayerMixin):
         """The kernel that attends over the codes for rows on ``device``: the Rust one on the
         CPU, the Triton one on a CUDA device where triton is installed (``kernel="auto"``), or
         the one asked for; None where none runs (the Rust kernel off the CPU, any other device:
-        the slow path)."""
+        the slow path). Latent attention has the Rust kernel only (on the CPU, whichever kernel
+        was asked for)."""
+        if device.type == "cpu" and (self.kernel != "triton" or self.latent):
+            return "rust"
+        if self.latent:
+            return None
         if self.kernel == "triton":
             return "triton"
-        if device.type == "cpu":
-            return "rust"
         return "triton" if self.kernel == "auto" and device.type == "cuda" and _HAS_TRITON else None
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:

@@ -128,7 +128,7 @@ class AttentionCapture:
         self._check_shapes(layer, query, key)
         self.seen[layer] = module
         fn = self._function(module)
-        mask, kwargs = _sparse_mask(mask, kwargs, key.shape[2])
+        mask, kwargs = sparse_mask(mask, kwargs, key.shape[2])
 
         def attend(q: Any, k: Any, v: Any) -> Tuple[Any, Any]:
             return fn(module, q, k, v, mask, **kwargs)
@@ -162,7 +162,7 @@ class AttentionCapture:
                 "seen")
 
 
-def _sparse_mask(mask: Any, kwargs: Dict[str, Any], keys: int) -> Tuple[Any, Dict[str, Any]]:
+def sparse_mask(mask: Any, kwargs: Dict[str, Any], keys: int) -> Tuple[Any, Dict[str, Any]]:
     """Dynamic sparse attention (DeepSeek V3.2, GLM-5) hands attention functions other than
     eager and sdpa the keys each query may see as ``indices`` ``[batch, queries, top-k]``; the
     mask with them folded in, as the model does for eager and sdpa, and the rest of ``kwargs``."""
