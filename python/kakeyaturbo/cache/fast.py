@@ -326,10 +326,12 @@ def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mas
     latent ones (``latent=True``), and the value half (``W_uv``) maps each head's sum to its
     values: the model's attention output without expanding a cached row."""
     heads, dn, dv = query.shape[1], module.qk_nope_head_dim, module.v_head_dim
-    w = module.kv_b_proj.weight.detach().to("cpu", torch.float32).view(heads, dn + dv, -1)
-    q = query.detach().to("cpu", torch.float32)
-    q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn], w[:, :dn])
-    q_all = torch.cat([q_lat, q[..., dn:]], dim=-1).contiguous()
+    # Both projections in the weight's own dtype, as the model's expand_kv computes them (a
+    # bfloat16 model's weights are not copied to float32 at every step).
+    w = module.kv_b_proj.weight.detach().view(heads, dn + dv, -1)
+    q = query.detach()
+    q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn].to(w.dtype), w[:, :dn])
+    q_all = torch.cat([q_lat, q[..., dn:].to(q_lat.dtype)], dim=-1).to("cpu", torch.float32).contiguous()
     sk, sv, tk, tv = layer.raw_rows()
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
@@ -339,7 +341,7 @@ def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mas
                            scale=scale, softcap=softcap, window=layer.window,
                            mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
                            threads=layer.threads, latent=True)
-    o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out), w[:, dn:])
+    o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out).to(device=w.device, dtype=w.dtype), w[:, dn:])
     return o.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
 
