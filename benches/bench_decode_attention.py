@@ -417,13 +417,16 @@ def main() -> int:
         "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_attention.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "decode_attention.md").write_text(md)
-    print(md)
+    write(Path(args.out), "decode_attention", res, markdown(res))
     return 0
+
+
+def write(out: Path, stem: str, res: Dict[str, Any], md: str) -> None:
+    """``OUT/STEM.json`` and ``OUT/STEM.md``, and the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stem}.md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ rows; the absorbed float form against the expanded one, up to ``--expand-max``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -199,12 +198,7 @@ def main() -> int:
     loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
     res = {"environment": bda.environment(), "reps": args.reps, "pause_ms": args.pause_ms,
            "layers": args.layers, "load_min": min(loads), "load_max": max(loads), "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "latent_attention.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    (out / "latent_attention.md").write_text(md)
-    print(md)
+    bda.write(Path(args.out), "latent_attention", res, markdown(res))
     return 0
 
 

@@ -806,7 +806,7 @@ fn code_part<K: Tile>(
     // The stream summed: V, or K for latent attention (whose V stream scores beside K).
     let ss = cx.value_store(bh);
     let st = ss.tables();
-    let (mk, mv, ms, qr) = (kt.m, vt.m, st.m, cx.qr());
+    let (mk, ms, qr) = (kt.m, st.m, cx.qr());
     let b = bh / cx.kv_heads;
     let (mut gk, mut gv) = ([0f32; TILE], [0f32; TILE]);
     let mut s = std::mem::take(&mut scratch.scores);
@@ -860,36 +860,36 @@ fn code_part<K: Tile>(
             let first = b * cx.sealed + pos0 - cx.sink.rows;
             rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
         } else {
-            k.dot(kt, kb, row0, rows, &prep.w, qr, &mut s, scratch);
-            kcur.each(kb, bi, row0, rows, mk, |row, j, val| {
-                let diff = val - centroid_at(kt, kb, row, j);
-                let t = row - row0;
-                for r in 0..qr {
-                    s[r * TILE + t] = prep.w[r * mk + j].mul_add(diff, s[r * TILE + t]);
-                }
-            });
-            for r in 0..qr {
-                let qm = prep.qm[r];
-                for (v, &g) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(&gk) {
-                    *v = g.mul_add(*v, qm);
-                }
-            }
+            let (w, qm) = (&prep.w[..], &prep.qm[..]);
+            stream_scores(
+                k,
+                kt,
+                kb,
+                (bi, row0, rows),
+                w,
+                qm,
+                &gk,
+                &mut kcur,
+                &mut s,
+                scratch,
+            );
             if cx.latent {
-                // The rotated key part's scores, from the V stream's codes: `s += fma(g, dot, qm2)`.
-                k.dot(vt, vb, row0, rows, &prep.w2, qr, &mut s2, scratch);
-                vcur.each(vb, bi, row0, rows, mv, |row, j, val| {
-                    let diff = val - centroid_at(vt, vb, row, j);
-                    let t = row - row0;
-                    for r in 0..qr {
-                        s2[r * TILE + t] = prep.w2[r * mv + j].mul_add(diff, s2[r * TILE + t]);
-                    }
-                });
-                for r in 0..qr {
-                    let qm = prep.qm2[r];
-                    let row = r * TILE..(r + 1) * TILE;
-                    for ((v, &x), &g) in s[row.clone()].iter_mut().zip(&s2[row]).zip(&gv) {
-                        *v += g.mul_add(x, qm);
-                    }
+                // The rotated key part's scores, from the V stream's codes, added.
+                let (w, qm) = (&prep.w2[..], &prep.qm2[..]);
+                stream_scores(
+                    k,
+                    vt,
+                    vb,
+                    (bi, row0, rows),
+                    w,
+                    qm,
+                    &gv,
+                    &mut vcur,
+                    &mut s2,
+                    scratch,
+                );
+                for (v, &x) in s[..qr * TILE].iter_mut().zip(&s2[..qr * TILE]) {
+                    *v += x;
                 }
             }
         }
@@ -939,6 +939,39 @@ fn code_part<K: Tile>(
         mx,
         l,
         acc: sums,
+    }
+}
+
+/// `s[r * 64 + t] = fma(g_t, dot_rt, qm_r)` for the `qm.len()` query rows: a tile's scores
+/// from one stream's codes (rows `row0 .. row0 + rows` of block `bi`, `b`), each outlier's
+/// difference from its centroid added to the dot product (mod.rs, "Arithmetic").
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn stream_scores<K: Tile>(
+    k: K,
+    t: &StreamTables,
+    b: &SealedBlock,
+    (bi, row0, rows): (usize, usize, usize),
+    w: &[f32],
+    qm: &[f32],
+    g: &[f32; TILE],
+    cur: &mut Cursor,
+    s: &mut [f32],
+    scratch: &mut Scratch,
+) {
+    let (m, qr) = (t.m, qm.len());
+    k.dot(t, b, row0, rows, w, qr, s, scratch);
+    cur.each(b, bi, row0, rows, m, |row, j, val| {
+        let diff = val - centroid_at(t, b, row, j);
+        let at = row - row0;
+        for r in 0..qr {
+            s[r * TILE + at] = w[r * m + j].mul_add(diff, s[r * TILE + at]);
+        }
+    });
+    for (r, &q) in qm.iter().enumerate() {
+        for (v, &gt) in s[r * TILE..(r + 1) * TILE].iter_mut().zip(g) {
+            *v = gt.mul_add(*v, q);
+        }
     }
 }
 

@@ -564,35 +564,13 @@ fn latent_attention_scores_both_streams_and_sums_the_keys() {
     assert_ne!(got.lse, diff.lse);
     assert_eq!(got.out.len(), c_rows(&other) * other.dk);
     // A key rotation with latent attention is a typed error.
-    let r = build(&Spec {
+    let mut r = build(&Spec {
         rope: Some((16, false)),
         ..Spec::default()
     });
-    let rr = r.rope.as_ref().unwrap().key_rope();
-    let p = AttentionParams {
-        latent: true,
-        ..r.params
-    };
-    let q = vec![0.5f32; c_rows(&r) * (r.dk + r.dv)];
-    let e = attend(
-        &r.codes,
-        &q,
-        r.hq,
-        r.nq,
-        RawRows {
-            k: &r.sink.0,
-            v: &r.sink.1,
-            rows: r.sink.2,
-        },
-        RawRows {
-            k: &r.tail.0,
-            v: &r.tail.1,
-            rows: r.tail.2,
-        },
-        None,
-        &p,
-        Some(&rr),
-    );
+    r.params.latent = true;
+    r.q = vec![0.5f32; c_rows(&r) * (r.dk + r.dv)];
+    let e = run(&r, Isa::Portable);
     assert!(matches!(e, Err(crate::Error::InvalidParameter(_))), "{e:?}");
 }
 
