@@ -19,8 +19,8 @@
 //!
 //! Arrows run one way: [`tables`] (what one calibration gives attention) -> [`store`] (sealed
 //! blocks held as their container bytes, parsed once) -> [`kernel`] / `avx512` (the inner
-//! loops over a tile of 64 rows) -> [`attend`] (one step of one layer: checks, pieces of work on
-//! rayon, one online softmax).
+//! loops over a tile of 64 rows) -> `part` (one piece of work: its online softmax) -> [`attend`]
+//! (one step of one layer: checks, pieces of work on rayon, their combination).
 //!
 //! # Arithmetic
 //!
@@ -64,13 +64,15 @@ pub mod attend;
 pub(crate) mod avx512;
 pub mod kernel;
 pub mod math;
+mod part;
 pub mod rope;
 pub mod store;
 pub mod tables;
 
 pub use attend::{
-    attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, RawRows, INLINE_WORK,
+    attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, INLINE_WORK,
 };
+pub use part::RawRows;
 pub use rope::{KeyRope, RopeStyle, Synthesis};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
