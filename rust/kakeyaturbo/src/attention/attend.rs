@@ -420,11 +420,12 @@ impl<'a> Ctx<'a> {
             for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dq]) {
                 *o = x * self.scale;
             }
-            if self.sealed > 0 && self.rope.is_none() {
-                qm[r] = t.query_weights(&dst[..dk], &mut w[r * m..(r + 1) * m]);
-                if self.latent {
-                    qm2[r] = t2.query_weights(&dst[dk..], &mut w2[r * m2..(r + 1) * m2]);
-                }
+        }
+        if self.sealed > 0 && self.rope.is_none() {
+            // Every query row at once (`query_weights_rows`: the synthesis read once).
+            t.query_weights_rows(&qs, dq, &mut w, &mut qm);
+            if self.latent {
+                t2.query_weights_rows(&qs[dk..], dq, &mut w2, &mut qm2);
             }
         }
         Prep { qs, w, qm, w2, qm2 }
@@ -484,16 +485,20 @@ impl<'a> Ctx<'a> {
             let end = start + tasks[start..].iter().take_while(|t| t.bh == bh).count();
             let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
             let vt = self.value_store(bh).tables();
-            let mut a = vec![0f32; vt.m];
-            let mut raw = vec![0f32; dv];
-            let mut o = vec![0f32; dv];
+            let m = vt.m;
+            // Per query row: the parts combined; then one synthesis of every row with a
+            // code-domain sum (`synthesize_rows`: the synthesis read once for all of them).
+            let mut a = vec![0f32; qr * m];
+            let mut raw = vec![0f32; qr * dv];
+            let (mut bigs, mut ls) = (vec![0f32; qr], vec![0f32; qr]);
+            let (mut coded, mut pcs) = (Vec::new(), Vec::new());
             for r in 0..qr {
                 let big = parts[start..end]
                     .iter()
                     .fold(f32::NEG_INFINITY, |x, p| x.max(p.mx[r]));
                 let (mut l, mut pc) = (0f32, 0f32);
-                a.fill(0.0);
-                raw.fill(0.0);
+                let a = &mut a[r * m..(r + 1) * m];
+                let raw = &mut raw[r * dv..(r + 1) * dv];
                 let mut any_code = false;
                 for p in &parts[start..end] {
                     if p.mx[r] == f32::NEG_INFINITY {
@@ -504,7 +509,7 @@ impl<'a> Ctx<'a> {
                     if p.code {
                         any_code = true;
                         pc = p.l[r].mul_add(f, pc);
-                        for (x, &y) in a.iter_mut().zip(&p.acc[r * vt.m..(r + 1) * vt.m]) {
+                        for (x, &y) in a.iter_mut().zip(&p.acc[r * m..(r + 1) * m]) {
                             *x = y.mul_add(f, *x);
                         }
                     } else {
@@ -513,20 +518,38 @@ impl<'a> Ctx<'a> {
                         }
                     }
                 }
-                let (g, i) = (r / n_q, r % n_q);
-                let row = (b * self.q_heads + h * self.group + g) * n_q + i;
+                (bigs[r], ls[r]) = (big, l);
+                if l != 0.0 && any_code {
+                    coded.push(r);
+                    pcs.push(pc);
+                }
+            }
+            let mut sums = Vec::with_capacity(coded.len() * m);
+            for &r in &coded {
+                sums.extend_from_slice(&a[r * m..(r + 1) * m]);
+            }
+            let mut o = vec![0f32; coded.len() * dv];
+            vt.synthesize_rows(&mut sums, &pcs, &mut o);
+            let zero = vec![0f32; dv];
+            let mut k = 0;
+            for r in 0..qr {
+                let l = ls[r];
                 if l == 0.0 {
                     continue;
                 }
-                if any_code {
-                    vt.synthesize(&mut a, pc, &mut o);
+                let x = if coded.get(k) == Some(&r) {
+                    k += 1;
+                    &o[(k - 1) * dv..k * dv]
                 } else {
-                    o.fill(0.0);
-                }
-                for ((x, &y), dst) in o.iter().zip(&raw).zip(&mut out[row * dv..(row + 1) * dv]) {
+                    &zero[..]
+                };
+                let (g, i) = (r / n_q, r % n_q);
+                let row = (b * self.q_heads + h * self.group + g) * n_q + i;
+                let raw = &raw[r * dv..(r + 1) * dv];
+                for ((x, &y), dst) in x.iter().zip(raw).zip(&mut out[row * dv..(row + 1) * dv]) {
                     *dst = (x + y) / l;
                 }
-                lse[row] = big + l.ln();
+                lse[row] = bigs[r] + l.ln();
             }
             start = end;
         }

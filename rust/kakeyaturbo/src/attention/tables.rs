@@ -49,6 +49,82 @@ pub(crate) struct Component {
     pub slot: u32,
 }
 
+/// Components (query transform) or dimensions (synthesis) per block when many rows share one
+/// calibration ([`StreamTables::query_weights_rows`], [`StreamTables::synthesize_rows`]): 64
+/// floats of each row's sums stay in L1 while a block of `S'` goes by once.
+pub const ROW_BLOCK: usize = 64;
+
+/// `out[r * n + c]` = the `fma` chain over `i` from 0 of `x[r * stride + i] * mat[i * n + c]`
+/// (`rows` rows of `k` entries, `mat` `k x n` row-major): blocks of 4 rows x [`ROW_BLOCK`]
+/// columns held in registers across `i`, so that `mat` is read once per 4 rows (the loops of
+/// the last partial blocks are plain; the same chains).
+#[inline(always)]
+fn rows_times(
+    x: &[f32],
+    stride: usize,
+    rows: usize,
+    mat: &[f32],
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!(mat.len() >= k * n && out.len() >= rows * n);
+    assert!(rows == 0 || x.len() >= (rows - 1) * stride + k);
+    let full = n / ROW_BLOCK * ROW_BLOCK;
+    for c0 in (0..full).step_by(ROW_BLOCK) {
+        let mut r0 = 0;
+        while r0 < rows {
+            match rows - r0 {
+                1 => rows_block::<1>(x, stride, r0, mat, k, n, c0, out),
+                2 => rows_block::<2>(x, stride, r0, mat, k, n, c0, out),
+                3 => rows_block::<3>(x, stride, r0, mat, k, n, c0, out),
+                _ => rows_block::<4>(x, stride, r0, mat, k, n, c0, out),
+            }
+            r0 += (rows - r0).min(4);
+        }
+    }
+    if full < n {
+        for r in 0..rows {
+            let o = &mut out[r * n + full..(r + 1) * n];
+            o.fill(0.0);
+            for (i, row) in mat.chunks_exact(n).take(k).enumerate() {
+                let xi = x[r * stride + i];
+                for (v, &m) in o.iter_mut().zip(&row[full..]) {
+                    *v = xi.mul_add(m, *v);
+                }
+            }
+        }
+    }
+}
+
+/// Rows `r0 .. r0 + R`, columns `c0 .. c0 + ROW_BLOCK` of [`rows_times`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rows_block<const R: usize>(
+    x: &[f32],
+    stride: usize,
+    r0: usize,
+    mat: &[f32],
+    k: usize,
+    n: usize,
+    c0: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [[0f32; ROW_BLOCK]; R];
+    for (i, row) in mat.chunks_exact(n).take(k).enumerate() {
+        let row: &[f32; ROW_BLOCK] = row[c0..c0 + ROW_BLOCK].try_into().expect("a block");
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xi = x[(r0 + r) * stride + i];
+            for (v, &m) in a.iter_mut().zip(row) {
+                *v = xi.mul_add(m, *v);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        out[(r0 + r) * n + c0..(r0 + r) * n + c0 + ROW_BLOCK].copy_from_slice(a);
+    }
+}
+
 /// The tables of one calibration (one stream of one (layer, kv-head)) that attention reads.
 #[derive(Debug, Clone)]
 pub struct StreamTables {
@@ -222,27 +298,39 @@ impl StreamTables {
     pub fn query_weights(&self, q: &[f32], w: &mut [f32]) -> f32 {
         debug_assert_eq!(q.len(), self.d);
         debug_assert_eq!(w.len(), self.m);
-        let qm = q
-            .iter()
-            .zip(&self.mean)
-            .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
-        w.fill(0.0);
-        for (&qd, col) in q.iter().zip(self.synthesis_t.chunks_exact(self.m)) {
-            for (wj, &s) in w.iter_mut().zip(col) {
-                *wj = qd.mul_add(s, *wj);
+        let mut qm = [0f32];
+        self.query_weights_rows(q, self.d, w, &mut qm);
+        qm[0]
+    }
+
+    /// [`Self::query_weights`] of `qm.len()` queries at once, the same bits: query `r` is
+    /// `q[r * stride .. r * stride + D]`, its weights `w[r * m .. (r + 1) * m]`, its `q . mean`
+    /// `qm[r]`. The products run in blocks of [`ROW_BLOCK`] components, every query's over one
+    /// block before the next, so that `S'` is read once for all of them (many heads per
+    /// kv-head, as in latent attention, would otherwise stream it once per query).
+    #[inline(always)]
+    pub fn query_weights_rows(&self, q: &[f32], stride: usize, w: &mut [f32], qm: &mut [f32]) {
+        let (d, m, rows) = (self.d, self.m, qm.len());
+        assert!(rows == 0 || (q.len() >= (rows - 1) * stride + d && w.len() >= rows * m));
+        for (r, x) in qm.iter_mut().enumerate() {
+            *x = q[r * stride..r * stride + d]
+                .iter()
+                .zip(&self.mean)
+                .fold(0f32, |acc, (&a, &b)| a.mul_add(b, acc));
+        }
+        rows_times(q, stride, rows, &self.synthesis_t, d, m, w);
+        for wr in w[..rows * m].chunks_exact_mut(m.max(1)) {
+            for band in &self.bands {
+                let seg = &mut wr[band.offset..band.offset + band.width];
+                for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
+                    *v *= s;
+                }
+                wht::fwht(seg);
+                for v in seg.iter_mut() {
+                    *v *= band.norm;
+                }
             }
         }
-        for band in &self.bands {
-            let seg = &mut w[band.offset..band.offset + band.width];
-            for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
-                *v *= s;
-            }
-            wht::fwht(seg);
-            for v in seg.iter_mut() {
-                *v *= band.norm;
-            }
-        }
-        qm
     }
 
     /// `M` (`m x D` row-major): a row of scale `g` and centroids `c` (outliers' values in
@@ -324,24 +412,34 @@ impl StreamTables {
     pub fn synthesize(&self, a: &mut [f32], pc: f32, out: &mut [f32]) {
         debug_assert_eq!(a.len(), self.m);
         debug_assert_eq!(out.len(), self.d);
-        for band in &self.bands {
-            let seg = &mut a[band.offset..band.offset + band.width];
-            for v in seg.iter_mut() {
-                *v *= band.norm;
-            }
-            wht::fwht(seg);
-            for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
-                *v *= s;
+        self.synthesize_rows(a, &[pc], out);
+    }
+
+    /// [`Self::synthesize`] of `pc.len()` sums at once, the same bits: sum `r` is `a[r * m ..
+    /// (r + 1) * m]` (overwritten), its output `out[r * D .. (r + 1) * D]`. The products run in
+    /// blocks of [`ROW_BLOCK`] output dimensions, every sum's over one block before the next,
+    /// so that `S'` is read once for all of them.
+    #[inline(always)]
+    pub fn synthesize_rows(&self, a: &mut [f32], pc: &[f32], out: &mut [f32]) {
+        let (d, m, rows) = (self.d, self.m, pc.len());
+        assert!(a.len() >= rows * m && out.len() >= rows * d);
+        for ar in a[..rows * m].chunks_exact_mut(m.max(1)) {
+            for band in &self.bands {
+                let seg = &mut ar[band.offset..band.offset + band.width];
+                for v in seg.iter_mut() {
+                    *v *= band.norm;
+                }
+                wht::fwht(seg);
+                for (v, s) in seg.iter_mut().zip(&self.signs[band.offset..]) {
+                    *v *= s;
+                }
             }
         }
-        out.fill(0.0);
-        for (&u, row) in a.iter().zip(self.synthesis.chunks_exact(self.d)) {
-            for (o, &s) in out.iter_mut().zip(row) {
-                *o = u.mul_add(s, *o);
+        rows_times(a, m, rows, &self.synthesis, m, d, out);
+        for (or, &p) in out[..rows * d].chunks_exact_mut(d.max(1)).zip(pc) {
+            for (o, &mu) in or.iter_mut().zip(&self.mean) {
+                *o = p.mul_add(mu, *o);
             }
-        }
-        for (o, &mu) in out.iter_mut().zip(&self.mean) {
-            *o = pc.mul_add(mu, *o);
         }
     }
 }
@@ -403,6 +501,35 @@ mod tests {
                 let m = t.key_synthesis()[j * c.d + i];
                 assert!((b[j * c.d + i] - m).abs() <= m.abs() / 256.0 + 1e-30);
             }
+        }
+    }
+
+    #[test]
+    fn many_rows_at_once_are_each_row_alone() {
+        // More components and dimensions than a block (ROW_BLOCK), several rows, a stride
+        // wider than the query: the same bits as one row at a time.
+        let bits: Vec<u8> = (0..150).map(|j| [4u8, 3, 2, 1][j % 4]).collect();
+        let c = codec(160, bits, true, Metric::Mse, None);
+        let t = StreamTables::new(&c);
+        let (d, m, rows, stride) = (160, c.m, 5, 170);
+        let q: Vec<f32> = (0..rows * stride)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.1)
+            .collect();
+        let (mut w, mut qm) = (vec![0f32; rows * m], vec![0f32; rows]);
+        t.query_weights_rows(&q, stride, &mut w, &mut qm);
+        let mut a: Vec<f32> = (0..rows * m).map(|i| ((i * 13 % 7) as f32) * 0.2).collect();
+        let pc: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32).collect();
+        let mut a_one = a.clone();
+        let mut out = vec![0f32; rows * d];
+        t.synthesize_rows(&mut a, &pc, &mut out);
+        for r in 0..rows {
+            let mut w1 = vec![0f32; m];
+            let qm1 = t.query_weights(&q[r * stride..r * stride + d], &mut w1);
+            assert_eq!(qm1.to_bits(), qm[r].to_bits());
+            assert_eq!(w1, w[r * m..(r + 1) * m]);
+            let mut o1 = vec![0f32; d];
+            t.synthesize(&mut a_one[r * m..(r + 1) * m], pc[r], &mut o1);
+            assert_eq!(o1, out[r * d..(r + 1) * d]);
         }
     }
 
