@@ -2,6 +2,7 @@
 //! component's index sits in a packed row, the centroid tables laid out for SIMD look-ups, and
 //! the two linear maps that move a query into the code domain and a code-domain sum back out.
 
+use super::math::rows_times;
 use crate::calibrated::{Band, CalibratedCodec};
 use crate::wht;
 
@@ -47,82 +48,6 @@ pub(crate) struct Component {
     pub lookup: Lookup,
     /// Byte slot of the component's index in the unpacked layout: `8 * group + position`.
     pub slot: u32,
-}
-
-/// Components (query transform) or dimensions (synthesis) per block when many rows share one
-/// calibration ([`StreamTables::query_weights_rows`], [`StreamTables::synthesize_rows`]): 64
-/// floats of each row's sums stay in L1 while a block of `S'` goes by once.
-pub const ROW_BLOCK: usize = 64;
-
-/// `out[r * n + c]` = the `fma` chain over `i` from 0 of `x[r * stride + i] * mat[i * n + c]`
-/// (`rows` rows of `k` entries, `mat` `k x n` row-major): blocks of 4 rows x [`ROW_BLOCK`]
-/// columns held in registers across `i`, so that `mat` is read once per 4 rows (the loops of
-/// the last partial blocks are plain; the same chains).
-#[inline(always)]
-fn rows_times(
-    x: &[f32],
-    stride: usize,
-    rows: usize,
-    mat: &[f32],
-    k: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    assert!(mat.len() >= k * n && out.len() >= rows * n);
-    assert!(rows == 0 || x.len() >= (rows - 1) * stride + k);
-    let full = n / ROW_BLOCK * ROW_BLOCK;
-    for c0 in (0..full).step_by(ROW_BLOCK) {
-        let mut r0 = 0;
-        while r0 < rows {
-            match rows - r0 {
-                1 => rows_block::<1>(x, stride, r0, mat, k, n, c0, out),
-                2 => rows_block::<2>(x, stride, r0, mat, k, n, c0, out),
-                3 => rows_block::<3>(x, stride, r0, mat, k, n, c0, out),
-                _ => rows_block::<4>(x, stride, r0, mat, k, n, c0, out),
-            }
-            r0 += (rows - r0).min(4);
-        }
-    }
-    if full < n {
-        for r in 0..rows {
-            let o = &mut out[r * n + full..(r + 1) * n];
-            o.fill(0.0);
-            for (i, row) in mat.chunks_exact(n).take(k).enumerate() {
-                let xi = x[r * stride + i];
-                for (v, &m) in o.iter_mut().zip(&row[full..]) {
-                    *v = xi.mul_add(m, *v);
-                }
-            }
-        }
-    }
-}
-
-/// Rows `r0 .. r0 + R`, columns `c0 .. c0 + ROW_BLOCK` of [`rows_times`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn rows_block<const R: usize>(
-    x: &[f32],
-    stride: usize,
-    r0: usize,
-    mat: &[f32],
-    k: usize,
-    n: usize,
-    c0: usize,
-    out: &mut [f32],
-) {
-    let mut acc = [[0f32; ROW_BLOCK]; R];
-    for (i, row) in mat.chunks_exact(n).take(k).enumerate() {
-        let row: &[f32; ROW_BLOCK] = row[c0..c0 + ROW_BLOCK].try_into().expect("a block");
-        for (r, a) in acc.iter_mut().enumerate() {
-            let xi = x[(r0 + r) * stride + i];
-            for (v, &m) in a.iter_mut().zip(row) {
-                *v = xi.mul_add(m, *v);
-            }
-        }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        out[(r0 + r) * n + c0..(r0 + r) * n + c0 + ROW_BLOCK].copy_from_slice(a);
-    }
 }
 
 /// The tables of one calibration (one stream of one (layer, kv-head)) that attention reads.
@@ -305,9 +230,8 @@ impl StreamTables {
 
     /// [`Self::query_weights`] of `qm.len()` queries at once, the same bits: query `r` is
     /// `q[r * stride .. r * stride + D]`, its weights `w[r * m .. (r + 1) * m]`, its `q . mean`
-    /// `qm[r]`. The products run in blocks of [`ROW_BLOCK`] components, every query's over one
-    /// block before the next, so that `S'` is read once for all of them (many heads per
-    /// kv-head, as in latent attention, would otherwise stream it once per query).
+    /// `qm[r]`. The product with `S'` runs through `math::rows_times`, so that `S'` is
+    /// read once per 4 queries, not once per query (latent attention has 16 to 128 per kv-head).
     #[inline(always)]
     pub fn query_weights_rows(&self, q: &[f32], stride: usize, w: &mut [f32], qm: &mut [f32]) {
         let (d, m, rows) = (self.d, self.m, qm.len());
@@ -416,9 +340,8 @@ impl StreamTables {
     }
 
     /// [`Self::synthesize`] of `pc.len()` sums at once, the same bits: sum `r` is `a[r * m ..
-    /// (r + 1) * m]` (overwritten), its output `out[r * D .. (r + 1) * D]`. The products run in
-    /// blocks of [`ROW_BLOCK`] output dimensions, every sum's over one block before the next,
-    /// so that `S'` is read once for all of them.
+    /// (r + 1) * m]` (overwritten), its output `out[r * D .. (r + 1) * D]`; the product with
+    /// `S'` through `math::rows_times`, as in [`Self::query_weights_rows`].
     #[inline(always)]
     pub fn synthesize_rows(&self, a: &mut [f32], pc: &[f32], out: &mut [f32]) {
         let (d, m, rows) = (self.d, self.m, pc.len());
