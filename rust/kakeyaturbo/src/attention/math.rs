@@ -93,6 +93,9 @@ pub(crate) fn rows_times(
     out: &mut [f32],
 ) {
     assert!(mat.len() >= k * n && out.len() >= rows * n);
+    if n == 0 {
+        return;
+    }
     assert!(rows == 0 || x.len() >= (rows - 1) * stride + k);
     let full = n / ROW_BLOCK * ROW_BLOCK;
     for c0 in (0..full).step_by(ROW_BLOCK) {
