@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo import recipes  # noqa: E402
+from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import (  # noqa: E402
     IdentityCodec,
 )
@@ -110,3 +110,12 @@ def fast_recipe(rope: str = "after", **extra) -> "recipes.Recipe":
     return recipes.Recipe(name=f"test-rope{rope}", mode="calibrated", n_sink=1,
                           k=dict(rope=rope, bits=4, whiten="query", **extra),
                           v=dict(bits=3, whiten="output", center=False, **extra))
+
+
+def fast_codec(model, rec, rope: str = "after") -> "calibration.ModelCodec":
+    """``rec`` calibrated on ``model`` (uniform statistics of three random windows of 40 tokens,
+    keys collected ``rope`` RoPE): the codec of the fast-path tests."""
+    g = np.random.default_rng(0)
+    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
+    stats = calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform", rope=rope)
+    return calibration.ModelCodec(stats, rec)

@@ -13,31 +13,22 @@ llama and qwen2 models below, 1.2e-6 on Gemma 2 with its softcap, logits up to 0
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo import InvalidParameterError, UnsupportedModelError, calibration, recipes  # noqa: E402
+from kakeyaturbo import InvalidParameterError, UnsupportedModelError, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, codec_for  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
-from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 
 from . import families  # noqa: E402
-from .conftest import build, fast_recipe, forward, generate  # noqa: E402
+from .conftest import build, fast_codec, fast_recipe, forward, generate  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 BF16_LOGIT_ATOL = 2e-4
 VOCAB = 97
-
-def _codec(model, rec, rope: str = "after") -> ModelCodec:
-    g = np.random.default_rng(0)
-    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
-    stats = calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform", rope=rope)
-    return ModelCodec(stats, rec)
-
 
 def _ids(batch: int = 1, t: int = 45, seed: int = 1):
     return torch.randint(3, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
@@ -58,7 +49,7 @@ def ropebefore():
 def setup(request, ropeafter, ropebefore):
     name, rope = request.param
     model = build(name)
-    return f"{name}-{rope}", model, _codec(model, ropeafter if rope == "after" else ropebefore, rope)
+    return f"{name}-{rope}", model, fast_codec(model, ropeafter if rope == "after" else ropebefore, rope)
 
 
 @pytest.fixture
@@ -89,7 +80,7 @@ def test_bf16_synthesis_generates_within_its_rounding(name, ropebefore, no_decod
     by about 2**-8 of the terms that make them; measured up to 1.1e-5 here), and not the
     float32 synthesis's logits (it ran)."""
     model = build(name)
-    codec = _codec(model, ropebefore, "before")
+    codec = fast_codec(model, ropebefore, "before")
     fast, slow = _pair(model, codec, synthesis="bf16")
     assert fast.synthesis == "bf16" and KakeyaCache(codec, model=model).synthesis == "bf16"
     with pytest.raises(InvalidParameterError):
@@ -169,7 +160,7 @@ def test_positions_past_the_table_limit_take_the_slow_path(name, ropebefore, mon
     """Keys coded before RoPE at positions past ``TABLE_MAX``: no table that large is built;
     those steps attend as the slow path does (the same logits as the decode-then-attend cache)."""
     model = build(name)
-    codec = _codec(model, ropebefore, "before")
+    codec = fast_codec(model, ropebefore, "before")
     monkeypatch.setattr(fast_mod, "TABLE_MAX", 30)
     ids = _ids(t=40)
     fast, slow = _pair(model, codec)
@@ -227,9 +218,9 @@ def test_families(name, rope, ropeafter, ropebefore, no_decode) -> None:
     model = families.build(name)
     if name in families.AFTER_ROPE and rope == "before":  # no RoPE to take off its keys
         with pytest.raises(UnsupportedModelError, match=f"'{name}': keys without RoPE are not available"):
-            _codec(model, ropebefore, rope)
+            fast_codec(model, ropebefore, rope)
         return
-    codec = _codec(model, ropeafter if rope == "after" else ropebefore, rope)
+    codec = fast_codec(model, ropeafter if rope == "after" else ropebefore, rope)
     ids = torch.randint(3, families.VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
     fast = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32")
     slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
@@ -288,7 +279,7 @@ def test_slow_path_for_other_codecs(llama) -> None:
 
 def test_unsupported_family_falls_back(ropeafter) -> None:
     model = families.build("gpt2")
-    codec = _codec(model, ropeafter)
+    codec = fast_codec(model, ropeafter)
     cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     assert not cache.fast and "gpt2" in cache.fast_reason
     with pytest.raises(ValueError):
@@ -302,7 +293,7 @@ def test_fast_path_with_sparse_outliers(rope, no_decode) -> None:
     centroid) generates the tokens of decode-then-attend, logits within ``LOGIT_ATOL``."""
     rec = fast_recipe(rope, outlier_threshold=1.5)
     model = build("qwen2")
-    codec = _codec(model, rec, rope)
+    codec = fast_codec(model, rec, rope)
     fast, slow = _pair(model, codec)
     ids = _ids()
     seq_s, log_s = generate(model, ids, slow, n=12)

@@ -197,15 +197,11 @@ def test_attention_over_the_codes(name, monkeypatch) -> None:
     another cache computes as before once the attention function and ``expand_kv`` are wrapped."""
     from kakeyaturbo.cache import fast as fast_mod
     from kakeyaturbo.cache.layer import KakeyaLayer
-    from kakeyaturbo.calibration import ModelCodec
 
-    from .conftest import fast_recipe, generate
+    from .conftest import fast_codec, fast_recipe, generate
 
     model = build(name)
-    g = np.random.default_rng(0)
-    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
-    codec = ModelCodec(calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform"),
-                       fast_recipe("before"))
+    codec = fast_codec(model, fast_recipe("before"), "before")
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
     dyn = generate(model, ids, transformers.DynamicCache(config=model.config), n=4)
     slow = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=False)
@@ -250,15 +246,10 @@ def test_attention_over_the_codes_of_a_bfloat16_model() -> None:
     """A bfloat16 model: the projections into and out of the latent run in its dtype (as its
     own ``expand_kv``); the tokens are those of the slow path, the logits within bfloat16's
     rounding (2**-6 of their largest; measured 0.0039 on logits up to 0.60, 2026-12-05)."""
-    from kakeyaturbo.calibration import ModelCodec
-
-    from .conftest import fast_recipe, generate
+    from .conftest import fast_codec, fast_recipe, generate
 
     model = build("deepseek_v3")
-    g = np.random.default_rng(0)
-    wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
-    codec = ModelCodec(calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform"),
-                       fast_recipe("before"))
+    codec = fast_codec(model, fast_recipe("before"), "before")
     model = model.to(torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
