@@ -301,19 +301,26 @@ def _scale_softcap(module: Any, query: torch.Tensor, kwargs: Dict[str, Any]) -> 
     return float(scale), None if softcap is None else float(softcap)
 
 
-def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
-            kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
+def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndarray, mask: Any,
+            kwargs: Dict[str, Any], **extra: Any) -> np.ndarray:
+    """:func:`decode_attention` of ``q`` (the kernel's queries for the model's ``query``) over
+    the layer's codes and raw rows, with the family's scale and softcap, the layer's window and
+    threads and the model's mask; ``extra`` keyword arguments go to the kernel."""
     sk, sv, tk, tv = layer.raw_rows()
-    n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
+    m = _bool_mask(mask, query.shape[-2], total)
+    return decode_attention(codes, q, _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
+                            scale=scale, softcap=softcap, window=layer.window,
+                            mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
+                            threads=layer.threads, **extra)
+
+
+def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
+            kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
     table, positions = rot if rot is not None else (None, None)
-    m = _bool_mask(mask, n_q, total)
-    out = decode_attention(codes, _f32(query), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
-                           scale=scale, softcap=softcap, window=layer.window,
-                           mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
-                           threads=layer.threads, rope=table, positions=positions,
-                           synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
+    out = _kernel(layer, codes, module, query, _f32(query), mask, kwargs, rope=table, positions=positions,
+                  synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
     o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None
 
@@ -331,16 +338,8 @@ def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mas
     w = module.kv_b_proj.weight.detach().view(heads, dn + dv, -1)
     q = query.detach()
     q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn].to(w.dtype), w[:, :dn])
-    q_all = torch.cat([q_lat, q[..., dn:].to(q_lat.dtype)], dim=-1).to("cpu", torch.float32).contiguous()
-    sk, sv, tk, tv = layer.raw_rows()
-    n_q = query.shape[-2]
-    total = sk.shape[-2] + codes.rows() + tk.shape[-2]
-    scale, softcap = _scale_softcap(module, query, kwargs)
-    m = _bool_mask(mask, n_q, total)
-    out = decode_attention(codes, q_all.numpy(), _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
-                           scale=scale, softcap=softcap, window=layer.window,
-                           mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
-                           threads=layer.threads, latent=True)
+    q_all = torch.cat([q_lat, q[..., dn:].to(q_lat.dtype)], dim=-1)
+    out = _kernel(layer, codes, module, query, _f32(q_all), mask, kwargs, latent=True)
     o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out).to(device=w.device, dtype=w.dtype), w[:, dn:])
     return o.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
