@@ -324,7 +324,9 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     else:
         sk, sv = _array(sink_k, "sink_k", 4), _array(sink_v, "sink_v", 4)
     n_q = qa.shape[2] if qa.ndim == 4 else 0
-    scale_ = 1.0 / math.sqrt(dk) if scale is None else _checks.real(scale, "scale")
+    lat = _checks.boolean(latent, "latent")
+    # 1 / sqrt of the query's width (a latent query scores both streams).
+    scale_ = 1.0 / math.sqrt(dk + dv if lat else dk) if scale is None else _checks.real(scale, "scale")
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
     win = None if window is None else _checks.integer(window, "window", 1)
     rot = None
@@ -344,11 +346,8 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                                     f"got {pos.min()} .. {pos.max()}")
         rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style,
                synthesis)
-    lat = _checks.boolean(latent, "latent")
     if lat and rot is not None:
         raise InvalidParameterError("latent attention takes no rope: its latent rows carry no RoPE")
-    if scale is None and lat:
-        scale_ = 1.0 / math.sqrt(dk + dv)
     sinks = None if sink_logits is None else sink_logits_array(sink_logits, qa.shape[1])
     out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
                                _checks.threads(threads), rot, lat)
