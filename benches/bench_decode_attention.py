@@ -332,7 +332,7 @@ def markdown(res: Dict[str, Any]) -> str:
     lines = [
         "# One decode step of attention over the codes vs torch SDPA over the float cache",
         "",
-        f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
+        f"{machine(env)} | "
         f"median of {res['reps']} repetitions (methods taking turns in runs of up to 5 calls after an "
         f"untimed one, {res['pause_ms']:g} ms pause before each call) | load average (1 min) "
         f"{res['load_min']:.2f}..{res['load_max']:.2f}",
@@ -378,6 +378,11 @@ def environment() -> Dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "kakeyaturbo": kt.__version__, "python": platform.python_version()}
+
+
+def machine(env: Dict[str, Any]) -> str:
+    """The date, CPU, cores and torch of :func:`environment`, as a table's first line begins."""
+    return f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']}"
 
 
 def main() -> int:

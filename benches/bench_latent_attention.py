@@ -53,16 +53,11 @@ import torch.nn.functional as F  # noqa: E402
 
 import bench_decode_attention as bda  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo.reference.attention import decoded_kv  # noqa: E402
 
 LORA, ROT, NOPE, VHEAD = 512, 64, 128, 128
 #: The model's score scale, 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim).
 SCALE = 1.0 / math.sqrt(NOPE + ROT)
-
-
-def decoded(codes: kt.LayerCodes, stream: str) -> np.ndarray:
-    """Every sealed row of one stream of a one-head layer, decoded, ``[T, D]``."""
-    codecs = codes.k_codecs if stream == "k" else codes.v_codecs
-    return np.concatenate([codecs[0].decode(codes.blob(0, 0, stream, i)) for i in range(codes.num_blocks(0, 0))])
 
 
 def run(tokens: List[int], bits: List[float], heads: List[int], reps: int, layers: int,
@@ -118,8 +113,7 @@ def run(tokens: List[int], bits: List[float], heads: List[int], reps: int, layer
                 # Agreement: the codes against SDPA over their decoded rows (and the raw tail);
                 # the absorbed float form against the expanded one.
                 ours = kt.decode_attention(codes, q, tail_k, tail_v, scale=SCALE, latent=True)
-                dl = torch.from_numpy(np.concatenate([decoded(codes, "k"), tail_k[0, 0]])[None, None])
-                dr = torch.from_numpy(np.concatenate([decoded(codes, "v"), tail_v[0, 0]])[None, None])
+                dl, dr = (x.float() for x in decoded_kv(codes, None, None, tail_k, tail_v))
                 ref = F.scaled_dot_product_attention(q_rows, torch.cat([dl, dr], -1), dl,
                                                      scale=SCALE).view(1, h, 1, LORA).numpy()
                 absorbed_vs_expanded = None
@@ -153,7 +147,7 @@ def markdown(res: Dict[str, Any]) -> str:
     lines = [
         "# One decode step of multi-head latent attention over the codes vs torch SDPA over the float cache",
         "",
-        f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | median of "
+        f"{bda.machine(env)} | median of "
         f"{res['reps']} repetitions (methods taking turns, {res['pause_ms']:g} ms pause before each call; "
         f"`expand + SDPA` fewer) | each call attends the next of {res['layers']} copies of the layer | "
         f"load average (1 min) {res['load_min']:.2f}..{res['load_max']:.2f}",

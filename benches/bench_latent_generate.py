@@ -95,7 +95,7 @@ def markdown(res: Dict[str, Any]) -> str:
     lines = [
         "# Generation through the codes on a random-weight model of DeepSeek-V2-Lite's attention",
         "",
-        f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | {res['layers']} "
+        f"{bda.machine(env)} | {res['layers']} "
         f"layers | {res['rows'][0]['new']} new tokens, greedy",
         "",
         "decode tokens/s (between the first and the last generated token); x = KakeyaCache / DynamicCache",
