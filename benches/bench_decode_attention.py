@@ -311,12 +311,12 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
 
 def rope_table(tokens: int, d: int) -> Tuple[kt.RopeTable, np.ndarray]:
     """A base-10000 rotary table over every dimension for positions ``0 .. tokens`` and the
-    sealed rows' positions ``[1, T]`` (the tail row sits at ``tokens``)."""
+    sealed rows' positions ``[1, T]``: every row of :func:`layer`'s blocks, the last one
+    partial where ``T`` is not a whole number of blocks (the tail row sits at ``tokens``)."""
     inv = (1.0 / 10000.0 ** (np.arange(0, d, 2, dtype=np.float32) / d)).astype(np.float32)
     ang = (np.arange(tokens + 1, dtype=np.float32)[:, None] * inv[None]).astype(np.float32)
     table = kt.RopeTable(np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32), "half")
-    sealed = (tokens // BLOCK) * BLOCK
-    return table, np.arange(sealed, dtype=np.int64)[None]
+    return table, np.arange(tokens, dtype=np.int64)[None]
 
 
 def rotate(k: np.ndarray, table: kt.RopeTable) -> np.ndarray:
