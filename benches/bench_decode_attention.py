@@ -268,8 +268,8 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
                                       for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
                 vs = [np.concatenate([codes.v_codecs[h].decode(codes.blob(0, h, "v", i))
                                       for i in range(codes.num_blocks(0, h))]) for h in range(hkv)]
-                kk = torch.from_numpy(np.stack(ks)[None])
-                vv = torch.from_numpy(np.stack(vs)[None])
+                kk = torch.from_numpy(np.concatenate([np.stack(ks), tail_k[0]], axis=1)[None])
+                vv = torch.from_numpy(np.concatenate([np.stack(vs), tail_v[0]], axis=1)[None])
                 return F.scaled_dot_product_attention(qt, kk, vv, enable_gqa=True)
 
             ms.update(median_ms({"decode + SDPA 2t": with_torch_threads(2, decode_then_sdpa)},
