@@ -5,14 +5,22 @@ coded after RoPE: `O(m)` per key) and most accurate when keys are coded before R
 and one spectrum for every position; the kernel then synthesises each key, `O(m D)`). Between
 the two sits coding each key relative to the first position of its tile of `L` rows (the key
 turned back by that position's RoPE angle): one query transform per tile, and a spectrum that
-RoPE smears only over `L` positions instead of all of them.
+RoPE smears only over `L` positions instead of all of them. And a basis that commutes with RoPE:
+every component inside one RoPE pair (the covariance and the query metric cut to their 2 x 2
+blocks per pair, so that the PCA's components and the whitening stay within a pair), which makes
+a score `O(D)` per key (each pair's two codes, turned by the key's angle) at the price of every
+correlation between pairs.
 
 For each domain this fits the calibrated codec (`calibration.fit_stream`, query-whitened, the
 same bits per element) on the keys of two calibration windows of the default model's text and
 codes the keys of a third (evaluation) window; the coding error is carried to the keys after
 RoPE and scored against every query that sees the key (causal, the layer's own queries after
 RoPE). Reported: `sum (q . e)^2 / sum (q . k)^2` over the query/key pairs, mean over the layers
-sampled (every third) and kv-heads. A proxy, not the model's KL: the KL of keys before and after
+sampled (every third) and kv-heads. The library codec rotates each band of equal-width components
+with a Hadamard transform, which mixes pairs (a kernel could not use it in the `pairs` domain);
+so both pre-RoPE bases are also coded by a plain simulation without that rotation (`-norot`: each
+component's coefficient, divided by the row's rms, to the nearest Lloyd-Max N(0, 1) centroid of its
+width, fitted here on a seeded Gaussian sample). A proxy, not the model's KL: the KL of keys before and after
 RoPE is measured in docs/decode-attention.md, "Keys before or after RoPE"; this ranks the domains at
 equal bits and says how far the tile domains fall from both.
 
@@ -75,17 +83,30 @@ def main() -> int:
         return apply_rope(x.double(), c[0].double(), s[0].double())
 
     tiles = [int(t) for t in args.tiles.split(",") if t]
-    domains = ["before", "after"] + [f"tile{t}" for t in tiles]
+    domains = ["before", "after"] + [f"tile{t}" for t in tiles] + ["pairs", "before-norot", "pairs-norot"]
+    pair = (np.arange(d) % (d // 2))[:, None] == (np.arange(d) % (d // 2))[None, :]
+    gauss = np.random.default_rng(0).standard_normal(400_000)
+    tables = {b: fit.lloyd_max(gauss, b) for b in range(1, 9)}
+
+    def plain(sf: fit.StreamFit, x: np.ndarray) -> np.ndarray:
+        """Decode of ``x`` coded without the band rotation (see the docstring)."""
+        u = (x - sf.mean) @ sf.analysis.T / sf.spread
+        g = np.sqrt((u ** 2).mean(1, keepdims=True)) + 1e-30
+        q = np.empty_like(u)
+        for j, b in enumerate(sf.bits):
+            c = tables[int(b)]
+            q[:, j] = c[np.abs(u[:, j:j + 1] / g - c[None]).argmin(1)]
+        return sf.mean + (q * g * sf.spread) @ sf.synthesis
 
     def to_domain(k: torch.Tensor, dom: str) -> torch.Tensor:
-        if dom == "before":
+        if dom in ("before", "pairs", "before-norot", "pairs-norot"):
             return k.double()
         if dom == "after":
             return rot(k, pos)
         return rot(k, pos % int(dom[4:]))
 
     def to_after(e: torch.Tensor, dom: str) -> torch.Tensor:
-        if dom == "before":
+        if dom in ("before", "pairs", "before-norot", "pairs-norot"):
             return rot(e, pos)
         if dom == "after":
             return e
@@ -103,10 +124,22 @@ def main() -> int:
             for h in range(hkv):
                 train = torch.cat([to_domain(ks[i][h:h + 1], dom)[0] for i in (0, 1)]).numpy()
                 qtrain = torch.cat([qs[i][h * group:(h + 1) * group].reshape(-1, d) for i in (0, 1)]).double().numpy()
-                w = fit.whitening_factor(qtrain.T @ qtrain / len(qtrain))
-                codec = fit.fit_stream(train.mean(0), np.cov(train.T), args.bits, whitening=w).codec()
+                qm, cov = qtrain.T @ qtrain / len(qtrain), np.cov(train.T)
+                if dom.startswith("pairs"):
+                    qm, cov = qm * pair, cov * pair
+                sf = fit.fit_stream(train.mean(0), cov, args.bits, whitening=fit.whitening_factor(qm))
+                if dom.startswith("pairs"):  # every component within one pair (else the domain is not what it says)
+                    mag = np.abs(sf.synthesis)
+                    lead = mag.argmax(1) % (d // 2)
+                    outside = mag * ((np.arange(d) % (d // 2))[None] != lead[:, None])
+                    assert outside.max() <= 1e-9 * mag.max(), "a component spans two RoPE pairs"
                 x = to_domain(ks[2][h:h + 1], dom)[0].float().numpy()
-                e = to_after(torch.from_numpy(x - codec.decode(codec.encode(x, threads=1)))[None].double(), dom)[0]
+                if dom.endswith("norot"):
+                    dec = plain(sf, x.astype(np.float64))
+                else:
+                    codec = sf.codec()
+                    dec = codec.decode(codec.encode(x, threads=1))
+                e = to_after(torch.from_numpy(x - dec)[None].double(), dom)[0]
                 qa = rot(qs[2][h * group:(h + 1) * group].double(), pos)
                 ka = rot(ks[2][h:h + 1].double(), pos)[0]
                 err += ((qa @ e.T)[:, causal] ** 2).mean().item()
