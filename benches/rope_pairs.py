@@ -45,6 +45,8 @@ def pair_blocks(d: int, style: str, rot_dim: int, mixed: int) -> np.ndarray:
     if rot_dim % 2 or rot_dim > d:
         raise ValueError(f"rot_dim {rot_dim} must be even and at most D = {d}")
     half = rot_dim // 2
+    if not 0 <= mixed <= half:
+        raise ValueError(f"mixed must be in 0 .. {half} (the RoPE pairs), got {mixed}")
     ch = np.arange(d)
     freq = np.where(ch < rot_dim, ch % half if style == "half" else ch // 2, -1)
     block = np.where(freq >= half - mixed, half, freq)  # the slowest pairs: one block
