@@ -39,6 +39,7 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+import rope_pairs  # benches/, this script's folder
 from kakeyaturbo import assets
 from kakeyaturbo.calibration import corpus, fit
 from kakeyaturbo.eval import model as model_mod
@@ -84,7 +85,7 @@ def main() -> int:
 
     tiles = [int(t) for t in args.tiles.split(",") if t]
     domains = ["before", "after"] + [f"tile{t}" for t in tiles] + ["pairs", "before-norot", "pairs-norot"]
-    pair = (np.arange(d) % (d // 2))[:, None] == (np.arange(d) % (d // 2))[None, :]
+    pair = rope_pairs.pair_blocks(d, rope.style, d, 0)
     gauss = np.random.default_rng(0).standard_normal(400_000)
     tables = {b: fit.lloyd_max(gauss, b) for b in range(1, 9)}
 
@@ -128,11 +129,8 @@ def main() -> int:
                 if dom.startswith("pairs"):
                     qm, cov = qm * pair, cov * pair
                 sf = fit.fit_stream(train.mean(0), cov, args.bits, whitening=fit.whitening_factor(qm))
-                if dom.startswith("pairs"):  # every component within one pair (else the domain is not what it says)
-                    mag = np.abs(sf.synthesis)
-                    lead = mag.argmax(1) % (d // 2)
-                    outside = mag * ((np.arange(d) % (d // 2))[None] != lead[:, None])
-                    assert outside.max() <= 1e-9 * mag.max(), "a component spans two RoPE pairs"
+                if dom.startswith("pairs"):  # else the domain is not what it says
+                    assert rope_pairs.within_blocks(sf.synthesis, pair), "a component spans two RoPE pairs"
                 x = to_domain(ks[2][h:h + 1], dom)[0].float().numpy()
                 if dom.endswith("norot"):
                     dec = plain(sf, x.astype(np.float64))

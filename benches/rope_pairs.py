@@ -12,7 +12,7 @@ costs ``m_K x 2K`` for that block and ``O(D)`` for the rest).
 This runs ``benches/bench_domains.py`` (its arguments after ``--``) with the keys' fit of every
 calibrated recipe restricted that way: the covariance and the whitening (the sensitivity) of
 each key head cut to their blocks, so that its PCA components and synthesis stay within them
-(checked on every fitted key codec). The codec still rotates each band of equal-width
+(checked on every key head's components). The codec still rotates each band of equal-width
 components with a Hadamard transform, which mixes pairs; a kernel could not use that, but
 `benches/bench_key_domains.py` shows it changes the score error of this basis by a few per
 cent (its ``pairs`` and ``pairs-norot`` rows). Quality only: the kernel was not built.
@@ -54,6 +54,13 @@ def pair_blocks(d: int, style: str, rot_dim: int, mixed: int) -> np.ndarray:
     return block[:, None] == block[None, :]
 
 
+def within_blocks(synthesis: np.ndarray, mask: np.ndarray) -> bool:
+    """Whether every synthesis row lies within one block of ``mask`` (the block of its largest
+    entry; the rest at most 1e-9 of the largest entry of all)."""
+    s = np.abs(np.asarray(synthesis))
+    return bool((s * ~mask[s.argmax(1)]).max() <= 1e-9 * s.max())
+
+
 def restrict(mask: np.ndarray) -> None:
     """Patches the keys' fit to the blocks of ``mask`` (for the rest of the process)."""
     inputs, spectrum = fit.stream_inputs, model_codec.head_spectrum
@@ -70,11 +77,8 @@ def restrict(mask: np.ndarray) -> None:
     def head_spectrum(stats: Any, stream: str, layer: int, head: int, settings: Any,
                       sensitivity: Optional[Any] = None) -> Any:
         sp = spectrum(stats, stream, layer, head, settings, sensitivity)
-        if stream == "k":  # every component's synthesis row within one block
-            s = np.abs(sp.synthesis())
-            outside = s * ~mask[s.argmax(1)]
-            if outside.max() > 1e-9 * s.max():
-                raise AssertionError(f"layer {layer}, kv-head {head}: a key component spans two blocks")
+        if stream == "k" and not within_blocks(sp.synthesis(), mask):
+            raise AssertionError(f"layer {layer}, kv-head {head}: a key component spans two blocks")
         return sp
 
     fit.stream_inputs = stream_inputs
