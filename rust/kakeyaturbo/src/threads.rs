@@ -104,6 +104,28 @@ pub fn with_threads_inline<R: Send>(
     Ok(f())
 }
 
+/// Where pieces of work, `rows[i]` rows each and taken in this order, split into two runs of
+/// rows as near equal as the pieces allow (the first the longer on a tie): the pieces
+/// `..k` for one thread and `k..` for the other. Halving the count of pieces instead gave one
+/// thread three of a single kv-head's four pieces of 512 rows and the other the fourth and a
+/// one-row tail.
+pub fn halfway(rows: &[usize]) -> usize {
+    let total: usize = rows.iter().sum();
+    let mut best = (usize::MAX, 0);
+    let mut acc = 0usize;
+    for k in 0..=rows.len() {
+        // |first - second| = |2 acc - total|, the first run being `rows[..k]`.
+        let gap = (2 * acc).abs_diff(total);
+        if gap < best.0 || (gap == best.0 && 2 * acc > total) {
+            best = (gap, k);
+        }
+        if let Some(r) = rows.get(k) {
+            acc += r;
+        }
+    }
+    best.1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,5 +163,20 @@ mod tests {
                 "{t}: {got}"
             );
         }
+    }
+
+    #[test]
+    fn the_two_runs_hold_about_half_the_rows_each() {
+        // One kv-head: four pieces of 512 rows and a one-row tail, 1,024 + 1,025 rows (half
+        // the count of pieces gave 1,536 + 513); with a sink row first, still two pieces each.
+        assert_eq!(halfway(&[512, 512, 512, 512, 1]), 2);
+        assert_eq!(halfway(&[1, 512, 512, 512, 512, 1]), 3);
+        // Uneven pieces: the split nearest the middle of the rows.
+        assert_eq!(halfway(&[100, 100, 100, 700]), 3);
+        assert_eq!(halfway(&[700, 100, 100, 100]), 1);
+        // A tie goes to the first run; one piece: the caller takes it; none: nothing to split.
+        assert_eq!(halfway(&[64, 64]), 1);
+        assert_eq!(halfway(&[64]), 1);
+        assert_eq!(halfway(&[]), 0);
     }
 }

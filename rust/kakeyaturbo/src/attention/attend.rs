@@ -184,9 +184,10 @@ pub fn attend_with(
         order.iter().map(|i| run(&mut s, i)).collect()
     } else if pair {
         // Two threads asked of a pool of two, from outside it: the caller runs the first half
-        // of the pieces and one scoped thread the second, instead of handing every piece to
+        // of the rows and one scoped thread the second, instead of handing every piece to
         // the pool's two workers and sleeping until they finish (one wake-up, not two).
-        let (a, b) = order.split_at(order.len().div_ceil(2));
+        let rows: Vec<usize> = order.iter().map(|&i| tasks[i].rows()).collect();
+        let (a, b) = order.split_at(crate::threads::halfway(&rows));
         std::thread::scope(|sc| {
             let helper = std::thread::Builder::new().spawn_scoped(sc, || {
                 let mut s = Scratch::for_layer(codes);
@@ -261,6 +262,14 @@ impl Task {
         match &self.work {
             Work::Raw { pos0, .. } => *pos0,
             Work::Code(tiles) => tiles.first().map_or(0, |t| t.3),
+        }
+    }
+
+    /// The rows the piece covers.
+    fn rows(&self) -> usize {
+        match &self.work {
+            Work::Raw { rows, .. } => *rows,
+            Work::Code(tiles) => tiles.iter().map(|t| t.2).sum(),
         }
     }
 }
