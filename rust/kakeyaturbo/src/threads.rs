@@ -126,6 +126,67 @@ pub fn halfway(rows: &[usize]) -> usize {
     best.1
 }
 
+/// How a call's units of work run: all on the calling thread; split into two runs of about
+/// equal weight, the first on the calling thread and the second on one scoped thread; or on
+/// rayon's pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Serial,
+    Pair,
+    Pool,
+}
+
+/// `f` over `items` (with a state per thread from `init`), the results in the items' order
+/// whatever ran them: the result never depends on the mode.
+pub(crate) fn run_all<X, S, T>(
+    mode: Mode,
+    items: &[X],
+    weight: impl Fn(&X) -> usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, &X) -> T + Sync + Send,
+) -> Vec<T>
+where
+    X: Sync,
+    T: Send,
+{
+    // One item: nothing to share.
+    let mode = if items.len() < 2 { Mode::Serial } else { mode };
+    match mode {
+        Mode::Serial => {
+            let mut s = init();
+            items.iter().map(|x| f(&mut s, x)).collect()
+        }
+        // Two threads asked of a pool of two, from outside it: the caller runs the first run
+        // and one scoped thread the second, instead of handing every piece to the pool's two
+        // workers and sleeping until they finish (one wake-up, not two).
+        Mode::Pair => {
+            let weights: Vec<usize> = items.iter().map(weight).collect();
+            let (a, b) = items.split_at(halfway(&weights));
+            std::thread::scope(|sc| {
+                let helper = std::thread::Builder::new().spawn_scoped(sc, || {
+                    let mut s = init();
+                    b.iter().map(|x| f(&mut s, x)).collect::<Vec<T>>()
+                });
+                let mut s = init();
+                let mut done: Vec<T> = a.iter().map(|x| f(&mut s, x)).collect();
+                match helper {
+                    Ok(h) => match h.join() {
+                        Ok(rest) => done.extend(rest),
+                        Err(e) => std::panic::resume_unwind(e),
+                    },
+                    // No thread to be had: the caller runs the rest too.
+                    Err(_) => done.extend(b.iter().map(|x| f(&mut s, x))),
+                }
+                done
+            })
+        }
+        Mode::Pool => {
+            use rayon::prelude::*;
+            items.par_iter().map_init(init, f).collect()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -142,6 +203,37 @@ mod tests {
         if max_threads() > 1 {
             assert!(!with_threads_inline(None, inline).unwrap());
         }
+    }
+
+    #[test]
+    fn every_mode_returns_the_items_in_order() {
+        for n in [0usize, 1, 2, 7] {
+            let items: Vec<usize> = (0..n).collect();
+            let want: Vec<usize> = items.iter().map(|x| x * x + 1).collect();
+            for mode in [Mode::Serial, Mode::Pair, Mode::Pool] {
+                let got = run_all(mode, &items, |&x| x + 1, || (), |_, &x| x * x + 1);
+                assert_eq!(got, want, "{mode:?} {n}");
+            }
+        }
+        // Two items or more in pairs: the second run is on another thread.
+        let here = std::thread::current().id();
+        let ids = run_all(
+            Mode::Pair,
+            &[1, 1],
+            |_| 1,
+            || (),
+            |_, _| std::thread::current().id(),
+        );
+        assert_eq!(ids[0], here);
+        assert_ne!(ids[1], here);
+        let one = run_all(
+            Mode::Pair,
+            &[1],
+            |_| 1,
+            || (),
+            |_, _| std::thread::current().id(),
+        );
+        assert_eq!(one, [here]);
     }
 
     #[test]

@@ -4,13 +4,14 @@
 //! thread, the rest on one scoped thread), and their combination in a fixed order (so the
 //! result is the same at any thread count).
 
+use super::combine::combine;
 use super::kernel::{Portable, Scratch, Tile, TILE};
-use super::math::exp_neg;
 use super::part::{code_part, raw_part, Ctx, Part, Prep, RawRows, Source};
 use super::rope::KeyRope;
 use super::store::LayerCodes;
 use crate::error::{param, Result};
-use rayon::prelude::*;
+use crate::threads::{run_all, Mode};
+use std::ops::Range;
 
 /// Tiles per piece of work over the codes (512 rows): fixed, so that the pieces, and hence
 /// the result, do not depend on the thread count.
@@ -30,6 +31,19 @@ pub const INLINE_WORK: usize = 1 << 19;
 /// generation at 8k tokens, 1.6M elements, the split cut the attention from 45-61 to 34-38 ms
 /// per token; on 8.4M-element calls after an idle pause the pool's workers were faster).
 pub const PAIR_WORK: usize = 1 << 21;
+
+/// Query rows per unit of the queries' preparation and of the final combination where a
+/// phase is heavy ([`ROWS_WORK`]): latent attention has 16 to 128 query rows per kv-head, whose
+/// preparation and combination took a fifth of a 2k step on one thread (a `perf` profile of
+/// `benches/bench_latent_attention.py`'s 128-head layer). A multiple of the 4 rows that the
+/// synthesis is read once for.
+pub(super) const ROW_CHUNK: usize = 16;
+
+/// Multiply-adds of a phase (preparation or combination, all (batch row, kv-head)s) from
+/// which its rows run as units of [`ROW_CHUNK`] in the call's mode, not on the calling thread
+/// (grouped-query layers stay far below: 3 query rows of 64 dims and 56 components cost 11k
+/// per kv-head; a 128-head latent layer costs 75M).
+pub(super) const ROWS_WORK: usize = 1 << 20;
 
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
 /// as asked, except that `None` becomes `Some(1)` (the calling thread) for at most
@@ -157,19 +171,27 @@ pub fn attend_with(
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
-    let serial = crate::threads::inline();
     let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed);
-    let pair = !serial && work <= PAIR_WORK && pair_here();
-    let preps: Vec<Prep> = if serial || pair {
-        (0..cx.batch * cx.kv_heads)
-            .map(|bh| prep(&cx, bh))
-            .collect()
+    let mode = if crate::threads::inline() {
+        Mode::Serial
+    } else if work <= PAIR_WORK && pair_here() {
+        Mode::Pair
     } else {
-        (0..cx.batch * cx.kv_heads)
-            .into_par_iter()
-            .map(|bh| prep(&cx, bh))
-            .collect()
+        Mode::Pool
     };
+    // The queries moved into the code domain: one unit per (batch row, kv-head), or per
+    // `ROW_CHUNK` of its query rows where they are many; each row is computed on its own, so
+    // the units change no bit.
+    let (prep_cost, combine_cost) = cx.row_costs();
+    let (units, unit_mode) = cx.row_units(prep_cost, mode);
+    let chunks = run_all(
+        unit_mode,
+        &units,
+        |u| u.1.len(),
+        || (),
+        |_, u| prep(&cx, u.0, u.1.clone()),
+    );
+    let preps = Prep::gather(&units, chunks);
     let tasks = cx.tasks();
     // Run the pieces of the kv-heads of a batch row side by side (a worker takes neighbouring
     // tasks): keys coded before RoPE then reuse one tile's cos/sin across the heads. The parts
@@ -179,39 +201,13 @@ pub fn attend_with(
         let t = &tasks[i];
         (t.bh / cx.kv_heads, t.start(), t.bh % cx.kv_heads)
     });
-    let run = |s: &mut Scratch, &i: &usize| run_task(isa, &cx, &preps[tasks[i].bh], &tasks[i], s);
-    let ran: Vec<Part> = if serial {
-        let mut s = Scratch::for_layer(codes);
-        order.iter().map(|i| run(&mut s, i)).collect()
-    } else if pair {
-        // Two threads asked of a pool of two, from outside it: the caller runs the first half
-        // of the rows and one scoped thread the second, instead of handing every piece to
-        // the pool's two workers and sleeping until they finish (one wake-up, not two).
-        let rows: Vec<usize> = order.iter().map(|&i| tasks[i].rows()).collect();
-        let (a, b) = order.split_at(crate::threads::halfway(&rows));
-        std::thread::scope(|sc| {
-            let helper = std::thread::Builder::new().spawn_scoped(sc, || {
-                let mut s = Scratch::for_layer(codes);
-                b.iter().map(|i| run(&mut s, i)).collect::<Vec<Part>>()
-            });
-            let mut s = Scratch::for_layer(codes);
-            let mut parts: Vec<Part> = a.iter().map(|i| run(&mut s, i)).collect();
-            match helper {
-                Ok(h) => match h.join() {
-                    Ok(rest) => parts.extend(rest),
-                    Err(e) => std::panic::resume_unwind(e),
-                },
-                // No thread to be had: the caller runs the rest too.
-                Err(_) => parts.extend(b.iter().map(|i| run(&mut s, i))),
-            }
-            parts
-        })
-    } else {
-        order
-            .par_iter()
-            .map_init(|| Scratch::for_layer(codes), run)
-            .collect()
-    };
+    let ran = run_all(
+        mode,
+        &order,
+        |&i| tasks[i].rows(),
+        || Scratch::for_layer(codes),
+        |s, &i| run_task(isa, &cx, &preps[tasks[i].bh], &tasks[i], s),
+    );
     let mut slots: Vec<Option<Part>> = (0..tasks.len()).map(|_| None).collect();
     for (&i, p) in order.iter().zip(ran) {
         slots[i] = Some(p);
@@ -227,7 +223,21 @@ pub fn attend_with(
             "attention overflowed float32: a score is beyond its range".into(),
         ));
     }
-    let out = combine(&cx, &tasks, &parts);
+    // Each (batch row, kv-head)'s parts combined and the value sums synthesised, by the
+    // units of the queries' preparation (its rows on their own, as there).
+    let (units, unit_mode) = cx.row_units(combine_cost, mode);
+    let spans = task_spans(&tasks, cx.batch * cx.kv_heads);
+    let done = run_all(
+        unit_mode,
+        &units,
+        |u| u.1.len(),
+        || (),
+        |_, u| {
+            let (start, end) = spans[u.0];
+            combine(&cx, u.0, u.1.clone(), &parts[start..end])
+        },
+    );
+    let out = cx.scatter(&units, done);
     if let Some(i) = out.out.iter().position(|v| !v.is_finite()) {
         return Err(crate::error::Error::Numerical(format!(
             "attention overflowed float32 (output value {} at flat index {i}): scores or \
@@ -276,34 +286,67 @@ impl Task {
 }
 
 impl<'a> Ctx<'a> {
+    /// The queries of query rows `rows` of one (batch row, kv-head) moved into each domain.
     #[inline(always)]
-    fn prep(&self, bh: usize) -> Prep {
+    fn prep(&self, bh: usize, rows: Range<usize>) -> Prep {
         let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
         let t = self.codes.k_store(bh).tables();
         let t2 = self.codes.v_store(bh).tables();
-        let (qr, dk, dq, m) = (self.qr(), self.dk, self.dq, t.m);
+        let (qr, dk, dq, m) = (rows.len(), self.dk, self.dq, t.m);
         let m2 = if self.latent { t2.m } else { 0 };
         let mut qs = vec![0f32; qr * dq];
         let mut w = vec![0f32; qr * m];
         let mut qm = vec![0f32; qr];
         let mut w2 = vec![0f32; qr * m2];
         let mut qm2 = vec![0f32; if self.latent { qr } else { 0 }];
-        for r in 0..qr {
+        for (dst, r) in qs.chunks_exact_mut(dq.max(1)).zip(rows) {
             let (g, i) = (r / self.n_q, r % self.n_q);
             let at = ((b * self.q_heads + h * self.group + g) * self.n_q + i) * dq;
-            let dst = &mut qs[r * dq..(r + 1) * dq];
             for (o, &x) in dst.iter_mut().zip(&self.q[at..at + dq]) {
                 *o = x * self.scale;
             }
         }
         if self.sealed > 0 && self.rope.is_none() {
-            // Every query row at once (`query_weights_rows`: the synthesis read once).
+            // Every query row at once (`query_weights_rows`: the synthesis read once per four).
             t.query_weights_rows(&qs, dq, &mut w, &mut qm);
             if self.latent {
                 t2.query_weights_rows(&qs[dk..], dq, &mut w2, &mut qm2);
             }
         }
         Prep { qs, w, qm, w2, qm2 }
+    }
+
+    /// Multiply-adds per query row of [`Self::prep`] (moving a row into the code domain) and
+    /// of [`Self::combine`] (synthesising its value sum), of the first (batch row, kv-head).
+    fn row_costs(&self) -> (usize, usize) {
+        let k = self.codes.k_store(0).tables().m;
+        let v = self.codes.v_store(0).tables().m;
+        let prep = if self.sealed == 0 || self.rope.is_some() {
+            0
+        } else if self.latent {
+            self.dq * (k + v)
+        } else {
+            self.dq * k
+        };
+        (prep, self.value_store(0).tables().m * self.dout)
+    }
+
+    /// The units of [`Self::prep`] and [`Self::combine`]: every (batch row, kv-head) whole, or
+    /// in [`ROW_CHUNK`]s of its query rows where a phase costs at least [`ROWS_WORK`]
+    /// multiply-adds (`per_row` each); with the mode to run them in (on the calling thread
+    /// below that).
+    fn row_units(&self, per_row: usize, mode: Mode) -> (Vec<(usize, Range<usize>)>, Mode) {
+        let (pairs, qr) = (self.batch * self.kv_heads, self.qr());
+        let heavy = pairs.saturating_mul(qr).saturating_mul(per_row) >= ROWS_WORK;
+        let chunk = if heavy { ROW_CHUNK } else { qr.max(1) };
+        let units = (0..pairs)
+            .flat_map(|bh| {
+                (0..qr.max(1))
+                    .step_by(chunk)
+                    .map(move |r0| (bh, r0..qr.min(r0 + chunk)))
+            })
+            .collect();
+        (units, if heavy { mode } else { Mode::Serial })
     }
 
     /// The pieces of every (batch row, kv-head), in position order within each.
@@ -348,88 +391,39 @@ impl<'a> Ctx<'a> {
         }
         out
     }
+}
 
-    #[inline(always)]
-    fn combine(&self, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
-        let (qr, dv, n_q) = (self.qr(), self.dout, self.n_q);
-        let mut out = vec![0f32; self.batch * self.q_heads * n_q * dv];
-        let mut lse = vec![f32::NEG_INFINITY; self.batch * self.q_heads * n_q];
-        let mut start = 0;
-        while start < tasks.len() {
-            let bh = tasks[start].bh;
-            let end = start + tasks[start..].iter().take_while(|t| t.bh == bh).count();
-            let (b, h) = (bh / self.kv_heads, bh % self.kv_heads);
-            let vt = self.value_store(bh).tables();
-            let m = vt.m;
-            // Per query row: the parts combined; then one synthesis of every row with a
-            // code-domain sum (`synthesize_rows`: the synthesis read once for all of them).
-            let mut a = vec![0f32; qr * m];
-            let mut raw = vec![0f32; qr * dv];
-            let (mut bigs, mut ls) = (vec![0f32; qr], vec![0f32; qr]);
-            let (mut coded, mut pcs) = (Vec::new(), Vec::new());
-            for r in 0..qr {
-                let big = parts[start..end]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |x, p| x.max(p.mx[r]));
-                let (mut l, mut pc) = (0f32, 0f32);
-                let a = &mut a[r * m..(r + 1) * m];
-                let raw = &mut raw[r * dv..(r + 1) * dv];
-                let mut any_code = false;
-                for p in &parts[start..end] {
-                    if p.mx[r] == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let f = exp_neg(p.mx[r] - big);
-                    l = p.l[r].mul_add(f, l);
-                    if p.code {
-                        any_code = true;
-                        pc = p.l[r].mul_add(f, pc);
-                        for (x, &y) in a.iter_mut().zip(&p.acc[r * m..(r + 1) * m]) {
-                            *x = y.mul_add(f, *x);
-                        }
-                    } else {
-                        for (x, &y) in raw.iter_mut().zip(&p.acc[r * dv..(r + 1) * dv]) {
-                            *x = y.mul_add(f, *x);
-                        }
-                    }
-                }
-                (bigs[r], ls[r]) = (big, l);
-                if l != 0.0 && any_code {
-                    coded.push(r);
-                    pcs.push(pc);
-                }
+impl Prep {
+    /// One [`Prep`] per (batch row, kv-head) from the units of [`Ctx::row_units`] (in order).
+    fn gather(units: &[(usize, Range<usize>)], chunks: Vec<Prep>) -> Vec<Prep> {
+        let mut out: Vec<Prep> = Vec::new();
+        for ((bh, _), c) in units.iter().zip(chunks) {
+            if *bh < out.len() {
+                let p = &mut out[*bh];
+                p.qs.extend(c.qs);
+                p.w.extend(c.w);
+                p.qm.extend(c.qm);
+                p.w2.extend(c.w2);
+                p.qm2.extend(c.qm2);
+            } else {
+                out.push(c);
             }
-            let mut sums = Vec::with_capacity(coded.len() * m);
-            for &r in &coded {
-                sums.extend_from_slice(&a[r * m..(r + 1) * m]);
-            }
-            let mut o = vec![0f32; coded.len() * dv];
-            vt.synthesize_rows(&mut sums, &pcs, &mut o);
-            let zero = vec![0f32; dv];
-            let mut k = 0;
-            for r in 0..qr {
-                let l = ls[r];
-                if l == 0.0 {
-                    continue;
-                }
-                let x = if coded.get(k) == Some(&r) {
-                    k += 1;
-                    &o[(k - 1) * dv..k * dv]
-                } else {
-                    &zero[..]
-                };
-                let (g, i) = (r / n_q, r % n_q);
-                let row = (b * self.q_heads + h * self.group + g) * n_q + i;
-                let raw = &raw[r * dv..(r + 1) * dv];
-                for ((x, &y), dst) in x.iter().zip(raw).zip(&mut out[row * dv..(row + 1) * dv]) {
-                    *dst = (x + y) / l;
-                }
-                lse[row] = bigs[r] + l.ln();
-            }
-            start = end;
         }
-        AttentionOutput { out, lse }
+        out
     }
+}
+
+/// The range of tasks of each (batch row, kv-head) (`Ctx::tasks` keeps each one's together).
+fn task_spans(tasks: &[Task], pairs: usize) -> Vec<(usize, usize)> {
+    let mut spans = vec![(0, 0); pairs];
+    let mut start = 0;
+    while start < tasks.len() {
+        let bh = tasks[start].bh;
+        let end = start + tasks[start..].iter().take_while(|t| t.bh == bh).count();
+        spans[bh] = (start, end);
+        start = end;
+    }
+    spans
 }
 
 /// Whether a call of at most [`PAIR_WORK`] splits its pieces between the calling thread and one
@@ -441,13 +435,8 @@ fn pair_here() -> bool {
 // The queries' transforms and the final combination and synthesis, compiled for FMA where the
 // CPU has it (`mul_add` is otherwise a library call; the result is the same).
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
-fn prep(cx: &Ctx<'_>, bh: usize) -> Prep {
-    cx.prep(bh)
-}
-
-#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl+fma", "x86_64+avx2+fma"))]
-fn combine(cx: &Ctx<'_>, tasks: &[Task], parts: &[Part]) -> AttentionOutput {
-    cx.combine(tasks, parts)
+fn prep(cx: &Ctx<'_>, bh: usize, rows: Range<usize>) -> Prep {
+    cx.prep(bh, rows)
 }
 
 fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {

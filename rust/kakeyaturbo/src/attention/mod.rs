@@ -63,6 +63,7 @@ pub mod attend;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 mod checks;
+mod combine;
 pub mod kernel;
 pub mod math;
 mod part;

@@ -727,6 +727,28 @@ fn small_calls_run_on_the_calling_thread() {
     assert_eq!(super::auto_threads(&big.codes, None), None);
 }
 
+#[test]
+fn many_query_rows_split_by_rows_without_changing_the_bits() {
+    // A latent layer with 96 query heads: its queries' preparation and its combination cost
+    // past `ROWS_WORK`, so they run in units of `ROW_CHUNK` rows on the threads asked for.
+    let s = Spec {
+        latent: true,
+        kv_heads: 1,
+        group: 96,
+        dk: 256,
+        dv: 32,
+        blocks: vec![512, 512, 300],
+        ..Spec::default()
+    };
+    check(&s);
+    let c = build(&s);
+    let (mk, mv) = (c.codes.k_store(0).tables().m, c.codes.v_store(0).tables().m);
+    assert!(96 * (c.dk + c.dv) * (mk + mv) >= super::attend::ROWS_WORK);
+    assert!(96 * mk * c.dk >= super::attend::ROWS_WORK);
+    const { assert!(96 > 2 * super::attend::ROW_CHUNK) };
+    thread_count_same(&c);
+}
+
 fn thread_count_case(rope: Option<(usize, bool)>) {
     let c = build(&Spec {
         blocks: vec![2048, 2048, 1000],
@@ -734,14 +756,19 @@ fn thread_count_case(rope: Option<(usize, bool)>) {
         rope,
         ..Spec::default()
     });
-    let one = crate::threads::with_threads(Some(1), || run(&c, Isa::best()))
+    thread_count_same(&c);
+}
+
+/// One, two, all and no pool threads give the same bits.
+fn thread_count_same(c: &Case) {
+    let one = crate::threads::with_threads(Some(1), || run(c, Isa::best()))
         .unwrap()
         .unwrap();
-    let two = crate::threads::with_threads(Some(2), || run(&c, Isa::best()))
+    let two = crate::threads::with_threads(Some(2), || run(c, Isa::best()))
         .unwrap()
         .unwrap();
-    let all = run(&c, Isa::best()).unwrap();
-    let inline = crate::threads::with_threads_inline(Some(1), || run(&c, Isa::best()))
+    let all = run(c, Isa::best()).unwrap();
+    let inline = crate::threads::with_threads_inline(Some(1), || run(c, Isa::best()))
         .unwrap()
         .unwrap();
     assert_eq!(one, two);
