@@ -18,6 +18,11 @@ pub const MAX_ROWS: usize = u32::MAX as usize;
 /// float32, far beyond any rotation the codec uses (at most `MAX_DIM` wide).
 pub const MAX_SIGN_PATTERN: usize = 1 << 26;
 
+/// Most (batch row, kv-head) pairs one layer of attention codes holds (`LayerCodes`): every
+/// pair holds an empty store of each stream before any block (about 40 bytes each), so the
+/// count is bounded, not only the batch (2^20 x 64 kv-heads asked for 2.7 GB of empty stores).
+pub const MAX_STORES: usize = 1 << 20;
+
 /// `a * b` for sizes given by a caller; an overflow is invalid input.
 pub fn size(a: usize, b: usize, what: &str) -> Result<usize> {
     a.checked_mul(b)

@@ -5,6 +5,7 @@
 
 use super::tables::StreamTables;
 use crate::error::{input, param, Error, Result};
+use crate::limits::MAX_STORES;
 use crate::pack::{checked_packed_len, index_bits};
 use std::sync::Arc;
 
@@ -276,6 +277,12 @@ impl LayerCodes {
         if batch == 0 {
             return param("batch must be >= 1");
         }
+        if batch.saturating_mul(h) > MAX_STORES {
+            return param(format!(
+                "batch {batch} x {h} kv-heads is more than the {MAX_STORES} (batch row, kv-head) \
+                 pairs a layer holds"
+            ));
+        }
         for (name, t) in [("K", &k_tables), ("V", &v_tables)] {
             if let Some(i) = t.iter().position(|x| x.d != t[0].d) {
                 return param(format!(
@@ -398,6 +405,14 @@ impl LayerCodes {
         if index.is_empty() {
             return input("select needs at least one batch row");
         }
+        if index.len().saturating_mul(self.kv_heads) > MAX_STORES {
+            return input(format!(
+                "select of {} batch rows x {} kv-heads is more than the {MAX_STORES} (batch row, \
+                 kv-head) pairs a layer holds",
+                index.len(),
+                self.kv_heads
+            ));
+        }
         if let Some(&b) = index.iter().find(|&&b| b >= self.batch) {
             return input(format!(
                 "batch row {b} does not exist ({} rows)",
@@ -517,6 +532,17 @@ mod tests {
         assert_eq!(l.blob(1, 1, "k", 1).unwrap(), &kb[..]);
         assert!(l.blob(1, 1, "x", 0).is_err());
         assert!(l.select(&[3]).is_err());
+        // The (batch row, kv-head) pairs are bounded, for a new layer and for a selection.
+        let (t2k, t2v) = (
+            vec![l.k_store(0).tables().clone(); 2],
+            vec![l.v_store(0).tables().clone(); 2],
+        );
+        assert!(LayerCodes::new(t2k.clone(), t2v.clone(), MAX_STORES / 2).is_ok());
+        let e = LayerCodes::new(t2k, t2v, MAX_STORES / 2 + 1);
+        assert!(matches!(e, Err(Error::InvalidParameter(_))), "{e:?}");
+        let e = l.select(&vec![0; MAX_STORES / 2 + 1]);
+        assert!(matches!(e, Err(Error::InvalidInput(_))), "{e:?}");
+        assert_eq!(l.batch(), 3);
         // Shared bytes read the same as owned ones, and the front block can go.
         let shared: Arc<[u8]> = kb.clone().into();
         l.append(2, 1, Blob::shared(shared), vb.clone()).unwrap();
