@@ -199,6 +199,8 @@ def test_bad_arguments_are_typed_errors() -> None:
                                    args.pop("tail_v"), **args)
 
     call()
+    t = c.spec.total - c.spec.sink  # the call passes no sink rows
+    call(mask=np.zeros((1, 2, t), np.float32))
     for kw, err in [
         (dict(q=q.astype(np.float64)), TypeError),
         (dict(q=q[0]), kt.InvalidInputError),
@@ -214,8 +216,13 @@ def test_bad_arguments_are_typed_errors() -> None:
         (dict(window=1.5), TypeError),
         (dict(threads=0), kt.InvalidParameterError),
         (dict(mask=np.zeros((1, 2, 3), np.float32)), kt.InvalidInputError),
-        (dict(mask=np.zeros((1, 2, c.spec.total), np.float64)), TypeError),
-        (dict(mask=np.full((1, 2, c.spec.total), np.inf, np.float32)), kt.InvalidInputError),
+        (dict(mask=np.zeros((1, 2, t), np.float64)), TypeError),
+        (dict(mask=np.zeros((1, 2, t + 1), np.float32)), kt.InvalidInputError),
+        (dict(mask=np.full((1, 2, t), np.inf, np.float32)), kt.InvalidInputError),
+        # Shapes are checked before anything is copied: huge broadcast views are refused.
+        (dict(q=np.broadcast_to(np.float32(0), (1, 6, 2**31, q.shape[3]))), kt.InvalidInputError),
+        (dict(mask=np.broadcast_to(True, (1, 2, 2**34))), kt.InvalidInputError),
+        (dict(tail_k=np.broadcast_to(np.float32(0), (1, 2, 2**31, tk.shape[3]))), kt.InvalidInputError),
         (dict(codes="x"), TypeError),
         (dict(sink_logits=np.zeros(5, np.float32)), kt.InvalidInputError),  # not [H_q]
         (dict(sink_logits=np.array([0, 0, 0, 0, 0, np.nan], np.float32)), kt.InvalidInputError),

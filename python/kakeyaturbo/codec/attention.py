@@ -44,7 +44,7 @@ class RopeTable:
     Raises TypeError / InvalidInputError for arrays that do not fit."""
 
     def __init__(self, cos: Any, sin: Any, style: str = "half") -> None:
-        c, s = _array(cos, "cos", 2), _array(sin, "sin", 2)
+        c, s = _array(cos, "cos", 2, (None, None)), _array(sin, "sin", 2, (None, None))
         if c.shape != s.shape or c.shape[0] < 1 or c.shape[1] < 1:
             raise InvalidInputError(f"cos and sin must both be [n >= 1, rot/2 >= 1], got {c.shape} and {s.shape}")
         if not (np.isfinite(c).all() and np.isfinite(s).all()):
@@ -66,7 +66,7 @@ class RopeTable:
         """From ``[n, rot]`` tables as transformers' rotary modules give them (``cat(f, f)``
         for ``"half"``, each value twice for ``"interleaved"``); InvalidInputError when the two
         copies of a frequency differ."""
-        c, s = _array(cos, "cos", 2), _array(sin, "sin", 2)
+        c, s = _array(cos, "cos", 2, (None, None)), _array(sin, "sin", 2, (None, None))
         _checks.choice(style, "style", ROPE_STYLES)
         if c.shape != s.shape or c.shape[1] % 2:
             raise InvalidInputError(f"cos and sin must both be [n, rot] with rot even, got {c.shape} and {s.shape}")
@@ -195,8 +195,10 @@ class LayerCodes:
         return repr(self._c)
 
 
-def _array(v: Any, name: str, ndim: int) -> np.ndarray:
-    """A C-contiguous float32 array of ``ndim`` dimensions (numpy, or a CPU torch tensor)."""
+def _array(v: Any, name: str, ndim: int, shape: Tuple[Optional[int], ...], layout: str = "") -> np.ndarray:
+    """A float32 array of ``ndim`` dimensions (numpy, or a CPU torch tensor) whose sizes equal
+    ``shape``'s where it gives one (``layout`` names them in messages), as it is (not yet
+    copied: see :func:`_contiguous`)."""
     if not isinstance(v, np.ndarray):
         try:
             v = np.asarray(v)
@@ -206,12 +208,21 @@ def _array(v: Any, name: str, ndim: int) -> np.ndarray:
         raise TypeError(f"{name} must have dtype float32, got {v.dtype}")
     if v.ndim != ndim:
         raise InvalidInputError(f"{name} must be {ndim}-D, got shape {v.shape}")
-    return np.ascontiguousarray(v)
+    if any(w is not None and n != w for n, w in zip(v.shape, shape)):
+        want = ", ".join("?" if w is None else str(w) for w in shape)
+        raise InvalidInputError(f"{name} must be {layout}{' = ' if layout else ''}[{want}], got shape {v.shape}")
+    return v
 
 
-def _mask(mask: Any, batch: int, n_q: int) -> Optional[np.ndarray]:
+def _contiguous(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
+    """The checked inputs as C-contiguous arrays (copied where they are not): only after every
+    shape is known to fit, so that a broadcast view of a huge shape is refused, not copied."""
+    return tuple(np.ascontiguousarray(a) for a in arrays)
+
+
+def _mask(mask: Any, batch: int, n_q: int, total: Optional[int]) -> Optional[np.ndarray]:
     """The additive mask ``[B, n_q, T]`` float32 from an additive or boolean (True: attend) mask
-    of shape ``[B, n_q, T]`` or ``[B, 1, n_q, T]``."""
+    of shape ``[B, n_q, T]`` or ``[B, 1, n_q, T]`` (``T`` = ``total`` where known)."""
     if mask is None:
         return None
     m = mask if isinstance(mask, np.ndarray) else np.asarray(mask)
@@ -219,8 +230,8 @@ def _mask(mask: Any, batch: int, n_q: int) -> Optional[np.ndarray]:
         if m.shape[1] != 1:
             raise InvalidInputError(f"a 4-D mask must be [B, 1, n_q, T], got {m.shape}")
         m = m[:, 0]
-    if m.ndim != 3 or m.shape[:2] != (batch, n_q):
-        raise InvalidInputError(f"mask must be [B={batch}, n_q={n_q}, T] (or [B, 1, n_q, T]), "
+    if m.ndim != 3 or m.shape[:2] != (batch, n_q) or total not in (None, m.shape[2]):
+        raise InvalidInputError(f"mask must be [B={batch}, n_q={n_q}, T={total}] (or [B, 1, n_q, T]), "
                                 f"got {m.shape}")
     if m.dtype == np.bool_:
         return np.where(m, np.float32(0), np.float32(-np.inf)).astype(np.float32)
@@ -314,17 +325,29 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     if not isinstance(codes, LayerCodes):
         raise TypeError(f"codes must be a LayerCodes, got {type(codes).__name__}")
     b, hkv, dk, dv = codes.batch, codes.kv_heads, codes.k_dim, codes.v_dim
-    qa = _array(q, "q", 4)
-    tk, tv = _array(tail_k, "tail_k", 4), _array(tail_v, "tail_v", 4)
+    lat = _checks.boolean(latent, "latent")
+    # Every size checked before any copy (the kernel checks them all again).
+    qa = _array(q, "q", 4, (b, None, None, dk + dv if lat else dk),
+                "[B, H_q, n_q, D_k + D_v]" if lat else "[B, H_q, n_q, D_k]")
+    tk = _array(tail_k, "tail_k", 4, (b, hkv, None, dk), "[B, H_kv, R, D_k]")
+    tv = _array(tail_v, "tail_v", 4, (b, hkv, tk.shape[2], dv), "[B, H_kv, R, D_v]")
     if (sink_k is None) != (sink_v is None):
         raise InvalidInputError("pass both sink_k and sink_v, or neither")
     if sink_k is None:
         sk = np.zeros((b, hkv, 0, dk), np.float32)
         sv = np.zeros((b, hkv, 0, dv), np.float32)
     else:
-        sk, sv = _array(sink_k, "sink_k", 4), _array(sink_v, "sink_v", 4)
-    n_q = qa.shape[2] if qa.ndim == 4 else 0
-    lat = _checks.boolean(latent, "latent")
+        sk = _array(sink_k, "sink_k", 4, (b, hkv, None, dk), "[B, H_kv, S, D_k]")
+        sv = _array(sink_v, "sink_v", 4, (b, hkv, sk.shape[2], dv), "[B, H_kv, S, D_v]")
+    n_q = qa.shape[2]
+    if qa.shape[1] % hkv or not n_q <= tk.shape[2]:
+        raise InvalidInputError(f"q {qa.shape}: its heads must be a multiple of the {hkv} kv-heads and "
+                                f"its tokens at most the tail's {tk.shape[2]} rows")
+    try:
+        total: Optional[int] = sk.shape[2] + codes.rows() + tk.shape[2]
+    except InvalidInputError:  # uneven sealed rows: the kernel says so
+        total = None
+    qa, tk, tv, sk, sv = _contiguous(qa, tk, tv, sk, sv)
     # 1 / sqrt of the query's width (a latent query scores both streams).
     scale_ = 1.0 / math.sqrt(dk + dv if lat else dk) if scale is None else _checks.real(scale, "scale")
     cap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
@@ -349,7 +372,7 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     if lat and rot is not None:
         raise InvalidParameterError("latent attention takes no rope: its latent rows carry no RoPE")
     sinks = None if sink_logits is None else sink_logits_array(sink_logits, qa.shape[1])
-    out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q), scale_, cap, win,
+    out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q, total), scale_, cap, win,
                                _checks.threads(threads), rot, lat)
     if sinks is not None:
         out, lse = with_sink_logits(out, lse, sinks)

@@ -97,7 +97,7 @@ def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     if window is not None:
         seen &= qpos - pos < window
     s = s.masked_fill(~seen, float("-inf"))
-    m = _mask(mask, b, nq)
+    m = _mask(mask, b, nq, t)
     if m is not None:
         s = s + torch.from_numpy(m.astype(np.float64))[:, None]
     if sink_logits is not None:
