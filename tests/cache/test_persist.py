@@ -121,6 +121,11 @@ def test_left_padded_batch_keeps_its_positions(llama, tmp_path) -> None:
     assert header["positions"] == PREFIX and header["batch"] == 2
     loaded = KakeyaCache.load(path, llama)
     assert torch.equal(loaded._positions.pos, cache._positions.pos)
+    # The positions close the file (int32 [B, T], then the checksum): a negative one is damage.
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<i", data, len(data) - 4 - 4 * 2 * PREFIX, -3)
+    with pytest.raises(CorruptDataError, match="negative position"):
+        KakeyaCache.load(_rewrite(tmp_path / "neg.kkpfx", bytes(data)), llama)
     full = torch.cat([ids, prompt(batch=2, t=SUFFIX, seed=7)], dim=1)
     fmask = torch.cat([mask, torch.ones(2, SUFFIX, dtype=mask.dtype)], dim=1)
     a, _ = generate(llama, full, cache, n=4, attention_mask=fmask)
@@ -327,6 +332,12 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path
     blob[at] ^= 0xFF
     _rewrite(bad, bytes(blob))
     refused(match="sealed block does not decode")
+    # a NaN or an infinity in the raw rows (the first sink or staging value of layer 0's keys)
+    for v in (float("nan"), float("inf")):
+        rows = bytearray(data)
+        struct.pack_into("<f", rows, 12 + hlen, v)
+        _rewrite(bad, bytes(rows))
+        refused(match="bad.kkpfx.*raw rows hold NaN or infinite values")
 
     def header_edit(edit, match="bad.kkpfx.*inconsistent"):
         _with_header(saved, bad, edit)
@@ -342,7 +353,8 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path
     header_edit(lambda h: h.update(dtype="int8"))
     header_edit(lambda h: h["cache"].update(streams=["q"]))
     header_edit(lambda h: h.pop("codec"))
-    header_edit(lambda h: h.update(batch=3), match="bad.kkpfx.*truncated or inconsistent")
+    # (rows read from the wrong bytes may first show as non-finite)
+    header_edit(lambda h: h.update(batch=3), match="bad.kkpfx.*(truncated or inconsistent|NaN or infinite)")
     header_edit(lambda h: h.update(positions=7), match="bad.kkpfx.*truncated or inconsistent")
     header_edit(lambda h: h["layers"][0]["streams"]["k"].update(dim=8),
                 match="bad.kkpfx.*(truncated or inconsistent|does not decode)")

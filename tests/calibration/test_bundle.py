@@ -109,6 +109,9 @@ def test_other_files_and_newer_versions_are_refused(tmp_path) -> None:
     _rewrite_meta(src, p, stats_meta="{broken")
     with pytest.raises(CorruptDataError, match="x.safetensors"):
         Calibration.load(p)
+    _rewrite_meta(src, p, stats_meta="[" * 100_000 + "]" * 100_000)  # past the recursion limit
+    with pytest.raises(CorruptDataError, match="x.safetensors"):
+        Calibration.load(p)
     # A statistics file of the older two-file store is not a calibration file.
     _stats().save(tmp_path / "old.safetensors")
     with pytest.raises(CorruptDataError, match="not a kakeyaturbo calibration"):

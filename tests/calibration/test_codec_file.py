@@ -168,6 +168,25 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(fitted, tmp_path) -> N
         ModelCodec.load(_rewrite(path, tmp_path / "i.safetensors", meta=lambda m: {**m, "recipe": block}))
     with pytest.raises(CorruptDataError, match="j.safetensors"):
         ModelCodec.load(_rewrite(path, tmp_path / "j.safetensors", meta=lambda m: {**m, "heads": "[1, 2"}))
+    # JSON nested past Python's recursion limit.
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(CorruptDataError, match="k.safetensors"):
+        ModelCodec.load(_rewrite(path, tmp_path / "k.safetensors", meta=lambda m: {**m, "recipe": deep}))
+
+    # A kv-head index of 10^12 under a recomputed checksum: refused at once, before the set of
+    # the 10^12 calibrations such a file would hold is built.
+    huge = f"{key[0]}.{key[1]}.{10**12}"
+
+    def renamed(a):
+        return {(huge + k[len(name):] if k.startswith(f"{name}.") else k): v for k, v in a.items()}
+
+    def renamed_meta(m):
+        heads = json.loads(m["heads"])
+        heads[huge] = heads.pop(name)
+        return {**m, "heads": json.dumps(heads)}
+
+    with pytest.raises(CorruptDataError, match="do not cover"):
+        ModelCodec.load(_rewrite(path, tmp_path / "l.safetensors", arrays=renamed, meta=renamed_meta))
 
 
 def test_recipe_as_dict_round_trips() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from conftest import kv_like
@@ -90,6 +92,21 @@ def test_bad_centroids_file(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(kt.InvalidParameterError):
         kt.roundtrip_layer(X, bit_width=2, centroids_file=tmp_path / "bad.json")
+    # JSON nested past the recursion limit; an .npy header that claims 4e9 values (16 GB) in
+    # a file of a few bytes (refused before anything is allocated); a table too long.
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(kt.InvalidParameterError, match="deep.json"):
+        kt.load_centroids(tmp_path / "deep.json")
+    head = "{'descr': '<f4', 'fortran_order': False, 'shape': (4000000000,), }"
+    head += " " * (117 - len(head)) + "\n"
+    (tmp_path / "huge.npy").write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(head)) + head.encode() + bytes(16))
+    with pytest.raises(kt.InvalidParameterError, match="huge.npy"):
+        kt.load_centroids(tmp_path / "huge.npy")
+    np.save(tmp_path / "long.npy", np.linspace(-1, 1, 257))
+    with pytest.raises(kt.InvalidParameterError, match="1 to 256 centroids"):
+        kt.load_centroids(tmp_path / "long.npy")
+    np.save(tmp_path / "ok.npy", np.linspace(-1, 1, 4).astype(np.float32))
+    assert kt.load_centroids(tmp_path / "ok.npy").dtype == np.float64
 
 
 DATA = kt.encode_layer(X, outlier_threshold=1.5, block_size=32)

@@ -200,6 +200,12 @@ def _cal(seed: Any = 1, thr: Any = None, cent: Any = None) -> Any:
     return _core.CalibratedCodec(M, A, S, SP, B, seed, "mse", True, thr, cent)
 
 
+def _layer() -> Any:
+    """An empty layer of one kv-head coded by the calibration above (D = 16)."""
+    c = kt.CalibratedCodec(M, A, S, SP, B)
+    return kt.LayerCodes([c], [c])
+
+
 @pytest.mark.parametrize("call, exc", [
     (lambda: kt.wht_sign_pattern(-1, 4), kt.InvalidParameterError),
     (lambda: kt.wht_sign_pattern(2**64, 4), kt.InvalidParameterError),
@@ -237,6 +243,16 @@ def _cal(seed: Any = 1, thr: Any = None, cent: Any = None) -> Any:
     (lambda: _cal().encode(X, 1.5), TypeError),
     (lambda: _cal().decode_parts([1, 2]), TypeError),
     (lambda: _core.decode_block_from_parts([1, 2]), TypeError),
+    # Python ints past float64's range: the package's own checks, not an OverflowError.
+    (lambda: kt.CalibratedCodec(M, A, S, SP, B, outlier_threshold=10**400), kt.InvalidParameterError),
+    (lambda: kt.decode_attention(_layer(), np.zeros((1, 2, 1, 16), np.float32), np.zeros((1, 1, 1, 16), np.float32),
+                                 np.zeros((1, 1, 1, 16), np.float32), scale=10**400), kt.InvalidParameterError),
+    (lambda: kt.decode_attention(_layer(), np.zeros((1, 2, 1, 16), np.float32), np.zeros((1, 1, 1, 16), np.float32),
+                                 np.zeros((1, 1, 1, 16), np.float32), softcap=-10**400), kt.InvalidParameterError),
+    # A layer's (batch row, kv-head) pairs are bounded (each holds an empty store per stream).
+    (lambda: kt.LayerCodes([kt.CalibratedCodec(M, A, S, SP, B)] * 64, [kt.CalibratedCodec(M, A, S, SP, B)] * 64,
+                           batch=2**20), kt.InvalidParameterError),
+    (lambda: _layer().select([0] * (2**20 + 1)), kt.InvalidInputError),
 ])
 def test_every_error_is_typed(call: Callable[[], Any], exc: Type[BaseException]) -> None:
     with pytest.raises(exc):

@@ -255,11 +255,11 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         raise CorruptDataError(f"{where}: header length {hlen} beyond the file")
     try:
         header = json.loads(bytes(data[_HEAD.size:_HEAD.size + hlen]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # nested past the recursion limit
         raise CorruptDataError(f"{where}: its header is not JSON ({e})") from None
     try:
         _check_header(header)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CorruptDataError(f"{where}: its header is inconsistent ({e})") from None
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
@@ -342,6 +342,15 @@ def _tensor(r: _Reader, dtype: torch.dtype, shape: Tuple[int, ...], what: str,
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).to(device)
 
 
+def _finite(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` (raw rows read back), refused when it holds NaN or an infinity: the codecs refuse
+    such rows when they seal them, so a file with one is damaged, and the model would
+    otherwise generate from it silently (NaN logits)."""
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise CorruptDataError(f"{where}: its raw rows hold NaN or infinite values")
+    return t
+
+
 def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
          calibration: Any = None, threads: Optional[int] = None, keep_decoded: bool = False,
          verify: bool = True) -> Any:
@@ -415,8 +424,8 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             s = layer["streams"][name]
             h, d, nb = s["heads"], s["dim"], s["blocks"]
             at_ = f"layer {i} {name}"
-            sink = _tensor(r, dtype, (b, h, s["sink"], d), f"{at_} sink rows", device)
-            staging = _tensor(r, dtype, (b, h, s["staging"], d), f"{at_} staging rows", device)
+            sink = _finite(_tensor(r, dtype, (b, h, s["sink"], d), f"{at_} sink rows", device), where)
+            staging = _finite(_tensor(r, dtype, (b, h, s["staging"], d), f"{at_} staging rows", device), where)
             lens = np.frombuffer(r.take(4 * nb * b * h, f"{at_} blob lengths"), dtype="<u4")
             flat = [bytes(r.take(int(n), f"{at_} blob")) for n in lens]
             per = b * h
@@ -429,6 +438,9 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     pos = None
     if t:
         pos = _tensor(r, torch.int32, (b, t), "positions", "cpu")
+        if pos.numel() and int(pos.min()) < 0:
+            raise CorruptDataError(f"{where}: a negative position ({int(pos.min())}) among the RoPE "
+                                   "positions it records")
     if r.at != r.end:
         raise CorruptDataError(f"{where}: {r.end - r.at} bytes after the last section")
     seen = max((s["seen"] for s in states), default=0)

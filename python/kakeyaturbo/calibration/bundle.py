@@ -243,7 +243,9 @@ class Calibration:
                 raise CorruptDataError(f"{where}: its arrays disagree with the shapes it records")
         except CorruptDataError:
             raise
-        except (KeyError, ValueError, TypeError) as e:  # InvalidParameterError is a ValueError
+        # InvalidParameterError is a ValueError; JSON nested past Python's recursion limit
+        # raises RecursionError.
+        except (KeyError, ValueError, TypeError, RecursionError) as e:
             raise CorruptDataError(f"{where}: {e}") from None
         return cal
 

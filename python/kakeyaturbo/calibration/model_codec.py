@@ -204,21 +204,25 @@ class ModelCodec:
                 pooled.setdefault(s, {}).update(tables)
         except CorruptDataError:
             raise
-        except (KeyError, ValueError, TypeError, AttributeError, KakeyaError) as e:
+        except (KeyError, ValueError, TypeError, AttributeError, RecursionError, KakeyaError) as e:
             raise CorruptDataError(f"{where}: {e}") from None
         # Every layer's kv-heads 0..n-1 (n per layer: a model's groups of layers may differ), for
-        # every stream of the recipe.
+        # every stream of the recipe. A damaged index (kv-head 10^12) is refused before the set
+        # of what a file of it would hold is built: every head counted has a codec of its own.
         heads = {layer: 1 + max(h for (_, la, h) in codecs if la == layer) for (_, layer, _) in codecs}
-        want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer, n in heads.items()
-                for h in range(n)}
-        if not codecs or set(codecs) != want or min(heads) < 0:
+        if not codecs or sum(heads.values()) > len(codecs):
+            want = None
+        else:
+            want = {(s, layer, h) for s, _ in recipe.calibrated_streams() for layer, n in heads.items()
+                    for h in range(n)}
+        if want is None or set(codecs) != want or min(heads) < 0:
             raise CorruptDataError(f"{where}: its calibrations do not cover the recipe's streams "
                                    f"over layers {sorted(heads)} and their kv-heads")
         try:
             made_for = json.loads(meta.get("model", "null"))
             if made_for is not None:
                 made_for = {"type": str(made_for["type"]), "fingerprint": str(made_for["fingerprint"])}
-        except (KeyError, ValueError, TypeError) as e:
+        except (KeyError, ValueError, TypeError, RecursionError) as e:
             raise CorruptDataError(f"{where}: its model record does not read ({e})") from None
         out = cls.__new__(cls)
         out.model_info = made_for

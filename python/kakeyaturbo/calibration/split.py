@@ -44,7 +44,7 @@ def load_articles(path: "os.PathLike[str] | str") -> Dict[str, str]:
     if p.suffix == ".json":
         try:
             data = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidParameterError(f"{str(p)!r} is not JSON: {e}") from None
         if not isinstance(data, dict):
             raise InvalidParameterError(f"{str(p)!r} must hold a JSON object title -> article")

@@ -73,7 +73,10 @@ def real(v: Any, name: str, *, positive: bool = False) -> float:
     """A finite real number (int or float, not a bool or a string); ``> 0`` if ``positive``."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a number, got {_type(v)} {v!r}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an int past float64's range
+        raise InvalidParameterError(f"{name} must be finite, got an integer of {int(v).bit_length()} bits") from None
     if not np.isfinite(f) or (positive and f <= 0):
         raise InvalidParameterError(f"{name} must be finite{' and > 0' if positive else ''}, got {f}")
     return f

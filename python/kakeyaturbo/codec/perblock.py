@@ -88,24 +88,34 @@ def check_params(kwargs: Dict[str, Any], fn: Optional[str] = "check_params") -> 
     return p
 
 
+#: The most centroids a table holds: one per code of the widest index (8 bits).
+MAX_CENTROIDS = 256
+
+
 def load_centroids(path: "os.PathLike[str] | str") -> np.ndarray:
     """Reads a centroid table: a ``.npy`` array, or JSON (a list, or an object whose
     ``"centroids"`` entry is a list)."""
     path = os.fspath(path)
     try:
         if path.endswith(".npy"):
-            table = np.load(path, allow_pickle=False)
+            # Mapped, not read: a header that claims more than the file holds is refused
+            # (ValueError) before anything is allocated, and the size checked before the copy.
+            table = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
             if isinstance(data, dict):
                 data = data.get("centroids")
             table = np.asarray(data, dtype=np.float64)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # JSON nested past the recursion limit
         raise InvalidParameterError(f"cannot read centroids_file {path!r}: {e}") from e
-    if table.ndim != 1 or table.size == 0:
-        raise InvalidParameterError(f"centroids_file {path!r} does not hold a 1-D table")
-    return table.astype(np.float64)
+    if table.ndim != 1 or not 0 < table.size <= MAX_CENTROIDS:
+        raise InvalidParameterError(f"centroids_file {path!r} does not hold a 1-D table of 1 to "
+                                    f"{MAX_CENTROIDS} centroids (shape {table.shape})")
+    try:
+        return np.array(table, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise InvalidParameterError(f"centroids_file {path!r} does not hold numbers: {e}") from e
 
 
 def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[str, Any]]:
