@@ -98,7 +98,7 @@ class LayerCodes:
 
     ``k_codecs[h]``, ``v_codecs[h]``: the :class:`~kakeyaturbo.CalibratedCodec` of kv-head
     ``h``'s keys and values (every K calibration of one ``D_k``, every V calibration of one
-    ``D_v``); ``batch``: batch rows. A block is the K container and the V container
+    ``D_v``); ``batch``: batch rows (batch x kv-heads at most 2**20). A block is the K container and the V container
     (:meth:`CalibratedCodec.encode` bytes) of the same rows; blocks of one (batch row, kv-head)
     follow each other in position order. Memory is the containers' bytes (:attr:`nbytes`) plus
     a few offsets per block. Raises InvalidParameterError for calibrations that do not fit
