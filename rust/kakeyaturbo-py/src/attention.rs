@@ -340,7 +340,7 @@ impl PyLayerCodes {
             rows: raw[2].1,
         };
         let o = run(py, || {
-            with_threads_inline(auto_threads(inner, threads), || {
+            with_threads_inline(auto_threads(inner, hq, nq, threads), || {
                 attend(inner, qs, hq, nq, sink, tail, m, &p, rope.as_ref())
             })?
         })?;

@@ -17,7 +17,8 @@ use std::ops::Range;
 /// the result, do not depend on the thread count.
 pub const SPLIT_TILES: usize = 8;
 
-/// Sealed work (batch rows x kv-heads x sealed rows x `D_k`) up to which a call that asks
+/// Sealed work ([`sealed_work`]: batch rows x kv-heads x sealed rows x `D_k`, times the units of
+/// 16 query rows per kv-head past the first) up to which a call that asks
 /// for all cores (`threads = None`) runs on the calling thread instead ([`auto_threads`]):
 /// 2,048 positions of 3 kv-heads of 64 dims take about 0.7 ms on one core of the 2-core test
 /// machine and gained nothing from a second thread, whose wake-up costs about 0.3 ms there
@@ -25,7 +26,7 @@ pub const SPLIT_TILES: usize = 8;
 /// 8k).
 pub const INLINE_WORK: usize = 1 << 19;
 
-/// The most sealed work (as for [`INLINE_WORK`]) that a call on a pool of two threads, from
+/// The most sealed work (as for [`INLINE_WORK`], query rows left out) that a call on a pool of two threads, from
 /// outside it, splits between the calling thread and one scoped thread instead of handing it
 /// to the pool (measured on a 2-core VM, 2026-12-04, README "Generation through the codes": in
 /// generation at 8k tokens, 1.6M elements, the split cut the attention from 45-61 to 34-38 ms
@@ -45,22 +46,44 @@ pub(super) const ROW_CHUNK: usize = 16;
 /// per kv-head; a 128-head latent layer costs 75M).
 pub(super) const ROWS_WORK: usize = 1 << 20;
 
+/// Query rows per kv-head (`H_q / H_kv x n_q`) that [`INLINE_WORK`] counts as one: up to 16 the work of a sealed row is mostly its own (reading, unpacking, synthesising
+/// its codes), past that the query rows' (latent attention's 128 heads: a 1k step of 128 heads
+/// took 7.1 ms on the calling thread and 6.0 on two, back to back, on the Zen 4 VM).
+pub const QUERY_ROWS_PER_UNIT: usize = 16;
+
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
 /// as asked, except that `None` becomes `Some(1)` (the calling thread) for at most
-/// [`INLINE_WORK`] of sealed work. The result never depends on it.
-pub fn auto_threads(codes: &LayerCodes, threads: Option<usize>) -> Option<usize> {
+/// [`INLINE_WORK`] of sealed work, `q_heads` query heads of `n_q` tokens each. The result never
+/// depends on it.
+pub fn auto_threads(
+    codes: &LayerCodes,
+    q_heads: usize,
+    n_q: usize,
+    threads: Option<usize>,
+) -> Option<usize> {
     let rows = codes.common_rows().unwrap_or(usize::MAX);
-    let work = sealed_work(codes.batch() * codes.kv_heads(), codes.k_dim(), rows);
+    let query_rows = (q_heads / codes.kv_heads().max(1)).saturating_mul(n_q);
+    let work = sealed_work(
+        codes.batch() * codes.kv_heads(),
+        codes.k_dim(),
+        rows,
+        query_rows,
+    );
     match threads {
         None if work <= INLINE_WORK => Some(1),
         t => t,
     }
 }
 
-/// The sealed work of a call, as [`INLINE_WORK`] and [`PAIR_WORK`] count it: (batch rows x
-/// kv-heads) x `D_k` x sealed rows per (batch row, kv-head).
-fn sealed_work(pairs: usize, dk: usize, rows: usize) -> usize {
-    pairs.saturating_mul(dk).saturating_mul(rows)
+/// The sealed work of a call: (batch rows x kv-heads) x `D_k` x sealed rows per (batch row,
+/// kv-head) x the units of [`QUERY_ROWS_PER_UNIT`] query rows per kv-head (at least one; as
+/// [`INLINE_WORK`] counts it; [`PAIR_WORK`] counts one unit).
+fn sealed_work(pairs: usize, dk: usize, rows: usize, query_rows: usize) -> usize {
+    let units = query_rows.div_ceil(QUERY_ROWS_PER_UNIT).max(1);
+    pairs
+        .saturating_mul(dk)
+        .saturating_mul(rows)
+        .saturating_mul(units)
 }
 
 /// How scores are formed: `s = scale * q . k`, then `softcap * tanh(s / softcap)` when set,
@@ -171,7 +194,10 @@ pub fn attend_with(
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
-    let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed);
+    // Split in two or handed to the pool by the rows alone (the query rows count for the
+    // calling thread alone, `auto_threads`: a 128-head latent call of 1k rows ran in 5.0 ms as
+    // two runs and 5.7 on the pool).
+    let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed, 1);
     let mode = if crate::threads::inline() {
         Mode::Serial
     } else if work <= PAIR_WORK && pair_here() {

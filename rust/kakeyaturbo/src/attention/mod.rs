@@ -73,6 +73,7 @@ pub mod tables;
 
 pub use attend::{
     attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, INLINE_WORK,
+    QUERY_ROWS_PER_UNIT,
 };
 pub use part::RawRows;
 pub use rope::{KeyRope, RopeStyle, Synthesis};

@@ -716,15 +716,25 @@ fn small_calls_run_on_the_calling_thread() {
     });
     let work = c.codes.batch() * c.codes.kv_heads() * c.codes.k_dim() * 256;
     assert!(work <= super::INLINE_WORK);
-    assert_eq!(super::auto_threads(&c.codes, None), Some(1));
-    assert_eq!(super::auto_threads(&c.codes, Some(2)), Some(2));
+    assert_eq!(super::auto_threads(&c.codes, 6, 1, None), Some(1));
+    assert_eq!(super::auto_threads(&c.codes, 6, 1, Some(2)), Some(2));
+    // Query rows count in units of `QUERY_ROWS_PER_UNIT` per kv-head (heads x tokens): up to
+    // one unit the same, past it each unit as much work again.
+    let unit = super::QUERY_ROWS_PER_UNIT;
+    assert_eq!(super::auto_threads(&c.codes, 2 * unit, 1, None), Some(1));
+    let units = super::INLINE_WORK / work + 1;
+    assert_eq!(
+        super::auto_threads(&c.codes, 2 * unit * units, 1, None),
+        None
+    );
+    assert_eq!(super::auto_threads(&c.codes, 2 * unit, units, None), None);
     let big = build(&Spec {
         blocks: vec![2048, 2048, 1000],
         kv_heads: 3,
         dk: 64,
         ..Spec::default()
     });
-    assert_eq!(super::auto_threads(&big.codes, None), None);
+    assert_eq!(super::auto_threads(&big.codes, 9, 1, None), None);
 }
 
 #[test]
