@@ -26,9 +26,9 @@ pub const SPLIT_TILES: usize = 8;
 /// 8k).
 pub const INLINE_WORK: usize = 1 << 19;
 
-/// The most sealed work (as for [`INLINE_WORK`], query rows left out) that a call on a pool of two threads, from
-/// outside it, splits between the calling thread and one scoped thread instead of handing it
-/// to the pool (measured on a 2-core VM, 2026-12-04, README "Generation through the codes": in
+/// The most sealed work (as for [`INLINE_WORK`], query rows left out) that a call on a pool of
+/// two threads, from outside it, splits between the calling thread and one scoped thread
+/// instead of handing it to the pool (measured on a 2-core VM, 2026-12-04, README "Generation through the codes": in
 /// generation at 8k tokens, 1.6M elements, the split cut the attention from 45-61 to 34-38 ms
 /// per token; on 8.4M-element calls after an idle pause the pool's workers were faster).
 pub const PAIR_WORK: usize = 1 << 21;
@@ -46,9 +46,12 @@ pub(super) const ROW_CHUNK: usize = 16;
 /// per kv-head; a 128-head latent layer costs 75M).
 pub(super) const ROWS_WORK: usize = 1 << 20;
 
-/// Query rows per kv-head (`H_q / H_kv x n_q`) that [`INLINE_WORK`] counts as one: up to 16 the work of a sealed row is mostly its own (reading, unpacking, synthesising
-/// its codes), past that the query rows' (latent attention's 128 heads: a 1k step of 128 heads
-/// took 7.1 ms on the calling thread and 6.0 on two, back to back, on the Zen 4 VM).
+/// Query rows per kv-head (`H_q / H_kv x n_q`) that [`INLINE_WORK`] counts as one: up to 16
+/// the work of a sealed row is mostly its own (reading, unpacking, synthesising its codes),
+/// past that the query rows' (latent attention's 128 heads; `codes auto` of
+/// `benches/bench_latent_attention.py --tokens 512,1024,2048 --bits 3 --heads 16,128`, three
+/// alternating runs of each build: 128 heads at 1k 7.4-8.3 ms on the calling thread before,
+/// 6.2-7.3 ms after; at 512 rows no faster on two threads after the benchmark's pause).
 pub const QUERY_ROWS_PER_UNIT: usize = 16;
 
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
@@ -194,9 +197,8 @@ pub fn attend_with(
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
     // calling thread.
-    // Split in two or handed to the pool by the rows alone (the query rows count for the
-    // calling thread alone, `auto_threads`: a 128-head latent call of 1k rows ran in 5.0 ms as
-    // two runs and 5.7 on the pool).
+    // Split in two or handed to the pool by the rows alone, as `PAIR_WORK` was measured (the
+    // query rows count only in `auto_threads`' choice of the calling thread).
     let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed, 1);
     let mode = if crate::threads::inline() {
         Mode::Serial
