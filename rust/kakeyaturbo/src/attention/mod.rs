@@ -20,7 +20,7 @@
 //! Arrows run one way: [`tables`] (what one calibration gives attention) -> [`store`] (sealed
 //! blocks held as their container bytes, parsed once) -> [`kernel`] / `avx512` (the inner
 //! loops over a tile of 64 rows) -> `part` (one piece of work: its online softmax) -> [`attend`]
-//! (one step of one layer: checks, pieces of work on rayon, their combination).
+//! (one step of one layer: checks, pieces of work on rayon, their combination in `combine`).
 //!
 //! # Arithmetic
 //!
