@@ -757,6 +757,28 @@ fn many_query_rows_split_by_rows_without_changing_the_bits() {
     assert!(96 * mk * c.dk >= super::attend::ROWS_WORK);
     const { assert!(96 > 2 * super::attend::ROW_CHUNK) };
     thread_count_same(&c);
+    // Several query tokens: the units of 16 rows cut across a head's tokens (row = g * n_q + i),
+    // and a grouped-query layer with a causal mask over its tokens.
+    for s in [
+        Spec {
+            nq: 3,
+            group: 40,
+            mask: true,
+            ..s.clone()
+        },
+        Spec {
+            latent: false,
+            kv_heads: 2,
+            group: 24,
+            nq: 5,
+            dk: 256,
+            dv: 64,
+            ..s
+        },
+    ] {
+        check(&s);
+        thread_count_same(&build(&s));
+    }
 }
 
 fn thread_count_case(rope: Option<(usize, bool)>) {
