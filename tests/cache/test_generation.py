@@ -208,6 +208,57 @@ def test_crop_select_and_reset(llama) -> None:
     assert two.get_seq_length() == 0 and two.nbytes() == 0 and two.layers[0].keys is None
 
 
+def _state(cache) -> tuple:
+    """What a cache holds, layer by layer: every stream's rows as attention reads them."""
+    return cache.get_seq_length(), [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for (k1, v1), (k2, v2) in zip(a[1], b[1])
+                                for x, y in ((k1, k2), (v1, v2)))
+
+
+@pytest.mark.parametrize("codec", [lambda: IdentityCodec(), lambda: BlockCodec(recipes.load("balanced"))])
+def test_bad_updates_and_batch_operations_leave_the_cache_unchanged(codec) -> None:
+    cache = KakeyaCache(codec(), num_layers=1, block_size=4, n_sink=1)
+    g = torch.Generator().manual_seed(0)
+    rows = lambda q, b=1: torch.randn(b, 2, q, 16, generator=g)  # noqa: E731
+    cache.update(rows(3), rows(3), 0)
+    before = _state(cache)
+    nan = rows(3)
+    nan[0, 0, 0, 0] = float("nan")
+    bad = [
+        ((nan, rows(3)), kt.InvalidInputError),  # would seal a block: the codec refuses it
+        ((rows(3), rows(3).masked_fill(torch.ones(1, dtype=torch.bool), float("inf"))), kt.InvalidInputError),
+        ((rows(2), rows(1)), kt.InvalidInputError),  # K and V of other lengths
+        ((rows(2, b=2), rows(2, b=2)), kt.InvalidInputError),  # another batch
+        ((rows(2)[..., :8], rows(2)[..., :8]), kt.InvalidInputError),  # another D
+        ((rows(2).long(), rows(2).long()), TypeError),
+        ((rows(2).to(torch.complex64), rows(2)), TypeError),
+        ((rows(2)[0], rows(2)[0]), kt.InvalidInputError),
+    ]
+    for (k, v), err in bad:
+        with pytest.raises(err):
+            cache.update(k, v, 0)
+        assert _same(_state(cache), before)
+    for call, err in [
+        (lambda: cache.crop(-1.5), TypeError),
+        (lambda: cache.crop(float("nan")), TypeError),
+        (lambda: cache.reorder_cache(torch.tensor([], dtype=torch.long)), kt.InvalidInputError),
+        (lambda: cache.reorder_cache(torch.tensor([1])), kt.InvalidInputError),
+        (lambda: cache.reorder_cache(torch.tensor([-1])), kt.InvalidInputError),
+        (lambda: cache.reorder_cache(torch.tensor([0.0])), TypeError),
+        (lambda: cache.batch_repeat_interleave(0), kt.InvalidParameterError),
+        (lambda: cache.batch_select_indices(torch.tensor([5])), kt.InvalidInputError),
+    ]:
+        with pytest.raises(err):
+            call()
+        assert _same(_state(cache), before)
+    # ... and the cache goes on as if nothing had been asked of it.
+    cache.update(rows(3), rows(3), 0)
+    assert cache.get_seq_length() == 6 and cache.layers[0].keys.shape == cache.layers[0].values.shape
+
+
 # --- compress_cache ---------------------------------------------------------------------------
 
 

@@ -35,13 +35,14 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
         LinearAttentionLayer.reset(self)
         KakeyaLayer.reset(self)
 
+    # The K/V rows first: their checks refuse bad arguments before either part changes.
     def crop(self, tokens_to_remove: int) -> None:
-        LinearAttentionLayer.crop(self, tokens_to_remove)
         KakeyaLayer.crop(self, tokens_to_remove)
+        LinearAttentionLayer.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        LinearAttentionLayer.reorder_cache(self, beam_idx)
         KakeyaLayer.reorder_cache(self, beam_idx)
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
 
     def get_max_length(self) -> int:
         return KakeyaLayer.get_max_length(self)

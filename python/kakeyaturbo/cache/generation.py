@@ -256,15 +256,16 @@ class KakeyaCache(Cache):
         if self._positions is not None:
             self._positions.select(beam_idx)
 
+    # The layers first: they check the rows asked for before anything changes.
     def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
         if self._positions is not None and self._positions.pos is not None:
             self._positions.select(torch.arange(self._positions.pos.shape[0]).repeat_interleave(repeats))
-        super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._positions is not None and self._positions.pos is not None:
-            self._positions.select(torch.arange(self._positions.pos.shape[0])[indices.to("cpu")])
         super().batch_select_indices(indices)
+        if self._positions is not None and self._positions.pos is not None:
+            self._positions.select(torch.arange(self._positions.pos.shape[0])[torch.as_tensor(indices).to("cpu")])
 
     # --- accounting ---------------------------------------------------------------------------
 

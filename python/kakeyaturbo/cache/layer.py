@@ -11,7 +11,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .._extras import missing
 from ..codec.attention import LayerCodes
-from ..errors import InvalidParameterError
+from ..codec import _checks
+from ..errors import InvalidInputError, InvalidParameterError
 from ..families.rope import LayerRope
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
 from . import fast as fast_mod
@@ -137,6 +138,7 @@ class KakeyaLayer(CacheLayerMixin):
         precision, as in a serving engine's current chunk); tokens of earlier calls come back
         as stored: sink and staging raw, sealed blocks decoded.
         """
+        self._check_rows(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending:
@@ -165,6 +167,40 @@ class KakeyaLayer(CacheLayerMixin):
         for name, x in (("k", key_states), ("v", value_states)):
             self._append(name, x.detach(), start)
         return out_k, out_v
+
+    def _check_rows(self, key_states: Any, value_states: Any) -> None:
+        """Refuses rows the layer cannot hold before anything changes (TypeError,
+        InvalidInputError): not floating-point ``[B, H, q, D]`` tensors, K and V of another
+        ``B``, ``H`` or ``q`` than each other or than the rows held, NaN or infinity (the codecs
+        refuse them when they seal; checked on the CPU for every update, on another device only
+        when this update seals a block, as sealing reads the rows back to the host anyway)."""
+        for what, x in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"{what} must be a floating-point torch tensor, got "
+                                f"{getattr(x, 'dtype', type(x).__name__)}")
+            if x.ndim != 4:
+                raise InvalidInputError(f"{what} must be [B, H, q, D], got shape {tuple(x.shape)}")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise InvalidInputError(f"key_states {tuple(key_states.shape)} and value_states "
+                                    f"{tuple(value_states.shape)} must share B, H and q")
+        if not self.is_initialized:
+            sealing = key_states.shape[-2] >= self.block_size
+        else:
+            for name, x in (("k", key_states), ("v", value_states)):
+                held = self._s[name].staging
+                if (x.shape[0], x.shape[1], x.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]):
+                    raise InvalidInputError(
+                        f"layer {self.index}: {name} rows of shape {tuple(x.shape)} for a layer holding "
+                        f"[B={held.shape[0]}, H={held.shape[1]}, D={held.shape[3]}]")
+            sealing = any(self._s[name].staging.shape[-2] + key_states.shape[-2] >= self.block_size
+                          for name in self.streams)
+        if key_states.device.type == "cpu" or sealing:
+            rows = [key_states, value_states]
+            if sealing and self.is_initialized and key_states.device.type != "cpu":
+                rows += [self._s[name].staging for name in STREAMS]
+            if not all(bool(torch.isfinite(x).all()) for x in rows):
+                raise InvalidInputError(f"layer {self.index}: key or value rows hold NaN or infinite "
+                                        "values; the cache is unchanged")
 
     # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
 
@@ -277,6 +313,7 @@ class KakeyaLayer(CacheLayerMixin):
         Inside staging this is exact; reaching into a sealed block decodes it back into staging
         (lossy for a lossy codec). A sliding layer that already dropped tokens cannot roll back
         (as transformers' ``DynamicSlidingWindowLayer``): RuntimeError."""
+        tokens_to_remove = _checks.integer(tokens_to_remove, "crop's count of tokens to remove")
         if tokens_to_remove > 0:
             raise InvalidParameterError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
         r = -tokens_to_remove
@@ -302,15 +339,37 @@ class KakeyaLayer(CacheLayerMixin):
                 st.staging_start = self.seen if not st.starts else st.staging_start
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(beam_idx)
+        if self.is_initialized:
+            self._select(self._rows(beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        repeats = _checks.integer(repeats, "repeats", 1)
         if self.is_initialized:
             self._select(torch.arange(self._batch()).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._select(torch.arange(self._batch())[indices.to("cpu")])
+            try:
+                rows = torch.arange(self._batch())[torch.as_tensor(indices).to("cpu")]
+            except (IndexError, RuntimeError, TypeError, ValueError) as e:
+                raise InvalidInputError(f"layer {self.index}: batch indices {indices!r} do not select "
+                                        f"rows of {self._batch()} ({e})") from None
+            self._select(self._rows(rows))
+
+    def _rows(self, idx: Any) -> torch.Tensor:
+        """``idx`` as the batch rows to keep, checked before anything changes: a non-empty 1-D
+        integer tensor of rows in ``0 .. B-1`` (TypeError, InvalidInputError)."""
+        try:
+            t = idx if isinstance(idx, torch.Tensor) else torch.as_tensor(idx)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"batch rows must be integers, got {type(idx).__name__} ({e})") from None
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"batch rows must be integers, got dtype {t.dtype}")
+        b = self._batch()
+        if t.ndim != 1 or t.numel() == 0 or int(t.min()) < 0 or int(t.max()) >= b:
+            raise InvalidInputError(f"layer {self.index}: batch rows must be a non-empty 1-D list of rows in "
+                                    f"0..{b - 1}, got {t.tolist() if t.numel() <= 16 else tuple(t.shape)}")
+        return t
 
     def offload(self) -> None:
         """Not supported: sealed blocks are host bytes already."""
@@ -475,14 +534,16 @@ class KakeyaLayer(CacheLayerMixin):
         n = st.staging.shape[-2] // bs
         start = st.staging_start
         rows = st.staging[..., :n * bs, :]
-        st.staging = st.staging[..., n * bs:, :].clone()
-        st.staging_start = start + n * bs
         if name == "k" and self.pre_rope:
             assert self.rope is not None
             rows = self.rope.remove(rows, self._rope_args(start, n * bs))
         x = to_numpy(rows)
-        for j in range(n):
-            st.blocks.append(encode_rows(self.codec, name, self.index, x[:, :, j * bs:(j + 1) * bs]))
+        # Every block coded before the stream changes: a block the codec refuses leaves it whole.
+        blobs = [encode_rows(self.codec, name, self.index, x[:, :, j * bs:(j + 1) * bs]) for j in range(n)]
+        st.staging = st.staging[..., n * bs:, :].clone()
+        st.staging_start = start + n * bs
+        for j, blob in enumerate(blobs):
+            st.blocks.append(blob)
             st.starts.append(start + j * bs)
             if self.keep_decoded:
                 st.decoded.append(self._block(name, len(st.blocks) - 1))
