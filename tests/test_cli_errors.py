@@ -56,6 +56,7 @@ def one_line(p) -> str:
     (["eval", "--n-eval", "many"], "--n-eval", "expected an integer, got 'many'"),
     (["eval", "--calibration", "/nonexistent.safetensors"], "--calibration", "no such file"),
     (["eval", "--out", "README.md"], "--out", "is a file"),
+    (["eval", "--out", "README.md/results"], "--out", "lies under the file"),
     (["calibrate", "--window", "64", "--score", "63"], "--score", "at most --window - 2 = 62"),
     (["calibrate", "--out", "/nonexistent-dir/c.safetensors"], "--out", "does not exist"),
     (["calibrate", "--codec", "calibrated-4bit"], "--codec", "--codec-out FILE go together"),
@@ -73,6 +74,14 @@ def test_bad_argument_is_one_line_and_status_2_before_loading(args, flag, expect
     line = one_line(p)
     assert line.startswith(f"kakeyaturbo {args[0]}: error: argument {flag}: "), line
     assert expected in line
+
+
+def test_a_path_the_system_refuses_is_one_line_and_status_2() -> None:
+    long = "/tmp/" + "a" * 300
+    for args in (["eval", "--out", long], ["calibrate", "--out", long + ".safetensors"]):
+        p = run(args, blocked={"transformers"})
+        assert p.returncode == 2, p.stderr
+        assert "a path argument cannot be checked" in one_line(p)
 
 
 def test_version() -> None:

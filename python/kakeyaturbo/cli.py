@@ -136,6 +136,12 @@ def _check_out_dir(arg: str) -> None:
     p = Path(arg).expanduser()
     if p.exists() and not p.is_dir():
         raise _Bad("--out", f"{arg!r} is a file (expected a directory for results.json, .md and .png)")
+    # A directory to be made under a file would fail only when the results are written.
+    up = p
+    while not up.exists() and up.parent != up:
+        up = up.parent
+    if up.exists() and not up.is_dir():
+        raise _Bad("--out", f"{arg!r} lies under the file {str(up)!r} (expected a directory to write into)")
 
 
 def _check_calibration_file(flag: str, arg: Optional[str]) -> None:
@@ -291,6 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MissingDependencyError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path argument the system refuses to look at (a name too long)
+        print(f"{prog}: error: a path argument cannot be checked: {e}", file=sys.stderr)
+        return 2
     try:
         return _run(args)
     except KeyboardInterrupt:

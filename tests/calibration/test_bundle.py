@@ -64,6 +64,17 @@ def test_without_sensitivity_a_recipe_that_needs_it_is_refused(tmp_path) -> None
     assert back.parts(recipes.load("benches/recipes/calibrated-4bit-proxy.toml"))[1] is None
 
 
+def test_statistics_of_no_layer_head_or_dimension_are_refused(tmp_path) -> None:
+    st = _stats()
+    for cut in (lambda a: a[:0], lambda a: a[:, :0]):  # no layer; no kv-head
+        with pytest.raises(InvalidParameterError, match="must be >= 1"):
+            AttentionStats(meta={"windows": 2}, **{k: cut(getattr(st, k)) for k in AttentionStats.ARRAYS})
+        with pytest.raises(InvalidParameterError, match="each >= 1"):
+            Sensitivity(meta={}, k=cut(st.k_cov), v=cut(st.v_cov))
+    with pytest.raises(InvalidParameterError):
+        AttentionStats.load(tmp_path / ("a" * 300))  # a name the system refuses to look up
+
+
 def test_damage_is_a_typed_error_naming_the_file(tmp_path) -> None:
     good = _cal().save(tmp_path / "c.safetensors").read_bytes()
     p = tmp_path / "bad.safetensors"

@@ -88,6 +88,12 @@ def test_bad_recipes(tmp_path) -> None:
     p.write_text('boundary_layers = [1.5]\n')
     with pytest.raises(kt.InvalidParameterError):
         recipes.load(p)
+    # Arrays nested past Python's recursion limit; a name the system refuses to look up.
+    p.write_text("a = " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(kt.InvalidParameterError, match="r.toml"):
+        recipes.load(p)
+    with pytest.raises(kt.InvalidParameterError):
+        recipes.load(tmp_path / ("a" * 300 + ".toml"))
 
 
 def test_sink_and_stream_fields(tmp_path) -> None:

@@ -46,7 +46,11 @@ class _Stored:
         p = Path(path)
         side = p.with_name(p.name + ".json")
         for f in (p, side):
-            if not f.is_file():
+            try:
+                there = f.is_file()
+            except OSError as e:  # a name the system refuses to look up (too long)
+                raise InvalidParameterError(f"{cls.KIND} file {str(f)[:200]!r}: {e.strerror}") from None
+            if not there:
                 raise InvalidParameterError(f"{cls.KIND} file {str(f)!r} does not exist")
         try:
             arrays = load_file(str(p))
@@ -124,6 +128,9 @@ class AttentionStats(_Stored):
                 f"{list(q2.shape)} and {list(v_cov.shape)}")
         n, h, d = q2.shape[0], q2.shape[1], q2.shape[2]
         dv = v_cov.shape[2]
+        if min(n, h, d, dv) < 1:
+            raise InvalidParameterError(
+                f"calibration of {n} layers, {h} kv-heads, D {d} and D_v {dv}: every one must be >= 1")
         f64 = np.float64
         for name, shape, dtype in (("q2", (n, h, d, d), f64), ("k_mean", (n, h, d), f64),
                                    ("k_cov", (n, h, d, d), f64), ("v_mean", (n, h, dv), f64),
@@ -174,9 +181,10 @@ class Sensitivity(_Stored):
     def __post_init__(self) -> None:
         k, v = np.asarray(self.k), np.asarray(self.v)
         for name, a in (("k", k), ("v", v)):
-            if a.ndim != 4 or a.shape[2] != a.shape[3]:
+            if a.ndim != 4 or a.shape[2] != a.shape[3] or min(a.shape) < 1:
                 raise InvalidParameterError(
-                    f"sensitivity {name!r} must be [layers, kv_heads, D, D], got shape {list(a.shape)}")
+                    f"sensitivity {name!r} must be [layers, kv_heads, D, D] (each >= 1), got shape "
+                    f"{list(a.shape)}")
         self.k = _check("sensitivity", "k", k, k.shape, np.float64)
         self.v = _check("sensitivity", "v", v, k.shape[:2] + v.shape[2:], np.float64)
         _layer_index("sensitivity", self.meta, k.shape[0])

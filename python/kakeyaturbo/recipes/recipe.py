@@ -364,22 +364,31 @@ def available() -> List[str]:
     return sorted(p.stem for p in HERE.glob("*.toml"))
 
 
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False where the system refuses to look (a name too long)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     """A shipped recipe by name, or a recipe file by path. Raises InvalidParameterError (the
     file, the field, what it must be) for a missing, unreadable or invalid recipe."""
     path = Path(name_or_path)
-    if not path.exists():
+    if not _exists(path):
         shipped = HERE / f"{name_or_path}.toml"
-        if shipped.exists():
+        if _exists(shipped):
             path = shipped
         elif path.suffix != ".toml":
             raise InvalidParameterError(
-                f"no recipe named {name_or_path!r}; shipped: {', '.join(available())}"
+                f"no recipe named {str(name_or_path)[:200]!r}; shipped: {', '.join(available())}"
             )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise InvalidParameterError(f"cannot read recipe {str(path)!r}: {e}") from e
+    # RecursionError: tables or arrays nested past Python's recursion limit.
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise InvalidParameterError(f"cannot read recipe {str(path)[:200]!r}: {str(e)[:200]}") from e
     known = {f.name for f in dataclasses.fields(Recipe)}
     extra = sorted(set(data) - known)
     if extra:
