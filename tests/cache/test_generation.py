@@ -279,6 +279,16 @@ def test_bad_settings_raise(llama) -> None:
         KakeyaCache(IdentityCodec(), model=llama, num_layers=5)
     with pytest.raises(TypeError, match="StreamCodec"):
         KakeyaCache(object())
+    with pytest.raises(TypeError, match="recipe must be a Recipe"):
+        KakeyaCache.from_recipe("balanced")
+    with pytest.raises(kt.InvalidParameterError, match="twice"):
+        KakeyaCache(IdentityCodec(), streams=["k", "k"])
+    with pytest.raises(TypeError, match="dict"):
+        KakeyaCache(IdentityCodec(), streams={"k": 1})
+    with pytest.raises(TypeError, match="transformers cache"):
+        compress_cache(None, IdentityCodec())
+    with pytest.raises(TypeError, match="StreamCodec"):
+        compress_cache(transformers.DynamicCache(), 5)
     with pytest.raises(TypeError, match="Recipe"):
         BlockCodec({"k": {}})
     with pytest.raises(kt.InvalidParameterError, match="bit_widht"):

@@ -139,13 +139,24 @@ def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
 
 
 def check_streams(streams: Sequence[str]) -> Tuple[str, ...]:
-    """The stream names as a tuple (a single name allowed), each checked."""
+    """The stream names as a tuple (a single name allowed), each checked, none twice."""
     if isinstance(streams, str):
         streams = (streams,)
+    if isinstance(streams, dict):
+        raise TypeError(f"streams must be a sequence of names, got a dict {streams!r}")
     out = tuple(streams)
     for s in out:
         check_stream(s)
+    if len(set(out)) != len(out):
+        raise InvalidParameterError(f"streams {list(out)} name a stream twice")
     return out
+
+
+def check_codec(codec: Any) -> None:
+    """TypeError unless ``codec`` implements :class:`StreamCodec` (``encode`` and ``decode``)."""
+    for attr in ("encode", "decode"):
+        if not callable(getattr(codec, attr, None)):
+            raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
 
 
 def boundary_layers(boundary: Sequence[int], num_layers: Optional[int]) -> FrozenSet[int]:

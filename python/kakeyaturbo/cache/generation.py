@@ -20,7 +20,8 @@ from ..errors import InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
-from .codecs import STREAMS, BlockCodec, StreamCodec, boundary_layers, check_streams, codes_layer, wants_rope
+from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
+                     wants_rope)
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .positions import Positions
@@ -92,9 +93,7 @@ class KakeyaCache(Cache):
                  threads: Optional[int] = None, synthesis: str = "bf16", kernel: str = "auto") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
         n_sink = _checks.integer(n_sink, "n_sink", 0)
-        for attr in ("encode", "decode"):
-            if not callable(getattr(codec, attr, None)):
-                raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
+        check_codec(codec)
         windows: Tuple[Optional[int], ...] = ()
         layout = None
         #: The model's layers as :func:`describe` read them (empty without a model): which cache
@@ -154,6 +153,8 @@ class KakeyaCache(Cache):
                     threads: Optional[int] = None, **kwargs: Any) -> "KakeyaCache":
         """A cache with :class:`BlockCodec` of ``recipe`` and the recipe's ``n_sink``,
         ``boundary_layers`` and ``streams``; other keyword arguments as in the constructor."""
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a Recipe (recipes.load(name) gives one), got {type(recipe).__name__}")
         kwargs.setdefault("n_sink", recipe.n_sink)
         kwargs.setdefault("boundary", recipe.boundary_layers)
         kwargs.setdefault("streams", recipe.streams)

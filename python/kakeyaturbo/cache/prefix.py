@@ -9,8 +9,8 @@ import torch
 
 from ..codec import _checks
 from ..errors import InvalidParameterError
-from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_streams, codes_layer, decode_rows,
-                     encode_rows, to_numpy, wants_rope)
+from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
+                     decode_rows, encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, rope_for
 
 
@@ -58,6 +58,9 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     codec that needs RoPE without ``rope`` or ``model`` (UnsupportedModelError when the model's
     RoPE cannot be removed), or a codec that decodes to the wrong shape.
     """
+    check_codec(codec)
+    if not isinstance(getattr(cache, "layers", None), (list, tuple)):
+        raise TypeError(f"cache must be a filled transformers cache (with .layers), got {type(cache).__name__}")
     streams = check_streams(streams)
     n_sink = _checks.integer(n_sink, "n_sink", 0)
     layers = list(cache.layers)
