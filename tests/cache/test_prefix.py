@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import recipes  # noqa: E402
 from kakeyaturbo.cache import (  # noqa: E402
     BlockCodec,
@@ -40,6 +41,22 @@ def test_compress_cache_identity_leaves_the_cache_as_it_was(llama, batch) -> Non
     for layer, (k, v) in zip(cache.layers, snap):
         torch.testing.assert_close(layer.keys, k, rtol=0, atol=1e-6)
         assert torch.equal(layer.values, v)
+
+
+def test_compress_cache_checks_positions_before_any_layer_changes(llama) -> None:
+    cache, snap = filled(llama, batch=2)
+    codec, rope = IdentityCodec(pre_rope_keys=True), rope_for(llama)
+    for pos, err in [(torch.arange(39), kt.InvalidInputError),  # one token short of the 40 held
+                     (torch.arange(40)[None].expand(3, 40), kt.InvalidInputError),  # another batch
+                     (torch.arange(40, dtype=torch.float32), TypeError),
+                     ("0..40", TypeError)]:
+        with pytest.raises(err):
+            compress_cache(cache, codec, rope=rope, positions=pos)
+        for layer, (k, v) in zip(cache.layers, snap):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    compress_cache(cache, codec, rope=rope, positions=torch.arange(40)[None].expand(2, 40))
+    for layer, (k, v) in zip(cache.layers, snap):
+        torch.testing.assert_close(layer.keys, k, rtol=0, atol=1e-6)
 
 
 def test_compress_cache_keeps_sink_boundary_and_streams_exact(qwen2) -> None:

@@ -88,6 +88,14 @@ def test_bad_recipes(tmp_path) -> None:
     p.write_text('boundary_layers = [1.5]\n')
     with pytest.raises(kt.InvalidParameterError):
         recipes.load(p)
+    p.write_text('name = "x"\nstreams = ["k", "k"]\n')
+    with pytest.raises(kt.InvalidParameterError, match="twice"):
+        recipes.load(p)
+    p.write_text('name = "x"\nstreams = {k = 1}\n')
+    with pytest.raises(kt.InvalidParameterError, match="streams"):
+        recipes.load(p)
+    with pytest.raises(kt.InvalidParameterError, match="needs mode = 'calibrated'"):
+        recipes.Recipe(name="x", calibration=recipes.CalibrationSettings(windows=3))
     # Arrays nested past Python's recursion limit; a name the system refuses to look up.
     p.write_text("a = " + "[" * 2000 + "]" * 2000 + "\n")
     with pytest.raises(kt.InvalidParameterError, match="r.toml"):

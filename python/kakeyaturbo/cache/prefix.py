@@ -8,7 +8,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 
 from ..codec import _checks
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, rope_for
@@ -22,6 +22,25 @@ def held_span(layer: Any) -> Tuple[int, int]:
     held = 0 if keys is None or keys.numel() == 0 else int(keys.shape[-2])
     seen = int(layer.get_seq_length()) if hasattr(layer, "get_seq_length") else held
     return max(seen - held, 0), held
+
+
+def _positions(positions: Any, layers: Sequence[Any]) -> torch.Tensor:
+    """``positions`` checked before any layer changes: integers, ``[T]`` or ``[batch, T]``, ``T``
+    covering every token a layer holds (TypeError, InvalidInputError)."""
+    try:
+        pos = torch.as_tensor(positions)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"positions must be integers, got {type(positions).__name__} ({e})") from None
+    if pos.dtype == torch.bool or pos.is_floating_point() or pos.is_complex():
+        raise TypeError(f"positions must be integers, got dtype {pos.dtype}")
+    held = [(held_span(layer), layer.keys.shape[0]) for layer in layers
+            if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+    need = max((first + n for (first, n), _ in held), default=0)
+    batch = held[0][1] if held else None
+    if pos.ndim not in (1, 2) or pos.shape[-1] < need or (pos.ndim == 2 and pos.shape[0] != batch):
+        raise InvalidInputError(f"positions must be [T] or [batch={batch}, T] with T >= {need} (every "
+                                f"token the cache saw), got shape {tuple(pos.shape)}")
+    return pos
 
 
 def sink_rows(n_sink: int, first: int, held: int) -> int:
@@ -70,6 +89,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
         if model is None:
             raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
         rope = rope_for(model)
+    if want_rope and positions is not None:
+        positions = _positions(positions, layers)
     bits = elems = blob_bytes = raw = 0
     done = []
     with torch.no_grad():
@@ -94,7 +115,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 r = layer_rope(rope, i) if stream == "k" and want_rope else None
                 pos = None
                 if r is not None:
-                    pos = (torch.arange(first + n) if positions is None else torch.as_tensor(positions))
+                    pos = torch.arange(first + n) if positions is None else positions
                     pos = pos[..., first + s:first + n]
                     x = r.remove(x, pos)
                 blobs = encode_rows(codec, stream, i, to_numpy(x))

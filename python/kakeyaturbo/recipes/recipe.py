@@ -287,9 +287,13 @@ class Recipe:
             raise TypeError(f"boundary_layers must be a list of ints, got {layers!r}")
         put(self, "boundary_layers", tuple(_checks.integer(i, "a boundary layer") for i in layers))
         put(self, "n_sink", _checks.integer(self.n_sink, "n_sink", 0))
+        if isinstance(self.streams, dict):
+            raise TypeError(f"streams must be a list of stream names, got a table {self.streams!r}")
         streams = (self.streams,) if isinstance(self.streams, str) else tuple(self.streams)
         for s in streams:
             _checks.choice(s, "streams entry", STREAMS)
+        if len(set(streams)) != len(streams):
+            raise InvalidParameterError(f"streams {list(streams)} name a stream twice")
         put(self, "streams", streams)
         put(self, "k", _stream(mode, "k", self.k))
         put(self, "v", _stream(mode, "v", self.v))
@@ -303,6 +307,8 @@ class Recipe:
             if table and mode != "calibrated":
                 raise InvalidParameterError("[calibration] needs mode = 'calibrated'")
             cal = CalibrationSettings(**table)
+        elif mode != "calibrated" and cal != CalibrationSettings():
+            raise InvalidParameterError("[calibration] needs mode = 'calibrated'")
         try:
             put(self, "calibration", cal.checked())
         except (TypeError, KakeyaError) as e:
