@@ -3,7 +3,6 @@ held as codec bytes and raw staging rows, for a full-attention or a sliding-wind
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -15,6 +14,7 @@ from ..codec.attention import LayerCodes
 from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError
 from ..families.rope import LayerRope
+from .checks import batch_rows, check_rows
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
@@ -139,7 +139,7 @@ class KakeyaLayer(CacheLayerMixin):
         precision, as in a serving engine's current chunk); tokens of earlier calls come back
         as stored: sink and staging raw, sealed blocks decoded.
         """
-        self._check_rows(key_states, value_states)
+        check_rows(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self._pending:
@@ -168,43 +168,6 @@ class KakeyaLayer(CacheLayerMixin):
         for name, x in (("k", key_states), ("v", value_states)):
             self._append(name, x.detach(), start)
         return out_k, out_v
-
-    def _check_rows(self, key_states: Any, value_states: Any) -> None:
-        """Refuses rows the layer cannot hold before anything changes (TypeError,
-        InvalidInputError): not floating-point ``[B, H, q, D]`` tensors, K and V of another
-        ``B``, ``H`` or ``q`` than each other or than the rows held, NaN or infinity (the codecs
-        refuse them when they seal; checked on the CPU for every update, on another device only
-        when this update seals a block, as sealing reads the rows back to the host anyway)."""
-        for what, x in (("key_states", key_states), ("value_states", value_states)):
-            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-                raise TypeError(f"{what} must be a floating-point torch tensor, got "
-                                f"{getattr(x, 'dtype', type(x).__name__)}")
-            if x.ndim != 4:
-                raise InvalidInputError(f"{what} must be [B, H, q, D], got shape {tuple(x.shape)}")
-        if key_states.shape[:3] != value_states.shape[:3]:
-            raise InvalidInputError(f"key_states {tuple(key_states.shape)} and value_states "
-                                    f"{tuple(value_states.shape)} must share B, H and q")
-        if not self.is_initialized:
-            sealing = key_states.shape[-2] >= self.block_size
-        else:
-            for name, x in (("k", key_states), ("v", value_states)):
-                held = self._s[name].staging
-                if (x.shape[0], x.shape[1], x.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]):
-                    raise InvalidInputError(
-                        f"layer {self.index}: {name} rows of shape {tuple(x.shape)} for a layer holding "
-                        f"[B={held.shape[0]}, H={held.shape[1]}, D={held.shape[3]}]")
-            sealing = any(self._s[name].staging.shape[-2] + key_states.shape[-2] >= self.block_size
-                          for name in self.streams)
-        if key_states.device.type == "cpu" or sealing:
-            rows = [key_states, value_states]
-            if sealing and self.is_initialized and key_states.device.type != "cpu":
-                rows += [self._s[name].staging for name in STREAMS]
-            # One sum per tensor (a NaN or an infinity makes it non-finite; a decode step's
-            # rows cost microseconds); only a sum that overflowed is looked at element-wise.
-            if not math.isfinite(sum(float(x.sum()) for x in rows)) and \
-                    not all(bool(torch.isfinite(x).all()) for x in rows):
-                raise InvalidInputError(f"layer {self.index}: key or value rows hold NaN or infinite "
-                                        "values; the cache is unchanged")
 
     # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
 
@@ -344,7 +307,7 @@ class KakeyaLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
-            self._select(self._rows(beam_idx))
+            self._select(batch_rows(beam_idx, self._batch(), self.index))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         repeats = _checks.integer(repeats, "repeats", 1)
@@ -358,22 +321,7 @@ class KakeyaLayer(CacheLayerMixin):
             except (IndexError, RuntimeError, TypeError, ValueError) as e:
                 raise InvalidInputError(f"layer {self.index}: batch indices {indices!r} do not select "
                                         f"rows of {self._batch()} ({e})") from None
-            self._select(self._rows(rows))
-
-    def _rows(self, idx: Any) -> torch.Tensor:
-        """``idx`` as the batch rows to keep, checked before anything changes: a non-empty 1-D
-        integer tensor of rows in ``0 .. B-1`` (TypeError, InvalidInputError)."""
-        try:
-            t = idx if isinstance(idx, torch.Tensor) else torch.as_tensor(idx)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"batch rows must be integers, got {type(idx).__name__} ({e})") from None
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise TypeError(f"batch rows must be integers, got dtype {t.dtype}")
-        b = self._batch()
-        if t.ndim != 1 or t.numel() == 0 or int(t.min()) < 0 or int(t.max()) >= b:
-            raise InvalidInputError(f"layer {self.index}: batch rows must be a non-empty 1-D list of rows in "
-                                    f"0..{b - 1}, got {t.tolist() if t.numel() <= 16 else tuple(t.shape)}")
-        return t
+            self._select(batch_rows(rows, self._batch(), self.index))
 
     def offload(self) -> None:
         """Not supported: sealed blocks are host bytes already."""

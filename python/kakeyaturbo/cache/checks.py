@@ -1,0 +1,65 @@
+"""Checks of what a cache layer (:class:`~kakeyaturbo.cache.layer.KakeyaLayer`) is handed, made
+before anything changes: a refused call leaves the layer as it was."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError
+from .codecs import STREAMS
+
+
+def check_rows(layer: Any, key_states: Any, value_states: Any) -> None:
+    """Refuses rows ``layer`` cannot hold (TypeError, InvalidInputError): not floating-point
+    ``[B, H, q, D]`` tensors, K and V of another ``B``, ``H`` or ``q`` than each other or than
+    the rows held, NaN or infinity (the codecs refuse them when they seal; checked on the CPU for
+    every update, on another device only when this update seals a block, as sealing reads the
+    rows back to the host anyway)."""
+    for what, x in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{what} must be a floating-point torch tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.ndim != 4:
+            raise InvalidInputError(f"{what} must be [B, H, q, D], got shape {tuple(x.shape)}")
+    if key_states.shape[:3] != value_states.shape[:3]:
+        raise InvalidInputError(f"key_states {tuple(key_states.shape)} and value_states "
+                                f"{tuple(value_states.shape)} must share B, H and q")
+    q = key_states.shape[-2]
+    if not layer.is_initialized:
+        sealing = q >= layer.block_size
+    else:
+        for name, x in (("k", key_states), ("v", value_states)):
+            held = layer._s[name].staging
+            if (x.shape[0], x.shape[1], x.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]):
+                raise InvalidInputError(
+                    f"layer {layer.index}: {name} rows of shape {tuple(x.shape)} for a layer holding "
+                    f"[B={held.shape[0]}, H={held.shape[1]}, D={held.shape[3]}]")
+        sealing = any(layer._s[name].staging.shape[-2] + q >= layer.block_size for name in layer.streams)
+    if key_states.device.type == "cpu" or sealing:
+        rows = [key_states, value_states]
+        if sealing and layer.is_initialized and key_states.device.type != "cpu":
+            rows += [layer._s[name].staging for name in STREAMS]
+        # One sum per tensor (a NaN or an infinity makes it non-finite; a decode step's rows
+        # cost microseconds); only a sum that overflowed is looked at element-wise.
+        if not math.isfinite(sum(float(x.sum()) for x in rows)) and \
+                not all(bool(torch.isfinite(x).all()) for x in rows):
+            raise InvalidInputError(f"layer {layer.index}: key or value rows hold NaN or infinite "
+                                    "values; the cache is unchanged")
+
+
+def batch_rows(idx: Any, batch: int, index: int) -> torch.Tensor:
+    """``idx`` as the batch rows of layer ``index`` to keep: a non-empty 1-D integer tensor of
+    rows in ``0 .. batch-1`` (TypeError, InvalidInputError)."""
+    try:
+        t = idx if isinstance(idx, torch.Tensor) else torch.as_tensor(idx)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"batch rows must be integers, got {type(idx).__name__} ({e})") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"batch rows must be integers, got dtype {t.dtype}")
+    if t.ndim != 1 or t.numel() == 0 or int(t.min()) < 0 or int(t.max()) >= batch:
+        raise InvalidInputError(f"layer {index}: batch rows must be a non-empty 1-D list of rows in "
+                                f"0..{batch - 1}, got {t.tolist() if t.numel() <= 16 else tuple(t.shape)}")
+    return t
