@@ -43,7 +43,7 @@ pub(super) const ROW_CHUNK: usize = 16;
 /// Multiply-adds of a phase (preparation or combination, all (batch row, kv-head)s) from
 /// which its rows run as units of [`ROW_CHUNK`] in the call's mode, not on the calling thread
 /// (grouped-query layers stay far below: 3 query rows of 64 dims and 56 components cost 11k
-/// per kv-head; a 128-head latent layer costs 75M).
+/// per kv-head; a 128-head latent layer 42M and 33M).
 pub(super) const ROWS_WORK: usize = 1 << 20;
 
 /// Query rows per kv-head (`H_q / H_kv x n_q`) that [`INLINE_WORK`] counts as one: up to 16
