@@ -344,10 +344,12 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     if qa.shape[1] % hkv or not n_q <= tk.shape[2]:
         raise InvalidInputError(f"q {qa.shape}: its heads must be a multiple of the {hkv} kv-heads and "
                                 f"its tokens at most the tail's {tk.shape[2]} rows")
-    try:
-        total: Optional[int] = sk.shape[2] + codes.rows() + tk.shape[2]
-    except InvalidInputError:  # uneven sealed rows: the kernel says so
-        total = None
+    total: Optional[int] = None
+    if mask is not None:  # the mask's T (only then: a call per decode step and layer otherwise)
+        try:
+            total = sk.shape[2] + codes.rows() + tk.shape[2]
+        except InvalidInputError:  # uneven sealed rows: the kernel says so
+            pass
     qa, tk, tv, sk, sv = _contiguous(qa, tk, tv, sk, sv)
     # 1 / sqrt of the query's width (a latent query scores both streams).
     scale_ = 1.0 / math.sqrt(dk + dv if lat else dk) if scale is None else _checks.real(scale, "scale")

@@ -35,9 +35,8 @@ pub const PAIR_WORK: usize = 1 << 21;
 
 /// Query rows per unit of the queries' preparation and of the final combination where a
 /// phase is heavy ([`ROWS_WORK`]): latent attention has 16 to 128 query rows per kv-head, whose
-/// preparation and combination took a fifth of a 2k step on one thread (a `perf` profile of
-/// `benches/bench_latent_attention.py`'s 128-head layer). A multiple of the 4 rows that the
-/// synthesis is read once for.
+/// preparation and combination ran on the calling thread whatever the thread count. A multiple
+/// of the 4 rows that the synthesis is read once for.
 pub(super) const ROW_CHUNK: usize = 16;
 
 /// Multiply-adds of a phase (preparation or combination, all (batch row, kv-head)s) from
