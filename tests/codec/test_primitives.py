@@ -67,6 +67,25 @@ def test_rotation_rejects_non_powers_of_two() -> None:
         kt.wht_rows(np.zeros((2, 96), np.float32))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_transforms_refuse_non_finite_rows(bad: float) -> None:
+    x = np.ones((3, 8), np.float32)
+    x[1, 5] = bad
+    for call in (kt.wht_rows, lambda a: kt.rotate_rows(a, 7), lambda a: kt.inverse_rotate_rows(a, 7)):
+        with pytest.raises(kt.InvalidInputError, match="finite"):
+            call(x)
+
+
+def test_transforms_refuse_an_overflowing_row() -> None:
+    x = np.full((2, 16), 3.0e38, np.float32)
+    with pytest.raises(kt.InvalidInputError, match="overflows float32"):
+        kt.wht_rows(x)
+    with pytest.raises(kt.InvalidInputError, match="overflows float32"):
+        kt.rotate_rows(x, 0)
+    y = np.full((2, 16), 1.0e37, np.float32)  # finite in and out
+    assert np.isfinite(kt.rotate_rows(y, 0)).all()
+
+
 def test_pack_golden() -> None:
     assert kt.pack_bits(np.array([1, 2, 3, 4, 5, 6]), 3) == bytes([0xD1, 0x58, 0x03])
     assert kt.pack_bits(np.array([0xA, 0x5]), 4) == bytes([0x5A])

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 
 
@@ -18,19 +18,39 @@ def wht_sign_pattern(seed: int, n: int) -> np.ndarray:
     return _core.wht_sign_pattern(_checks.seed(seed, "seed"), _checks.integer(n, "n", 0))
 
 
+def _finite_in(x: Any, name: str) -> np.ndarray:
+    a = _checks.matrix(x, name)
+    if not np.isfinite(a).all():
+        raise InvalidInputError(f"{name} must be finite (it holds NaN or inf)")
+    return a
+
+
+def _finite_out(y: np.ndarray, name: str) -> np.ndarray:
+    if not np.isfinite(y).all():
+        raise InvalidInputError(f"the transform of {name} overflows float32: its values are too "
+                                f"large (up to {float(np.abs(y[np.isfinite(y)]).max(initial=0)):.3g} "
+                                "where finite)")
+    return y
+
+
 def wht_rows(x: np.ndarray) -> np.ndarray:
-    """Unnormalised Walsh-Hadamard transform of each row of float32 ``[n, W]``, W a power of 2."""
-    return _core.wht_rows(_checks.matrix(x, "x"))
+    """Unnormalised Walsh-Hadamard transform of each row of float32 ``[n, W]``, W a power of 2.
+
+    InvalidInputError for a non-finite ``x`` or one whose transform overflows float32."""
+    return _finite_out(_core.wht_rows(_finite_in(x, "x")), "x")
 
 
 def rotate_rows(x: np.ndarray, seed: int) -> np.ndarray:
-    """``H (s * x)`` for each row of float32 ``[n, W]``, ``s = wht_sign_pattern(seed, W)``."""
-    return _core.rotate_rows(_checks.matrix(x, "x"), _checks.seed(seed, "seed"))
+    """``H (s * x)`` for each row of float32 ``[n, W]``, ``s = wht_sign_pattern(seed, W)``.
+
+    InvalidInputError for a non-finite ``x`` or one whose transform overflows float32."""
+    return _finite_out(_core.rotate_rows(_finite_in(x, "x"), _checks.seed(seed, "seed")), "x")
 
 
 def inverse_rotate_rows(y: np.ndarray, seed: int) -> np.ndarray:
-    """``s * (H y) / W`` for each row: the inverse of :func:`rotate_rows`."""
-    return _core.inverse_rotate_rows(_checks.matrix(y, "y"), _checks.seed(seed, "seed"))
+    """``s * (H y) / W`` for each row: the inverse of :func:`rotate_rows` (checked as it is)."""
+    return _finite_out(_core.inverse_rotate_rows(_finite_in(y, "y"), _checks.seed(seed, "seed")),
+                       "y")
 
 
 def pack_bits(values: Any, bits: int) -> bytes:
