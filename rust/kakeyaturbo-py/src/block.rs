@@ -7,7 +7,8 @@ use crate::params;
 use kakeyaturbo::f16::{ScaledF16, MAX_EXP, MIN_EXP};
 use kakeyaturbo::limits::{saturate, MAX_DIM, MAX_ROWS};
 use kakeyaturbo::pack::unpack_bits;
-use kakeyaturbo::perblock::block::{self, BlockCodes, Rotation, Skeleton};
+use kakeyaturbo::perblock::block::{BlockCodes, Rotation, Skeleton};
+use kakeyaturbo::perblock::decode;
 use kakeyaturbo::perblock::layer::encode_single_block;
 use kakeyaturbo::quant::Quantizer;
 use kakeyaturbo::wht::padded_len;
@@ -160,9 +161,9 @@ pub fn decode_block_from_parts<'py>(
         outlier_val: arr(py, parts, "outlier_bits", opos.len(), "len(outlier_pos)")?,
     };
     let out = run(py, || {
-        block::check_parts(&skel, &codes, bw)?;
+        decode::check_parts(&skel, &codes, bw)?;
         let mut out = kakeyaturbo::limits::zeros(n * d, "the decoded block")?;
-        block::decode_block(&skel, &codes, bw, &q, &Rotation::new(seed, de), &mut out)?;
+        decode::decode_block(&skel, &codes, bw, &q, &Rotation::new(seed, de), &mut out)?;
         Ok(out)
     })?;
     to_array2(py, out, n, d)

@@ -1,5 +1,5 @@
 // Profiling aid: stages 2-5 encode and the decode of one 512 x 128 block, repeated.
-use kakeyaturbo::perblock::block;
+use kakeyaturbo::perblock::{block, decode};
 use kakeyaturbo::*;
 fn main() {
     let (n, d) = (512usize, 128usize);
@@ -29,7 +29,7 @@ fn main() {
     let mut out = vec![0f32; n * d];
     for _ in 0..2000 {
         if mode == "decode" {
-            block::decode_block(&s, &c, 3, &q, &rot, &mut out).unwrap();
+            decode::decode_block(&s, &c, 3, &q, &rot, &mut out).unwrap();
         } else {
             std::hint::black_box(block::encode_with_skeleton(&x, &s, &p, &q));
         }

@@ -3,7 +3,8 @@
 //! Two modes of one codec, each split by job, arrows running one way (top to bottom):
 //!
 //! - [`perblock`]: [`perblock::params`] -> [`perblock::block`] (stages 1-5 on one block) ->
-//!   [`perblock::layer`] (blocks, threads) -> [`perblock::container`] (`KKYT` bytes);
+//!   [`perblock::decode`] (and back) -> [`perblock::layer`] (blocks, threads) ->
+//!   [`perblock::container`] (`KKYT` bytes);
 //! - [`calibrated`]: [`calibrated::calibration`] (checked once per model, fingerprinted) ->
 //!   [`calibrated::codec`] (rows to codes) -> [`calibrated::container`] (`KKYC` bytes).
 //!

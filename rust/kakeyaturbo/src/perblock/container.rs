@@ -498,7 +498,7 @@ mod tests {
         // Whether inf * 0 comes out NaN depends on the matmul kernel faer picks, so pin the
         // bound itself: this block must not be let through unscanned.
         let q = layer.quantizer().unwrap();
-        assert!(super::super::block::decode_bound(s, c, &q) > crate::limits::SAFE_F32);
+        assert!(super::super::decode::decode_bound(s, c, &q) > crate::limits::SAFE_F32);
         let y = crate::perblock::decode_layer(&layer, Some(1)).unwrap();
         assert!(y.iter().all(|v| v.is_finite()), "{y:?}");
     }

@@ -6,6 +6,7 @@
 //! sequentially, which makes the bytes independent of the thread count.
 
 use super::block::{self, Basis, BlockCodes, Rotation, Skeleton, StageTimes};
+use super::decode;
 use super::params::{CodecParams, SkeletonDtype};
 use crate::error::{param, Result};
 use crate::f16::{pow2, to_bits_scaled, ScaledF16};
@@ -223,7 +224,7 @@ fn encode_rows(
 }
 
 /// Decodes a layer into a row-major `[n, d]` tensor; every value is finite (see
-/// [`block::decode_block`]).
+/// [`decode::decode_block`]).
 pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f32>> {
     let q = enc.quantizer()?;
     let d = enc.d;
@@ -236,7 +237,7 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
             .zip(enc.blocks.par_iter())
             .map(|(o, (s, c))| {
                 let rot = Rotation::new(seed, s.d_eff);
-                block::decode_block(s, c, bw, &q, &rot, o)
+                decode::decode_block(s, c, bw, &q, &rot, o)
             })
             .collect::<Result<()>>()
     })??;

@@ -2,11 +2,12 @@
 //! of rows and stored with it, so a container decodes with nothing but its own bytes.
 //!
 //! Arrows run one way: [`params`] (the checked parameters) -> [`block`] (one block through
-//! stages 1-5 and back) -> [`layer`] (a `[N, D]` tensor cut into blocks, coded in parallel) ->
-//! [`container`] (the `KKYT` bytes).
+//! stages 1-5) -> [`decode`] (its codes back to rows) -> [`layer`] (a `[N, D]` tensor cut into
+//! blocks, coded in parallel) -> [`container`] (the `KKYT` bytes).
 
 pub mod block;
 pub mod container;
+pub mod decode;
 pub mod layer;
 pub mod params;
 
