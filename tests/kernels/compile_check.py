@@ -118,8 +118,10 @@ def record_launches() -> List[Launch]:
             ]
             skel = K.stack_skeletons(parts)
             codes = K.encode_blocks(torch.from_numpy(np.stack([x, x])).to(dtype), skel)
+            # The launches were recorded, not run: valid (zero) codes for the decode's checks.
+            codes = {key: torch.zeros_like(v) for key, v in codes.items()}
             codes["outlier_ptr"] = torch.tensor([0, 1, 3])
-            codes["outlier_pos"] = torch.zeros(3, dtype=torch.int64)
+            codes["outlier_pos"] = torch.tensor([0, 0, 1])
             codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
             K.decode_blocks(codes, skel, out_dtype=dtype)
     # Calibrated mode: slot counts 16..256 (MP), every branch, both input and output dtypes.
@@ -135,8 +137,9 @@ def record_launches() -> List[Launch]:
         fit = calibrate.fit_stream(x.mean(0), np.cov(x.T), bpe, norm=kw.get("norm", True))
         batch = K.stack_calibrations([fit.codec(**kw)] * 2)
         codes = K.encode_calibrated(torch.from_numpy(np.stack([x, x])).to(dtype), batch)
+        codes = {key: torch.zeros_like(v) for key, v in codes.items()}
         codes["outlier_ptr"] = torch.tensor([0, 1, 3])
-        codes["outlier_pos"] = torch.zeros(3, dtype=torch.int64)
+        codes["outlier_pos"] = torch.tensor([0, 0, 1])
         codes["outlier_bits"] = torch.zeros(3, dtype=torch.int16)
         K.decode_calibrated(codes, batch, out_dtype=dtype, n=300)
     # Decode attention over the codes: the default model's shape and a head_dim-128 one, GQA

@@ -19,6 +19,7 @@ import triton.language as tl  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 from kakeyaturbo.kernels import _common  # noqa: E402
 from kakeyaturbo.reference import _common as ref  # noqa: E402
 
@@ -112,3 +113,145 @@ def test_every_kernel_compiles_for_hopper() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_are_compiled_on_the_gpu() -> None:
     assert not K.is_interpreter()
+
+
+# Robustness: host data checked before any launch, device data clamped in the kernels.
+
+
+def test_row_counts_are_checked_on_the_host() -> None:
+    dev = torch.device("cpu")
+    assert _common.rows_tensor([3, 1], 2, 4, dev).tolist() == [3, 1]
+    assert _common.rows_tensor(np.array([4], np.int64), 1, 4, dev).tolist() == [4]
+    for bad in ([0, 1], [5, 1], [1], [1, 1, 1]):
+        with pytest.raises(InvalidInputError, match=r"rows must hold 2 counts in 1\.\.4"):
+            _common.rows_tensor(bad, 2, 4, dev)
+    # A CPU tensor is host data too: checked like a list (a GPU tensor is trusted).
+    for bad in ([0, 1], [-5, 1], [10**7, 1]):
+        with pytest.raises(InvalidInputError, match=r"rows must hold 2 counts in 1\.\.4"):
+            _common.rows_tensor(torch.tensor(bad, dtype=torch.int32), 2, 4, dev)
+    # Counts that are not ints are not truncated.
+    for bad in ([1.9, 1], [True, 1], np.array([1.5, 1.0])):
+        with pytest.raises(TypeError, match="rows must hold ints"):
+            _common.rows_tensor(bad, 2, 4, dev)
+    with pytest.raises(TypeError, match="rows must be a sequence"):
+        _common.rows_tensor(3, 2, 4, dev)
+
+
+@pytest.fixture
+def on_device(monkeypatch: pytest.MonkeyPatch):
+    """Makes the wrappers treat CPU tensors as GPU tensors (trusted, not read): what reaches
+    the kernels is then only what they clamp."""
+    from kakeyaturbo.kernels.calibrated import decode as cdecode
+    from kakeyaturbo.kernels.perblock import decode as pdecode
+
+    for mod in (_common, cdecode, pdecode):
+        monkeypatch.setattr(mod, "on_host", lambda t: False, raising=False)
+
+
+def _calibrated_case(n: int = 20, d: int = 32):
+    from kakeyaturbo import calibrate
+
+    g = np.random.default_rng(0)
+    q, _ = np.linalg.qr(g.standard_normal((d, d)))
+    full = np.zeros(d, np.int64)
+    full[:15] = [4] * 6 + [3] * 5 + [2] * 4
+    fit = calibrate.fit_stream(g.standard_normal(d), (q * (0.93 ** np.arange(d) + 1e-3)) @ q.T, 0.0, bits=full)
+    codec = fit.codec(outlier_threshold=1.5)
+    x = (g.standard_normal((n, d)) * 0.95 ** np.arange(d) * 2 + 0.5).astype(np.float32)
+    return codec, x
+
+
+def test_kernels_clamp_device_row_counts(on_device) -> None:
+    """A row count past N on the device (not checked: it would read the device) is clamped to
+    N in every kernel: the result is that of N rows, nothing is written past the buffers."""
+    codec, x = _calibrated_case()
+    batch = K.stack_calibrations([codec], DEVICE)
+    xt = torch.from_numpy(x[None]).to(DEVICE)
+    huge = torch.tensor([10**7], dtype=torch.int32, device=DEVICE)
+    want = K.encode_calibrated(xt, batch)
+    got = K.encode_calibrated(xt, batch, huge)
+    for key in ("codes", "scale_bits", "scale_exp", "outlier_ptr", "outlier_pos", "outlier_bits"):
+        assert torch.equal(got[key], want[key]), key
+    with K.poison_outputs():
+        dec = K.decode_calibrated(want, batch, huge)
+    assert torch.equal(dec, K.decode_calibrated(want, batch))
+    p = kt.encode_block_codes(x, outlier_threshold=2.0)
+    skel = K.stack_skeletons([p], DEVICE)
+    want = K.encode_blocks(xt, skel)
+    got = K.encode_blocks(xt, skel, huge)
+    for key in ("seg_id", "t_bits", "norm_bits", "residual_packed", "outlier_pos"):
+        assert torch.equal(got[key], want[key]), key
+    with K.poison_outputs():
+        assert torch.equal(K.decode_blocks(want, skel, huge), K.decode_blocks(want, skel))
+
+
+def test_kernels_clamp_device_centre_indices(on_device) -> None:
+    """A corrupted ``seg_id`` on the device is clamped to the block's centres (``k - 1``) by the
+    decode and by the encode's residual launches: no read past the centres."""
+    from kakeyaturbo.kernels.perblock import project, residual
+
+    _, x = _calibrated_case(40)
+    p = kt.encode_block_codes(x, outlier_threshold=2.0)
+    k = int(p["k"])
+    skel = K.stack_skeletons([p], DEVICE)
+    codes = K.stack_codes([p], skel)
+    bad, last = dict(codes), dict(codes)
+    bad["seg_id"], last["seg_id"] = codes["seg_id"].clone(), codes["seg_id"].clone()
+    bad["seg_id"][0, 0], last["seg_id"][0, 0] = 10**6, k - 1
+    assert torch.equal(K.decode_blocks(bad, skel), K.decode_blocks(last, skel))
+    bad["seg_id"][0, 0] = -(10**6)
+    last["seg_id"][0, 0] = 0
+    assert torch.equal(K.decode_blocks(bad, skel), K.decode_blocks(last, skel))
+    rows = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    c, seg, traw = project.project_assign(torch.from_numpy(x[None]).to(DEVICE), skel, rows)
+    seg_bad, seg_last = seg.clone(), seg.clone()
+    seg_bad[0, 0], seg_last[0, 0] = 10**6, k - 1
+    a = residual.residuals(c, seg_bad, traw, skel, rows)
+    b = residual.residuals(c, seg_last, traw, skel, rows)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _huge_stride_view(n: int, d: int, stride: int) -> torch.Tensor:
+    """A bf16 ``[1, n, d]`` view whose last axis has ``stride``, over a buffer of
+    ``stride * (d - 1) + n`` elements (virtual memory: only the ``n * d`` viewed elements are
+    ever touched). Skips the test where the system refuses that much address space."""
+    try:
+        base = torch.empty(stride * (d - 1) + n, dtype=torch.bfloat16)
+    except RuntimeError as e:  # pragma: no cover - depends on the system's overcommit policy
+        pytest.skip(f"cannot reserve {stride * (d - 1) * 2 / 2**30:.1f} GiB of address space: {e}")
+    return base.as_strided((1, n, d), (0, 1, stride))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a CPU view of over 2**31 elements")
+def test_offsets_past_int32_in_strided_loads_and_stores() -> None:
+    """A legal view whose largest offset passes 2**31 although its strides fit in int32 (a
+    feature-major [D, H*T] buffer seen as [H, T, D]): the kernels form offsets in int64."""
+    n, d, stride = 4, 32, 70_000_000  # (d - 1) * stride > 2**31
+    codec, x = _calibrated_case(n, d)
+    src = torch.from_numpy(x[None]).to(torch.bfloat16)
+    view = _huge_stride_view(n, d, stride)
+    view.copy_(src)
+    batch = K.stack_calibrations([codec], "cpu")
+    a, b = K.encode_calibrated(view, batch), K.encode_calibrated(src, batch)
+    assert torch.equal(a["codes"], b["codes"]) and torch.equal(a["scale_bits"], b["scale_bits"])
+    K.decode_calibrated(b, batch, out_dtype=torch.bfloat16, out=view)
+    assert torch.equal(view, K.decode_calibrated(b, batch, out_dtype=torch.bfloat16))
+    view.copy_(src)
+    skel = K.stack_skeletons([kt.encode_block_codes(x)], "cpu")
+    a, b = K.encode_blocks(view, skel), K.encode_blocks(src, skel)
+    assert torch.equal(a["residual_packed"], b["residual_packed"]) and torch.equal(a["seg_id"], b["seg_id"])
+    K.decode_blocks(b, skel, out_dtype=torch.bfloat16, out=view)
+    assert torch.equal(view, K.decode_blocks(b, skel, out_dtype=torch.bfloat16))
+
+
+def test_row_starts_stay_in_the_lists_whatever_the_pointers() -> None:
+    """Corrupted outlier lists on a GPU are not checked (that would read the device): the row
+    starts the kernels follow still lie in 0..M, so no read leaves ``outlier_pos``."""
+    pos = torch.tensor([1, 5, 9, 0, 2, 4])
+    d_eff = torch.tensor([4, 4], dtype=torch.int32)
+    good = _common.row_starts({"outlier_ptr": torch.tensor([0, 3, 6]), "outlier_pos": pos}, d_eff, 3, 4)
+    assert good.tolist() == [[0, 1, 2, 3], [3, 5, 6, 6]]
+    for ptr in ([0, 9], [3, 0], [-2, 6], [0, 2**40]):
+        p = torch.tensor(ptr[:1] + [ptr[1]] * 2)
+        got = _common.row_starts({"outlier_ptr": p, "outlier_pos": pos}, d_eff, 3, 4)
+        assert got.shape == (2, 4) and 0 <= int(got.min()) and int(got.max()) <= pos.numel()

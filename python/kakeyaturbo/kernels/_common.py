@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 from typing import Any, Dict, Iterator, Mapping, Sequence, Union
 
@@ -16,7 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError
+
 _POISON = False
+
+#: The range of the shared fp16 exponents (``f16.rs``).
+MIN_EXP, MAX_EXP = -126, 127
 
 
 def is_interpreter() -> bool:
@@ -74,31 +80,104 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 RowsLike = Union[None, Sequence[int], torch.Tensor]
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """True for a tensor in host memory: its values are checked like any host data (a tensor
+    on a GPU that the library built is trusted: checking it would read the device)."""
+    return t.device.type == "cpu"
+
+
 def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.Tensor:
-    """Row counts as int32 ``[B]`` on ``device``. Host sequences are range-checked (1..N);
-    a tensor is trusted (checking it would read the device)."""
+    """Row counts as int32 ``[B]`` on ``device``. Host counts (a sequence of ints, or a CPU
+    tensor) are checked: TypeError for a count that is not an int, InvalidInputError unless
+    there are ``B`` of them in 1..N. A tensor on a GPU is trusted (checking it would read the
+    device); the kernels clamp every count to N, so a bad one cannot reach past the buffers."""
     if rows is None:
         return torch.full((b,), n, dtype=torch.int32, device=device)
     if isinstance(rows, torch.Tensor):
         if rows.shape != (b,) or rows.dtype != torch.int32:
             raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
         check_device("rows", rows, device)
+        if on_host(rows) and b and not 1 <= int(rows.min()) <= int(rows.max()) <= n:
+            raise InvalidInputError(f"rows must hold {b} counts in 1..{n}, got {rows.tolist()}")
         return rows
-    vals = [int(v) for v in rows]
+    try:
+        items = list(rows)
+    except TypeError:
+        raise TypeError(f"rows must be a sequence of {b} ints or an int32 tensor, got "
+                        f"{type(rows).__name__}") from None
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"rows must hold ints, got {type(v).__name__} {v!r}")
+    vals = [int(v) for v in items]
     if len(vals) != b or any(not 1 <= v <= n for v in vals):
-        raise ValueError(f"rows must hold {b} counts in 1..{n}, got {vals}")
+        raise InvalidInputError(f"rows must hold {b} counts in 1..{n}, got {vals}")
     return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def check_finite_rows(name: str, x: torch.Tensor, rows: torch.Tensor, what: str) -> None:
+    """InvalidInputError naming the first non-finite value of the live rows of ``x`` (``[B, N,
+    D]``; block / head ``i`` has ``rows[i]`` rows, the others are not read). One reduction
+    over ``x`` and one read of its result, on any device."""
+    bad = ~torch.isfinite(x).all(dim=2)
+    bad &= torch.arange(x.shape[1], device=x.device)[None, :] < rows[:, None]
+    if bool(bad.any()):
+        i, r = (int(v) for v in torch.nonzero(bad)[0])
+        c = int(torch.nonzero(~torch.isfinite(x[i, r]))[0, 0])
+        v = float(x[i, r, c])
+        shown = "NaN" if v != v else ("inf" if v > 0 else "-inf")
+        raise InvalidInputError(f"{name}: non-finite value {shown} at {what} {i}, row {r}, column {c}")
+
+
+def check_out(out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> None:
+    """An ``out`` tensor of ``shape`` and ``dtype`` on ``device`` whose elements are distinct
+    (no zero stride over an axis of more than one element, as an ``expand``-ed view has:
+    programs writing different rows would race on it). Raises ValueError."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"out must be {dtype} {list(shape)}, got {out.dtype} {tuple(out.shape)}")
+    check_device("out", out, device)
+    if any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
+        raise InvalidInputError(f"out must not repeat elements (strides {out.stride()})")
+
+
+def check_exponents(name: str, exps: Any, what: str = "block") -> None:
+    """InvalidParameterError unless every shared exponent (host values) is in -126..=127."""
+    for i, e in enumerate(np.asarray(exps).reshape(-1).tolist()):
+        if not MIN_EXP <= e <= MAX_EXP:
+            raise InvalidParameterError(f'{what} {i}: parts["{name}"] must be in {MIN_EXP}..={MAX_EXP}, got {e}')
+
+
+def check_outlier_lists(codes: Mapping[str, torch.Tensor], cells: Sequence[int], what: str,
+                        error: type = CorruptDataError) -> None:
+    """Checks batched outlier lists in host memory: ``outlier_ptr`` must run from 0 to ``M``
+    without decreasing (CorruptDataError), each entry's positions must be ascending and below
+    its ``cells[i]`` (``error``), and every value a finite fp16 (``error``)."""
+    ptr = codes["outlier_ptr"].tolist()
+    m = int(codes["outlier_pos"].numel())
+    if ptr[0] != 0 or ptr[-1] != m or any(a > b for a, b in zip(ptr, ptr[1:])):
+        raise CorruptDataError(f"outlier_ptr must run from 0 to {m} (the outliers) without decreasing, got {ptr}")
+    pos = codes["outlier_pos"]
+    for i, c in enumerate(cells):
+        p = pos[ptr[i]:ptr[i + 1]]
+        if p.numel() and (int(p[0]) < 0 or int(p[-1]) >= c or bool((p[1:] <= p[:-1]).any())):
+            raise error(f"{what} {i}: outlier positions out of range ({c} cells) or not ascending")
+    bits = codes["outlier_bits"]
+    if bits.numel() and bool(((bits & 0x7C00) == 0x7C00).any()):
+        raise error("outlier_bits holds a non-finite fp16 value")
 
 
 def row_starts(codes: Mapping[str, torch.Tensor], d_eff: torch.Tensor, n: int, w: int) -> torch.Tensor:
     """int64 ``[B, N + 1]``: index into ``outlier_pos`` of the first outlier of each row (and
     of the end of the block), found on device by binary search of the sorted lists; ``w``
-    bounds every ``d_eff``."""
+    bounds every ``d_eff``. Every start lies in ``0..M`` whatever the lists hold (corrupted
+    lists on a GPU are not checked: that would read the device), so the kernels' reads stay in
+    ``outlier_pos``."""
     ptr, pos = codes["outlier_ptr"], codes["outlier_pos"]
     b = d_eff.shape[0]
     # One sorted key over all blocks: block * stride + position, stride > any n * d_eff.
     stride = n * w + 1
-    blk = torch.repeat_interleave(torch.arange(b, device=pos.device), ptr.diff(), output_size=pos.numel())
+    # The block of entry j: the number of blocks ending at or before j (in 0..B - 1 always).
+    idx = torch.arange(pos.numel(), device=pos.device)
+    blk = torch.searchsorted(ptr[1:].contiguous(), idx, right=True).clamp_(max=b - 1)
     key = blk * stride + pos
     query = torch.arange(b, device=pos.device)[:, None] * stride + torch.arange(
         n + 1, device=pos.device
@@ -172,10 +251,12 @@ def from_scaled_f16(h, e):
 
 
 @triton.jit
-def residual_tile(c_ptr, centers_ptr, seg, t_hat, row_off, rmask, cols, W: tl.constexpr):
+def residual_tile(c_ptr, centers_ptr, seg, k_b, t_hat, row_off, rmask, cols, W: tl.constexpr):
     """``r = c - t^ centre_seg`` for a tile of rows of the ``c`` scratch (``[*, W]``), with the
     stored ``t^``: a product then a difference, two roundings as in Rust (the launchers disable
-    fp fusion, so no fma). ``centers_ptr`` points at the block's ``[KP, W]`` centres."""
+    fp fusion, so no fma). ``centers_ptr`` points at the block's ``[KP, W]`` centres; ``seg`` is
+    clamped to ``0..k_b - 1`` (the block's centres), so no index reads past them."""
+    seg = tl.maximum(tl.minimum(seg, k_b - 1), 0)
     cen = tl.load(centers_ptr + seg[:, None] * W + cols[None, :])
     c = tl.load(c_ptr + row_off[:, None] * W + cols[None, :], mask=rmask[:, None], other=0.0)
     return c - t_hat[:, None] * cen

@@ -11,6 +11,8 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
+from ..errors import InvalidInputError, InvalidParameterError
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -123,6 +125,32 @@ def as_tensor(v: Any, device: Any, dtype: torch.dtype) -> torch.Tensor:
     if a.dtype == np.uint16:
         a = a.astype(np.int32)
     return torch.as_tensor(a).to(device=device, dtype=dtype)
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """InvalidInputError naming the first non-finite value of ``x [n, D]`` (as Rust does)."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        r, c = (int(v) for v in torch.nonzero(bad)[0])
+        v = float(x[r, c])
+        shown = "NaN" if v != v else ("inf" if v > 0 else "-inf")
+        raise InvalidInputError(f"{name}: non-finite value {shown} at row {r}, column {c}")
+
+
+def exponent(parts: Any, key: str) -> int:
+    """``parts[key]``, a shared fp16 exponent: InvalidParameterError outside -126..=127."""
+    e = int(parts[key])
+    if not -126 <= e <= 127:
+        raise InvalidParameterError(f'parts["{key}"] must be in -126..=127, got {e}')
+    return e
+
+
+def counted(v: torch.Tensor, key: str, n: int, what: str) -> torch.Tensor:
+    """``v`` flattened, or InvalidInputError unless it holds ``n`` values."""
+    v = v.reshape(-1)
+    if v.numel() != n:
+        raise InvalidInputError(f'parts["{key}"] has {v.numel()} values, expected {what} = {n}')
+    return v
 
 
 def bits_to_f32(bits: torch.Tensor) -> torch.Tensor:

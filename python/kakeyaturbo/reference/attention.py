@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..codec.attention import LayerCodes, RopeTable, _mask
+from ..errors import InvalidInputError
 
 __all__ = ["decoded_kv", "reference_attention"]
 
@@ -68,6 +69,21 @@ def decoded_kv(codes: LayerCodes, sink_k: Any, sink_v: Any, tail_k: Any, tail_v:
     return torch.stack(ks), torch.stack(vs)
 
 
+def _check_shapes(codes: LayerCodes, q: torch.Tensor, tail_k: Any, latent: bool) -> None:
+    """InvalidInputError, as :func:`kakeyaturbo.decode_attention` raises it, for a query that
+    does not fit the layer: ``[B, H_q, n_q, D_k]`` (``D_k + D_v`` with ``latent``) with ``H_q``
+    a positive multiple of the kv-heads and ``1 <= n_q <=`` the tail's rows."""
+    b, hkv = codes.batch, codes.kv_heads
+    dq = codes.k_dim + codes.v_dim if latent else codes.k_dim
+    tail = np.shape(tail_k)
+    if q.ndim != 4 or q.shape[0] != b or q.shape[3] != dq:
+        raise InvalidInputError(f"q must be [B={b}, H_q, n_q, {dq}], got shape {tuple(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % hkv:
+        raise InvalidInputError(f"query heads ({q.shape[1]}) must be a positive multiple of the kv-heads ({hkv})")
+    if not 1 <= q.shape[2] <= (tail[2] if len(tail) == 4 else 0):
+        raise InvalidInputError(f"q {tuple(q.shape)}: its tokens must be 1 .. the tail's rows ({tail})")
+
+
 def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                         sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                         softcap: Optional[float] = None, window: Optional[int] = None,
@@ -79,10 +95,11 @@ def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     ``sink_logits``, the softmax is taken over the scores and the head's sink logit, whose
     weight is then dropped, as GPT-OSS's attention does: lse is the sink's there). With
     ``latent`` the scores read ``[k, v]`` and the sum runs over ``k`` (out ``[.., D_k]``)."""
+    qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
+    _check_shapes(codes, qd, tail_k, latent)
     k, v = decoded_kv(codes, sink_k, sink_v, tail_k, tail_v, rope, positions)
     if latent:
         k, v = torch.cat([k, v], dim=-1), k
-    qd = torch.from_numpy(np.asarray(q, dtype=np.float64))
     b, hq, nq, dk = qd.shape
     group = hq // codes.kv_heads
     k = k.repeat_interleave(group, dim=1)

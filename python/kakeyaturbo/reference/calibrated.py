@@ -30,9 +30,13 @@ import numpy as np
 import torch
 
 from ..codec import centroids_gaussian
+from ..errors import CorruptDataError, InvalidParameterError
 from ._common import (
     as_tensor,
     bits_to_f32,
+    check_finite,
+    counted,
+    exponent,
     fwht,
     gain,
     outliers,
@@ -122,6 +126,19 @@ class Calibration:
             tables[int(b)] = f32(1 << b)
         if at != len(data):
             raise ValueError(f"{len(data) - at} bytes left over after the calibration")
+        # The values, as CalibratedCodec checks them (InvalidParameterError).
+        for name, v in (("mean", mean), ("analysis", analysis), ("synthesis", synthesis), ("spread", spread)):
+            bad = np.flatnonzero(~np.isfinite(v))
+            if bad.size:
+                raise InvalidParameterError(f"{name} holds a non-finite value at index {bad[0]}")
+        if (spread <= 0).any():
+            i = int(np.flatnonzero(spread <= 0)[0])
+            raise InvalidParameterError(f"spread must be > 0; component {i} has {spread[i]}")
+        if not (np.isfinite(thr) and thr >= 0):
+            raise InvalidParameterError(f"outlier_threshold must be finite and >= 0 (0: none), got {thr}")
+        for b, table in tables.items():
+            if not np.isfinite(table).all():
+                raise InvalidParameterError(f"the centroid table of {b} bits holds a non-finite value")
         return cls(d=d, m=m, rotation_seed=seed, metric=METRICS[metric], norm=bool(norm),
                    threshold=None if thr == 0 else float(thr), mean=mean, analysis=analysis,
                    synthesis=synthesis, spread=spread, bits=bits, tables=tables,
@@ -223,9 +240,11 @@ def encode(x: torch.Tensor, cal: Calibration) -> Dict[str, Any]:
     ``indices [n, m]`` uint8, ``codes [n * row_bytes]`` uint8, with ``norm`` ``scale [n]``
     float32, ``scale_exp`` (0-d int32), ``scale_bits [n]`` uint16, and ``outlier_pos [k]``
     int64 (flat ``row * m + j``, ascending), ``outlier_bits [k]`` uint16, ``outlier_val [k]``
-    float32. Raises ValueError on a shape or dtype mismatch."""
+    float32. Raises ValueError on a shape or dtype mismatch, InvalidInputError (a ValueError)
+    on a non-finite value."""
     if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
+    check_finite("x", x)
     n, d = x.shape
     if d != cal.d or n == 0:
         raise ValueError(f"x [{n}, {d}] does not fit a calibration of D = {cal.d}")
@@ -274,28 +293,30 @@ def decode(parts: Mapping[str, Any], cal: Calibration, device: Any = "cpu") -> t
     ``codes``, ``scale_exp``/``scale_bits`` with ``norm``, ``outlier_pos``/``outlier_bits``)
     into float32 ``[n, D]`` on ``device``: unpack, centroid lookup, outlier override,
     ``q * (g^ r)``, the butterfly, the signs, ``x = mean + u S'``. Raises ValueError on parts
-    that do not fit the calibration."""
+    that do not fit the calibration, as :meth:`kakeyaturbo.CalibratedCodec.decode_parts` does:
+    InvalidInputError for a length that does not fit, InvalidParameterError for ``scale_exp``
+    outside -126..=127, CorruptDataError for outlier positions out of range or not ascending."""
     n, m = int(parts["n"]), cal.m
     codes = as_tensor(parts["codes"], device, torch.uint8).reshape(-1)
     if codes.numel() != n * cal.row_bytes:
-        raise ValueError(f"codes hold {codes.numel()} bytes, expected {n} x {cal.row_bytes}")
+        raise CorruptDataError(f"codes hold {codes.numel()} bytes, expected {n} x {cal.row_bytes}")
     idx = unpack_rows(codes.reshape(n, cal.row_bytes), cal.bits).long()
     if cal.norm:
-        e = torch.tensor(int(parts["scale_exp"]), dtype=torch.int32, device=device)
-        g = bits_to_f32(as_tensor(parts["scale_bits"], device, torch.int32)) * pow2(e)
-        if g.shape != (n,):
-            raise ValueError(f"scale_bits must hold {n} values")
+        e = torch.tensor(exponent(parts, "scale_exp"), dtype=torch.int32, device=device)
+        g = bits_to_f32(counted(as_tensor(parts["scale_bits"], device, torch.int32), "scale_bits", n, "n")) * pow2(e)
     else:
         g = torch.ones(n, dtype=torch.float32, device=device)
     q = torch.empty(n, m, dtype=torch.float32, device=device)
     for off, w, b in sub_bands(cal.bits):
         table = torch.from_numpy(cal.centroids(b)).to(device)
         q[:, off:off + w] = table[idx[:, off:off + w]]
-    opos = as_tensor(parts["outlier_pos"], device, torch.int64)
+    opos = as_tensor(parts["outlier_pos"], device, torch.int64).reshape(-1)
+    obits = counted(as_tensor(parts["outlier_bits"], device, torch.int32), "outlier_bits", opos.numel(),
+                    "len(outlier_pos)")
     if opos.numel():
-        if int(opos.min()) < 0 or int(opos.max()) >= n * m:
-            raise ValueError("outlier_pos out of range")
-        q.view(-1)[opos] = bits_to_f32(as_tensor(parts["outlier_bits"], device, torch.int32))
+        if int(opos[0]) < 0 or int(opos[-1]) >= n * m or bool((opos[1:] <= opos[:-1]).any()):
+            raise CorruptDataError("outlier positions out of range or not ascending")
+        q.view(-1)[opos] = bits_to_f32(obits)
     signs = sign_pattern(cal.rotation_seed, m, device)
     u = torch.empty_like(q)
     for off, w, _ in sub_bands(cal.bits):

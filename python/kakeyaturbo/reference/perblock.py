@@ -3,7 +3,7 @@
 It consumes a skeleton fitted by the Rust codec (the parts dict of
 :func:`kakeyaturbo.encode_block_codes`: ``mean``, ``basis``, ``centers``, ``d_eff``, ``k`` and the
 codec parameters) and produces a parts dict with the same names. It is written to be read:
-every step follows ``rust/kakeyaturbo/src/block.rs`` in the same f32 arithmetic and order where
+every step follows ``rust/kakeyaturbo/src/perblock/block.rs`` and ``decode.rs`` in the same f32 arithmetic and order where
 the order decides a code (the Hadamard butterfly, ``t`` rounded before the residual, the
 shared-exponent fp16 rounding, ``f_b / scale`` then a multiply, thresholds ``0.5 * (c_i +
 c_{i+1})``, "number of thresholds strictly below ``z``"). Sums (the projection, dot products,
@@ -24,9 +24,13 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
+from ..errors import InvalidInputError
 from ._common import (
     as_tensor,
     bits_to_f32,
+    check_finite,
+    counted,
+    exponent,
     fwht,
     gain,
     outliers,
@@ -136,10 +140,12 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
     ``t_exp``/``norm_exp`` (0-d int32), ``residual_codes [n, d_eff] uint8``,
     ``residual_packed [ceil(n d_eff b / 8)] uint8``, ``outlier_pos [m] int64``,
     ``outlier_bits [m] uint16``, ``outlier_val [m] float32``.
-    Raises ValueError on a shape or dtype mismatch.
+    Raises ValueError on a shape or dtype mismatch, InvalidInputError (a ValueError) on a
+    non-finite value.
     """
     if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
+    check_finite("x", x)
     dev = x.device
     n, d = x.shape
     de, k, bw = int(skeleton["d_eff"]), int(skeleton["k"]), int(skeleton["bit_width"])
@@ -210,7 +216,10 @@ def decode_block(parts: Mapping[str, Any], device: Any = None) -> torch.Tensor:
     float32 ``[n, D]`` on ``device`` (default: the device of ``parts["mean"]``, else CPU).
 
     Unpack, centroid lookup, outlier override, ``y * (scale / f_b)``, inverse band rotation,
-    ``+ t centre_seg``, ``mu + U^T c``. Raises ValueError on inconsistent parts."""
+    ``+ t centre_seg``, ``mu + U^T c``. Raises ValueError on inconsistent parts, as
+    :func:`kakeyaturbo.decode_block_from_parts` does: InvalidInputError for a length that does
+    not fit or a ``seg_id`` or outlier position out of range, InvalidParameterError for an
+    exponent outside -126..=127."""
     if device is None:
         m = parts["mean"]
         device = m.device if isinstance(m, torch.Tensor) else "cpu"
@@ -224,19 +233,23 @@ def decode_block(parts: Mapping[str, Any], device: Any = None) -> torch.Tensor:
         raise ValueError("parts hold a skeleton of inconsistent shape")
     packed = as_tensor(parts["residual_packed"], device, torch.uint8)
     if packed.numel() != (n * de * bw + 7) // 8:
-        raise ValueError(f"residual_packed has {packed.numel()} bytes, expected {(n * de * bw + 7) // 8}")
-    seg = as_tensor(parts["seg_id"], device, torch.int64)
-    t_hat = bits_to_f32(as_tensor(parts["t_bits"], device, torch.int32)) * pow2(
-        torch.tensor(int(parts["t_exp"]), device=device)
-    )
-    scale = bits_to_f32(as_tensor(parts["norm_bits"], device, torch.int32)) * pow2(
-        torch.tensor(int(parts["norm_exp"]), device=device)
-    )
+        raise InvalidInputError(f"residual_packed has {packed.numel()} bytes, expected {(n * de * bw + 7) // 8}")
+    seg = counted(as_tensor(parts["seg_id"], device, torch.int64), "seg_id", n, "n")
+    if seg.numel() and (int(seg.min()) < 0 or int(seg.max()) >= k):
+        raise InvalidInputError(f"seg_id out of range (k = {k})")
+    t_bits = counted(as_tensor(parts["t_bits"], device, torch.int32), "t_bits", n, "n")
+    n_bits = counted(as_tensor(parts["norm_bits"], device, torch.int32), "norm_bits", n, "n")
+    t_hat = bits_to_f32(t_bits) * pow2(torch.tensor(exponent(parts, "t_exp"), device=device))
+    scale = bits_to_f32(n_bits) * pow2(torch.tensor(exponent(parts, "norm_exp"), device=device))
     codes = unpack_codes(packed, bw, n * de).reshape(n, de)
     q = table[codes.long()].reshape(-1)
-    opos = as_tensor(parts["outlier_pos"], device, torch.int64)
+    opos = as_tensor(parts["outlier_pos"], device, torch.int64).reshape(-1)
+    obits = counted(as_tensor(parts["outlier_bits"], device, torch.int32), "outlier_bits", opos.numel(),
+                    "len(outlier_pos)")
     if opos.numel():
-        q[opos] = bits_to_f32(as_tensor(parts["outlier_bits"], device, torch.int32))
+        if int(opos.min()) < 0 or int(opos.max()) >= n * de:
+            raise InvalidInputError(f"outlier_pos out of range ({n * de} cells)")
+        q[opos] = bits_to_f32(obits)
     q = q.reshape(n, de)
     f = band_factors(de, device)
     y = q * (scale[:, None] / f[None, :])

@@ -14,7 +14,9 @@ import torch  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 from kakeyaturbo.kernels.attention import stack_rope  # noqa: E402
+from kakeyaturbo.reference.attention import reference_attention  # noqa: E402
 
 from . import parity  # noqa: E402
 from ..conftest import DEVICE, FULL_FUZZ  # noqa: E402
@@ -119,3 +121,59 @@ def test_rope_arguments_are_checked() -> None:
     b = K.decode_attention_triton(layer, q, c.tail_k, c.tail_v, **c.call(),
                                   rope=stack_rope(table, DEVICE), positions=torch.from_numpy(pos))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_bad_inputs_are_refused_as_in_rust() -> None:
+    """What :func:`kakeyaturbo.decode_attention` refuses, the Triton wrapper refuses before any
+    launch, with the same error type: NaN / inf queries and raw rows, NaN / +inf mask values,
+    no query heads or tokens, a window that is not an int, a softcap that is not a number."""
+    c = parity.build(parity.Spec(seed=7, batch=1, kv_heads=2, group=2, dk=32, dv=32, blocks=(20,), sink=1,
+                                 tail=3, n_q=1))
+    layer = K.stack_layer(c.codes, DEVICE)
+
+    def both(error: type, match: str, q: np.ndarray = c.q, tk: np.ndarray = c.tail_k, **kw: object) -> None:
+        args = dict(sink_k=c.sink_k, sink_v=c.sink_v, **kw)
+        with pytest.raises(error, match=match):
+            kt.decode_attention(c.codes, q, tk, c.tail_v, **args)
+        with pytest.raises(error, match=match):
+            K.decode_attention_triton(layer, torch.from_numpy(q).to(DEVICE), tk, c.tail_v, **args)
+
+    q = c.q.copy()
+    q[0, 1, 0, 3] = np.nan
+    both(InvalidInputError, "q holds a non-finite value at flat index 35", q=q)
+    tk = c.tail_k.copy()
+    tk[0, 1, 2, 0] = np.inf
+    both(InvalidInputError, "tail keys holds a non-finite value at flat index 160", tk=tk)
+    total = 1 + 20 + 3
+    for v, shown in ((np.nan, "NaN"), (np.inf, "inf")):
+        mask = np.zeros((1, 1, total), np.float32)
+        mask[0, 0, 5] = v
+        both(InvalidInputError, f"mask values must be finite or -inf; flat index 5 is {shown}", mask=mask)
+    mask = np.zeros((1, 1, total), np.float32)
+    mask[0, 0, :4] = -np.inf  # -inf is a mask's "do not attend"
+    K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v,
+                              sink_k=c.sink_k, sink_v=c.sink_v, mask=mask)
+    both(InvalidInputError, "n_q must be >= 1", q=c.q[:, :, :0])
+    both(InvalidInputError, r"query heads \(0\) must be a positive multiple", q=c.q[:, :0])
+    for window in (1.5, True):
+        both(TypeError, "window must be an int", window=window)
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v, softcap=True,
+                                  sink_k=c.sink_k, sink_v=c.sink_v)
+    with pytest.raises(TypeError, match="mask must be float32"):
+        K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v,
+                                  sink_k=c.sink_k, sink_v=c.sink_v, mask=np.zeros((1, 1, total), np.int64))
+
+
+def test_reference_attention_refuses_queries_that_do_not_fit() -> None:
+    """The float64 reference raises what decode_attention raises (not a torch RuntimeError or
+    an empty result) for queries that do not fit the layer."""
+    c = parity.build(parity.Spec(seed=7, batch=1, kv_heads=2, group=2, dk=32, dv=32, blocks=(20,), sink=1,
+                                 tail=3, n_q=1))
+    for shape, match in (((1, 3, 1, 32), "multiple of the kv-heads"), ((1, 1, 1, 32), "multiple of the kv-heads"),
+                         ((1, 4, 1, 16), "q must be"), ((1, 4, 5, 32), "tokens"), ((1, 4, 0, 32), "tokens")):
+        q = np.zeros(shape, np.float32)
+        with pytest.raises(InvalidInputError):
+            kt.decode_attention(c.codes, q, c.tail_k, c.tail_v, **c.call())
+        with pytest.raises(InvalidInputError, match=match):
+            reference_attention(c.codes, q, c.tail_k, c.tail_v, **c.call())

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibrate  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidInputError, InvalidParameterError  # noqa: E402
 from kakeyaturbo.kernels.calibrated import batch as kbatch  # noqa: E402
 from kakeyaturbo.reference import calibrated as rc  # noqa: E402
 
@@ -271,6 +272,125 @@ def test_reference_rejects_bad_input() -> None:
     p = c.encode_parts(x)
     with pytest.raises(ValueError):
         rc.decode({**p, "codes": p["codes"][:-1]}, cal)
+    xn = torch.from_numpy(x.copy())
+    xn[2, 1] = float("nan")
+    with pytest.raises(InvalidInputError, match="non-finite value NaN at row 2, column 1"):
+        rc.encode(xn, cal)
+    # Corrupted parts: the errors of CalibratedCodec.decode_parts, no silent garbage.
+    c = _codec(LAYOUT, outlier_threshold=1.5)
+    cal = rc.calibration_of(c)
+    p = c.encode_parts(x)
+    assert len(p["outlier_pos"]) > 2
+    for key, value, error, match in _CORRUPT_PARTS:
+        bad = {**p, key: value(p)}
+        with pytest.raises(error, match=match):
+            c.decode_parts(bad)
+        with pytest.raises(error, match=match):
+            rc.decode(bad, cal)
+
+
+#: Corruptions of a head's parts: (key, new value of parts, error, message) as Rust raises them.
+_CORRUPT_PARTS = [
+    ("scale_exp", lambda p: 300, InvalidParameterError, r"scale_exp.*-126\.\.=127"),
+    ("outlier_pos", lambda p: np.asarray(p["outlier_pos"]) + 10**6, CorruptDataError, "out of range or not ascending"),
+    ("outlier_pos", lambda p: np.asarray(p["outlier_pos"])[::-1].copy(), CorruptDataError, "not ascending"),
+    ("outlier_bits", lambda p: np.asarray(p["outlier_bits"])[:2], InvalidInputError, "outlier_bits"),
+    ("scale_bits", lambda p: np.asarray(p["scale_bits"])[:-1], InvalidInputError, "scale_bits"),
+]
+
+
+def test_calibration_bytes_are_checked_as_the_codec_checks_them() -> None:
+    """Values CalibratedCodec refuses are refused when read from bytes (InvalidParameterError),
+    not turned into NaN codes."""
+    import struct
+
+    c = _codec([4] * 6 + [3] * 5 + [2] * 4, d=32)
+    raw = c.canonical_bytes()
+    spread_at = 28 + 4 * (c.d + 2 * c.m * c.d)
+    for at, v, match in ((spread_at, 0.0, "spread must be > 0"), (spread_at, float("nan"), "spread holds a non-finite"),
+                         (28, float("inf"), "mean holds a non-finite"), (24, float("nan"), "outlier_threshold"),
+                         (24, -1.0, "outlier_threshold")):
+        b = bytearray(raw)
+        struct.pack_into("<f", b, at, v)
+        with pytest.raises(InvalidParameterError, match=match):
+            rc.Calibration.from_bytes(bytes(b))
+
+
+def test_stack_calibrated_parts_checks_the_parts() -> None:
+    c = _codec(LAYOUT, outlier_threshold=1.5)
+    p = c.encode_parts(_rows(10))
+    batch = K.stack_calibrations([c], DEVICE)
+    extra = [
+        ("codes", lambda p: p["codes"][:-1], CorruptDataError, "code bytes"),
+        ("scale_bits", lambda p: np.full(10, 0x7C00, np.uint16), CorruptDataError, "non-finite"),
+        ("outlier_bits", lambda p: np.full(len(p["outlier_pos"]), 0xFC00, np.uint16), CorruptDataError, "not finite"),
+        ("m", lambda p: 3, InvalidInputError, "m = 3"),
+    ]
+    for key, value, error, match in _CORRUPT_PARTS + extra:
+        with pytest.raises(error, match=match):
+            K.stack_calibrated_parts([{**p, key: value(p)}], batch)
+    plain = K.stack_calibrations([_codec(LAYOUT)], DEVICE)
+    with pytest.raises(CorruptDataError, match="without them"):
+        K.stack_calibrated_parts([p], plain)
+
+
+def test_encode_checks_capacity_and_finiteness() -> None:
+    c = _codec([4] * 6 + [3] * 5 + [2] * 4, d=32, outlier_threshold=1.0)
+    batch = K.stack_calibrations([c], DEVICE)
+    x = torch.from_numpy(_rows(20, d=32)[None]).to(DEVICE)
+    for cap in (0, -3):
+        with pytest.raises(InvalidParameterError, match="capacity must be >= 1"):
+            K.encode_calibrated(x, batch, capacity=cap)
+    for cap in (2.5, True):
+        with pytest.raises(TypeError, match="capacity must be an int"):
+            K.encode_calibrated(x, batch, capacity=cap)
+    for v, shown in ((float("nan"), "NaN"), (float("inf"), "inf")):
+        xb = x.clone()
+        xb[0, 3, 2] = v
+        with pytest.raises(InvalidInputError, match=f"non-finite value {shown} at head 0, row 3, column 2"):
+            K.encode_calibrated(xb, batch)
+    xb = x.clone()
+    xb[0, 10:] = float("nan")  # past the head's rows: not read
+    K.encode_calibrated(xb, batch, [10])
+    with pytest.raises(InvalidInputError, match="at least one row"):
+        K.encode_calibrated(x[:, :0], batch)
+
+
+def test_decode_checks_host_codes_and_sizes() -> None:
+    c = _codec([4] * 6 + [3] * 5 + [2] * 4, d=32, outlier_threshold=1.5)
+    batch = K.stack_calibrations([c], DEVICE)
+    codes = K.stack_calibrated_parts([c.encode_parts(_rows(20, d=32))], batch)
+    m = codes["outlier_pos"].numel()
+    assert m > 2
+    for n, error in ((0, InvalidParameterError), (-1, InvalidParameterError), (2.5, TypeError)):
+        with pytest.raises(error, match="n must be"):
+            K.decode_calibrated(codes, batch, n=n)
+    with pytest.raises(InvalidInputError, match="must not repeat elements"):
+        K.decode_calibrated(codes, batch, out=torch.zeros(1, 1, 32, device=DEVICE).expand(1, 20, 32))
+    # Without norm N comes from the codes' size, which must hold whole rows.
+    plain = _codec([4] * 6 + [3] * 5 + [2] * 4, d=32, norm=False)
+    pbatch = K.stack_calibrations([plain], DEVICE)
+    pc = K.encode_calibrated(torch.from_numpy(_rows(20, d=32)[None]).to(DEVICE), pbatch)
+    cut = {**pc, "codes": pc["codes"][:, : 7 * pbatch.max_row_bytes + 3].contiguous()}
+    with pytest.raises(InvalidInputError, match="not whole rows"):
+        K.decode_calibrated(cut, pbatch)
+    assert K.decode_calibrated(cut, pbatch, n=7).shape == (1, 7, 32)
+    if DEVICE != "cpu":
+        return  # codes on a GPU are trusted (checking would read the device)
+    cases = [
+        ({"scale_exp": torch.tensor([300], dtype=torch.int32)}, InvalidParameterError, "scale_exp"),
+        ({"scale_bits": torch.full((1, 20), 0x7C00, dtype=torch.int16)}, CorruptDataError, "non-finite"),
+        ({"outlier_ptr": torch.tensor([0, m + 5])}, CorruptDataError, "outlier_ptr"),
+        ({"outlier_ptr": torch.tensor([1, m])}, CorruptDataError, "outlier_ptr"),
+        ({"outlier_pos": codes["outlier_pos"] + 10**6}, CorruptDataError, "outlier positions"),
+        ({"outlier_pos": codes["outlier_pos"].flip(0).contiguous()}, CorruptDataError, "not ascending"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            K.decode_calibrated({**codes, **change}, batch)
+    bad = dataclasses.replace(batch, bits=torch.where(batch.bits > 0, batch.bits + 9, batch.bits))
+    with pytest.raises(InvalidParameterError, match="out of range"):
+        K.decode_calibrated(codes, bad)
 
 
 def test_parts_have_the_extensions_names_and_dtypes() -> None:

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidInputError, InvalidParameterError  # noqa: E402
 from kakeyaturbo.reference import perblock as ref  # noqa: E402
 
 from .. import harness  # noqa: E402
@@ -173,6 +174,128 @@ def test_reference_rejects_bad_input() -> None:
         ref.encode_block(torch.from_numpy(x).double(), p)
     with pytest.raises(ValueError):
         ref.decode_block({**p, "residual_packed": p["residual_packed"][:-1]})
+    # As decode_block_from_parts: typed errors, no wrapped index or silent garbage.
+    q = kt.encode_block_codes(x, outlier_threshold=1.0)
+    assert len(q["outlier_pos"]) > 3
+    for key, value, error, match in _CORRUPT_PARTS:
+        bad = {**q, key: value(q)}
+        with pytest.raises(error, match=match):
+            kt.decode_block_from_parts(bad)
+        with pytest.raises(error, match=match):
+            ref.decode_block(bad)
+    xn = torch.from_numpy(x.copy())
+    xn[2, 1] = float("nan")
+    with pytest.raises(InvalidInputError, match="non-finite value NaN at row 2, column 1"):
+        ref.encode_block(xn, p)
+
+
+def _set(key: str, i: int, v: int):
+    def f(p: dict) -> np.ndarray:
+        a = np.asarray(p[key]).copy()
+        a[i] = v
+        return a
+    return f
+
+
+#: Corruptions of a block's parts: (key, new value of parts, error, message) as Rust raises them.
+_CORRUPT_PARTS = [
+    ("seg_id", _set("seg_id", 0, -1), InvalidInputError, "seg_id out of range"),
+    ("seg_id", _set("seg_id", 3, 99), InvalidInputError, "seg_id out of range"),
+    ("seg_id", lambda p: np.asarray(p["seg_id"])[:3], InvalidInputError, "seg_id"),
+    ("t_bits", lambda p: np.asarray(p["t_bits"])[:-1], InvalidInputError, "t_bits"),
+    ("outlier_pos", _set("outlier_pos", 0, -1), InvalidInputError, "outlier_pos out of range"),
+    ("outlier_pos", _set("outlier_pos", -1, 10**6), InvalidInputError, "outlier_pos out of range"),
+    ("outlier_bits", lambda p: np.asarray(p["outlier_bits"])[:3], InvalidInputError, "outlier_bits"),
+    ("norm_exp", lambda p: 1000, InvalidParameterError, r"norm_exp.*-126\.\.=127"),
+    ("t_exp", lambda p: -127, InvalidParameterError, r"t_exp.*-126\.\.=127"),
+    ("residual_packed", lambda p: p["residual_packed"][:-20], InvalidInputError, "residual_packed has"),
+]
+
+
+def test_stack_codes_checks_the_parts_as_rust_does() -> None:
+    """Host parts are checked before anything reaches a kernel: the same error types as
+    decode_block_from_parts for the same corruption (D1, D5, D6 of the audit)."""
+    g = np.random.default_rng(5)
+    x = (g.standard_normal((40, 32)) * 0.97 ** np.arange(32)).astype(np.float32)
+    p = kt.encode_block_codes(x, outlier_threshold=1.0)
+    skel = K.stack_skeletons([p], DEVICE)
+    extra = [
+        ("residual_packed", lambda p: p["residual_packed"] + b"\0", InvalidInputError, "residual_packed has"),
+        ("residual_packed", lambda p: b"", InvalidInputError, "residual_packed has"),
+        ("norm_bits", lambda p: np.asarray(p["norm_bits"])[:-1], InvalidInputError, "norm_bits"),
+        ("outlier_bits", _set("outlier_bits", 0, 0x7C00), InvalidInputError, "non-finite"),
+        ("seg_id", _set("seg_id", 0, 10**6), InvalidInputError, r"seg_id out of range \(k = "),
+    ]
+    for key, value, error, match in _CORRUPT_PARTS + extra:
+        with pytest.raises(error, match=match):
+            K.stack_codes([{**p, key: value(p)}], skel)
+    # Unsorted and repeated positions decode as Rust decodes them (the last value of a cell wins).
+    order = np.arange(len(p["outlier_pos"]))[::-1]
+    pos = np.concatenate([np.asarray(p["outlier_pos"])[order], [p["outlier_pos"][1]]])
+    bits = np.concatenate([np.asarray(p["outlier_bits"])[order], np.array([0x3C00], np.uint16)])
+    q = {**p, "outlier_pos": pos, "outlier_bits": bits}
+    got = K.decode_blocks(K.stack_codes([q], skel), skel)[0].cpu().numpy()
+    np.testing.assert_allclose(got, kt.decode_block_from_parts(q), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_checks_host_codes() -> None:
+    """Codes in host memory (CPU tensors) are checked before the launch; on a GPU they are
+    trusted and the kernel clamps (tests/kernels/test_common.py)."""
+    if DEVICE != "cpu":
+        pytest.skip("host codes: the CPU run")
+    g = np.random.default_rng(5)
+    x = (g.standard_normal((40, 32)) * 0.97 ** np.arange(32)).astype(np.float32)
+    p = kt.encode_block_codes(x, outlier_threshold=2.0)
+    skel = K.stack_skeletons([p], DEVICE)
+    codes = K.stack_codes([p], skel)
+    m = codes["outlier_pos"].numel()
+    assert m > 2
+
+    def seg(v: int) -> torch.Tensor:
+        s = codes["seg_id"].clone()
+        s[0, 5] = v
+        return s
+
+    cases = [
+        ({"seg_id": seg(int(p["k"]))}, InvalidInputError, r"block 0: seg_id out of range \(k = "),
+        ({"seg_id": seg(-1)}, InvalidInputError, "seg_id out of range"),
+        ({"t_exp": torch.tensor([500], dtype=torch.int32)}, InvalidParameterError, "t_exp"),
+        ({"norm_exp": torch.tensor([-1000], dtype=torch.int32)}, InvalidParameterError, "norm_exp"),
+        ({"outlier_ptr": torch.tensor([0, m + 5])}, CorruptDataError, "outlier_ptr"),
+        ({"outlier_ptr": torch.tensor([3, 0])}, CorruptDataError, "outlier_ptr"),
+        ({"outlier_ptr": torch.tensor([-2, m])}, CorruptDataError, "outlier_ptr"),
+        ({"outlier_pos": codes["outlier_pos"] + 10**6}, InvalidInputError, "outlier positions"),
+        ({"outlier_pos": codes["outlier_pos"].flip(0).contiguous()}, InvalidInputError, "not ascending"),
+        ({"outlier_bits": torch.full((m,), 0x7E00, dtype=torch.int16)}, InvalidInputError, "non-finite"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            K.decode_blocks({**codes, **change}, skel)
+    # Rows past a block's count are not read, so not checked.
+    short = {**codes, "seg_id": seg(10**6)}
+    assert K.decode_blocks(short, skel, [5]).shape == (1, 40, 32)
+    with pytest.raises(InvalidInputError, match="must not repeat elements"):
+        K.decode_blocks(codes, skel, out=torch.zeros(1, 1, 32).expand(1, 40, 32))
+    bad_k = dataclasses.replace(skel, k=skel.k + 100)
+    with pytest.raises(InvalidParameterError, match="k in"):
+        K.decode_blocks(codes, bad_k)
+
+
+def test_encode_refuses_non_finite_rows() -> None:
+    """As the Rust encoder: a NaN or inf in a block's rows is an InvalidInputError naming it;
+    rows past a block's count are not read (a NaN there is fine)."""
+    xs, parts, xb = _two_blocks()
+    skel = K.stack_skeletons(parts, DEVICE)
+    for v, shown in ((float("nan"), "NaN"), (float("inf"), "inf"), (float("-inf"), "-inf")):
+        x = torch.from_numpy(xb).to(DEVICE).clone()
+        x[1, 3, 2] = v
+        with pytest.raises(InvalidInputError, match=f"non-finite value {shown} at block 1, row 3, column 2"):
+            K.encode_blocks(x, skel, [100, 37])
+    x = torch.from_numpy(xb[:, :40]).to(DEVICE).clone()
+    x[1, 37:] = float("nan")
+    K.encode_blocks(x, skel, [40, 37])
+    with pytest.raises(InvalidInputError, match="at least one row"):
+        K.encode_blocks(x[:, :0], skel)
 
 
 # The parity checker must catch what it is meant to catch.

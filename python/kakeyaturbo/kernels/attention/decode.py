@@ -11,8 +11,10 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from ...codec import _checks
 from ...codec.attention import RopeTable, sink_logits_array, with_sink_logits
 from ...codec.calibrated import SYNTHESES
+from ...errors import InvalidInputError
 from .batch import LayerBatch, RopeBatch, raw_rows, stack_rope
 from .combine import combine_attention
 from .split import split_attention
@@ -51,7 +53,12 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
 
     Returns ``(out float32 [B, H_q, n_q, D_v], lse float32 [B, H_q, n_q])`` (0 and ``-inf``
     for a query that sees nothing). Raises ValueError on shapes, dtypes or devices that do not
-    fit, or a bad scale, softcap, window, rotary table or position."""
+    fit, or a bad scale, softcap, window, rotary table or position; as
+    :func:`kakeyaturbo.decode_attention` does, InvalidInputError for no query heads or tokens,
+    a non-finite value in ``q`` or the raw rows, or a mask value that is NaN or ``+inf`` (in
+    host memory: on a GPU the values are trusted, as the positions are, since checking them would
+    read the device at every step), and TypeError for a window that is not an int, a scale or
+    softcap that is not a number, or a mask that is neither floating point nor boolean."""
     dev = layer.device
     b, hkv = layer.batch, layer.kv_heads
     dk, dv = layer.k.cal.dim, layer.v.cal.dim
@@ -65,13 +72,16 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         q = torch.from_numpy(np.asarray(q))
     q = q.to(dev).contiguous()
     nq = q.shape[2] if q.ndim == 4 else 0
-    scale = 1.0 / math.sqrt(dk) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
-    if window is not None and int(window) < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    if q.ndim == 4 and (q.shape[1] == 0 or q.shape[1] % hkv):
+        raise InvalidInputError(f"query heads ({q.shape[1]}) must be a positive multiple of the kv-heads ({hkv})")
+    if q.ndim == 4 and nq == 0:
+        raise InvalidInputError("n_q must be >= 1")
+    for name, t in (("q", q), ("sink keys", rk[:, :s]), ("sink values", rv[:, :s]),
+                    ("tail keys", rk[:, s:]), ("tail values", rv[:, s:])):
+        _check_finite(name, t)
+    scale = 1.0 / math.sqrt(dk) if scale is None else _checks.real(scale, "scale")
+    softcap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
+    window = None if window is None else _checks.integer(window, "window", 1)
     m = None
     if mask is not None:
         m = mask if isinstance(mask, torch.Tensor) else torch.from_numpy(np.asarray(mask))
@@ -81,7 +91,14 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
             m = m[:, 0]
         if m.dtype == torch.bool:
             m = torch.where(m, 0.0, float("-inf"))
+        elif not m.dtype.is_floating_point:
+            raise TypeError(f"mask must be float32 (additive) or bool, got {m.dtype}")
         m = m.to(device=dev, dtype=torch.float32).contiguous()
+        bad = torch.isnan(m) | (m == float("inf")) if m.device.type == "cpu" else None
+        if bad is not None and bool(bad.any()):
+            i = int(torch.nonzero(bad.reshape(-1))[0, 0])
+            raise InvalidInputError(f"mask values must be finite or -inf; flat index {i} is "
+                                    f"{'NaN' if math.isnan(float(m.reshape(-1)[i])) else 'inf'}")
     if synthesis not in SYNTHESES:
         raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
     sinks = None
@@ -98,6 +115,17 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
                                           synthesis)
     out, lse = combine_attention(layer, pm, pl, pacc, ncode, q.shape[1], nq)
     return (out, lse) if sinks is None else with_sink_logits(out, lse, sinks)
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    """InvalidInputError naming the first non-finite value of ``t`` (flat index, as Rust); a
+    tensor on a GPU is not read."""
+    if t.device.type != "cpu":
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        raise InvalidInputError(f"{name} holds a non-finite value at flat index "
+                                f"{int(torch.nonzero(bad.reshape(-1))[0, 0])}")
 
 
 def _rope(layer: LayerBatch, rope: Any, positions: Any

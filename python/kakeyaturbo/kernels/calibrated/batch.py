@@ -29,8 +29,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ...errors import CorruptDataError, InvalidInputError, InvalidParameterError
 from ...reference import calibrated as rc
-from .._common import f16_values, next_pow2, outlier_parts, stack_outliers
+from .._common import check_exponents, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the heads of one batch.
 SHARED_PARAMS = ("d", "metric", "norm", "threshold")
@@ -134,6 +135,22 @@ class CalibrationBatch:
             raise ValueError("max_bits / bits_host / fingerprints do not fit the batch")
         if not 1 <= self.max_m <= mp or self.max_row_bytes < 1:
             raise ValueError(f"max_m={self.max_m}, max_row_bytes={self.max_row_bytes} out of range")
+        if on_host(self.bits) and h:
+            self._check_host_values()
+
+    def _check_host_values(self) -> None:
+        """The per-head and per-slot values in host memory (on a GPU they are trusted:
+        checking would read the device), which the kernels index tables and rows with."""
+        m, rb, bits = self.m[:, None], self.row_bytes[:, None], self.bits
+        live = bits > 0
+        ok = (1 <= int(self.m.min()) and int(self.m.max()) <= self.max_m
+              and 1 <= int(self.row_bytes.min()) and int(self.row_bytes.max()) <= self.max_row_bytes
+              and 0 <= int(bits.min()) and int(bits.max()) <= self.max_bits
+              and bool((~live | ((self.col >= 0) & (self.col < m))).all())
+              and bool((~live | ((self.shift >= 0) & (self.shift < 8) & (self.byte >= 0)
+                                 & (8 * self.byte + self.shift + bits <= 8 * rb))).all()))
+        if not ok:
+            raise InvalidParameterError("the batch's m, row_bytes, bits, col, byte or shift are out of range")
 
 
 def slot_order(bits: Any) -> List[Tuple[int, int, int, int]]:
@@ -252,24 +269,50 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
     """The batched codes dict of :func:`kakeyaturbo.kernels.encode_calibrated` built from parts
     dicts (e.g. what the Rust codec encoded), on the batch's device, for
     :func:`kakeyaturbo.kernels.decode_calibrated`. ``N`` is the largest head's row count.
-    Raises ValueError when the parts do not fit the batch."""
+    Raises ValueError when the parts do not fit the batch; the codes are checked as
+    :meth:`kakeyaturbo.CalibratedCodec.decode_parts` checks them (InvalidInputError for a
+    length that does not fit, InvalidParameterError for ``scale_exp`` outside -126..=127,
+    CorruptDataError for code bytes that are not ``n`` rows, a non-finite fp16 value, or
+    outlier positions out of range or not ascending)."""
     h = batch.num_heads
     if len(parts_list) != h:
         raise ValueError(f"{len(parts_list)} parts for a batch of {h} heads")
     ns = [int(p["n"]) for p in parts_list]
+    if min(ns) < 0:
+        raise InvalidInputError(f"row counts must be >= 0, got n = {ns}")
     n = max(ns)
     codes = np.zeros((h, n * batch.max_row_bytes), np.uint8)
     sbits = np.zeros((h, n), np.uint16)
-    sexp = np.zeros(h, np.int32)
+    sexp = [0] * h
     for i, p in enumerate(parts_list):
+        m = len(batch.bits_host[i])
         rb = (sum(batch.bits_host[i]) + 7) // 8
+        if int(p["m"]) != m:
+            raise InvalidInputError(f"head {i}: m = {p['m']} does not fit the batch (m = {m})")
         raw = np.frombuffer(bytes(p["codes"]), np.uint8)
-        if raw.size != ns[i] * rb or int(p["m"]) != len(batch.bits_host[i]):
-            raise ValueError(f"head {i}: {raw.size} code bytes / m = {p['m']} do not fit the batch")
+        if raw.size != ns[i] * rb:
+            raise CorruptDataError(f"head {i}: {raw.size} code bytes for {ns[i]} rows of {rb} bytes")
         codes[i, : raw.size] = raw
         if batch.norm:
-            sbits[i, : ns[i]] = np.asarray(p["scale_bits"]).view(np.uint16)
+            sb = np.asarray(p["scale_bits"]).reshape(-1).view(np.uint16)
+            if sb.size != ns[i]:
+                raise InvalidInputError(f'head {i}: parts["scale_bits"] has {sb.size} values, expected n = {ns[i]}')
+            if ((sb & 0x7C00) == 0x7C00).any():
+                raise CorruptDataError(f"head {i}: scale_bits holds a non-finite fp16 value")
+            sbits[i, : ns[i]] = sb
             sexp[i] = int(p["scale_exp"])
+        pos = np.asarray(p["outlier_pos"]).reshape(-1).astype(np.int64)
+        bits = np.asarray(p["outlier_bits"]).reshape(-1).view(np.uint16)
+        if bits.size != pos.size:
+            raise InvalidInputError(f'head {i}: parts["outlier_bits"] has {bits.size} values, expected '
+                                    f"len(outlier_pos) = {pos.size}")
+        if pos.size and batch.outlier_threshold is None:
+            raise CorruptDataError(f"head {i}: outliers in the codes of a calibration without them")
+        if pos.size and (pos[0] < 0 or pos[-1] >= ns[i] * m or (pos[1:] <= pos[:-1]).any()):
+            raise CorruptDataError(f"head {i}: outlier positions out of range or not ascending")
+        if ((bits & 0x7C00) == 0x7C00).any():
+            raise CorruptDataError(f"head {i}: an outlier value is not finite")
+    check_exponents("scale_exp", sexp, "head")
     dev = batch.device
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -280,5 +323,5 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
         **stack_outliers(parts_list, dev),
     }
     if batch.norm:
-        out.update(scale_bits=t(sbits.view(np.int16)), scale_exp=t(sexp))
+        out.update(scale_bits=t(sbits.view(np.int16)), scale_exp=t(np.array(sexp, np.int32)))
     return out

@@ -17,15 +17,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ...codec import _checks
+from ...errors import CorruptDataError, InvalidInputError
 from .._common import (
     RowsLike,
     band_hadamard,
     ceil_log2,
     check_device,
+    check_exponents,
+    check_out,
+    check_outlier_lists,
     empty,
     from_scaled_f16,
     is_interpreter,
     next_pow2,
+    on_host,
     placeholder,
     row_starts,
     rows_tensor,
@@ -91,7 +97,7 @@ def _decode_kernel(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    n_h = tl.load(rows_ptr + h)
+    n_h = tl.minimum(tl.load(rows_ptr + h), N)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < n_h
     row_off = h * N + rows
@@ -114,7 +120,7 @@ def _decode_kernel(
         st = tl.load(s_ptr + h * MP * D + slots[:, None] * D + dd[None, :], mask=dmask[None, :], other=0.0)
         mu = tl.load(mean_ptr + h * D + dd, mask=dmask, other=0.0)
         o = tl.dot(u, st, input_precision="ieee") + mu[None, :]
-        tl.store(out_ptr + h * so_h + rows[:, None].to(tl.int64) * so_n + dd[None, :] * so_d,
+        tl.store(out_ptr + h * so_h + rows[:, None].to(tl.int64) * so_n + dd[None, :].to(tl.int64) * so_d,
                  o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
@@ -142,11 +148,16 @@ def decode_calibrated(
     ``outlier_ptr`` int64 ``[H + 1]``, ``outlier_pos`` int64 ``[M]`` (flat ``row * m_i + j``,
     ascending within each head), ``outlier_bits`` int16 ``[M]``; other entries are not read.
     ``batch``: the heads' calibrations. ``rows``: rows per head (host sequence or int32 ``[H]``
-    tensor, default all N). ``n``: N (default: from ``scale_bits``, else from ``out``, else
-    ``PB // max_row_bytes``). ``out_dtype``: float32 or bfloat16; ``out``: an optional ``[H, N,
-    D]`` tensor of that dtype (any strides, e.g. a view into a KV cache) to write into.
+    tensor, default all N). ``n``: N, an int >= 1 (default: from ``scale_bits``, else from
+    ``out``, else ``PB / max_row_bytes``, which must then divide evenly). ``out_dtype``: float32
+    or bfloat16; ``out``: an optional ``[H, N, D]`` tensor of that dtype (any strides, e.g. a
+    view into a KV cache, no element repeated) to write into.
     Returns ``[H, N, D]``; rows past a head's count are not written. Raises ValueError on bad
-    shapes, dtypes or devices."""
+    shapes, dtypes or devices. Codes in host memory (CPU tensors) are checked as
+    :meth:`kakeyaturbo.CalibratedCodec.decode_parts` checks them (InvalidParameterError for a
+    ``scale_exp`` outside -126..=127, CorruptDataError for a non-finite fp16 value, an
+    ``outlier_ptr`` that does not run from 0 to ``M``, or outlier positions out of range or not
+    ascending); codes on a GPU are trusted (checking them would read the device)."""
     batch.validate()
     dev, h, d = batch.device, batch.num_heads, batch.dim
     packed = codes["codes"]
@@ -160,7 +171,11 @@ def decode_calibrated(
         elif out is not None:
             n = int(out.shape[1])
         else:
-            n = packed.shape[1] // batch.max_row_bytes
+            n, extra = divmod(packed.shape[1], batch.max_row_bytes)
+            if extra:
+                raise InvalidInputError(f"codes hold {packed.shape[1]} bytes per head, not whole rows of "
+                                        f"{batch.max_row_bytes} bytes: pass n")
+    n = _checks.integer(n, "n", 1)
     if packed.shape[1] < n * batch.max_row_bytes:
         raise ValueError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, "
                          f"got {packed.shape[1]}")
@@ -179,10 +194,11 @@ def decode_calibrated(
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:
         out = empty((h, n, d), out_dtype, dev)
-    elif tuple(out.shape) != (h, n, d) or out.dtype != out_dtype:
-        raise ValueError(f"out must be {out_dtype} [{h}, {n}, {d}], got {out.dtype} {tuple(out.shape)}")
-    check_device("out", out, dev)
+    else:
+        check_out(out, (h, n, d), out_dtype, dev)
     rows_t = rows_tensor(rows, h, n, dev)
+    if on_host(packed):
+        _check_host_codes(codes, batch, rows_t, n)
     has_out = opos.numel() > 0
     if has_out:
         rstart = row_starts(codes, batch.m, n, batch.max_m)
@@ -204,3 +220,17 @@ def decode_calibrated(
         num_warps=s["num_warps"], enable_fp_fusion=False,
     )
     return out
+
+
+def _check_host_codes(codes: Mapping[str, torch.Tensor], batch: CalibrationBatch, rows: torch.Tensor,
+                      n: int) -> None:
+    """The values of codes in host memory, in the live rows of each head, as Rust checks a
+    head's parts."""
+    if batch.norm:
+        live = torch.arange(n)[None, :] < rows[:, None].to(torch.int64)
+        bad = live & ((codes["scale_bits"] & 0x7C00) == 0x7C00)
+        if bool(bad.any()):
+            raise CorruptDataError(f"head {int(torch.nonzero(bad)[0, 0])}: scale_bits holds a non-finite fp16 value")
+        check_exponents("scale_exp", codes["scale_exp"], "head")
+    cells = (n * batch.m.to(torch.int64)).tolist()  # rows past a count may hold some: unread
+    check_outlier_lists(codes, cells, "head")

@@ -22,7 +22,9 @@ from typing import Dict, Optional
 
 import torch
 
-from .._common import RowsLike, check_device, rows_tensor
+from ...codec import _checks
+from ...errors import InvalidInputError
+from .._common import RowsLike, check_device, check_finite_rows, rows_tensor
 from .batch import CalibrationBatch
 from .gain import round_gains
 from .quantize import quantize
@@ -48,8 +50,8 @@ def encode_calibrated(
     as it is); bfloat16 is widened to f32 on load. ``batch``: a :class:`CalibrationBatch` of
     ``H`` heads. ``rows``: rows of each head (1..N), a host sequence or an int32 ``[H]`` tensor;
     default all ``N``. ``intermediates``: also return ``z``, ``indices`` and ``g`` (for tests;
-    costs ``5 max_m + 4`` bytes per row). ``capacity``: outlier entries reserved per head
-    (default :func:`outlier_capacity`).
+    costs ``5 max_m + 4`` bytes per row). ``capacity``: outlier entries reserved per head, an
+    int >= 1 (default :func:`outlier_capacity`).
 
     Returns a dict (names as in the extension's parts, batched):
 
@@ -64,7 +66,9 @@ def encode_calibrated(
       component order), ``g`` float32 ``[H, N]`` (the scale divided by)
 
     Entries of rows past a head's count are unspecified. Raises ValueError on bad shapes,
-    dtypes, devices or row counts.
+    dtypes, devices or row counts, InvalidInputError (a ValueError) on a non-finite value in a
+    head's rows (one reduction over ``x``, before any launch), InvalidParameterError for a
+    capacity under 1 (TypeError for one that is not an int).
     """
     batch.validate()
     if not isinstance(x, torch.Tensor) or x.ndim != 3:
@@ -72,14 +76,17 @@ def encode_calibrated(
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
     h, n, d = x.shape
-    if h != batch.num_heads or d != batch.dim or n < 1:
+    if n < 1:
+        raise InvalidInputError(f"x [{h}, {n}, {d}] needs at least one row per head")
+    if h != batch.num_heads or d != batch.dim:
         raise ValueError(f"x [{h}, {n}, {d}] does not fit a batch of {batch.num_heads} heads, D={batch.dim}")
     check_device("x", x, batch.device)
+    cap = outlier_capacity(n, batch.max_m) if capacity is None else _checks.integer(capacity, "capacity", 1)
     rows_t = rows_tensor(rows, h, n, x.device)
+    check_finite_rows("x", x, rows_t, "head")
     g_raw = tile_max = None
     if batch.norm:
         g_raw, tile_max = rms_scales(x, batch, rows_t)
-    cap = outlier_capacity(n, batch.max_m) if capacity is None else int(capacity)
     while True:
         res = quantize(x, batch, rows_t, g_raw, tile_max, cap, intermediates)
         if batch.outlier_threshold is None:

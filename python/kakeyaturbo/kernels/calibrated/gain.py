@@ -22,7 +22,7 @@ def _gain_kernel(gain_ptr, gmax_ptr, rows_ptr, sbits_ptr, sexp_ptr, N, T,
                  BN: tl.constexpr, RB: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    n_h = tl.load(rows_ptr + h)
+    n_h = tl.minimum(tl.load(rows_ptr + h), N)
     e = shared_exponent(block_absmax(gmax_ptr + h * T, T, RB))
     tl.store(sexp_ptr + h, e, mask=tile == 0)
     rows = tile * BN + tl.arange(0, BN)

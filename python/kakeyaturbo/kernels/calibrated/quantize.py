@@ -68,7 +68,7 @@ def _quantize_kernel(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    n_h = tl.load(rows_ptr + h)
+    n_h = tl.minimum(tl.load(rows_ptr + h), N)
     m_h = tl.load(m_ptr + h)
     rb_h = tl.load(rb_ptr + h)
     rows = tile * BN + tl.arange(0, BN)
@@ -189,6 +189,7 @@ def quantize(
     if batch.norm and (g_raw is None or tile_max is None or g_raw.shape != (h, n)):
         raise ValueError("norm needs launch 1's g [H, N] and tile maxima")
     dev, mp = x.device, batch.slots
+    capacity = max(int(capacity), 1)  # the kernel is told C: the buffers must hold C entries
     s = _settings(n, mp, d, batch.max_row_bytes)
     tiles = triton.cdiv(n, s["BN"])
     ip = batch.metric == "inner_product"

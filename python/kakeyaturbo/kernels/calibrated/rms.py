@@ -34,7 +34,7 @@ def project_tile(x_ptr, sx_n, sx_d, mean_ptr, a_ptr, rows, rmask, slots, D,
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
         dmask = dd < D
-        xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_n + dd[None, :] * sx_d,
+        xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_n + dd[None, :].to(tl.int64) * sx_d,
                      mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
         mu = tl.load(mean_ptr + dd, mask=dmask, other=0.0)
         xc = tl.where(dmask[None, :], xt - mu[None, :], 0.0)
@@ -52,7 +52,7 @@ def _rms_kernel(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    n_h = tl.load(rows_ptr + h)
+    n_h = tl.minimum(tl.load(rows_ptr + h), N)
     m_h = tl.load(m_ptr + h)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < n_h

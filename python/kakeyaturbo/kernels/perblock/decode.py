@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import InvalidInputError
 from .._common import (
     RowsLike,
     band_factor,
@@ -24,10 +25,14 @@ from .._common import (
     band_width,
     ceil_log2,
     check_device,
+    check_exponents,
+    check_out,
+    check_outlier_lists,
     empty,
     from_scaled_f16,
     is_interpreter,
     next_pow2,
+    on_host,
     placeholder,
     row_starts,
     rows_tensor,
@@ -40,7 +45,7 @@ from .skeleton import SkeletonBatch
 def _decode_kernel(
     packed_ptr, PB, seg_ptr, tbits_ptr, texp_ptr, sbits_ptr, sexp_ptr,
     rstart_ptr, opos_ptr, obits_ptr,
-    rows_ptr, d_eff_ptr, signs_ptr, centroids_ptr,
+    rows_ptr, d_eff_ptr, k_ptr, signs_ptr, centroids_ptr,
     centers_ptr, sc_b, basis_ptr, sb_b, mean_ptr, sm_b,
     out_ptr, so_b, so_n, so_d,
     N, D, bits, has_out,
@@ -48,7 +53,7 @@ def _decode_kernel(
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n_b = tl.load(rows_ptr + b)
+    n_b = tl.minimum(tl.load(rows_ptr + b), N)
     de = tl.load(d_eff_ptr + b)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < n_b
@@ -94,7 +99,8 @@ def _decode_kernel(
     y = band_hadamard(y, live[None, :], BN, W, LOG_W)
     sg = tl.load(signs_ptr + cols)
     r = y * sg[None, :] * tl.math.div_rn(tl.full((W,), 1.0, tl.float32), wb.to(tl.float32))[None, :]
-    seg = tl.load(seg_ptr + row_off, mask=rmask, other=0)
+    # Clamped to the block's centres: a corrupted index cannot read past them.
+    seg = tl.maximum(tl.minimum(tl.load(seg_ptr + row_off, mask=rmask, other=0), tl.load(k_ptr + b) - 1), 0)
     cen = tl.load(centers_ptr + b * sc_b + seg[:, None] * W + cols[None, :])
     c = tl.where(valid[None, :], r + t_hat[:, None] * cen, 0.0)
     for d0 in range(0, D, BD):
@@ -104,7 +110,7 @@ def _decode_kernel(
         mu = tl.load(mean_ptr + b * sm_b + dd, mask=dmask, other=0.0)
         o = tl.dot(c, u, input_precision="ieee") + mu[None, :]
         tl.store(
-            out_ptr + b * so_b + rows[:, None].to(tl.int64) * so_n + dd[None, :] * so_d,
+            out_ptr + b * so_b + rows[:, None].to(tl.int64) * so_n + dd[None, :].to(tl.int64) * so_d,
             o.to(out_ptr.dtype.element_ty),
             mask=rmask[:, None] & dmask[None, :],
         )
@@ -127,7 +133,7 @@ def _launch(codes, skel: SkeletonBatch, rows, rstart, out, has_out: bool) -> Non
         packed, packed.shape[1], codes["seg_id"], codes["t_bits"], codes["t_exp"],
         codes["norm_bits"], codes["norm_exp"],
         rstart, opos, obits,
-        rows, skel.d_eff, skel.signs, skel.centroids,
+        rows, skel.d_eff, skel.k, skel.signs, skel.centroids,
         skel.centers, skel.centers.stride(0), skel.basis, skel.basis.stride(0),
         skel.mean, skel.mean.stride(0),
         out, out.stride(0), out.stride(1), out.stride(2),
@@ -153,7 +159,13 @@ def decode_blocks(
     ``rows``: rows per block (host sequence or int32 ``[B]`` tensor, default all N).
     ``out_dtype``: float32 or bfloat16; ``out``: an optional ``[B, N, D]`` tensor of that dtype
     (any strides) to write into. Returns ``[B, N, D]``; rows past a block's count are not
-    written. Raises ValueError on bad shapes, dtypes or devices.
+    written. Raises ValueError on bad shapes, dtypes or devices. Codes in host memory (CPU
+    tensors) are checked as the Rust decoder checks a block's parts (InvalidInputError for a
+    ``seg_id`` past the block's centres, a non-finite fp16 value or an outlier position out of
+    range or not ascending; InvalidParameterError for an exponent outside -126..=127;
+    CorruptDataError for an ``outlier_ptr`` that does not run from 0 to ``M``); codes on a
+    GPU are trusted (checking them would read the device), but an index is clamped, never
+    followed out of the buffers.
     """
     skel.validate()
     dev = skel.device
@@ -190,10 +202,11 @@ def decode_blocks(
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:
         out = empty((b, n, d), out_dtype, dev)
-    elif tuple(out.shape) != (b, n, d) or out.dtype != out_dtype:
-        raise ValueError(f"out must be {out_dtype} [{b}, {n}, {d}], got {out.dtype} {tuple(out.shape)}")
-    check_device("out", out, dev)
+    else:
+        check_out(out, (b, n, d), out_dtype, dev)
     rows_t = rows_tensor(rows, b, n, dev)
+    if on_host(seg):
+        _check_host_codes(codes, skel, rows_t)
     has_out = opos.numel() > 0
     if has_out:
         rstart = row_starts(codes, skel.d_eff, n, skel.width)
@@ -203,3 +216,23 @@ def decode_blocks(
         codes = {**codes, "outlier_pos": rstart, "outlier_bits": placeholder(torch.int16, dev)}
     _launch(codes, skel, rows_t, rstart, out, has_out)
     return out
+
+
+def _check_host_codes(codes: Mapping[str, torch.Tensor], skel: SkeletonBatch, rows: torch.Tensor) -> None:
+    """The values of codes in host memory, in the live rows of each block, as Rust checks a
+    block's parts."""
+    b, n = codes["seg_id"].shape
+    live = torch.arange(n)[None, :] < rows[:, None].to(torch.int64)
+    seg = codes["seg_id"]
+    bad = live & ((seg < 0) | (seg >= skel.k[:, None]))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise InvalidInputError(f"block {i}: seg_id out of range (k = {int(skel.k[i])})")
+    for name in ("t_bits", "norm_bits"):
+        bad = live & ((codes[name] & 0x7C00) == 0x7C00)
+        if bool(bad.any()):
+            raise InvalidInputError(f"block {int(torch.nonzero(bad)[0, 0])}: {name} holds a non-finite fp16 value")
+    check_exponents("t_exp", codes["t_exp"])
+    check_exponents("norm_exp", codes["norm_exp"])
+    cells = (n * skel.d_eff.to(torch.int64)).tolist()  # rows past a count may hold some: unread
+    check_outlier_lists(codes, cells, "block", InvalidInputError)

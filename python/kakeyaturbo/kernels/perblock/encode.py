@@ -20,7 +20,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .._common import RowsLike, rows_tensor
+from .._common import RowsLike, check_finite_rows, rows_tensor
 from .pack import pack
 from .project import check_input, project_assign
 from .quantize import quantize
@@ -50,10 +50,12 @@ def encode_blocks(x: torch.Tensor, skel: SkeletonBatch, rows: RowsLike = None) -
       entries ``outlier_ptr[i]:outlier_ptr[i+1]`` (all empty without a threshold)
 
     Entries of rows past a block's count are unspecified. Raises ValueError on bad shapes,
-    dtypes, devices or row counts.
+    dtypes, devices or row counts, InvalidInputError (a ValueError) on a non-finite value in a
+    block's rows (one reduction over ``x``, before any launch).
     """
     b, n, _ = check_input(x, skel)
     rows_t = rows_tensor(rows, b, n, x.device)
+    check_finite_rows("x", x, rows_t, "block")
     c, seg, traw = project_assign(x, skel, rows_t)
     tbits, texp, norm = residuals(c, seg, traw, skel, rows_t)
     nbits, nexp, codes, oflag, oval, gain = quantize(c, seg, tbits, texp, norm, skel, rows_t)

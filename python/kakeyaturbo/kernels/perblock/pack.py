@@ -40,7 +40,7 @@ def _pack_kernel(
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n_b = tl.load(rows_ptr + b)
+    n_b = tl.minimum(tl.load(rows_ptr + b), N)
     de = tl.load(d_eff_ptr + b).to(tl.int64)
     if ip != 0:
         e = shared_exponent(block_absmax(gain_ptr + b * N, n_b, RB))

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import InvalidInputError
 from .._common import check_device, empty, is_interpreter, next_pow2
 from .skeleton import SkeletonBatch
 
@@ -32,7 +33,7 @@ def _project_assign_kernel(
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n_b = tl.load(rows_ptr + b)
+    n_b = tl.minimum(tl.load(rows_ptr + b), N)
     k_b = tl.load(k_ptr + b)
     rows = tile * BN + tl.arange(0, BN)
     rmask = rows < n_b
@@ -43,7 +44,7 @@ def _project_assign_kernel(
         dd = d0 + tl.arange(0, BD)
         dmask = dd < D
         xt = tl.load(
-            x_ptr + b * sx_b + rows[:, None].to(tl.int64) * sx_n + dd[None, :] * sx_d,
+            x_ptr + b * sx_b + rows[:, None].to(tl.int64) * sx_n + dd[None, :].to(tl.int64) * sx_d,
             mask=rmask[:, None] & dmask[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -125,7 +126,9 @@ def check_input(x: torch.Tensor, skel: SkeletonBatch) -> Tuple[int, int, int]:
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
     b, n, d = x.shape
-    if b != skel.num_blocks or d != skel.dim or n < 1:
+    if n < 1:
+        raise InvalidInputError(f"x [{b}, {n}, {d}] needs at least one row per block")
+    if b != skel.num_blocks or d != skel.dim:
         raise ValueError(
             f"x [{b}, {n}, {d}] does not fit a skeleton of {skel.num_blocks} blocks, D={skel.dim}"
         )

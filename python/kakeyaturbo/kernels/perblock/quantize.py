@@ -43,7 +43,7 @@ Opt = Optional[torch.Tensor]
 @triton.jit(do_not_specialize=["N", "nthr", "has_t", "ip"])
 def _quantize_kernel(
     c_ptr, seg_ptr, tbits_ptr, texp_ptr, centers_ptr, sc_b,
-    norm_ptr, rows_ptr, d_eff_ptr,
+    norm_ptr, k_ptr, rows_ptr, d_eff_ptr,
     signs_ptr, centroids_ptr, thr_ptr,
     nbits_ptr, nexp_ptr, codes_ptr, oflag_ptr, oval_ptr, gain_ptr,
     N, T, nthr, has_t, ip,
@@ -51,7 +51,7 @@ def _quantize_kernel(
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n_b = tl.load(rows_ptr + b)
+    n_b = tl.minimum(tl.load(rows_ptr + b), N)
     de = tl.load(d_eff_ptr + b)
     e = shared_exponent(block_absmax(norm_ptr + b * N, n_b, RB))
     tl.store(nexp_ptr + b, e, mask=tile == 0)
@@ -67,7 +67,7 @@ def _quantize_kernel(
     valid = cols < de
     seg = tl.load(seg_ptr + row_off, mask=rmask, other=0)
     t_hat = from_scaled_f16(tl.load(tbits_ptr + row_off, mask=rmask, other=0), tl.load(texp_ptr + b))
-    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, t_hat, row_off, rmask, cols, W)
+    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, tl.load(k_ptr + b), t_hat, row_off, rmask, cols, W)
     sg = tl.load(signs_ptr + cols)
     y = band_hadamard(tl.where(valid[None, :], r * sg[None, :], 0.0), live[None, :], BN, W, LOG_W)
     f = band_factor(de, band_width(live, LOG_W))
@@ -113,7 +113,7 @@ def _launch(c, seg, tbits, texp, norm, skel: SkeletonBatch, rows, nbits, nexp, c
     t = skel.outlier_threshold
     _quantize_kernel[(triton.cdiv(n, s["BN"]), b)](
         c, seg, tbits, texp, skel.centers, skel.centers.stride(0),
-        norm, rows, skel.d_eff,
+        norm, skel.k, rows, skel.d_eff,
         skel.signs, skel.centroids, skel.thresholds,
         nbits, nexp, codes, oflag, oval, gain,
         n, 0.0 if t is None else float(t),

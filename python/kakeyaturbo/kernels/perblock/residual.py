@@ -31,14 +31,14 @@ from .skeleton import SkeletonBatch
 @triton.jit(do_not_specialize=["N"])
 def _residual_kernel(
     c_ptr, seg_ptr, traw_ptr,
-    centers_ptr, sc_b, rows_ptr,
+    centers_ptr, sc_b, k_ptr, rows_ptr,
     tbits_ptr, texp_ptr, norm_ptr,
     N,
     W: tl.constexpr, BN: tl.constexpr, RB: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    n_b = tl.load(rows_ptr + b)
+    n_b = tl.minimum(tl.load(rows_ptr + b), N)
     e = shared_exponent(block_absmax(traw_ptr + b * N, n_b, RB))
     tl.store(texp_ptr + b, e, mask=tile == 0)
     rows = tile * BN + tl.arange(0, BN)
@@ -49,7 +49,7 @@ def _residual_kernel(
     tl.store(tbits_ptr + row_off, h, mask=rmask)
     seg = tl.load(seg_ptr + row_off, mask=rmask, other=0)
     t_hat = from_scaled_f16(h, e)
-    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, t_hat, row_off, rmask, cols, W)
+    r = residual_tile(c_ptr, centers_ptr + b * sc_b, seg, tl.load(k_ptr + b), t_hat, row_off, rmask, cols, W)
     tl.store(norm_ptr + row_off, tl.math.sqrt_rn(tl.sum(r * r, 1)), mask=rmask)
 
 
@@ -64,7 +64,7 @@ def _launch(c, seg, traw, skel: SkeletonBatch, rows, tbits, texp, norm) -> None:
     s = _settings(n, w)
     _residual_kernel[(triton.cdiv(n, s["BN"]), b)](
         c, seg, traw,
-        skel.centers, skel.centers.stride(0), rows,
+        skel.centers, skel.centers.stride(0), skel.k, rows,
         tbits, texp, norm,
         n,
         W=w, BN=s["BN"], RB=s["RB"],

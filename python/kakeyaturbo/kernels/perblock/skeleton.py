@@ -9,8 +9,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from ...errors import InvalidInputError, InvalidParameterError
 from ...reference import perblock as reference
-from .._common import f16_values, next_pow2, outlier_parts, stack_outliers
+from .._common import check_exponents, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the blocks of one batch.
 SHARED_PARAMS = ("d", "bit_width", "metric", "rotation_seed", "outlier_threshold")
@@ -93,6 +94,13 @@ class SkeletonBatch:
             raise ValueError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
         if not 1 <= self.max_d_eff <= d or self.max_k < 1:
             raise ValueError(f"max_d_eff={self.max_d_eff}, max_k={self.max_k} out of range for D={d}")
+        # Host values are checked too (on a GPU, trusted: checking would read the device): the
+        # kernels index the padded matrices with them.
+        if on_host(self.d_eff) and b:
+            if not (1 <= int(self.d_eff.min()) and int(self.d_eff.max()) <= self.max_d_eff
+                    and 1 <= int(self.k.min()) and int(self.k.max()) <= self.max_k):
+                raise InvalidParameterError(f"d_eff must be in 1..{self.max_d_eff} and k in 1..{self.max_k}, "
+                                            f"got {self.d_eff.tolist()} and {self.k.tolist()}")
 
 
 def stack_skeletons(parts_list: Sequence[Mapping[str, Any]], device: Any = "cpu") -> SkeletonBatch:
@@ -211,30 +219,62 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
     """The batched codes dict of :func:`kakeyaturbo.kernels.encode_blocks` built from parts
     dicts (e.g. blocks the Rust codec encoded), on the skeleton's device, for
     :func:`kakeyaturbo.kernels.decode_blocks`. ``N`` is the largest block's row count.
-    Raises ValueError when the parts do not match the skeleton batch."""
+    Raises ValueError when the parts do not match the skeleton batch; the codes are checked as
+    :func:`kakeyaturbo.decode_block_from_parts` checks them (InvalidInputError for a length,
+    a ``seg_id`` or an outlier position out of range, or a non-finite fp16 value;
+    InvalidParameterError for an exponent outside -126..=127). Outliers are sorted by position
+    (a repeated position keeps its last value, as the Rust decoder applies them in order)."""
     b = skel.num_blocks
     if len(parts_list) != b:
         raise ValueError(f"{len(parts_list)} parts for a skeleton of {b} blocks")
     ns = [int(p["n"]) for p in parts_list]
+    if min(ns) < 1:
+        raise InvalidInputError(f"every block needs at least one row, got n = {ns}")
     n, w, bw = max(ns), skel.width, skel.bit_width
-    de_host = skel.d_eff.cpu().tolist()
+    de_host, k_host = skel.d_eff.cpu().tolist(), skel.k.cpu().tolist()
+    texp, nexp = [int(p["t_exp"]) for p in parts_list], [int(p["norm_exp"]) for p in parts_list]
+    check_exponents("t_exp", texp)
+    check_exponents("norm_exp", nexp)
     seg = np.zeros((b, n), np.int32)
     tb = np.zeros((b, n), np.uint16)
     nb = np.zeros((b, n), np.uint16)
     codes = np.zeros((b, n, w), np.uint8)
     packed = np.zeros((b, (n * skel.max_d_eff * bw + 7) // 8), np.uint8)
-    texp, nexp = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    outliers = []
     for i, p in enumerate(parts_list):
         m, de = ns[i], int(p["d_eff"])
         if de != de_host[i] or int(p["bit_width"]) != bw:
             raise ValueError(f"block {i}: d_eff/bit_width differ from the skeleton batch")
-        seg[i, :m] = p["seg_id"]
-        tb[i, :m] = np.asarray(p["t_bits"]).view(np.uint16)
-        nb[i, :m] = np.asarray(p["norm_bits"]).view(np.uint16)
-        codes[i, :m, :de] = np.asarray(p["residual_codes"]).reshape(m, de)
+
+        def vec(key: str, size: int, what: str, dtype: Any = None) -> np.ndarray:
+            a = np.asarray(p[key]).reshape(-1)
+            a = a.view(dtype) if dtype is not None else a
+            if a.size != size:
+                raise InvalidInputError(f'block {i}: parts["{key}"] has {a.size} values, expected {what} = {size}')
+            return a
+
+        s = vec("seg_id", m, "n").astype(np.int64)
+        if s.size and (s.min() < 0 or s.max() >= k_host[i]):
+            raise InvalidInputError(f"block {i}: seg_id out of range (k = {k_host[i]})")
+        seg[i, :m] = s
+        tb[i, :m] = _finite16(vec("t_bits", m, "n", np.uint16), f"block {i}: t_bits")
+        nb[i, :m] = _finite16(vec("norm_bits", m, "n", np.uint16), f"block {i}: norm_bits")
+        codes[i, :m, :de] = vec("residual_codes", m * de, "n x d_eff").reshape(m, de)
         raw = np.frombuffer(bytes(p["residual_packed"]), np.uint8)
+        want = (m * de * bw + 7) // 8
+        if raw.size != want:
+            raise InvalidInputError(f"block {i}: residual_packed has {raw.size} bytes, expected {want} "
+                                    f"({m} x {de} values of {bw} bits)")
         packed[i, : raw.size] = raw
-        texp[i], nexp[i] = int(p["t_exp"]), int(p["norm_exp"])
+        pos = np.asarray(p["outlier_pos"]).reshape(-1).astype(np.int64)
+        bits = _finite16(vec("outlier_bits", pos.size, "len(outlier_pos)", np.uint16), f"block {i}: outlier_bits")
+        if pos.size and (pos.min() < 0 or pos.max() >= m * de):
+            raise InvalidInputError(f"block {i}: outlier_pos out of range ({m * de} cells)")
+        order = np.argsort(pos, kind="stable")
+        pos, bits = pos[order], bits[order]
+        last = np.ones(pos.size, bool)
+        last[:-1] = pos[1:] != pos[:-1]
+        outliers.append({"outlier_pos": pos[last], "outlier_bits": bits[last]})
     dev = skel.device
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -243,10 +283,17 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
     return {
         "seg_id": t(seg),
         "t_bits": t(tb.view(np.int16)),
-        "t_exp": t(texp),
+        "t_exp": t(np.array(texp, np.int32)),
         "norm_bits": t(nb.view(np.int16)),
-        "norm_exp": t(nexp),
+        "norm_exp": t(np.array(nexp, np.int32)),
         "residual_codes": t(codes),
         "residual_packed": t(packed),
-        **stack_outliers(parts_list, dev),
+        **stack_outliers(outliers, dev),
     }
+
+
+def _finite16(bits: np.ndarray, what: str) -> np.ndarray:
+    """``bits`` (uint16 fp16 patterns), or InvalidInputError for an inf or NaN among them."""
+    if ((bits & 0x7C00) == 0x7C00).any():
+        raise InvalidInputError(f"{what} holds a non-finite fp16 value")
+    return bits
