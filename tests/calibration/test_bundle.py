@@ -146,3 +146,56 @@ def test_checksum_covers_every_array(tmp_path) -> None:
         with pytest.raises(CorruptDataError, match="checksum"):
             Calibration.load(tmp_path / "m.safetensors")
     assert bundle.VERSION == 1
+
+
+def test_metadata_is_checksummed_and_older_files_still_read(tmp_path) -> None:
+    src = _cal().save(tmp_path / "c.safetensors")
+    p = tmp_path / "x.safetensors"
+    _rewrite_meta(src, p, fingerprint="cd" * 16)  # an edit that still reads
+    with pytest.raises(CorruptDataError, match="x.safetensors.*checksum of its metadata"):
+        Calibration.load(p)
+    _rewrite_meta(src, p, settings='{"windows": 3}')
+    with pytest.raises(CorruptDataError, match="checksum of its metadata"):
+        Calibration.load(p)
+    # A file written before the metadata checksum existed (same version) reads as before.
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    with safe_open(str(src), framework="np") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "meta_sha256"}
+    save_file(load_file(str(src)), str(p), metadata=meta)
+    assert Calibration.load(p).fingerprint == "ab" * 16
+
+
+def test_writes_are_atomic_and_touch_no_other_file(tmp_path, monkeypatch) -> None:
+    import os
+
+    # Into a directory: a typed error, nothing written, a user's "<name>.tmp" left alone.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d.tmp").write_text("user data")
+    with pytest.raises(InvalidParameterError, match="is a directory"):
+        _cal().save(tmp_path / "d")
+    assert (tmp_path / "d.tmp").read_text() == "user data" and list((tmp_path / "d").iterdir()) == []
+    (tmp_path / "c.safetensors.tmp").write_text("user data")
+    path = _cal().save(tmp_path / "c.safetensors")
+    assert (tmp_path / "c.safetensors.tmp").read_text() == "user data"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask  # as a plain open() makes it
+    before = sorted(p.name for p in tmp_path.iterdir())
+    # A write that fails half way: the file that was there stays, no temporary file is left.
+    import safetensors.numpy
+
+    def half(arrays, name, metadata=None):
+        with open(name, "wb") as f:
+            f.write(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", half)
+    with pytest.raises(OSError, match="disk full"):
+        _cal(sens=False).save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert Calibration.load(path).sensitivity is not None
+    # A folder that cannot be made: typed.
+    with pytest.raises(InvalidParameterError, match="folder"):
+        _cal().save(tmp_path / "d.tmp" / "c.safetensors")

@@ -1,10 +1,10 @@
 """A calibration that travels with its model: ONE self-contained safetensors file holding a
 model's attention statistics and sensitivity, with metadata that says which model it was made
 for (its type and a fingerprint of its attention weights), on which text and with which
-settings, by which library version, and a checksum of every array. A model whose K/V layers
-come in several shapes (Gemma 4) has one pair per group of layers of one shape: the first under
-``stats/`` and ``sensitivity/``, the others under ``group1/``, ``group2/``, ... (their metadata
-in ``groups``).
+settings, by which library version, and checksums of every array and of the metadata. A model
+whose K/V layers come in several shapes (Gemma 4) has one pair per group of layers of one shape:
+the first under ``stats/`` and ``sensitivity/``, the others under ``group1/``, ``group2/``, ...
+(their metadata in ``groups``).
 
 ``kakeyaturbo calibrate --out FILE`` writes it; :meth:`Calibration.load` reads it back (numpy
 only), :meth:`Calibration.check_model` refuses it for another model, and
@@ -25,7 +25,7 @@ import numpy as np
 
 from .._core import __version__
 from ..errors import CorruptDataError, InvalidParameterError, ModelMismatchError, UnsupportedVersionError
-from .stats import AttentionStats, Sensitivity
+from .stats import AttentionStats, Sensitivity, write_atomically
 
 #: The ``format`` entry of the metadata, and the version this build writes and reads.
 FORMAT = "kakeyaturbo-calibration"
@@ -67,6 +67,16 @@ def _checksum(arrays: Dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+#: The metadata entry holding the checksum of every other metadata entry. Added to version 1
+#: (readers ignore entries they do not know): files written before it are read unchecked.
+_META_SUM = "meta_sha256"
+
+
+def _meta_checksum(meta: Dict[str, str]) -> str:
+    items = sorted((k, v) for k, v in meta.items() if k != _META_SUM)
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
 @dataclass
 class Calibration:
     """A model's calibration: :class:`AttentionStats`, the :class:`Sensitivity` where it was
@@ -95,17 +105,43 @@ class Calibration:
                   settings: Optional[Dict[str, Any]] = None,
                   groups: Sequence[Tuple[AttentionStats, Optional[Sensitivity]]] = ()) -> "Calibration":
         """The calibration of a loaded ``model`` from statistics gathered on it (its type and
-        fingerprint are read from the model); checked against the model's shapes."""
+        fingerprint are read from the model); checked against the model's shapes and weights:
+        ModelMismatchError when the statistics or sensitivity record another model's fingerprint
+        (:func:`~kakeyaturbo.calibration.collect` records it) or, where statistics record none,
+        their ``o_gram`` is not the model's output projections' (multi-head latent attention's
+        is data, not weights: not compared)."""
         from ..families import describe
 
+        fp = fingerprint(model)
         cal = cls(stats=stats, sensitivity=sensitivity, model_type=describe(model).model_type,
-                  fingerprint=fingerprint(model), settings=dict(settings or {}), groups=tuple(groups))
+                  fingerprint=fp, settings=dict(settings or {}), groups=tuple(groups))
         for st, se in cal.pairs():
             if se is not None and not se.fits(st):
                 raise InvalidParameterError(f"sensitivity of shape {se.k.shape} does not match the "
                                             f"statistics' {st.q2.shape} (or not over the same layers)")
         cal._check_shapes(model, "statistics")
+        cal._check_weights(model, fp)
         return cal
+
+    def _check_weights(self, model: Any, fp: str) -> None:
+        """ModelMismatchError unless every part was gathered on ``model`` (fingerprint ``fp``)."""
+        from .collect import weights_o_gram
+        from .latent import LATENT_POINT
+        from .mixture import O_GRAM_TOLERANCE
+
+        for n, (st, se) in enumerate(self.pairs()):
+            for what, part in (("statistics", st), ("sensitivity", se)):
+                got = None if part is None else part.meta.get("fingerprint")
+                if got is not None and got != fp:
+                    raise ModelMismatchError(
+                        f"{what} were gathered on another model: fingerprint of the attention weights "
+                        f"{got} in their meta, {fp} for this model")
+            if st.meta.get("fingerprint") is None and st.meta.get("hooks") != LATENT_POINT:
+                want = weights_o_gram(model, None if n == 0 else st.layer_index)
+                if float(np.abs(st.o_gram - want).max()) > O_GRAM_TOLERANCE * float(np.abs(want).max()):
+                    raise ModelMismatchError(
+                        "statistics were gathered on another model: their o_gram (the output "
+                        "projection's Gram matrix) is not this model's")
 
     def pairs(self) -> List[Tuple[AttentionStats, Optional[Sensitivity]]]:
         """``(stats, sensitivity)`` of every group of layers it calibrates, the main one first."""
@@ -196,14 +232,16 @@ class Calibration:
         if self.groups:
             meta["groups"] = json.dumps([[st.meta, se.meta if se is not None else None] for st, se in self.groups],
                                         sort_keys=True)
+        meta[_META_SUM] = _meta_checksum(meta)
         return write_file(path, arrays, meta)
 
     @classmethod
     def load(cls, path: "os.PathLike[str] | str") -> "Calibration":
         """Reads a file :meth:`save` wrote. Raises InvalidParameterError when it does not exist,
         CorruptDataError naming the file when it is not such a file, is truncated or damaged
-        (the checksum of its arrays), lacks an array or holds wrong shapes or non-finite
-        values, UnsupportedVersionError when a newer version wrote it."""
+        (the checksums of its arrays and, where it has one, of its metadata), lacks an array or
+        holds wrong shapes or non-finite values, UnsupportedVersionError when a newer version
+        wrote it."""
         p = Path(path)
         where = f"calibration file {str(p)!r}"
         meta, arrays = read_file(p, where, FORMAT, VERSION, "a kakeyaturbo calibration",
@@ -247,20 +285,22 @@ class Calibration:
         # raises RecursionError.
         except (KeyError, ValueError, TypeError, RecursionError) as e:
             raise CorruptDataError(f"{where}: {e}") from None
+        # Last, so that a record that does not read is named as such.
+        if _META_SUM in meta and _meta_checksum(meta) != meta[_META_SUM]:
+            raise CorruptDataError(f"{where} is damaged: the checksum of its metadata does not match")
         return cal
 
 
 def write_file(path: "os.PathLike[str] | str", arrays: Dict[str, np.ndarray],
                meta: Dict[str, str]) -> Path:
-    """One safetensors file of ``arrays`` and ``meta``, written beside it and then moved into
-    place (a reader never sees half a file); its directory made if need be."""
+    """One safetensors file of ``arrays`` and ``meta``, written to a temporary name beside it
+    and then moved into place (a reader never sees half a file, no other file is touched, the
+    temporary file is removed on failure); its directory made if need be. InvalidParameterError
+    when ``path`` is a directory or its folder cannot be made or written."""
     from safetensors.numpy import save_file
 
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    save_file(arrays, str(tmp), metadata=meta)
-    tmp.replace(p)
+    write_atomically([(p, lambda t: save_file(arrays, str(t), metadata=meta))], "the file")
     return p
 
 

@@ -8,6 +8,7 @@ cached rows."""
 from __future__ import annotations
 
 import datetime
+import numbers
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -126,6 +127,63 @@ def _side(rope: str) -> str:
     return rope
 
 
+def _check_windows(model: Any, windows: Sequence[Sequence[int]], n_sink: Any, same_length: bool) -> None:
+    """InvalidParameterError before any forward pass unless ``windows`` is one or more windows of
+    integer token ids of the model's vocabulary (all of one length where ``same_length``), each
+    longer than ``n_sink`` (an integer >= 0)."""
+    if isinstance(n_sink, bool) or not isinstance(n_sink, numbers.Integral) or n_sink < 0:
+        raise InvalidParameterError(f"n_sink must be an integer >= 0, got {n_sink!r}")
+    try:
+        count = 0 if isinstance(windows, (str, bytes)) else len(windows)
+    except TypeError:
+        count = 0
+    if count == 0:
+        raise InvalidParameterError("calibration needs one or more windows (lists of token ids), got none")
+    emb = getattr(model, "get_input_embeddings", lambda: None)()
+    vocab = getattr(emb, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    lengths = set()
+    for n, w in enumerate(windows):
+        try:
+            a = np.asarray(w)
+        except (TypeError, ValueError):  # ragged nesting
+            a = np.asarray(None)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise InvalidParameterError(f"window {n} must be a list of integer token ids")
+        if a.size <= n_sink:
+            raise InvalidParameterError(f"window {n} holds {a.size} tokens: it needs more than n_sink = {n_sink}")
+        if a.min() < 0 or (vocab is not None and a.max() >= vocab):
+            raise InvalidParameterError(f"window {n} holds token ids outside the model's vocabulary "
+                                        f"[0, {vocab}): {int(a.min())} .. {int(a.max())}")
+        lengths.add(a.size)
+    if same_length and len(lengths) > 1:
+        raise InvalidParameterError(f"the windows must all be of one length, got lengths {sorted(lengths)}")
+
+
+def _with_fingerprint(model: Any, meta: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``meta`` with the fingerprint of the model's attention weights (what
+    :meth:`~kakeyaturbo.calibration.Calibration.for_model` and pooling check)."""
+    from .bundle import fingerprint
+
+    return dict(meta or {}, fingerprint=fingerprint(model))
+
+
+def weights_o_gram(model: Any, layers: Optional[Sequence[int]] = None) -> np.ndarray:
+    """The ``o_gram`` :func:`collect` records for a group of K/V layers (``layers``; None: the
+    calibration group), from the model's output projections alone (no forward pass)."""
+    from ..families import attention_modules as _attention_modules
+    from ..families import output_projection
+
+    _, (g,), _, _ = _groups(model, "after", [layers])
+    mods = _attention_modules(model)
+    o_gram = np.zeros((len(g.layers), g.hkv, g.d, g.d))
+    for i in sorted(i for i in g.row if i in mods):
+        w_o = output_projection(mods[i], g.hq, g.d).weight.detach().double().numpy()
+        for h in range(g.hkv):
+            blk = w_o[:, h * g.group * g.d:(h + 1) * g.group * g.d].reshape(w_o.shape[0], g.group, g.d)
+            o_gram[g.row[i], h] += np.einsum("xrd,xre->de", blk, blk)
+    return o_gram
+
+
 def collect(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
             seed: int = 0, weighting: str = "attention",
             progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
@@ -185,6 +243,10 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     if weighting not in ("attention", "uniform"):
         raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
     side = _side(rope)
+    _check_windows(model, windows, n_sink, same_length=True)
+    if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
+        raise InvalidParameterError(f"samples must be an integer >= 0, got {samples!r}")
+    meta = _with_fingerprint(model, meta)
     if _latent(model, groups):
         return [collect_latent(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
                                progress=progress, meta=meta, rope=side)]
@@ -326,6 +388,8 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     side = _side(rope)
     if labels not in LABELS:
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
+    _check_windows(model, windows, n_sink, same_length=False)
+    meta = _with_fingerprint(model, meta)
     if _latent(model, groups):
         return [collect_latent_sensitivity(model, windows, n_sink=n_sink, score=score, progress=progress,
                                            meta=meta, rope=side, labels=labels, seed=seed)]

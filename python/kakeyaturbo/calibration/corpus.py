@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
+import numbers
 import os
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, KakeyaError
 from ..texts import DOMAINS, MIXTURE, check_spec, describe, is_mixture, parse
 from . import chat, sources
-from .split import (CALIBRATION_SHARE, COHERENT, PER_DOCUMENT, Part, Windows, is_calibration,
-                    load_articles, split, split_ids, windows_of)
+from .split import (CALIBRATION_SHARE, COHERENT, PER_DOCUMENT, Part, Windows, check_length, check_share,
+                    is_calibration, load_articles, split, split_ids, windows_of)
 from .sources import CorpusUnavailableError
 
 __all__ = ["CALIBRATION_SHARE", "COHERENT", "DOMAINS", "MIXTURE", "PER_DOCUMENT", "Part", "Windows",
@@ -43,6 +45,7 @@ def parts(spec: str, tok: Any = None, share: float = CALIBRATION_SHARE) -> Tuple
     (a tokenizer with a chat template) is needed for ``chat``. Document ids are namespaced by
     domain (``code:asyncio/base_events.py``); a file's are its titles or paragraph numbers."""
     spec = check_spec(spec, allow_mixture=False)
+    share = check_share(share)
     if spec == "chat":
         return chat.chat_parts(tok, share)
     if spec in DOMAINS:
@@ -106,6 +109,9 @@ def corpus_windows(tok: Any, spec: "os.PathLike[str] | str", count: int, length:
     domains (:func:`mixture_windows`)."""
     if side not in ("calibration", "evaluation"):
         raise InvalidParameterError(f"side must be 'calibration' or 'evaluation', got {side!r}")
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+        raise InvalidParameterError(f"the number of windows must be an integer >= 0, got {count!r}")
+    check_length(length, getattr(tok, "bos_token_id", None) is not None)
     spec = check_spec(spec, allow_mixture=side == "calibration")
     if is_mixture(spec):
         out = Windows()
@@ -121,7 +127,10 @@ def calibration_windows(tok: Any, text_path: "os.PathLike[str] | str", windows: 
                         window: int) -> List[List[int]]:
     """``windows`` token windows of ``window`` tokens from the **calibration** split of a corpus
     (a domain, a mixture or a file; split by document, disjoint from the evaluation split).
-    Raises InvalidParameterError when it holds no full window."""
+    Raises InvalidParameterError when it holds no full window (or ``windows < 1``, or a window
+    too short to hold a token besides BOS)."""
+    if isinstance(windows, bool) or not isinstance(windows, numbers.Integral) or windows < 1:
+        raise InvalidParameterError(f"calibration needs an integer >= 1 of windows, got {windows!r}")
     wins = corpus_windows(tok, text_path, windows, window, side="calibration")
     if not wins.ids:
         raise InvalidParameterError(
@@ -138,10 +147,11 @@ def evaluation_windows(tok: Any, text: "os.PathLike[str] | str", count: int,
 
 
 def key(spec: str) -> str:
-    """The part of a calibration cache key that names a corpus: a file's stem (as before
-    domains existed), ``summaries_en-us`` for ``wiki-en`` (the same text as the default file),
-    a domain with what identifies its text on this machine, a mixture with a hash of its
-    composition."""
+    """The part of a calibration cache key that names a corpus: a file's stem and a hash of its
+    content (two texts of one name are not one corpus; the shipped Wikipedia files keep their
+    stem, as before domains existed), ``summaries_en-us`` for ``wiki-en`` (the same text as the
+    default file), a domain with what identifies its text on this machine, a mixture with a hash
+    of its composition."""
     spec = str(spec)
     if is_mixture(spec):
         return mixture_key(spec)
@@ -153,7 +163,42 @@ def key(spec: str) -> str:
         else:
             v = sources.version(spec)
         return f"{spec}-{hashlib.sha256(v.encode()).hexdigest()[:8]}"
-    return Path(spec).stem
+    p = Path(spec)
+    if not p.is_file() or _shipped(p):
+        return p.stem
+    return f"{p.stem}-{_content_hash(p)}"
+
+
+def _shipped(p: Path) -> bool:
+    """Whether ``p`` is one of the installed Wikipedia files (the default text): their cache
+    entries keep the names they always had."""
+    for d in sources.WIKI:
+        try:
+            if sources.wiki_path(d).resolve() == p.resolve():
+                return True
+        except (KakeyaError, OSError, CorpusUnavailableError):  # not installed: not that file
+            continue
+    return False
+
+
+_HASHED: Dict[Tuple[str, int, int], str] = {}
+
+
+def _content_hash(p: Path) -> str:
+    """The first 8 hex digits of the SHA-256 of a file's bytes (remembered per path, size and
+    modification time, so a file is read once a run)."""
+    try:
+        st = p.stat()
+        memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+        if memo not in _HASHED:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            _HASHED[memo] = h.hexdigest()[:8]
+    except OSError as e:
+        raise InvalidParameterError(f"cannot read text {str(p)!r}: {e.strerror or e}") from None
+    return _HASHED[memo]
 
 
 def meta(spec: str) -> Dict[str, Any]:
@@ -174,9 +219,14 @@ def optional(spec: "os.PathLike[str] | str | None") -> Optional[str]:
 def apportion(weights: Sequence[Tuple[str, float]], n: int) -> List[Tuple[str, int]]:
     """``n`` windows over the domains in proportion to their weights (largest remainders; ties
     to the domain listed first); domains given no window are left out."""
-    if n < 0:
-        raise InvalidParameterError(f"need n >= 0 windows, got {n}")
-    total = sum(w for _, w in weights)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise InvalidParameterError(f"need an integer n >= 0 of windows, got {n!r}")
+    bad = [(d, w) for d, w in weights
+           if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0]
+    total = sum(w for _, w in weights) if not bad else 0
+    if bad or total <= 0:
+        raise InvalidParameterError(f"mixture weights must be finite numbers >= 0, not all 0; got "
+                                    f"{[(d, w) for d, w in weights]!r}")
     exact = [n * w / total for _, w in weights]
     counts = [int(x + 1e-9) for x in exact]
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))

@@ -10,17 +10,21 @@ layers come in groups of two shapes (Gemma 4) has statistics per group
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import warnings
+import weakref
 import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .. import assets
-from ..errors import InvalidParameterError
+from ..errors import CorruptDataError, InvalidParameterError
 from ..recipes import CalibrationSettings, Recipe
 from . import corpus
-from .bundle import Calibration, is_calibration_file
+from .bundle import Calibration, fingerprint, is_calibration_file
 from .collect import collect_groups, collect_sensitivity_groups
 from .mixture import pool_sensitivity, pool_stats
 from .model_codec import is_codec_file
@@ -34,9 +38,39 @@ COLLECTION = "c2"
 
 
 def _key(model_path: "os.PathLike[str] | str", text: "os.PathLike[str] | str") -> str:
+    """The model and corpus part of a cache key: a model file by its stem and size (as always),
+    a checkpoint directory by its name and a hash of what identifies its weights
+    (:func:`_checkpoint_id`), anything else (a hub id) by its stem; the corpus by
+    :func:`.corpus.key` (a file's content)."""
     mp = Path(model_path)
+    if mp.is_dir():
+        return f"{mp.name}-{_checkpoint_id(mp)}-{corpus.key(str(text))}"
     size = mp.stat().st_size if mp.is_file() else 0
     return f"{mp.stem}-{size}-{corpus.key(str(text))}"
+
+
+#: Files of a checkpoint directory that decide its statistics: weights, their index, tokenizer.
+_CHECKPOINT_FILES = ("model*.safetensors", "consolidated*.safetensors", "pytorch_model*.bin", "*.index.json",
+                     "*.gguf", "tf_model.h5", "flax_model.msgpack", "tokenizer*", "vocab*", "merges.txt",
+                     "special_tokens_map.json", "*.model", "*.tiktoken")
+
+
+def _checkpoint_id(d: Path) -> str:
+    """``d`` + 8 hex digits: SHA-256 over its ``config.json`` and the name, size and modification
+    time of its weight and tokenizer files (two checkpoints of one name and shape, or one
+    rewritten in place, do not share statistics; a copy whose times change collects anew)."""
+    h = hashlib.sha256()
+    try:
+        cfg = d / "config.json"
+        if cfg.is_file():
+            h.update(cfg.read_bytes())
+        names = sorted({f.name for pat in _CHECKPOINT_FILES for f in d.glob(pat) if f.is_file()})
+        for name in names:
+            st = (d / name).stat()
+            h.update(f"\n{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    except OSError as e:
+        raise InvalidParameterError(f"cannot read model directory {str(d)!r}: {e.strerror or e}") from None
+    return "d" + h.hexdigest()[:8]
 
 
 def _dtype_part(dtype: str) -> str:
@@ -160,7 +194,8 @@ def _cached(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
     dtype = model_dtype(model)
     paths = [stats_path(model_path, text, settings, dtype, rope, g) if stats
              else sensitivity_path(model_path, text, settings, n_sink, dtype, rope, g) for g in groups]
-    have = {n: (AttentionStats if stats else Sensitivity).load(p) for n, p in enumerate(paths) if p.exists()}
+    have = {n: got for n, got in ((n, _load_entry(AttentionStats if stats else Sensitivity, p, model))
+                                  for n, p in enumerate(paths)) if got is not None}
     todo = [n for n in range(len(groups)) if n not in have]
     if todo:
         wins = corpus.calibration_windows(tok, text, n_windows, settings.window)
@@ -176,6 +211,59 @@ def _cached(model: Any, tok: Any, model_path: "os.PathLike[str] | str",
             one.save(paths[n])
             have[n] = one
     return [have[n] for n in range(len(groups))]
+
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: Any) -> str:
+    """:func:`.bundle.fingerprint`, once per loaded model object."""
+    try:
+        if model not in _FINGERPRINTS:
+            _FINGERPRINTS[model] = fingerprint(model)
+        return _FINGERPRINTS[model]
+    except TypeError:  # not weakly referable
+        return fingerprint(model)
+
+
+def _load_entry(cls: Any, p: Path, model: Any) -> Any:
+    """A cache entry, or None when there is none, it cannot be read (an interrupted write, a
+    damaged file) or it records another model's fingerprint: warned about, collected again and
+    rewritten."""
+    if not p.exists():
+        return None
+    try:
+        got = cls.load(p)
+    except (InvalidParameterError, CorruptDataError) as e:
+        warnings.warn(f"calibration cache entry {str(p)!r} cannot be read ({e}); collecting it again",
+                      UserWarning, stacklevel=3)
+        return None
+    fp = got.meta.get("fingerprint")
+    if fp is not None and fp != _fingerprint(model):
+        warnings.warn(f"calibration cache entry {str(p)!r} was made for another model (fingerprint {fp}); "
+                      "collecting it again", UserWarning, stacklevel=3)
+        return None
+    return got
+
+
+def _readable(p: Path, model: Any) -> bool:
+    """Whether a cache entry is there, its header and sidecar read and it records no other
+    model's fingerprint (what :func:`missing` counts as cached; the arrays are read, and
+    checked, when it is used)."""
+    side = p.with_name(p.name + ".json")
+    if not (p.is_file() and side.is_file()):
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="np") as f:
+            f.keys()
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except Exception:  # safetensors raises its own error type on garbage
+        return False
+    if not isinstance(meta, dict):
+        return False
+    return meta.get("fingerprint") is None or meta["fingerprint"] == _fingerprint(model)
 
 
 def _groups(recipe: Recipe, model: Any, all_groups: bool) -> List[Layers]:
@@ -218,7 +306,7 @@ def missing(recipe: Recipe, model: Any, tok: Any, model_path: "os.PathLike[str] 
             else:
                 paths = [sensitivity_path(model_path, d, replace(st, sensitivity_windows=c), n_sink, dtype,
                                           recipe.key_rope, g) for g in groups]
-            if not all(p.exists() for p in paths):
+            if not all(_readable(p, model) for p in paths):
                 out.append((what, d, c))
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +49,42 @@ def load_articles(path: "os.PathLike[str] | str") -> Dict[str, str]:
             raise InvalidParameterError(f"{str(p)!r} is not JSON: {e}") from None
         if not isinstance(data, dict):
             raise InvalidParameterError(f"{str(p)!r} must hold a JSON object title -> article")
-        return {str(t): (v["extract"] if isinstance(v, dict) else str(v)) for t, v in data.items()}
+        return {str(t): _article(p, str(t), v) for t, v in data.items()}
     parts = [q.strip() for q in raw.split("\n\n") if q.strip()]
     return {f"paragraph-{i:06d}": q for i, q in enumerate(parts)}
+
+
+def _article(p: Path, title: str, v: object) -> str:
+    """The text of one article of a wiki-style JSON: a string, or an object whose ``extract``
+    is one; InvalidParameterError naming the file and the article otherwise."""
+    text = v.get("extract") if isinstance(v, dict) else v
+    if not isinstance(text, str):
+        what = ("has no 'extract'" if isinstance(v, dict) and "extract" not in v
+                else f"has no text (got {type(text).__name__})")
+        raise InvalidParameterError(f"{str(p)!r}: article {title[:80]!r} {what}; each article must be "
+                                    "a string or an object with a string 'extract'")
+    return text
+
+
+def check_share(share: float) -> float:
+    """``share`` as a float in [0, 1]; InvalidParameterError otherwise (NaN included)."""
+    try:
+        ok = 0.0 <= float(share) <= 1.0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InvalidParameterError(f"the calibration share must be a number in [0, 1], got {share!r}")
+    return float(share)
+
+
+def check_length(length: int, bos: bool = True) -> int:
+    """``length`` as an int, long enough for a window to hold a token besides BOS (``bos``:
+    the tokenizer has one); InvalidParameterError otherwise."""
+    least = 2 if bos else 1
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < least:
+        raise InvalidParameterError(f"a window must be an integer of at least {least} tokens (one "
+                                    f"besides BOS), got {length!r}")
+    return int(length)
 
 
 def split(articles: Dict[str, str], share: float = CALIBRATION_SHARE) -> Tuple[List[str], List[str]]:
@@ -63,6 +97,7 @@ def split_ids(articles: Dict[str, str], share: float = CALIBRATION_SHARE,
               order: str = "title") -> Tuple[List[str], List[str]]:
     """(calibration ids, evaluation ids) of a ``{id: text}``, each in ``order`` (``title``:
     sorted; ``hash``: by a hash of the id, independent of the split's)."""
+    share = check_share(share)
     ids = sorted(articles)
     if order == "hash":
         ids.sort(key=lambda t: _hash01(t, "order:"))
@@ -74,7 +109,9 @@ def split_ids(articles: Dict[str, str], share: float = CALIBRATION_SHARE,
 
 def windows_of(ids: Sequence[int], length: int, count: int, bos: "int | None") -> List[List[int]]:
     """`count` consecutive, non-overlapping windows of `length` tokens from a token stream,
-    each starting with `bos` when the tokenizer has one (it does not add it itself)."""
+    each starting with `bos` when the tokenizer has one (it does not add it itself).
+    InvalidParameterError unless a window holds a token besides BOS."""
+    length = check_length(length, bos is not None)
     body = length - (1 if bos is not None else 0)
     out = []
     for i in range(count):

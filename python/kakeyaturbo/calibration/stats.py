@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 
@@ -26,14 +27,18 @@ class _Stored:
     meta: Dict[str, Any]
 
     def save(self, path: "os.PathLike[str] | str") -> Tuple[Path, Path]:
-        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta)."""
+        """Writes ``path`` (safetensors) and ``path`` + ``.json`` (the sidecar: meta), each to a
+        temporary name beside it first, then moved into place, the sidecar first (an
+        interrupted write leaves no entry that looks complete). InvalidParameterError when
+        ``path`` is a directory or its folder cannot be made."""
         from safetensors.numpy import save_file
 
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}, str(p))
         side = p.with_name(p.name + ".json")
-        side.write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        arrays = {k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}
+        text = json.dumps(self.meta, indent=2, sort_keys=True) + "\n"
+        write_atomically([(side, lambda t: t.write_text(text, encoding="utf-8")),
+                          (p, lambda t: save_file(arrays, str(t)))], self.KIND)
         return p, side
 
     @classmethod
@@ -66,6 +71,43 @@ class _Stored:
             return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
         except InvalidParameterError as e:
             raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
+
+
+def write_atomically(files: Sequence[Tuple[Path, Callable[[Path], Any]]], what: str = "file") -> None:
+    """Writes each ``(path, write)``: ``write(temp)`` fills a temporary file beside ``path``
+    (:func:`tempfile.mkstemp`, so no other file is touched), and once all are written they are
+    moved into place in order; on any failure (or interrupt) the temporary files are removed.
+    InvalidParameterError naming ``what`` when a path is a directory or its folder cannot be
+    made or written."""
+    for p, _ in files:
+        if p.is_dir():
+            raise InvalidParameterError(f"cannot write {what} to {str(p)!r}: it is a directory; name a file")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidParameterError(f"cannot make the folder of {what} {str(p)!r}: {e.strerror or e}") from None
+    mask = os.umask(0o22)
+    os.umask(mask)
+    temps: List[Path] = []
+    try:
+        for p, write in files:
+            try:
+                fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+            except OSError as e:
+                raise InvalidParameterError(f"cannot write {what} in {str(p.parent)!r}: {e.strerror or e}") from None
+            os.close(fd)
+            temps.append(Path(name))
+            write(Path(name))
+            os.chmod(name, 0o666 & ~mask)  # as a plain open() makes it, not 0600 (mkstemp, safetensors)
+        for (p, _), t in zip(files, temps):
+            os.replace(t, p)
+    except BaseException:
+        for t in temps:
+            try:
+                t.unlink()
+            except FileNotFoundError:
+                pass
+        raise
 
 
 def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtype: Any) -> np.ndarray:
