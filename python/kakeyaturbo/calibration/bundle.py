@@ -25,6 +25,10 @@ import numpy as np
 
 from .._core import __version__
 from ..errors import CorruptDataError, InvalidParameterError, ModelMismatchError, UnsupportedVersionError
+from .checks import fingerprint
+from .collect import weights_o_gram
+from .latent import LATENT_POINT
+from .mixture import O_GRAM_TOLERANCE
 from .stats import AttentionStats, Sensitivity, write_atomically
 
 #: The ``format`` entry of the metadata, and the version this build writes and reads.
@@ -33,29 +37,6 @@ VERSION = 1
 
 _STATS = "stats/"
 _SENS = "sensitivity/"
-
-
-def fingerprint(model: Any) -> str:
-    """A fingerprint of a loaded model's attention weights: SHA-256 (first 128 bits, hex) over
-    the model type and, per attention layer in order, every parameter of the attention module
-    (q/k/v/o projections, biases, q/k norms) by name and shape, its values rounded to bfloat16.
-
-    The rounding makes it stable across the dtypes a checkpoint is loaded in (float32 or
-    bfloat16 give the same fingerprint); any change of the weights changes it. It reads every
-    attention weight once (0.1 s for the 135M default model)."""
-    import torch
-
-    from ..families import attention_modules, describe
-
-    layout = describe(model)
-    h = hashlib.sha256(f"{layout.model_type}\n".encode())
-    mods = attention_modules(model)
-    for i in sorted(mods):
-        for name, p in sorted(mods[i].named_parameters(), key=lambda kv: kv[0]):
-            w = p.detach().to("cpu", torch.bfloat16).contiguous()
-            h.update(f"{i}.{name}:{tuple(w.shape)}\n".encode())
-            h.update(w.view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 def _checksum(arrays: Dict[str, np.ndarray]) -> str:
@@ -125,10 +106,6 @@ class Calibration:
 
     def _check_weights(self, model: Any, fp: str) -> None:
         """ModelMismatchError unless every part was gathered on ``model`` (fingerprint ``fp``)."""
-        from .collect import weights_o_gram
-        from .latent import LATENT_POINT
-        from .mixture import O_GRAM_TOLERANCE
-
         for n, (st, se) in enumerate(self.pairs()):
             for what, part in (("statistics", st), ("sensitivity", se)):
                 got = None if part is None else part.meta.get("fingerprint")
@@ -159,11 +136,11 @@ class Calibration:
         want = (len(layers), kv, d)
         if self.shape != want:
             raise ModelMismatchError(
-                f"{what} hold (layers, kv-heads, head_dim) = {self.shape}, but the model "
+                f"{what}: (layers, kv-heads, head_dim) = {self.shape}, but the model "
                 f"({layout.model_type!r}) has {want}")
         dv = layout.layers[layers[0]].v_dim or d
         if self.stats.dims[1] != dv:  # multi-head latent attention: the rotated key part
-            raise ModelMismatchError(f"{what} hold values {self.stats.dims[1]} wide, but the model "
+            raise ModelMismatchError(f"{what}: values {self.stats.dims[1]} wide, but the model "
                                      f"({layout.model_type!r}) caches them {dv} wide")
         if self.stats.layer_index != layers:
             raise ModelMismatchError(

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
-from .checks import RotatedKeys, check_keys_rotate_last, check_same_output
+from .checks import RotatedKeys, check_keys_rotate_last, check_same_output, fingerprint
 from .latent import collect_latent, collect_latent_sensitivity
 from .moments import Moments, SampledRows, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
@@ -162,8 +162,6 @@ def _check_windows(model: Any, windows: Sequence[Sequence[int]], n_sink: Any, sa
 def _with_fingerprint(model: Any, meta: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """``meta`` with the fingerprint of the model's attention weights (what
     :meth:`~kakeyaturbo.calibration.Calibration.for_model` and pooling check)."""
-    from .bundle import fingerprint
-
     return dict(meta or {}, fingerprint=fingerprint(model))
 
 
