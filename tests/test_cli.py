@@ -62,6 +62,11 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir, capsys) -> Non
     rows = [json.loads((evals[n] / "results.json").read_text())["methods"]["kakeyaturbo:calibrated-4bit"]
             for n in ("codec", "statistics")]
     assert rows[0]["kl"] == rows[1]["kl"] and rows[0]["bits_per_element"] == rows[1]["bits_per_element"]
+    # Each run records where the recipe's calibration came from (no calibration text: the file's).
+    metas = {n: json.loads((evals[n] / "results.json").read_text())["meta"] for n in evals}
+    assert metas["codec"]["calibration"] == {"calibrated-4bit": f"codec file {tmp_path / 'c4.kkcodec'}"}
+    assert metas["statistics"]["calibration"] == {"calibrated-4bit": f"calibration file {cal} (text {text})"}
+    assert metas["statistics"]["calibration_text"] is None
     capsys.readouterr()
     assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
                      "--ctx", "64", "--n-eval", "8", "--recipes", "calibrated-3bit", "--baselines", "",
@@ -95,7 +100,7 @@ def test_calibrate_then_eval(tiny_model_dir, tmp_path, cache_dir, capsys) -> Non
     shipped = tmp_path / "shipped.toml"
     shipped.write_text(recipe.read_text().replace('name = "cal"', 'name = "cal"')
                        .replace('path = "cal.safetensors"\n', ""))
-    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--calibration-text", "same", "--windows", "2",
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(text), "--windows", "2",
                      "--ctx", "64", "--n-eval", "8", "--recipes", str(shipped), "--baselines", "",
                      "--peers", "", "--calibration", str(cal), "--out", str(out2)]) == 0
     res2 = json.loads((out2 / "results.json").read_text())
@@ -188,7 +193,7 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
                      "--windows", "2", "--window", "64", "--sensitivity-windows", "2", "--score", "16",
                      "--samples", "20", "--out", str(cal)]) == 0
     out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
                      "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", "calibrated-4bit",
                      "--calibration", str(cal), "--baselines", "identity", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())["methods"]
@@ -328,7 +333,7 @@ def test_latent_attention_model_directory(tiny_model_dir, tmp_path, cache_dir) -
                      "--samples", "20", "--out", str(cal)]) == 0
     assert Calibration.load(cal).stats.dims == (32, 8)
     out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
                      "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", "calibrated-4bit",
                      "--calibration", str(cal), "--baselines", "identity", "--peers", "", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())["methods"]
@@ -373,3 +378,52 @@ def test_recipes_on_both_sides_of_rope_get_their_own_statistics(tiny_model_dir, 
     assert {"kakeyaturbo:before", "kakeyaturbo:after"} <= set(res)
     made = sorted(p.name for p in (cache_dir / "calibration").glob("*.safetensors"))
     assert len(made) == 2 and sum("ropeafter" in n for n in made) == 1, made
+
+
+def test_calibrate_on_a_text_of_fewer_windows_says_so_and_records_them(tiny_model_dir, tmp_path, cache_dir,
+                                                                       capsys) -> None:
+    """--windows beyond what the text's calibration split holds: a warning, the estimate and the
+    file's record count the windows used."""
+    from kakeyaturbo.calibration import Calibration
+
+    short = tmp_path / "short.txt"
+    short.write_text("\n\n".join((tiny_model_dir / "text.txt").read_text().split("\n\n")[:40]) + "\n")
+    cal = tmp_path / "c.kkcal"
+    assert cli.main(["calibrate", "--model", str(tiny_model_dir), "--text", str(short), "--windows", "500",
+                     "--window", "96", "--sensitivity-windows", "0", "--samples", "20", "--out", str(cal)]) == 0
+    err = capsys.readouterr().err
+    used = Calibration.load(cal).settings["windows"]
+    assert 0 < used < 500
+    assert f"holds only {used} windows of 96 tokens: the statistics use {used}, not the 500 of --windows" in err
+    assert f"statistics on {used} windows" in err and "500 windows" not in err.replace("the 500 of", "")
+    settings = Calibration.load(cal).settings  # --score is unused without sensitivity windows
+    assert settings["sensitivity_windows"] == 0 and settings["score"] is None
+
+
+def test_eval_says_what_it_ignores_and_records_where_calibrations_came_from(
+        tiny_model_dir, gemma3_bf16_dir, tmp_path, cache_dir, capsys) -> None:
+    """Options that would do nothing are warned of (--calibration without a calibrated recipe,
+    --attribute without a recipe, one window's intervals); nothing to run after the peers are
+    skipped is an error that leaves earlier results alone; results record each recipe's
+    calibration."""
+    text = tiny_model_dir / "text.txt"
+    common = ["--model", str(tiny_model_dir), "--text", str(text), "--ctx", "16", "--n-eval", "4", "--peers", ""]
+    out = tmp_path / "o"
+    assert cli.main(["eval", *common, "--windows", "1", "--recipes", "balanced", "--baselines", "identity",
+                     "--calibration", str(text), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: --calibration {text} is unused: no calibrated recipe among --recipes" in err
+    assert "warning: one window: the 95 % intervals" in err
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["calibration"] == {} and meta["calibration_text"] is None
+    assert cli.main(["eval", *common, "--windows", "2", "--recipes", "", "--baselines", "identity",
+                     "--attribute", "2", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --attribute is unused" in err and "one window" not in err
+    # Every method skipped (QuantizedCache takes full-attention models only): an error, before
+    # any pass, the results of the run before untouched.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert cli.main(["eval", "--model", str(gemma3_bf16_dir), "--text", str(text), "--ctx", "16", "--n-eval", "4",
+                     "--recipes", "", "--baselines", "", "--peers", "quanto-int4", "--out", str(out)]) == 1
+    assert "error: nothing to evaluate: every method asked for was skipped" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

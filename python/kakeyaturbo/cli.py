@@ -111,12 +111,14 @@ def _check_text(arg: Optional[str], flag: str = "--text", mixture: bool = False)
                          f"({', '.join(texts.DOMAINS)}), a UTF-8 text file or the wiki JSON)")
 
 
-def _check_recipes(arg: str) -> None:
+def _check_recipes(arg: str) -> List[Any]:
+    out = []
     for name in _names(arg):
         try:
-            recipes.load(name)
+            out.append(recipes.load(name))
         except KakeyaError as e:
             raise _Bad("--recipes", str(e)) from None
+    return out
 
 
 def _check_baselines(arg: str) -> None:
@@ -150,6 +152,48 @@ def _check_calibration_file(flag: str, arg: Optional[str]) -> None:
                          "kakeyaturbo calibrate --out FILE, or a codec file by --codec-out FILE)")
 
 
+def _check_eval_methods(args: argparse.Namespace, recs: List[Any]) -> None:
+    """Something to evaluate, and a context longer than every method's sink (tokens kept raw:
+    at ``--ctx`` <= the sink nothing is compressed, and every method would pass at 16 bits)."""
+    if not (recs or _names(args.baselines) or _names(args.peers)):
+        raise _Bad("--recipes", "nothing to evaluate: --recipes, --baselines and --peers are all empty "
+                                "(name at least one method)")
+    sinks = [(r.n_sink, f"recipe {r.name!r}") for r in recs]
+    sinks += [(baselines.parse(n)[1], f"baseline {n!r}") for n in _names(args.baselines)]
+    sink, who = max(sinks, default=(0, ""), key=lambda s: s[0])
+    if args.ctx <= sink:
+        raise _Bad("--ctx", f"expected more than the {sink} sink token(s) {who} keeps uncompressed, "
+                            f"got {args.ctx} (nothing would be compressed)")
+    if args.calibration is not None and args.calibration_text is not None:
+        raise _Bad("--calibration-text", "does not apply with --calibration FILE (the file's statistics "
+                                         "or codecs were made on the text it records): give one of the two")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether the paths ``a`` and ``b`` name the same file (existing or not)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.samefile(pb)
+    return pa.resolve() == pb.resolve()
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``calibrate``'s output files overwrite none of its inputs nor each other."""
+    model = None if args.model in (None, "hard-case") else args.model
+    inputs = [("--model", model), ("--text", args.text), ("--calibration-text", args.calibration_text)]
+    for flag in ("--out", "--codec-out"):
+        out = getattr(args, flag[2:].replace("-", "_"))
+        if out is None:
+            continue
+        for name, src in inputs:
+            if src is not None and Path(src).expanduser().is_file() and _same_file(out, src):
+                raise _Bad(flag, f"{out!r} is the {name} input: it would be overwritten (expected "
+                                 "another file to write)")
+    if args.out is not None and args.codec_out is not None and _same_file(args.codec_out, args.out):
+        raise _Bad("--codec-out", f"must differ from --out ({args.out!r}): the codec file would "
+                                  "overwrite the calibration file")
+
+
 def check(args: argparse.Namespace) -> None:
     """Every argument of a parsed command line, before anything is loaded: raises ``_Bad``
     (an argument) or MissingDependencyError (the eval extra, a data package)."""
@@ -158,15 +202,21 @@ def check(args: argparse.Namespace) -> None:
     if args.calibration_text is not None:
         _check_text(args.calibration_text, "--calibration-text", mixture=True)
     if args.command == "eval":
-        _check_recipes(args.recipes)
+        recs = _check_recipes(args.recipes)
         _check_baselines(args.baselines)
         _check_peers(args.peers)
+        _check_eval_methods(args, recs)
         _check_out_dir(args.out)
         _check_calibration_file("--calibration", args.calibration)
     else:
-        if args.score + 2 > args.window:
-            raise _Bad("--score", f"expected at most --window - 2 = {args.window - 2} scored tokens, "
-                                  f"got {args.score}")
+        if args.n_sink >= args.window:
+            raise _Bad("--n-sink", f"expected fewer than --window = {args.window} tokens (the statistics "
+                                   f"leave the sink out of every window), got {args.n_sink}")
+        if args.sensitivity_windows > 0 and args.score + args.n_sink + 2 > args.window:
+            top = args.window - args.n_sink - 2
+            raise _Bad("--score", f"expected at most --window - --n-sink - 2 = {top} scored tokens (a "
+                                  f"sensitivity window holds the sink, one more cached token, the scored "
+                                  f"tokens and their last target), got {args.score}")
         if args.out is not None:
             p = Path(args.out).expanduser()
             if p.is_dir():
@@ -188,6 +238,7 @@ def check(args: argparse.Namespace) -> None:
             p = Path(args.codec_out).expanduser()
             if p.is_dir() or not p.parent.is_dir():
                 raise _Bad("--codec-out", f"{args.codec_out!r} is a directory or its directory does not exist")
+        _check_outputs(args)
     require(f"kakeyaturbo {args.command}")
 
 

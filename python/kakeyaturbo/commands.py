@@ -122,27 +122,34 @@ def _calibration_text(args: argparse.Namespace, text_path: Path) -> Optional[str
 
 
 def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, text_path: Path,
-                  cal_text: Optional[str], recs: List[recipes.Recipe]) -> Dict[Any, Any]:
+                  cal_text: Optional[str], recs: List[recipes.Recipe],
+                  sources: Optional[Dict[str, str]] = None) -> Dict[Any, Any]:
     """Per calibrated recipe's name, its ``[(stats, sensitivity), ...]`` (one pair per group of
     K/V layers of one shape, :func:`~kakeyaturbo.calibration.for_recipe_groups`), or its
     ModelCodec where a file gives it: ``--calibration`` or the recipe's ``[calibration] path``
     naming a calibration file (codecs of every group of layers it calibrates) or a codec file
     (``ModelCodec.save``, ``kakeyaturbo calibrate --codec-out``); statistics are shared by
-    recipes that depend on the same ones."""
+    recipes that depend on the same ones. ``sources``, where given, receives per recipe's name
+    where its calibration came from (for the results' meta)."""
     out: Dict[Any, Any] = {}
-    if args.calibration and is_codec_file(args.calibration):
+    sources = {} if sources is None else sources
+    named = args.calibration if any(r.mode == "calibrated" for r in recs) else None  # else unused
+    if named and is_codec_file(named):
         for rec in recs:
             if rec.mode == "calibrated":
-                out[rec.name] = codec_for_model(m, rec, args.calibration)[0]
-                _say(f"{rec.name}: codecs from codec file {args.calibration}")
+                out[rec.name] = codec_for_model(m, rec, named)[0]
+                sources[rec.name] = f"codec file {named}"
+                _say(f"{rec.name}: codecs from codec file {named}")
         return out
-    if args.calibration:
-        cal = Calibration.load(args.calibration).check_model(m)
-        _say(f"calibration {args.calibration} ({cal.library}, made for {cal.model_type} "
+    if named:
+        cal = Calibration.load(named).check_model(m)
+        _say(f"calibration {named} ({cal.library}, made for {cal.model_type} "
              f"{cal.fingerprint})")
         for rec in recs:  # codecs of every group of layers the file calibrates
             if rec.mode == "calibrated":
                 out[rec.name] = codec_for_model(m, rec, cal)[0]
+                sources[rec.name] = (f"calibration file {named} (text "
+                                     f"{cal.settings.get('text', 'unrecorded')})")
         return out
     for rec in recs:
         if rec.mode != "calibrated":
@@ -150,11 +157,17 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
         if rec.calibration.path and (is_codec_file(rec.calibration.path)
                                      or is_calibration_file(rec.calibration.path)):
             out[rec.name] = codec_for_model(m, rec)[0]  # (every group of layers a calibration file holds)
+            sources[rec.name] = f"file {rec.calibration.path}"
             _say(f"{rec.name}: codecs from {rec.calibration.path}")
+            if cal_text is not None:
+                _say(f"warning: --calibration-text does not apply to {rec.name}: its [calibration] path "
+                     "names the file its codecs come from")
             continue
+        text = cal_text or rec.calibration.corpus
+        sources[rec.name] = (f"statistics file {rec.calibration.path}" if rec.calibration.path
+                             else f"text {text}")
         key = (rec.calibration, max(rec.n_sink, 1), rec.needs_sensitivity, rec.key_rope)
         if key not in out:
-            text = cal_text or rec.calibration.corpus
             todo = missing(rec, m, tok, model_path, text, all_groups=True)
             if todo:
                 plan = calibration_plan(todo)
@@ -166,14 +179,27 @@ def _calibrations(args: argparse.Namespace, m: Any, tok: Any, model_path: Path, 
     return out
 
 
+def unused_options(args: argparse.Namespace, recs: List[recipes.Recipe]) -> List[str]:
+    """``eval`` options that would be ignored with these recipes: each a line to warn with."""
+    out = []
+    if args.calibration and not any(r.mode == "calibrated" for r in recs):
+        out.append(f"--calibration {args.calibration} is unused: no calibrated recipe among --recipes")
+    if args.attribute and not recs:
+        out.append("--attribute is unused: it attributes the loss of recipes, and --recipes names none")
+    return out
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """``kakeyaturbo eval``: the EVAL.md protocol; writes results.json, .md and .png."""
     t_start = time.perf_counter()
     model_path, text_path = _model_and_text(args)
     cal_text = _calibration_text(args, text_path)
-    _say(f"model {model_path}\ntext  {text_path} (evaluation split)\ncalibration text "
-         f"{cal_text or 'as each recipe names it (shipped recipes: mixture)'} (calibration split)")
+    cal_from = (f"file {args.calibration}" if args.calibration else
+                f"text {cal_text or 'as each recipe names it (shipped recipes: mixture)'} (calibration split)")
+    _say(f"model {model_path}\ntext  {text_path} (evaluation split)\ncalibration {cal_from}")
     recs = [recipes.load(n) for n in _names(args.recipes)]
+    for line in unused_options(args, recs):
+        _say(f"warning: {line}")
     m, tok = model.load(model_path, args.dtype)
     wins = data.evaluation_windows(tok, text_path, args.windows, args.ctx + args.n_eval + 1)
     if not wins:
@@ -181,6 +207,9 @@ def evaluate(args: argparse.Namespace) -> int:
             f"the evaluation split of {text_path.name} holds no window of {args.ctx + args.n_eval + 1} tokens")
     if len(wins) < args.windows:
         _say(f"text holds only {len(wins)} windows")
+    if len(wins) < 2:
+        _say("warning: one window: the 95 % intervals (a bootstrap over windows) are the point "
+             "estimates themselves; evaluate 2 windows or more for an interval")
     layers = m.config.num_hidden_layers
     methods = harness.baseline_methods(_names(args.baselines))
     for name in _names(args.peers):
@@ -189,7 +218,10 @@ def evaluate(args: argparse.Namespace) -> int:
             _say(why)
             continue
         methods.append(harness.peer_method(name))
-    cals = _calibrations(args, m, tok, model_path, text_path, cal_text, recs)
+    if not methods and not recs:
+        raise InvalidParameterError("nothing to evaluate: every method asked for was skipped (see above)")
+    sources: Dict[str, str] = {}
+    cals = _calibrations(args, m, tok, model_path, text_path, cal_text, recs, sources)
     for rec in recs:
         got = cals.get(rec.name, [(None, None)])
         if isinstance(got, ModelCodec):
@@ -201,9 +233,12 @@ def evaluate(args: argparse.Namespace) -> int:
             methods += harness.attribution_methods(methods[-1], layers, args.attribute)
     res_methods = harness.evaluate(m, wins, args.ctx, methods, progress=_progress("windows"))
     any_m = next(iter(res_methods.values()), None)
+    # The calibration text only where a recipe was calibrated on it; per recipe, where from.
+    gathered = any(v.startswith("text ") for v in sources.values())
     res = {
         "meta": {"model": model_path.name, "text": text_path.name, "windows": len(wins),
-                 "calibration_text": cal_text or "recipe", "ctx": args.ctx, "n_eval": args.n_eval,
+                 "calibration_text": (cal_text or "recipe") if gathered else None, "calibration": sources,
+                 "ctx": args.ctx, "n_eval": args.n_eval,
                  "ppl_ref": any_m["ppl_ref"] if any_m else float("nan"),
                  "date": datetime.date.today().isoformat(), "layers": layers,
                  "dtype": model_dtype(m), "library": f"kakeyaturbo {__version__}",
@@ -229,13 +264,24 @@ def calibrate(args: argparse.Namespace) -> int:
     dtype = model_dtype(m)
     settings = recipes.CalibrationSettings(
         windows=args.windows, window=args.window, weighting=args.weighting,
-        sensitivity_windows=max(args.sensitivity_windows, 1), score=args.score,
+        sensitivity_windows=max(args.sensitivity_windows, 1),
+        score=args.score if args.sensitivity_windows > 0 else min(args.score, args.window - 2),  # (unused)
         labels=args.labels, corpus=text).checked()
-    plan = [("statistics", d, c) for d, c in corpus.composition(text, args.windows, tok)]
-    if args.sensitivity_windows > 0:
-        plan += [("sensitivity", d, c)
-                 for d, c in corpus.composition(text, args.sensitivity_windows, tok)]
-    announce_calibration(m, tok, text_path, settings, True, args.sensitivity_windows > 0, plan)
+    # The windows first: a text may hold fewer than asked, and the estimate, the warning and the
+    # file's record then say how many are used.
+    wins_of: Dict[Tuple[str, str], List[List[int]]] = {}
+    plan = []
+    for what, n in (("statistics", args.windows), ("sensitivity", args.sensitivity_windows)):
+        for d, c in (corpus.composition(text, n, tok) if n > 0 else []):
+            wins_of[what, d] = calibration_windows(tok, d, c, args.window)
+            plan.append((what, d, len(wins_of[what, d])))
+    used = {what: sum(c for w, _, c in plan if w == what) for what in ("statistics", "sensitivity")}
+    for what, flag, asked in (("statistics", "--windows", args.windows),
+                              ("sensitivity", "--sensitivity-windows", args.sensitivity_windows)):
+        if used[what] < asked:
+            _say(f"warning: the calibration split of {corpus.describe(text)} holds only {used[what]} windows "
+                 f"of {args.window} tokens: the {what} use {used[what]}, not the {asked} of {flag}")
+    announce_calibration(m, tok, text_path, settings, used["statistics"], used["sensitivity"], plan)
     mixed = corpus.is_mixture(text)
     to_cache = args.out is None or mixed  # a mixture's domains are cached where eval finds them
 
@@ -256,7 +302,7 @@ def calibrate(args: argparse.Namespace) -> int:
         """Per group, ``what`` of every domain of the corpus (each cached where asked), pooled."""
         got: List[List[Tuple[Any, int]]] = [[] for _ in groups]
         for d, c in corpus.composition(text, n_windows, tok):
-            wins = calibration_windows(tok, d, c, args.window)
+            wins = wins_of[what, d]
             parts = gather_one(wins, progress=_progress(f"{what} {d}{n_groups}"),
                                meta={"model": model_path.name, **corpus.meta(d)})
             for n, one in enumerate(parts):
@@ -266,7 +312,7 @@ def calibrate(args: argparse.Namespace) -> int:
         return [pool(g, meta=meta) if mixed else g[0][0] for g in got]
 
     stats_of = per_group(
-        "calibration", args.windows,
+        "statistics", args.windows,
         lambda wins, **kw: collect_groups(m, wins, groups=groups, n_sink=args.n_sink, weighting=args.weighting,
                                           rope=args.rope, samples=args.samples, **kw),
         lambda d, c, g: stats_path(model_path, d, replace(settings, windows=c), dtype, args.rope, g), pool_stats)
@@ -283,10 +329,11 @@ def calibrate(args: argparse.Namespace) -> int:
     if not (args.out or args.codec):
         return 0
     record = {"model": model_path.name, "text": text, "split": "calibration",
-              "windows": args.windows, "window": args.window, "weighting": args.weighting,
+              "windows": used["statistics"], "window": args.window, "weighting": args.weighting,
               "n_sink": args.n_sink, "samples": args.samples,
-              "sensitivity_windows": args.sensitivity_windows, "score": args.score,
-              "labels": args.labels,
+              "sensitivity_windows": used["sensitivity"],
+              "score": args.score if args.sensitivity_windows > 0 else None,
+              "labels": args.labels if args.sensitivity_windows > 0 else None,
               "dtype": dtype, "rope": args.rope}
     cal = Calibration.for_model(m, *pairs[0], record, groups=pairs[1:])
     if args.out:

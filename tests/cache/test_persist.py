@@ -269,6 +269,44 @@ def test_save_needs_the_model_and_an_identified_codec(llama, tmp_path) -> None:
     assert loaded.get_seq_length() == cache.get_seq_length()
 
 
+def test_save_writes_only_its_file(llama, tmp_path, monkeypatch) -> None:
+    """save into a directory is refused before anything is written; the temporary file is one of
+    its own (a user's ``<name>.tmp`` is left alone) and is gone after a failed write, the old file
+    kept."""
+    cache = _cache("identity", llama)
+    forward(llama, prompt(), cache)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir.tmp").write_text("user data")
+    with pytest.raises(InvalidParameterError, match="dir'.*is a directory"):
+        cache.save(tmp_path / "dir")
+    (tmp_path / "p.kkpfx.tmp").write_text("user data")
+    path = cache.save(tmp_path / "p.kkpfx")
+    assert (tmp_path / "dir.tmp").read_text() == (tmp_path / "p.kkpfx.tmp").read_text() == "user data"
+    before = sorted(tmp_path.iterdir())
+    good = path.read_bytes()
+
+    def fail(*_a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(persist.os, "replace", fail)
+    forward(llama, prompt(seed=3), cache)
+    with pytest.raises(OSError, match="disk full"):
+        cache.save(path)
+    assert sorted(tmp_path.iterdir()) == before and path.read_bytes() == good
+
+
+def test_ids_shorter_than_the_loaded_prefix_are_a_typed_error(llama, tmp_path) -> None:
+    """generate feeds none of ids shorter than the prefix (an error deep in the model) or, one
+    short, their tail again (a silent continuation from the wrong tokens): refused up front."""
+    path = tmp_path / "p.kkpfx"
+    _saved("balanced", llama, path)
+    for t in (1, PREFIX - 10, PREFIX - 1):
+        with pytest.raises(kakeyaturbo.InvalidInputError, match="do not continue the 40 tokens the cache holds"):
+            generate(llama, prompt(t=t), KakeyaCache.load(path, llama), n=2)
+    seq, _ = generate(llama, _ids(), KakeyaCache.load(path, llama), n=2)
+    assert seq.shape[1] == PREFIX + SUFFIX + 2
+
+
 # --- damage --------------------------------------------------------------------------------
 
 
@@ -357,9 +395,18 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path
     header_edit(lambda h: h.update(batch=3), match="bad.kkpfx.*(truncated or inconsistent|NaN or infinite)")
     header_edit(lambda h: h.update(positions=7), match="bad.kkpfx.*truncated or inconsistent")
     header_edit(lambda h: h["layers"][0]["streams"]["k"].update(dim=8),
-                match="bad.kkpfx.*(truncated or inconsistent|does not decode)")
+                match="bad.kkpfx' is inconsistent: layer 0 k rows of")
     header_edit(lambda h: h.update(recipe={"name": "x", "mode": "nonsense"}),
                 match="bad.kkpfx.*recipe does not load")
+
+    def reshaped(h, heads, dim, streams=("k", "v"), layer=0):
+        for name in streams:
+            h["layers"][layer]["streams"][name].update(heads=heads, dim=dim)
+
+    # Another (kv-heads, head_dim) of the same byte count: the model's layer caches (2, 16).
+    header_edit(lambda h: reshaped(h, 1, 32), match="bad.kkpfx' is inconsistent: layer 0 k rows of "
+                                                    r"\(kv-heads, width\) = \(1, 32\).*caches \(2, 16\)")
+    header_edit(lambda h: reshaped(h, 4, 8, ("v",), 2), match="bad.kkpfx' is inconsistent: layer 2 v rows")
 
 
 @settings(max_examples=25, deadline=None)

@@ -5,7 +5,9 @@ resumed, and the tables and goals read from the results."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,7 +57,7 @@ def test_methods_are_named_by_recipe_and_calibration(setup) -> None:
     assert not np.allclose(a.codecs[("k", 0, 0)].roundtrip(np.ones((2, 16), np.float32))[0],
                            b.codecs[("k", 0, 0)].roundtrip(np.ones((2, 16), np.float32))[0])
     names = sorted(p.name for p in (cache / "calibration").glob("*.safetensors"))
-    assert any("-text-2x64-" in n for n in names)
+    assert any(re.search(r"-text(-[0-9a-f]{8})?-2x64-", n) for n in names)  # (a hash of the file's bytes)
     assert any("summaries_en-us-1x64-" in n for n in names)  # wiki-en's share of 2 windows
     assert any("-code-" in n and "-1x64-" in n for n in names)
 
@@ -119,3 +121,64 @@ def test_matrix_on_two_domains_kept_and_resumed(setup, tmp_path) -> None:
     g = dom.goals(again, "turboquant3", top1_floor=1.01)
     assert not g["met"] and all(not v["met"] for v in g["domains"].values())
     assert not dom.goals(again, "nonesuch")["met"]
+
+
+def test_results_of_another_model_text_or_method_are_not_resumed(setup, tmp_path) -> None:
+    """A folder of results is reused only for the same model (fingerprint of the attention
+    weights), the same text and the same method definitions; a damaged file is a typed error
+    naming it."""
+    import copy
+
+    import torch
+
+    from kakeyaturbo.errors import CorruptDataError
+
+    model, tok, text, mix, methods, cache = setup
+    base = harness.baseline_methods(["int4"])
+    first = dom.run(model, tok, base, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path)
+    saved = json.loads((tmp_path / "text.json").read_text())
+    assert saved["identity"]["model"]["fingerprint"] and saved["definitions"]["int4"]["kind"] == "baseline"
+    boom = [harness.Method("int4", lambda s, x: (_ for _ in ()).throw(AssertionError("ran")))]
+    # The same model, text and definition: resumed (the method is not run again).
+    again = dom.run(model, tok, boom, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path)
+    assert again["domains"][text]["methods"]["int4"] == first["domains"][text]["methods"]["int4"]
+    # Another model of the same shapes (one attention weight changed): run again.
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    with pytest.raises(AssertionError, match="ran"):
+        dom.run(other, tok, boom, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path)
+    fresh = dom.run(other, tok, base, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path)
+    assert fresh["domains"][text]["ppl_ref"] != first["domains"][text]["ppl_ref"]
+    dom.run(model, tok, base, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path / "m1")
+    with pytest.raises(InvalidParameterError, match="another model"):
+        dom.load([tmp_path, tmp_path / "m1"], [text])
+    # Another text of the same name: run again.
+    moved = tmp_path / "b" / "text.txt"
+    moved.parent.mkdir()
+    moved.write_text(Path(text).read_text()[::-1])
+    dom.run(model, tok, base, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path / "t")
+    with pytest.raises(AssertionError, match="ran"):
+        dom.run(model, tok, boom, [str(moved)], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path / "t")
+    # A method of the same name defined otherwise (a sink): run again, the others kept.
+    sink = [replace(base[0], n_sink=1, quantise=boom[0].quantise)]
+    with pytest.raises(AssertionError, match="ran"):
+        dom.run(model, tok, sink, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path / "t")
+    # Damaged: CorruptDataError naming the file, for run and load alike.
+    bad = tmp_path / "t" / "text.json"
+    bad.write_text('{"windows_asked": 2, "ctx"')
+    for call in (lambda: dom.run(model, tok, base, [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path / "t"),
+                 lambda: dom.load([tmp_path / "t"], [text])):
+        with pytest.raises(CorruptDataError, match="results file .*text.json.* is damaged"):
+            call()
+
+
+def test_kept_results_are_valid_json(setup, tmp_path) -> None:
+    """NaN and infinities are written as null (JSON has no such numbers); no temporary file is
+    left beside the results."""
+    model, tok, text, mix, methods, cache = setup
+    nan = harness.Method("nan", lambda s, x: (np.full_like(x, np.nan), 4 * x.size))
+    dom.run(model, tok, [nan], [text], windows=1, ctx=CTX, n_eval=N_EVAL, out=tmp_path)
+    raw = (tmp_path / "text.json").read_text()
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert [p.name for p in tmp_path.iterdir()] == ["text.json"]

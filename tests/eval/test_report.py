@@ -71,3 +71,29 @@ def test_write_makes_three_files(tmp_path) -> None:
     assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(res))
     assert paths["md"].read_text() == report.markdown(res)
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_is_all_or_nothing_and_valid_json(tmp_path, monkeypatch) -> None:
+    """A failure while writing (here the plot) leaves the old three files as they were and no
+    temporary file; the JSON written has null where a figure is NaN or infinite."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    old = report.write(_result([("identity", 16.0)]), out)
+    before = {p: p.read_bytes() for p in old.values()}
+    res = _result([("identity", 16.0), ("kakeyaturbo:x", 3.9)])
+    res["meta"]["ppl_ref"] = float("nan")
+    res["methods"]["kakeyaturbo:x"].update(kl=float("inf"), dppl_ci=(float("nan"), 0.1))
+
+    def broken(*_a):
+        raise RuntimeError("no room for the plot")
+
+    monkeypatch.setattr(report, "plot", broken)
+    with pytest.raises(RuntimeError, match="no room"):
+        report.write(res, out)
+    assert {p: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.undo()
+    paths = report.write(res, out)
+    got = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert got["meta"]["ppl_ref"] is None and got["methods"]["kakeyaturbo:x"]["kl"] is None
+    assert got["methods"]["kakeyaturbo:x"]["dppl_ci"] == [None, 0.1]
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "results.png"]

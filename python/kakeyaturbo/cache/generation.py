@@ -16,7 +16,7 @@ from .._extras import require
 from ..calibration import ModelCodec
 from ..codec import _checks
 from ..codec.attention import SYNTHESES
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from ..families import describe
 from ..recipes import Recipe
 from . import fast as fast_mod
@@ -123,8 +123,6 @@ class KakeyaCache(Cache):
                     raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=")
                 rope = layout.require_rope()
             self._positions = Positions()
-            if model is not None:
-                _watch_positions(model, self)
         self.rope = rope
         self.threads = _checks.threads(threads)
         self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
@@ -145,6 +143,8 @@ class KakeyaCache(Cache):
         self._fast_check = _impl_check(model) if self.fast_reason is None else None
         # The model, weakly: save() records its fingerprint (kakeyaturbo.cache.persist).
         self._model_ref = weakref.ref(model) if model is not None else None
+        if model is not None:
+            _watch_calls(model, self)
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
         super().__init__(layers=layers)
 
@@ -351,19 +351,48 @@ def _impl_check(model: Any) -> Any:
     return check
 
 
-def _watch_positions(model: Any, cache: KakeyaCache) -> None:
-    """Hands the ``position_ids`` of every forward call of ``model`` through ``cache`` to its
-    position store before the layers run (some families, GPT-NeoX, do not forward them to the
-    cache). The hook holds the cache weakly and goes when the cache does."""
+def _watch_calls(model: Any, cache: KakeyaCache) -> None:
+    """Before the layers of every forward call of ``model`` through ``cache`` run: refuses
+    (InvalidInputError) a call with no new token on a filled cache, or a first call on a loaded
+    one whose positions start within the prefix (``generate`` given ids shorter than the prefix
+    the cache holds feeds none or their tail again, which would fail deep in the model or
+    silently continue from the wrong tokens), and
+    hands the call's ``position_ids`` to the cache's position store (some families, GPT-NeoX,
+    do not forward them to the cache). The hook holds the cache weakly and goes when the cache
+    does."""
     ref = weakref.ref(cache)
 
     def hook(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
         c = ref()
-        if c is None or c._positions is None:
+        if c is None or not (kwargs.get("cache") is c or kwargs.get("past_key_values") is c):
             return
-        if kwargs.get("cache") is c or kwargs.get("past_key_values") is c:
-            p = kwargs.get("position_ids")
-            c._positions.pending = p if isinstance(p, torch.Tensor) and p.ndim == 2 else None
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        p = kwargs.get("position_ids")
+        p = p if isinstance(p, torch.Tensor) and p.ndim == 2 else None
+        empty = isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == 0
+        resume = getattr(c, "_resume", None)
+        if empty or (resume is not None and p is not None):
+            held = c.get_seq_length()
+            if held and (empty or _goes_back(p, held, *resume)):
+                raise InvalidInputError(
+                    f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
+                    f"file): give ids that begin with those {held} tokens and go on past them")
+        c._resume = None
+        if c._positions is not None:
+            c._positions.pending = p
 
     handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     weakref.finalize(cache, handle.remove)
+
+
+def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor]) -> bool:
+    """Whether the first call on a loaded cache (``seen`` tokens, ``last`` each row's last
+    position where the file stored positions, else ``seen - 1``) starts at or before a position
+    it holds: ``generate`` given ids shorter than the prefix feeds their tail again."""
+    if held != seen or not p.numel():
+        return False
+    first = p[:, 0].cpu()
+    floor = torch.full_like(first, seen - 1) if last is None else last.to(first.dtype)
+    return floor.shape == first.shape and bool((first <= floor).any())

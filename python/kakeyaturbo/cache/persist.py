@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 import weakref
 import zlib
 from pathlib import Path
@@ -141,6 +142,10 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         model = ref() if ref is not None else None
     if model is None:
         raise InvalidParameterError("save needs the model that filled the cache: cache.save(path, model=model)")
+    p = Path(path)
+    if p.is_dir():
+        raise InvalidParameterError(f"cannot save a prefix to {str(p)!r}: it is a directory (expected a file "
+                                    "to write)")
     layout = describe(model)
     _refuse_state_layers(layout)
     header: Dict[str, Any] = {
@@ -191,16 +196,25 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         chunks.append(pos.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
     header.update(dtype=dtype or "float32", batch=batch or 0, layers=layers)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    crc = 0
-    with open(tmp, "wb") as f:
-        for c in [_HEAD.pack(MAGIC, VERSION, 0, len(head)), head] + chunks:
-            crc = zlib.crc32(c, crc)
-            f.write(c)
-        f.write(struct.pack("<I", crc))
-    tmp.replace(p)
+    # A temporary file of its own beside the destination (never another file's name), removed
+    # when anything fails; renamed over the destination only once it is complete.
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)  # as a plain write would make it (mkstemp: owner only)
+            crc = 0
+            for c in [_HEAD.pack(MAGIC, VERSION, 0, len(head)), head] + chunks:
+                crc = zlib.crc32(c, crc)
+                f.write(c)
+            f.write(struct.pack("<I", crc))
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return p
 
 
@@ -386,6 +400,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     if saved.get("fingerprint") != fp:
         raise ModelMismatchError(f"{where} was saved from another model: fingerprint of the attention weights "
                                  f"{saved.get('fingerprint')} in the file, {fp} for this model")
+    _check_layout(header, layout, where)
     p = next(iter(model.parameters()), None)
     mdt = "float32" if p is None else str(p.dtype).replace("torch.", "")
     if header["batch"] and mdt != header["dtype"]:
@@ -463,7 +478,26 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
         raise CorruptDataError(f"{where}: a sealed block does not decode ({e})") from None
     if model is not None:
         cache._model_ref = weakref.ref(model)
+    # The first call must continue the prefix (kakeyaturbo.cache.generation._watch_calls).
+    cache._resume = (seen, None if pos is None else pos.max(dim=1).values) if seen else None
     return cache
+
+
+def _check_layout(header: Dict[str, Any], layout: Any, where: str) -> None:
+    """CorruptDataError naming the file where a layer's rows, as the header records them, are
+    not what the model's layer caches (rows for a layer that caches none; kv-heads, key width
+    ``head_dim``, value width ``v_dim``): the file was saved from this model (same fingerprint),
+    so its header is damaged."""
+    for spec, layer in zip(layout.layers, header["layers"]):
+        if layer["streams"] and not spec.has_kv:
+            raise CorruptDataError(f"{where} is inconsistent: layer {spec.index} caches nothing in this "
+                                   "model, the file holds rows for it")
+        for name, s in layer["streams"].items():
+            want = (spec.kv_heads, spec.head_dim if name == "k" else (spec.v_dim or spec.head_dim))
+            if (s["heads"], s["dim"]) != want:
+                raise CorruptDataError(
+                    f"{where} is inconsistent: layer {spec.index} {name} rows of (kv-heads, width) = "
+                    f"{(s['heads'], s['dim'])} in its header, the model's layer caches {want}")
 
 
 def _codec_from_file(header: Dict[str, Any], where: str, model: Any, calibration: Any,

@@ -6,18 +6,24 @@ Every method of one domain runs on the same windows against one uncompressed ref
 (:func:`kakeyaturbo.eval.harness.evaluate`); a codec method is named
 ``kakeyaturbo:<recipe>@<calibration corpus>``. Results are kept per domain (``out/<domain>.json``)
 so that a long run can be resumed and methods added to it: a domain whose file already holds a
-method on the same windows does not run it again.
+method on the same windows does not run it again. Beside the results the file keeps what decides
+them (the model's fingerprint and dtype, the text's identity, the windows and each method's
+definition); results are reused only where all of it is the same.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..calibration import corpus, for_recipe_groups
-from ..errors import InvalidParameterError
+from ..calibration.bundle import fingerprint
+from ..calibration.gather import model_dtype
+from ..errors import CorruptDataError, InvalidParameterError, KakeyaError
+from . import report
 
 Progress = Callable[[str], Callable[[Iterable[Any]], Iterable[Any]]]
 
@@ -52,25 +58,76 @@ def methods_for(model: Any, tok: Any, model_path: Any, recipes: Sequence[Any],
     return methods
 
 
+def _read(path: Path) -> Dict[str, Any]:
+    """A results file :func:`run` wrote; CorruptDataError naming it when it is not such a file."""
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptDataError(f"results file {str(path)!r} is damaged: it is not JSON ({e}); delete "
+                               "it to run its domain again") from None
+    if not isinstance(got, dict) or not isinstance(got.get("methods"), dict):
+        raise CorruptDataError(f"results file {str(path)!r} is damaged: it holds no methods")
+    return got
+
+
+def _text_id(spec: str) -> str:
+    """What identifies a corpus's text: a file's name and a hash of its bytes; a domain or a
+    mixture by its name (and what identifies it on this machine)."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return f"{p.name}:sha256:{hashlib.sha256(p.read_bytes()).hexdigest()[:32]}"
+    return f"{spec}:{corpus.key(spec)}"
+
+
+def definition(method: Any) -> Optional[Dict[str, Any]]:
+    """What decides a method's results besides its name: its kind, what runs it, its sink,
+    streams and boundary layers, and its codec's identity (None for a codec that cannot be
+    identified: such a method is never taken from an earlier run)."""
+    codec = None
+    if method.codec is not None:
+        from ..cache.persist import codec_identity
+
+        try:
+            codec = codec_identity(method.codec)["fingerprint"]
+        except KakeyaError:
+            return None
+    return {"kind": method.kind, "impl": method.impl, "n_sink": int(method.n_sink),
+            "streams": list(method.streams), "boundary": [int(i) for i in method.boundary], "codec": codec}
+
+
+def identity(model: Any) -> Dict[str, Any]:
+    """The model as results depend on it: type, fingerprint of the attention weights, dtype."""
+    from ..families import describe
+
+    return {"type": describe(model).model_type, "fingerprint": fingerprint(model), "dtype": model_dtype(model)}
+
+
 def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *, windows: int,
         ctx: int, n_eval: int, out: Optional[Path] = None, meta: Optional[Dict[str, Any]] = None,
         progress: Progress = lambda _d: lambda it: it) -> Dict[str, Any]:
     """Every method on ``windows`` evaluation windows of ``ctx + n_eval + 1`` tokens of each
     domain. Returns ``{"meta": ..., "domains": {domain: {"windows", "ppl_ref", "methods":
     {name: comparison}}}}``; with ``out``, each domain is written to ``out/<domain>.json`` as it
-    finishes and read back (its finished methods kept) when the run is repeated."""
+    finishes and read back when the run is repeated: its finished methods are kept where the
+    model, the text, the windows and the method's definition are the same (else run again).
+    CorruptDataError naming the file when it is damaged."""
     from . import harness
 
     res: Dict[str, Any] = {"meta": dict(meta or {}, windows=windows, ctx=ctx, n_eval=n_eval),
                            "domains": {}}
+    model_id = identity(model) if out is not None else None
+    defs = {m.name: definition(m) for m in methods}
     for d in domains:
         path = None if out is None else Path(out) / f"{corpus.describe(d)}.json"
+        ident = {"model": model_id, "text": _text_id(d), "windows_asked": windows, "ctx": ctx, "n_eval": n_eval}
         have: Dict[str, Any] = {}
         if path is not None and path.is_file():
-            old = json.loads(path.read_text())
-            if (old.get("windows_asked"), old.get("ctx"), old.get("n_eval")) == (windows, ctx, n_eval):
+            old = _read(path)
+            if old.get("identity") == ident:
                 have = old
-        done = have.get("methods", {})
+        old_defs = have.get("definitions", {})
+        done = {n: r for n, r in have.get("methods", {}).items()
+                if n not in defs or (defs[n] is not None and old_defs.get(n) == defs[n])}
         todo = [m for m in methods if m.name not in done]
         if todo:
             wins = corpus.evaluation_windows(tok, d, windows, ctx + n_eval + 1)
@@ -79,13 +136,16 @@ def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *,
                                             f"{ctx + n_eval + 1} tokens")
             r = harness.evaluate(model, wins, ctx, todo, progress=progress(f"{d}"))
             ppl_ref = next(iter(r.values()))["ppl_ref"]
+            kept = {n: old_defs.get(n) for n in done}
             have = {"domain": d, "windows_asked": windows, "windows": len(wins), "ctx": ctx,
-                    "n_eval": n_eval, "ppl_ref": ppl_ref, "methods": dict(done, **r)}
-            # As JSON holds it (tuples as lists): a resumed run reads back the same values.
-            have = json.loads(json.dumps(have))
+                    "n_eval": n_eval, "ppl_ref": ppl_ref, "methods": dict(done, **r), "identity": ident,
+                    "definitions": dict(kept, **{m.name: defs[m.name] for m in todo})}
+            # As JSON holds it (tuples as lists, no NaN): a resumed run reads back the same values.
+            text = report.dumps(have)
+            have = json.loads(text)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(have, indent=1))
+                report.write_files({path: lambda p, text=text: p.write_text(text)})
         res["domains"][d] = have
     return res
 
@@ -94,7 +154,8 @@ def load(dirs: Sequence["Path | str"], domains: Sequence[str]) -> Dict[str, Any]
     """The results :func:`run` kept in several folders (``<dir>/<domain>.json``), merged per
     domain: methods run on the same windows (same ``windows``, ``ctx`` and ``n_eval``) against the
     same reference, e.g. a baseline run and a later run of other calibrations. Raises
-    InvalidParameterError when two folders hold a domain on other windows."""
+    InvalidParameterError when two folders hold a domain on other windows, or of another model or
+    text; CorruptDataError naming a damaged file."""
     res: Dict[str, Any] = {"meta": {"from": [str(d) for d in dirs]}, "domains": {}}
     for d in domains:
         name = corpus.describe(d)
@@ -102,14 +163,20 @@ def load(dirs: Sequence["Path | str"], domains: Sequence[str]) -> Dict[str, Any]
             path = Path(folder) / f"{name}.json"
             if not path.is_file():
                 continue
-            got = json.loads(path.read_text())
+            got = _read(path)
             have = res["domains"].get(d)
             if have is None:
                 res["domains"][d] = got
                 continue
-            if (have["windows"], have["ctx"], have["n_eval"]) != (got["windows"], got["ctx"], got["n_eval"]):
+            if (have.get("windows"), have.get("ctx"), have.get("n_eval")) != \
+                    (got.get("windows"), got.get("ctx"), got.get("n_eval")):
                 raise InvalidParameterError(f"{path} holds {name} on other windows than "
                                             f"{dirs[0]}")
+            a, b = have.get("identity") or {}, got.get("identity") or {}
+            for what in ("model", "text"):
+                if a.get(what) is not None and b.get(what) is not None and a[what] != b[what]:
+                    raise InvalidParameterError(f"{path} holds {name} of another {what} than {dirs[0]}: "
+                                                f"{b[what]} against {a[what]}")
             have["methods"] = dict(have["methods"], **got["methods"])
     return res
 
