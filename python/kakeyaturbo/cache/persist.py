@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import weakref
 import zlib
 from pathlib import Path
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from .._core import __version__
+from .._files import write_atomically
 from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedModelError, UnsupportedVersionError
@@ -143,9 +143,6 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     if model is None:
         raise InvalidParameterError("save needs the model that filled the cache: cache.save(path, model=model)")
     p = Path(path)
-    if p.is_dir():
-        raise InvalidParameterError(f"cannot save a prefix to {str(p)!r}: it is a directory (expected a file "
-                                    "to write)")
     layout = describe(model)
     _refuse_state_layers(layout)
     header: Dict[str, Any] = {
@@ -196,25 +193,16 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         chunks.append(pos.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
     header.update(dtype=dtype or "float32", batch=batch or 0, layers=layers)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    # A temporary file of its own beside the destination (never another file's name), removed
-    # when anything fails; renamed over the destination only once it is complete.
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            mask = os.umask(0)
-            os.umask(mask)
-            os.fchmod(f.fileno(), 0o666 & ~mask)  # as a plain write would make it (mkstemp: owner only)
-            crc = 0
+
+    def write(t: Path) -> None:
+        crc = 0
+        with open(t, "wb") as f:
             for c in [_HEAD.pack(MAGIC, VERSION, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
             f.write(struct.pack("<I", crc))
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    write_atomically([(p, write)], "a prefix")
     return p
 
 

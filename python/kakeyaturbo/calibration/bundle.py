@@ -24,12 +24,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .._core import __version__
+from .._files import write_atomically
 from ..errors import CorruptDataError, InvalidParameterError, ModelMismatchError, UnsupportedVersionError
 from .checks import fingerprint
 from .collect import weights_o_gram
 from .latent import LATENT_POINT
 from .mixture import O_GRAM_TOLERANCE
-from .stats import AttentionStats, Sensitivity, write_atomically
+from .stats import AttentionStats, Sensitivity
 
 #: The ``format`` entry of the metadata, and the version this build writes and reads.
 FORMAT = "kakeyaturbo-calibration"

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 
+from .._files import write_atomically
 from ..errors import CorruptDataError, InvalidParameterError
 
 _S = TypeVar("_S", bound="_Stored")
@@ -71,43 +71,6 @@ class _Stored:
             return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
         except InvalidParameterError as e:
             raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
-
-
-def write_atomically(files: Sequence[Tuple[Path, Callable[[Path], Any]]], what: str = "file") -> None:
-    """Writes each ``(path, write)``: ``write(temp)`` fills a temporary file beside ``path``
-    (:func:`tempfile.mkstemp`, so no other file is touched), and once all are written they are
-    moved into place in order; on any failure (or interrupt) the temporary files are removed.
-    InvalidParameterError naming ``what`` when a path is a directory or its folder cannot be
-    made or written."""
-    for p, _ in files:
-        if p.is_dir():
-            raise InvalidParameterError(f"cannot write {what} to {str(p)!r}: it is a directory; name a file")
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InvalidParameterError(f"cannot make the folder of {what} {str(p)!r}: {e.strerror or e}") from None
-    mask = os.umask(0o22)
-    os.umask(mask)
-    temps: List[Path] = []
-    try:
-        for p, write in files:
-            try:
-                fd, name = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-            except OSError as e:
-                raise InvalidParameterError(f"cannot write {what} in {str(p.parent)!r}: {e.strerror or e}") from None
-            os.close(fd)
-            temps.append(Path(name))
-            write(Path(name))
-            os.chmod(name, 0o666 & ~mask)  # as a plain open() makes it, not 0600 (mkstemp, safetensors)
-        for (p, _), t in zip(files, temps):
-            os.replace(t, p)
-    except BaseException:
-        for t in temps:
-            try:
-                t.unlink()
-            except FileNotFoundError:
-                pass
-        raise
 
 
 def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtype: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .._files import write_atomically
 from ..calibration import corpus, for_recipe_groups
 from ..calibration.bundle import fingerprint
 from ..calibration.gather import model_dtype
@@ -144,8 +145,7 @@ def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *,
             text = report.dumps(have)
             have = json.loads(text)
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                report.write_files({path: lambda p, text=text: p.write_text(text)})
+                write_atomically([(path, lambda p, text=text: p.write_text(text))], "the domain's results")
         res["domains"][d] = have
     return res
 

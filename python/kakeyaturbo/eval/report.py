@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+from .._files import write_atomically
 
 Box = Tuple[float, float, float, float]
 
@@ -200,35 +200,12 @@ def dumps(v: Any) -> str:
     return json.dumps(json_safe(v), indent=1, allow_nan=False)
 
 
-def write_files(writers: Dict[Path, Callable[[Path], Any]]) -> None:
-    """Writes every file at once or none: each writer ``fn(temp path)`` fills a temporary file
-    beside its destination (same directory, same suffix), and only when all of them succeeded are
-    they renamed over the destinations; on any failure the temporary files are removed and the
-    old files stay as they were."""
-    temps: Dict[Path, Path] = {}
-    mask = os.umask(0)
-    os.umask(mask)
-    try:
-        for dest, fn in writers.items():
-            fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.stem}-", suffix=dest.suffix)
-            os.close(fd)
-            temps[dest] = Path(name)
-            os.chmod(name, 0o666 & ~mask)  # as a plain write would make it (mkstemp: owner only)
-            fn(temps[dest])
-        for dest, tmp in temps.items():
-            os.replace(tmp, dest)
-    finally:
-        for tmp in temps.values():
-            if tmp.exists():
-                tmp.unlink()
-
-
 def write(res: Dict[str, Any], out: Path) -> Dict[str, Path]:
     """Writes ``results.json``, ``results.md`` and ``results.png`` into ``out``: all three, or
     (on an error) none, the old ones kept."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "png": out / "results.png"}
     text, table = dumps(res), markdown(res)
-    write_files({paths["json"]: lambda p: p.write_text(text), paths["md"]: lambda p: p.write_text(table),
-                 paths["png"]: lambda p: plot(res, p)})
+    write_atomically([(paths["json"], lambda p: p.write_text(text)), (paths["md"], lambda p: p.write_text(table)),
+                      (paths["png"], lambda p: plot(res, p))], "the results")
     return paths

@@ -1,0 +1,65 @@
+"""Files written whole or not at all: :func:`write_atomically`, the one writer of the
+calibration files, the cached statistics, saved caches and evaluation results."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable, List, Sequence, Tuple
+
+from .errors import InvalidParameterError
+
+
+def write_atomically(files: Sequence[Tuple[Path, Callable[[Path], Any]]], what: str = "file") -> None:
+    """Writes each ``(path, write)``: ``write(temp)`` fills a new file beside ``path`` (a name of
+    its own ending in the same suffix, created exclusively, so no other file is touched; its mode
+    as the umask gives any new file), and once all are written they are renamed into place in the
+    order given; on any failure or interrupt the temporary files are removed and the old files
+    stay.
+    InvalidParameterError naming ``what`` when a path is a directory or its folder cannot be
+    made or written in."""
+    paths = [Path(p) for p, _ in files]
+    for p in paths:
+        if p.is_dir():
+            raise InvalidParameterError(f"cannot write {what} to {str(p)!r}: it is a directory; name a file")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidParameterError(f"cannot make the folder of {what} {str(p)!r}: {e.strerror or e}") from None
+    mode = 0o666 & ~_umask()
+    temps: List[Path] = []
+    try:
+        for p, (_, write) in zip(paths, files):
+            t = p.with_name(f".{p.stem}.{secrets.token_hex(6)}.tmp{p.suffix}")  # suffix kept: writers read it
+            try:
+                open(t, "xb").close()
+            except OSError as e:
+                raise InvalidParameterError(f"cannot write {what} in {str(p.parent)!r}: {e.strerror or e}") from None
+            temps.append(t)
+            write(t)
+            os.chmod(t, mode)  # as open() makes a file (some writers, safetensors, make it 0600)
+        for p, t in zip(paths, temps):
+            os.replace(t, p)
+    except BaseException:
+        for t in temps:
+            try:
+                t.unlink()
+            except FileNotFoundError:
+                pass
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``os.umask`` can only
+    set it, which would race with other threads making files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
