@@ -13,7 +13,6 @@ definition); results are reused only where all of it is the same.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -71,15 +70,6 @@ def _read(path: Path) -> Dict[str, Any]:
     return got
 
 
-def _text_id(spec: str) -> str:
-    """What identifies a corpus's text: a file's name and a hash of its bytes; a domain or a
-    mixture by its name (and what identifies it on this machine)."""
-    p = Path(spec).expanduser()
-    if p.is_file():
-        return f"{p.name}:sha256:{hashlib.sha256(p.read_bytes()).hexdigest()[:32]}"
-    return f"{spec}:{corpus.key(spec)}"
-
-
 def definition(method: Any) -> Optional[Dict[str, Any]]:
     """What decides a method's results besides its name: its kind, what runs it, its sink,
     streams and boundary layers, and its codec's identity (None for a codec that cannot be
@@ -120,7 +110,7 @@ def run(model: Any, tok: Any, methods: Sequence[Any], domains: Sequence[str], *,
     defs = {m.name: definition(m) for m in methods}
     for d in domains:
         path = None if out is None else Path(out) / f"{corpus.describe(d)}.json"
-        ident = {"model": model_id, "text": _text_id(d), "windows_asked": windows, "ctx": ctx, "n_eval": n_eval}
+        ident = {"model": model_id, "text": corpus.key(d), "windows_asked": windows, "ctx": ctx, "n_eval": n_eval}
         have: Dict[str, Any] = {}
         if path is not None and path.is_file():
             old = _read(path)

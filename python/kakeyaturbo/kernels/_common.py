@@ -23,6 +23,13 @@ _POISON = False
 
 #: The range of the shared fp16 exponents (``f16.rs``).
 MIN_EXP, MAX_EXP = -126, 127
+#: The exponent bits of an fp16 value: all set for an infinity or a NaN.
+F16_EXP_BITS = 0x7C00
+
+
+def f16_nonfinite(bits: Any) -> Any:
+    """Where fp16 bit patterns (a numpy array or torch tensor of integers) hold inf or NaN."""
+    return (bits & F16_EXP_BITS) == F16_EXP_BITS
 
 
 def is_interpreter() -> bool:
@@ -161,7 +168,7 @@ def check_outlier_lists(codes: Mapping[str, torch.Tensor], cells: Sequence[int],
         if p.numel() and (int(p[0]) < 0 or int(p[-1]) >= c or bool((p[1:] <= p[:-1]).any())):
             raise error(f"{what} {i}: outlier positions out of range ({c} cells) or not ascending")
     bits = codes["outlier_bits"]
-    if bits.numel() and bool(((bits & 0x7C00) == 0x7C00).any()):
+    if bits.numel() and bool(f16_nonfinite(bits).any()):
         raise error("outlier_bits holds a non-finite fp16 value")
 
 

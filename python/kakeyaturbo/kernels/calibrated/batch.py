@@ -31,7 +31,7 @@ import torch
 
 from ...errors import CorruptDataError, InvalidInputError, InvalidParameterError
 from ...reference import calibrated as rc
-from .._common import check_exponents, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
+from .._common import check_exponents, f16_nonfinite, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the heads of one batch.
 SHARED_PARAMS = ("d", "metric", "norm", "threshold")
@@ -297,7 +297,7 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
             sb = np.asarray(p["scale_bits"]).reshape(-1).view(np.uint16)
             if sb.size != ns[i]:
                 raise InvalidInputError(f'head {i}: parts["scale_bits"] has {sb.size} values, expected n = {ns[i]}')
-            if ((sb & 0x7C00) == 0x7C00).any():
+            if f16_nonfinite(sb).any():
                 raise CorruptDataError(f"head {i}: scale_bits holds a non-finite fp16 value")
             sbits[i, : ns[i]] = sb
             sexp[i] = int(p["scale_exp"])
@@ -310,7 +310,7 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
             raise CorruptDataError(f"head {i}: outliers in the codes of a calibration without them")
         if pos.size and (pos[0] < 0 or pos[-1] >= ns[i] * m or (pos[1:] <= pos[:-1]).any()):
             raise CorruptDataError(f"head {i}: outlier positions out of range or not ascending")
-        if ((bits & 0x7C00) == 0x7C00).any():
+        if f16_nonfinite(bits).any():
             raise CorruptDataError(f"head {i}: an outlier value is not finite")
     check_exponents("scale_exp", sexp, "head")
     dev = batch.device

@@ -27,6 +27,7 @@ from .._common import (
     check_exponents,
     check_out,
     check_outlier_lists,
+    f16_nonfinite,
     empty,
     from_scaled_f16,
     is_interpreter,
@@ -228,7 +229,7 @@ def _check_host_codes(codes: Mapping[str, torch.Tensor], batch: CalibrationBatch
     head's parts."""
     if batch.norm:
         live = torch.arange(n)[None, :] < rows[:, None].to(torch.int64)
-        bad = live & ((codes["scale_bits"] & 0x7C00) == 0x7C00)
+        bad = live & f16_nonfinite(codes["scale_bits"])
         if bool(bad.any()):
             raise CorruptDataError(f"head {int(torch.nonzero(bad)[0, 0])}: scale_bits holds a non-finite fp16 value")
         check_exponents("scale_exp", codes["scale_exp"], "head")

@@ -28,6 +28,7 @@ from .._common import (
     check_exponents,
     check_out,
     check_outlier_lists,
+    f16_nonfinite,
     empty,
     from_scaled_f16,
     is_interpreter,
@@ -229,7 +230,7 @@ def _check_host_codes(codes: Mapping[str, torch.Tensor], skel: SkeletonBatch, ro
         i = int(torch.nonzero(bad)[0, 0])
         raise InvalidInputError(f"block {i}: seg_id out of range (k = {int(skel.k[i])})")
     for name in ("t_bits", "norm_bits"):
-        bad = live & ((codes[name] & 0x7C00) == 0x7C00)
+        bad = live & f16_nonfinite(codes[name])
         if bool(bad.any()):
             raise InvalidInputError(f"block {int(torch.nonzero(bad)[0, 0])}: {name} holds a non-finite fp16 value")
     check_exponents("t_exp", codes["t_exp"])

@@ -11,7 +11,7 @@ import torch
 
 from ...errors import InvalidInputError, InvalidParameterError
 from ...reference import perblock as reference
-from .._common import check_exponents, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
+from .._common import check_exponents, f16_nonfinite, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
 
 #: Codec parameters that must agree across the blocks of one batch.
 SHARED_PARAMS = ("d", "bit_width", "metric", "rotation_seed", "outlier_threshold")
@@ -294,6 +294,6 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
 
 def _finite16(bits: np.ndarray, what: str) -> np.ndarray:
     """``bits`` (uint16 fp16 patterns), or InvalidInputError for an inf or NaN among them."""
-    if ((bits & 0x7C00) == 0x7C00).any():
+    if f16_nonfinite(bits).any():
         raise InvalidInputError(f"{what} holds a non-finite fp16 value")
     return bits
