@@ -4,7 +4,7 @@
     python benches/gpu_profile.py [--heads 9/3] [--dim 64] [--tokens 8192] [--bits 3] [--steps 6]
     python benches/gpu_profile.py --dry-run   # CPU, Triton's interpreter, tiny shapes
 
-The layer is :func:`gpu_bench.attention_layer`'s (water-filled codes on a decaying spectrum,
+The layer is :func:`gpu_attention.attention_layer`'s (water-filled codes on a decaying spectrum,
 blocks of 512 rows). Each step runs the plain kernel (keys coded after RoPE) then the one over
 keys coded before RoPE (table staged once, positions on the device), so a profiler filtering
 on ``_split_kernel`` / ``_combine_kernel`` sees both, in that order, ``--steps`` times; the
@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import torch
 
-    import gpu_bench
+    import gpu_attention
     from kakeyaturbo import kernels as K
 
     device = "cpu" if args.dry_run else "cuda"
@@ -55,11 +55,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("no CUDA device: use --dry-run on a CPU", file=sys.stderr)
         return 2
     tokens = 1024 if args.dry_run else args.tokens
-    codes = gpu_bench.attention_layer(hq, hkv, args.dim, tokens, args.bits)
+    codes = gpu_attention.attention_layer(hq, hkv, args.dim, tokens, args.bits)
     layer = K.stack_layer(codes, device)
     q = torch.randn(1, hq, 1, args.dim, device=device)
     tail = torch.randn(1, hkv, 1, args.dim, device=device)
-    rope, pos = gpu_bench.attention_rope(tokens, args.dim, layer.k.rows, device)
+    rope, pos = gpu_attention.attention_rope(tokens, args.dim, layer.k.rows, device)
     modes = {"plain": lambda: K.decode_attention_triton(layer, q, tail, tail),
              "pre-RoPE": lambda: K.decode_attention_triton(layer, q, tail, tail, rope=rope, positions=pos)}
     times = {m: [] for m in modes}
