@@ -13,6 +13,7 @@ import torch
 import transformers as T
 
 VOCAB, WINDOW = 97, 8
+T_PROMPT = 21  # > WINDOW: every sliding layer has rolled
 #: Three layers, a full one between two sliding ones.
 SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 
@@ -284,6 +285,11 @@ AFTER_ROPE: Dict[str, Tuple[Callable[[], Any], str]] = {
 
 def build(name: str) -> Any:
     return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE[name])[0]()
+
+
+def family_prompt(batch: int = 1, t: int = T_PROMPT, seed: int = 1) -> torch.Tensor:
+    """Token ids of ``batch`` prompts of ``t`` tokens (above the special ids 0 to 2)."""
+    return torch.randint(3, VOCAB, (batch, t), generator=torch.Generator().manual_seed(seed))
 
 
 def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
