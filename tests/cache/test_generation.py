@@ -199,8 +199,10 @@ def test_crop_select_and_reset(llama) -> None:
     two = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=llama, block_size=8)
     forward(llama, prompt(batch=2, t=20), two)
     k = two.layers[2].keys
+    blobs = two.memory()["blobs"]
     two.batch_repeat_interleave(2)
     assert torch.equal(two.layers[2].keys, k.repeat_interleave(2, dim=0))
+    assert two.memory()["blobs"] == blobs  # the copied rows share their sealed bytes
     two.batch_select_indices(torch.tensor([3, 0]))
     assert torch.equal(two.layers[2].keys, k[[1, 0]])
     assert two._positions.pos.shape == (2, 20)

@@ -133,6 +133,29 @@ def test_left_padded_batch_keeps_its_positions(llama, tmp_path) -> None:
     assert torch.equal(a, b)
 
 
+def test_left_padded_batch_continues_without_a_position_store(llama, tmp_path) -> None:
+    """A codec that keeps keys with RoPE stores no positions: the loaded cache's first call
+    counts each row's positions from the attention mask (a padded row starts lower), so the
+    valid continuation goes on, and ids shorter than the prefix are still refused."""
+    ids = prompt(batch=2, t=PREFIX)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = KakeyaCache(IdentityCodec(), model=llama, block_size=16, n_sink=1)
+    with torch.no_grad():
+        llama(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              use_cache=True, **{cache_kw(llama): cache})
+    path = cache.save(tmp_path / "batch.kkpfx")
+    assert persist.read_header(path)[0]["positions"] == 0
+    full = torch.cat([ids, prompt(batch=2, t=SUFFIX, seed=7)], dim=1)
+    fmask = torch.cat([mask, torch.ones(2, SUFFIX, dtype=mask.dtype)], dim=1)
+    with pytest.raises(kakeyaturbo.InvalidInputError, match="do not continue"):
+        generate(llama, full[:, :PREFIX - 3], KakeyaCache.load(path, llama, IdentityCodec()), n=4,
+                 attention_mask=fmask[:, :PREFIX - 3])
+    a, _ = generate(llama, full, cache, n=4, attention_mask=fmask)
+    b, _ = generate(llama, full, KakeyaCache.load(path, llama, IdentityCodec()), n=4, attention_mask=fmask)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind", ["identity", "balanced", "calibrated"])
 def test_file_is_the_held_bytes_plus_a_small_overhead(llama, cal_file, tmp_path, kind) -> None:
     path = tmp_path / "p.kkpfx"

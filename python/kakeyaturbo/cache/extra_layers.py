@@ -35,6 +35,14 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
         LinearAttentionLayer.reset(self)
         KakeyaLayer.reset(self)
 
+    @property
+    def is_croppable(self) -> bool:
+        return KakeyaLayer.is_croppable.fget(self) and LinearAttentionLayer.is_croppable.fget(self)
+
+    def activate_past_recording(self) -> None:
+        KakeyaLayer.activate_past_recording(self)
+        LinearAttentionLayer.activate_past_recording(self)
+
     # The K/V rows first: their checks refuse bad arguments before either part changes.
     def crop(self, tokens_to_remove: int) -> None:
         KakeyaLayer.crop(self, tokens_to_remove)
@@ -77,6 +85,13 @@ class KakeyaIndexedLayer(KakeyaLayer):
         super().crop(tokens_to_remove)
         if tokens_to_remove and self.indexer_keys is not None:
             self.indexer_keys = self.indexer_keys[:, :self.seen]
+
+    def snapshot(self) -> Any:
+        return super().snapshot(), self.indexer_keys, self.indexer_position_ids, self.is_indexer_initialized
+
+    def restore(self, snap: Any) -> None:
+        inner, self.indexer_keys, self.indexer_position_ids, self.is_indexer_initialized = snap
+        super().restore(inner)
 
     def _select(self, idx: torch.Tensor) -> None:
         super()._select(idx)

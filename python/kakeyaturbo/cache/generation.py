@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from .._extras import require
 from ..calibration import ModelCodec
@@ -24,6 +24,7 @@ from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_co
                      wants_rope)
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
+from .rollback import crop_count
 from .positions import Positions
 from .pretrained import CalibrationLike, codec_for_model
 from .rope import layer_rope
@@ -143,6 +144,10 @@ class KakeyaCache(Cache):
         self._fast_check = _impl_check(model) if self.fast_reason is None else None
         # The model, weakly: save() records its fingerprint (kakeyaturbo.cache.persist).
         self._model_ref = weakref.ref(model) if model is not None else None
+        #: A forward call's snapshot of the layers (rolled back to when the call raises), and why
+        #: a refused call left the cache unusable (a hybrid's recurrent states advanced).
+        self._undo: Any = None
+        self._broken: Optional[str] = None
         if model is not None:
             _watch_calls(model, self)
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
@@ -244,10 +249,46 @@ class KakeyaCache(Cache):
 
     def reset(self) -> None:
         super().reset()
+        self._broken = None
         if self._positions is not None:
             self._positions.reset()
 
+    def _snapshot(self) -> Any:
+        """What :meth:`_roll_back` puts back (taken before each forward call of the model)."""
+        layers = [layer.snapshot() if isinstance(layer, KakeyaLayer) else None for layer in self.layers]
+        return len(self.layers), layers, None if self._positions is None else self._positions.pos
+
+    def _roll_back(self, snap: Any) -> None:
+        """The cache as it was before a forward call that raised (a layer refused its rows):
+        the K/V layers as :meth:`_snapshot` saw them, layers the call made reset. A hybrid's
+        recurrent or convolution states change in place and cannot be put back: the cache then
+        refuses further calls until :meth:`reset`."""
+        n, snaps, pos = snap
+        states = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KakeyaLayer):
+                layer.restore(snaps[i] if i < n else None)
+            elif i >= n:
+                layer.reset()
+            held = isinstance(layer, LinearAttentionLayer) and any(
+                [*layer.is_conv_states_initialized.values(), *layer.is_recurrent_states_initialized.values()])
+            if i < n and held:
+                states.append(i)
+        if states:
+            self._broken = (f"a refused forward call may have advanced the recurrent or convolution states of "
+                            f"layers {states}, which change in place: reset() the cache before the next call")
+        if self._positions is not None:
+            self._positions.pos = pos
+
     def crop(self, tokens_to_remove: int) -> None:
+        """Removes the last ``-tokens_to_remove`` tokens of every layer, or of none: a layer that
+        cannot (a sliding one that dropped rows, see :meth:`KakeyaLayer.crop`) refuses before
+        any changes (RuntimeError)."""
+        r = crop_count(tokens_to_remove)
+        for layer in self.layers:
+            refusal = layer.crop_refusal(r) if isinstance(layer, KakeyaLayer) else None
+            if refusal is not None:
+                raise RuntimeError(refusal)
         super().crop(tokens_to_remove)
         if self._positions is not None:
             self._positions.crop(self.get_seq_length())
@@ -352,20 +393,28 @@ def _impl_check(model: Any) -> Any:
 
 
 def _watch_calls(model: Any, cache: KakeyaCache) -> None:
-    """Before the layers of every forward call of ``model`` through ``cache`` run: refuses
-    (InvalidInputError) a call with no new token on a filled cache, or a first call on a loaded
+    """Around every forward call of ``model`` through ``cache``. Before the layers run: refuses
+    (InvalidInputError) a call with no new token on a filled cache, a first call on a loaded
     one whose positions start within the prefix (``generate`` given ids shorter than the prefix
     the cache holds feeds none or their tail again, which would fail deep in the model or
-    silently continue from the wrong tokens), and
-    hands the call's ``position_ids`` to the cache's position store (some families, GPT-NeoX,
-    do not forward them to the cache). The hook holds the cache weakly and goes when the cache
-    does."""
+    silently continue from the wrong tokens), and a call on a cache a refused call left
+    unusable; hands the call's ``position_ids`` to the cache's position store (some families,
+    GPT-NeoX, do not forward them to the cache); takes a snapshot of the layers. After: a call
+    that raised (a later layer refused its rows, say) is rolled back, so that the cache is as it
+    was; a loaded prefix is continued only once a call went through. The hooks hold the cache
+    weakly and go when the cache does."""
     ref = weakref.ref(cache)
 
-    def hook(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+    def ours(kwargs: Dict[str, Any]) -> Optional[KakeyaCache]:
         c = ref()
-        if c is None or not (kwargs.get("cache") is c or kwargs.get("past_key_values") is c):
+        return c if c is not None and (kwargs.get("cache") is c or kwargs.get("past_key_values") is c) else None
+
+    def before(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        c = ours(kwargs)
+        if c is None:
             return
+        if c._broken is not None:
+            raise InvalidInputError(c._broken)
         x = kwargs.get("input_ids", args[0] if args else None)
         if x is None:
             x = kwargs.get("inputs_embeds")
@@ -375,24 +424,43 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
         resume = getattr(c, "_resume", None)
         if empty or (resume is not None and p is not None):
             held = c.get_seq_length()
-            if held and (empty or _goes_back(p, held, *resume)):
+            if held and (empty or _goes_back(p, held, *resume, kwargs.get("attention_mask"))):
                 raise InvalidInputError(
                     f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
                     f"file): give ids that begin with those {held} tokens and go on past them")
-        c._resume = None
         if c._positions is not None:
             c._positions.pending = p
+        c._undo = c._snapshot()
 
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    weakref.finalize(cache, handle.remove)
+    def after(_module: Any, _args: Any, kwargs: Dict[str, Any], result: Any) -> None:
+        c = ours(kwargs)
+        if c is None or c._undo is None:
+            return
+        undo, c._undo = c._undo, None
+        if result is None:  # the call raised (torch runs this hook then with no result)
+            c._roll_back(undo)
+        else:
+            c._resume = None
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
+               model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+    weakref.finalize(cache, lambda: [h.remove() for h in handles])
 
 
-def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor]) -> bool:
-    """Whether the first call on a loaded cache (``seen`` tokens, ``last`` each row's last
-    position where the file stored positions, else ``seen - 1``) starts at or before a position
-    it holds: ``generate`` given ids shorter than the prefix feeds their tail again."""
+def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor],
+               mask: Any = None) -> bool:
+    """Whether the first call on a loaded cache (``seen`` tokens) starts at or before a position
+    it holds: ``generate`` given ids shorter than the prefix feeds their tail again. Each row's
+    last position is ``last`` where the file stored positions, else counted from the call's
+    ``[B, >= seen]`` attention ``mask`` as ``generate`` counts positions (a left-padded row's
+    padding takes none), else ``seen - 1``."""
     if held != seen or not p.numel():
         return False
     first = p[:, 0].cpu()
-    floor = torch.full_like(first, seen - 1) if last is None else last.to(first.dtype)
+    if last is not None:
+        floor = last.to(first.dtype)
+    elif isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] > seen:
+        floor = mask[:, :seen].cpu().to(first.dtype).sum(dim=1) - 1
+    else:
+        floor = torch.full_like(first, seen - 1)
     return floor.shape == first.shape and bool((first <= floor).any())

@@ -19,6 +19,7 @@ from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wa
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
 from .positions import Positions, position_ids
+from .rollback import Rollback
 
 _HAS_TRITON = not missing(("triton",))
 
@@ -46,7 +47,7 @@ class _Stream:
         return self.starts[0] if self.starts else self.staging_start
 
 
-class KakeyaLayer(CacheLayerMixin):
+class KakeyaLayer(Rollback, CacheLayerMixin):
     """One attention layer of a :class:`~kakeyaturbo.cache.KakeyaCache`.
 
     Tokens ``0 .. n_sink-1`` stay raw (the sink); after them every full block of ``block_size``
@@ -70,9 +71,6 @@ class KakeyaLayer(CacheLayerMixin):
     """
 
     is_sliding = False
-    # Cropping into a sealed block reads it back through the codec, so a rollback past a block
-    # boundary is not exact for a lossy codec.
-    is_croppable = False
     is_compileable = False
 
     def __init__(self, index: int, codec: StreamCodec, *, block_size: int, n_sink: int,
@@ -116,6 +114,10 @@ class KakeyaLayer(CacheLayerMixin):
         self.readers = 1
         self._reads = 0
         self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
+        #: Recording the past (assisted generation): rows are sealed or dropped only at the next
+        #: crop, so that it can remove the rows taken since (``_recorded``) exactly.
+        self.record_past = False
+        self._recorded = 0
 
     def __repr__(self) -> str:
         kind = f", window={self.window}" if self.window is not None else ""
@@ -150,6 +152,7 @@ class KakeyaLayer(CacheLayerMixin):
                 "build the cache with fast=False for this model")
         start = self.seen
         q = key_states.shape[-2]
+        self._recorded += q if self.record_past else 0
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
         if (self.fast and self._kernel_for(key_states.device) is not None
@@ -199,8 +202,9 @@ class KakeyaLayer(CacheLayerMixin):
         if not self._pending:
             return
         self._pending = 0
-        for name in STREAMS:
-            self._settle(name)
+        if not self.record_past:  # else at the next crop
+            for name in STREAMS:
+                self._settle(name)
 
     def read(self) -> None:
         """One attention call has read the layer's rows of this forward pass: the last of its
@@ -274,37 +278,6 @@ class KakeyaLayer(CacheLayerMixin):
         self._codes.forget()
         self._pending = 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drops the last ``-tokens_to_remove`` tokens (a non-positive count, as in transformers).
-
-        Inside staging this is exact; reaching into a sealed block decodes it back into staging
-        (lossy for a lossy codec). A sliding layer that already dropped tokens cannot roll back
-        (as transformers' ``DynamicSlidingWindowLayer``): RuntimeError."""
-        tokens_to_remove = _checks.integer(tokens_to_remove, "crop's count of tokens to remove")
-        if tokens_to_remove > 0:
-            raise InvalidParameterError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
-        r = -tokens_to_remove
-        if r == 0 or not self.is_initialized:
-            return
-        self.settle()
-        self._codes.forget()
-        if self.window is not None and self.seen >= self.window:
-            raise RuntimeError(f"layer {self.index} is sliding-window and already dropped tokens out of its "
-                               "window: it cannot be cropped")
-        r = min(r, self.seen)
-        self.seen -= r
-        for name in STREAMS:
-            st = self._s[name]
-            while st.starts and st.starts[-1] >= self.seen:
-                self._unseal_last(name)
-            if st.starts and st.staging_start > self.seen:
-                self._unseal_last(name)
-            keep = max(self.seen - st.staging_start, 0)
-            st.staging = st.staging[..., :keep, :].clone()
-            if self.seen < st.sink_start + st.sink.shape[-2]:
-                st.sink = st.sink[..., :max(self.seen - st.sink_start, 0), :].clone()
-                st.staging_start = self.seen if not st.starts else st.staging_start
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             self._select(batch_rows(beam_idx, self._batch(), self.index))
@@ -348,13 +321,15 @@ class KakeyaLayer(CacheLayerMixin):
         return max((len(st.blocks) for st in self._s.values()), default=0)
 
     def memory(self) -> Dict[str, int]:
-        """Bytes held, by kind: ``blobs``, ``sink``, ``staging``, ``decoded`` (keep_decoded)."""
+        """Bytes held, by kind: ``blobs``, ``sink``, ``staging``, ``decoded`` (keep_decoded). A
+        blob that batch rows share (beam search and ``batch_repeat_interleave`` move sealed
+        blocks as the same bytes) counts once."""
         out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0}
         if not self.is_initialized:
             return out
         self.settle()
         for st in self._s.values():
-            out["blobs"] += sum(len(b) for blk in st.blocks for row in blk for b in row)
+            out["blobs"] += sum({id(b): len(b) for blk in st.blocks for row in blk for b in row}.values())
             out["sink"] += _tensor_bytes(st.sink)
             out["staging"] += _tensor_bytes(st.staging)
             out["decoded"] += sum(_tensor_bytes(t) for t in st.decoded)
@@ -432,9 +407,11 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _append(self, name: str, x: torch.Tensor, start: int) -> None:
         """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging; then
-        a sliding layer drops what left its window, and full blocks are sealed."""
+        a sliding layer drops what left its window, and full blocks are sealed (at the next
+        crop while recording the past)."""
         self._stage(name, x, start)
-        self._settle(name)
+        if not self.record_past:
+            self._settle(name)
 
     def _stage(self, name: str, x: torch.Tensor, start: int) -> None:
         """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging."""
@@ -499,17 +476,6 @@ class KakeyaLayer(CacheLayerMixin):
             st.starts.append(start + j * bs)
             if self.keep_decoded:
                 st.decoded.append(self._block(name, len(st.blocks) - 1))
-
-    def _unseal_last(self, name: str) -> None:
-        """The last sealed block decoded back into staging (crop)."""
-        self._codes.forget()
-        st = self._s[name]
-        dec = self._block(name, len(st.blocks) - 1)
-        st.staging = torch.cat([dec, st.staging], dim=-2)
-        st.staging_start = st.starts.pop()
-        st.blocks.pop()
-        if st.decoded:
-            st.decoded.pop()
 
     def _block(self, name: str, j: int) -> torch.Tensor:
         """Sealed block ``j`` decoded: ``[B, H, block_size, D]`` in the storage dtype."""

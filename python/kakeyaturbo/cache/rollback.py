@@ -1,0 +1,131 @@
+"""Undoing what a cache layer took (:class:`Rollback`, a part of
+:class:`~kakeyaturbo.cache.layer.KakeyaLayer`): ``crop`` (exact while recording the past, as
+assisted and prompt-lookup decoding ask), and a snapshot of the layer that a refused forward
+call is rolled back to."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..codec import _checks
+from ..errors import InvalidParameterError
+from .codecs import STREAMS
+
+
+def crop_count(tokens_to_remove: Any) -> int:
+    """The number of tokens ``crop(tokens_to_remove)`` removes: transformers passes a
+    non-positive count (InvalidParameterError for another, TypeError for a non-integer)."""
+    tokens_to_remove = _checks.integer(tokens_to_remove, "crop's count of tokens to remove")
+    if tokens_to_remove > 0:
+        raise InvalidParameterError(f"crop takes a non-positive count of tokens to remove, got {tokens_to_remove}")
+    return -tokens_to_remove
+
+
+#: What :meth:`Rollback.snapshot` keeps of a stream (references: the layer replaces these
+#: tensors and lists, it never changes them in place).
+_FIELDS = ("sink", "sink_start", "staging", "staging_start")
+
+
+class Rollback:
+    """The layer's crop, past recording and snapshots (see the module)."""
+
+    # Attributes of the layer (KakeyaLayer.__init__ sets them).
+    record_past: bool
+    _recorded: int
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` puts the layer back exactly as it was: while recording the past.
+        (Cropping into a sealed block reads it back through the codec, lossy for a lossy codec;
+        a sliding layer cannot get back what it dropped.)"""
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        """From now on (transformers calls it before assisted or prompt-lookup decoding) the rows
+        of each call are sealed, and a sliding layer's rows that left its window dropped, only at
+        the next :meth:`crop`, which first removes the rejected draft rows exactly."""
+        self.record_past = True
+        self._recorded = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (a non-positive count, as in transformers).
+
+        Inside staging this is exact; reaching into a sealed block decodes it back into staging
+        (lossy for a lossy codec). A sliding layer that already dropped tokens cannot roll back
+        (as transformers' ``DynamicSlidingWindowLayer``): RuntimeError, and nothing changes.
+        While recording the past, the rows taken since the last crop are all held raw (a crop of
+        at most those is exact, also for a sliding layer); the crop then seals and drops what
+        is due."""
+        r = crop_count(tokens_to_remove)
+        if not self.is_initialized:
+            return
+        refusal = self.crop_refusal(r)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        self.settle()
+        if r:
+            self._remove_last(r)
+        if self.record_past:
+            self._recorded = 0
+            for name in STREAMS:
+                self._settle(name)
+
+    def crop_refusal(self, r: int) -> Optional[str]:
+        """Why removing the last ``r`` tokens cannot be done, or None."""
+        if (r and self.is_initialized and self.window is not None and self.seen >= self.window
+                and not (self.record_past and r <= self._recorded)):
+            return (f"layer {self.index} is sliding-window and already dropped tokens out of its window: it "
+                    "cannot be cropped (activate_past_recording() before the calls to undo)")
+        return None
+
+    def _remove_last(self, r: int) -> None:
+        """Drops the last ``r`` tokens (crop)."""
+        r = min(r, self.seen)
+        self.seen -= r
+        for name in STREAMS:
+            st = self._s[name]
+            while st.starts and st.starts[-1] >= self.seen:
+                self._unseal_last(name)
+            if st.starts and st.staging_start > self.seen:
+                self._unseal_last(name)
+            keep = max(self.seen - st.staging_start, 0)
+            st.staging = st.staging[..., :keep, :].clone()
+            if self.seen < st.sink_start + st.sink.shape[-2]:
+                st.sink = st.sink[..., :max(self.seen - st.sink_start, 0), :].clone()
+                st.staging_start = self.seen if not st.starts else st.staging_start
+
+    def snapshot(self) -> Any:
+        """What :meth:`restore` puts back: the layer's length, its raw rows and the lists of its
+        sealed blocks, held by reference (cheap: no row is copied)."""
+        if not self.is_initialized:
+            return None
+        streams = {name: (tuple(getattr(st, f) for f in _FIELDS), list(st.blocks), list(st.starts),
+                          list(st.decoded)) for name, st in self._s.items()}
+        return self.seen, self._recorded, streams
+
+    def restore(self, snap: Any) -> None:
+        """The layer as :meth:`snapshot` saw it (a layer not yet initialised then is reset)."""
+        if snap is None:
+            self.reset()
+            return
+        self.seen, self._recorded, streams = snap
+        self._pending = self._reads = 0
+        self._codes.forget()
+        for name, (fields, blocks, starts, decoded) in streams.items():
+            st = self._s[name]
+            for f, v in zip(_FIELDS, fields):
+                setattr(st, f, v)
+            st.blocks, st.starts, st.decoded = list(blocks), list(starts), list(decoded)
+
+    def _unseal_last(self, name: str) -> None:
+        """The last sealed block decoded back into staging (crop)."""
+        self._codes.forget()
+        st = self._s[name]
+        dec = self._block(name, len(st.blocks) - 1)
+        st.staging = torch.cat([dec, st.staging], dim=-2)
+        st.staging_start = st.starts.pop()
+        st.blocks.pop()
+        if st.decoded:
+            st.decoded.pop()
