@@ -198,6 +198,12 @@ def test_crop_select_and_reset(llama) -> None:
     assert not cache.is_croppable
     two = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=llama, block_size=8)
     forward(llama, prompt(batch=2, t=20), two)
+    want = transformers.DynamicCache(config=llama.config)
+    forward(llama, prompt(batch=2, t=20), want)
+    assert len(list(two)) == len(list(want)) == LAYERS
+    for (k, v, w), (k2, v2, w2) in zip(two, want):  # iterated as DynamicCache iterates
+        torch.testing.assert_close(k, k2, rtol=0, atol=1e-5)  # RoPE taken off and put back
+        assert torch.equal(v, v2) and w is None and w2 is None
     k = two.layers[2].keys
     blobs = two.memory()["blobs"]
     two.batch_repeat_interleave(2)

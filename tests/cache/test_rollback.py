@@ -13,7 +13,7 @@ from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe, forward, generate  # noqa: E402
-from .families import T_PROMPT, build, family_prompt  # noqa: E402
+from .families import T_PROMPT, WINDOW, build, family_prompt  # noqa: E402
 
 ASSISTED = {"prompt lookup": lambda name: dict(prompt_lookup_num_tokens=3),
             "assistant model": lambda name: dict(assistant_model=build(name))}
@@ -53,6 +53,7 @@ def test_a_crop_refused_by_one_layer_changes_none() -> None:
     forward(model, family_prompt(t=T_PROMPT), cache)
     before = [layer.get_seq_length() for layer in cache.layers]
     keys = cache.layers[0].keys.clone()
+    assert [None if w is None else int(w) for _, _, w in cache] == [None, WINDOW, WINDOW]
     with pytest.raises(RuntimeError, match="layer 1 is sliding-window"):
         cache.crop(-3)
     assert [layer.get_seq_length() for layer in cache.layers] == before

@@ -184,8 +184,18 @@ class KakeyaCache(Cache):
 
     @property
     def fast(self) -> bool:
-        """Whether attention runs over the codes (see the constructor)."""
+        """Whether attention runs over the codes (see the constructor). It does at a step where
+        the model runs the attention function the cache registered: after
+        ``model.set_attn_implementation`` to another, the steps read decoded blocks (the slow
+        path) until it is set back. The kernels compute no gradients."""
         return self.fast_reason is None
+
+    def __iter__(self) -> Any:
+        """Per layer, as ``DynamicCache`` iterates: ``(keys, values, sliding window or None)``,
+        the keys and values as attention would read them (sealed blocks decoded)."""
+        for layer in self.layers:
+            window = getattr(layer, "window", None)
+            yield layer.keys, layer.values, None if window is None else torch.tensor(window)
 
     # --- the prefix on disk (kakeyaturbo.cache.persist) ---------------------------------------
 
