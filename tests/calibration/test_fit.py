@@ -159,7 +159,8 @@ def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
 
 def test_statistics_that_cannot_be_factored_name_the_head() -> None:
     q2 = _stats().q2.copy()
-    q2[1, 0] = -np.eye(8)  # negative definite: no Cholesky factor
+    q2[1, 0] = np.eye(8)
+    q2[1, 0, 0, 1] = q2[1, 0, 1, 0] = 2.0  # indefinite (the diagonal is fine): no Cholesky factor
     stats = _stats(q2=q2)
     rec = recipes.Recipe(name="q", mode="calibrated", k={"whiten": "query", "bits": 3},
                          v={"bits": 3}, streams=("k", "v"))

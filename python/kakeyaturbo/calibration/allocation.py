@@ -9,7 +9,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..codec import _checks
+from ..errors import InvalidInputError, InvalidParameterError
 
 #: N(0, 1) Lloyd-Max distortion at 0..8 bits (0 bits: the variance itself).
 LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.00064424,
@@ -49,6 +50,11 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     lam = np.asarray(variances, dtype=np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
         raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
+    dist = _checks.vector(distortion, "distortion", np.float64)
+    if dist.size < 1 or not np.all(np.isfinite(dist)):
+        raise InvalidParameterError(f"distortion must be finite values, one per bit width from 0, got {distortion!r}")
+    _checks.integer(budget, "budget")
+    _checks.integer(max_bits, "max_bits")
     if budget < 0 or max_bits < 0 or max_bits >= len(distortion):
         raise InvalidParameterError(f"need budget >= 0 and 0 <= max_bits < {len(distortion)}")
     floors = np.broadcast_to(np.asarray(floor), lam.shape) if np.ndim(floor) == 0 else np.asarray(floor)
@@ -126,7 +132,7 @@ def _segment_caps(n: int, max_components: "int | Sequence[Optional[int]] | None"
         else list(max_components)
     if len(given) != count:
         raise InvalidParameterError(f"{len(given)} caps for {count} segments")
-    caps = np.array([n if c is None else int(c) for c in given], np.int64)
+    caps = np.array([n if c is None else _checks.integer(c, "max_components") for c in given], np.int64)
     if np.any(caps < 1):
         raise InvalidParameterError(f"max_components must be at least 1, got {max_components}")
     return seg.astype(np.int64), caps
@@ -134,8 +140,13 @@ def _segment_caps(n: int, max_components: "int | Sequence[Optional[int]] | None"
 
 def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarray, float]:
     """The closed form of reverse water-filling for Gaussian components: rates
-    ``R_j = max(0, log2(var_j / theta) / 2)`` summing to ``rate``; returns (rates, theta)."""
-    lam = np.asarray(variances, dtype=np.float64)
+    ``R_j = max(0, log2(var_j / theta) / 2)`` summing to ``rate``; returns (rates, theta).
+    InvalidInputError unless the variances are a 1-D array of finite values, InvalidParameterError
+    for a rate that is not finite (TypeError: not a number)."""
+    _checks.real(rate, "rate")
+    lam = _checks.vector(variances, "variances", np.float64)
+    if not np.all(np.isfinite(lam)):
+        raise InvalidInputError("variances must be finite, got NaN or inf")
     pos = lam[lam > 0]
     if rate <= 0 or len(pos) == 0:
         return np.zeros(len(lam)), float(lam.max(initial=0.0))
@@ -150,7 +161,12 @@ def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarra
 
 def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
     """Index bits per row for a target of all-in bits per element: the target times D, less
-    the 16-bit scale, rounded down to whole bytes (rows are byte-aligned)."""
+    the 16-bit scale, rounded down to whole bytes (rows are byte-aligned). InvalidParameterError
+    for a target that is not finite and ``>= 0`` or ``d < 1`` (TypeError: wrong types)."""
+    if _checks.real(bits_per_element, "bits_per_element") < 0:
+        raise InvalidParameterError(f"bits_per_element must be >= 0, got {bits_per_element}")
+    _checks.integer(d, "d", 1)
+    _checks.boolean(norm, "norm")
     b = int(np.floor(bits_per_element * d + 1e-9)) - (16 if norm else 0)
     return max(0, b // 8 * 8)
 
@@ -209,7 +225,18 @@ def global_allocation(spectra: Sequence[np.ndarray], row_budgets: Sequence[int],
     every head keeps at least one byte; a head with a cost gives the bytes it gains to the
     components that have bits already)."""
     sps = [np.asarray(sp, dtype=np.float64) for sp in spectra]
-    total = int(sum(row_budgets))
+    if not sps:
+        raise InvalidParameterError("spectra must hold at least one spectrum, got none")
+    if any(sp.ndim != 1 or sp.size < 1 for sp in sps):
+        raise InvalidParameterError("every spectrum must be a non-empty 1-D array of variances")
+    budgets = list(row_budgets)
+    if len(budgets) != len(sps):
+        raise InvalidParameterError(f"{len(budgets)} row budgets for {len(sps)} spectra")
+    for b in budgets:
+        _checks.integer(b, "row_budgets[i]", 0)
+    for f in [floor] if np.ndim(floor) == 0 else list(floor):
+        _checks.integer(f, "floor")
+    total = int(sum(budgets))
     floors = [int(floor)] * len(sps) if np.ndim(floor) == 0 else [int(f) for f in floor]
     if len(floors) != len(sps):
         raise InvalidParameterError(f"{len(floors)} floors for {len(sps)} spectra")

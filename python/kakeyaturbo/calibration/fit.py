@@ -9,11 +9,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..codec import CalibratedCodec, centroids_gaussian
-from ..errors import InvalidParameterError, NumericalError
+from ..codec import CalibratedCodec, _checks, centroids_gaussian
+from ..errors import InvalidInputError, InvalidParameterError, NumericalError
 from ..recipes import CalibratedStream
-from .allocation import allocate_bits, row_budget
-from .stats import AttentionStats, Sensitivity
+from .allocation import LLOYD_MAX_MSE, allocate_bits, row_budget
+from .stats import AttentionStats, Sensitivity, square
 
 #: Ridge added to the query covariance, relative to its mean diagonal (SPEC section 7).
 RIDGE = 1e-3
@@ -21,8 +21,16 @@ RIDGE = 1e-3
 
 def lloyd_max(samples: np.ndarray, bits: int, iters: int = 100) -> np.ndarray:
     """A ``2**bits``-level Lloyd-Max table fitted to 1-D samples (1-D Lloyd iteration from the
-    N(0, 1) table scaled to the samples' rms); strictly ascending float64."""
+    N(0, 1) table scaled to the samples' rms); strictly ascending float64. TypeError for
+    samples that are not numeric, InvalidInputError for NaN or inf among them."""
+    raw = np.asarray(samples)
+    if raw.dtype.kind not in "fiu":
+        raise TypeError(f"samples must be numeric, got dtype {raw.dtype}")
+    bits = _checks.integer(bits, "bits", 1)
+    iters = _checks.integer(iters, "iters", 0)
     z = np.sort(np.asarray(samples, dtype=np.float64).ravel())
+    if not np.all(np.isfinite(z)):
+        raise InvalidInputError("samples hold NaN or inf")
     if z.size < 2 ** bits:
         raise InvalidParameterError(f"{z.size} samples cannot fit a {bits}-bit table")
     c = centroids_gaussian(bits).astype(np.float64) * max(np.sqrt(np.mean(z * z)), 1e-12)
@@ -46,11 +54,23 @@ def lloyd_max(samples: np.ndarray, bits: int, iters: int = 100) -> np.ndarray:
 
 def whitening_factor(second_moment: np.ndarray, ridge: float = RIDGE) -> np.ndarray:
     """Lower-triangular ``L`` with ``L L^T = S + ridge * mean(diag S) I``: a row ``x`` whitened
-    as ``x L`` has ``|e L|^2 = e^T S e`` for any error ``e`` (up to the ridge)."""
+    as ``x L`` has ``|e L|^2 = e^T S e`` for any error ``e`` (up to the ridge).
+
+    TypeError for a non-numeric ``S``, InvalidInputError when it is not a finite square matrix,
+    symmetric with a non-negative diagonal, InvalidParameterError for a ridge that is not finite
+    and ``>= 0``, NumericalError when the factorisation fails (``S`` is not positive definite
+    enough for the ridge)."""
+    square(second_moment, "second_moment", covariance=True)
+    if _checks.real(ridge, "ridge") < 0:
+        raise InvalidParameterError(f"ridge must be >= 0, got {ridge}")
     s = np.asarray(second_moment, dtype=np.float64)
     s = (s + s.T) / 2
     s = s + ridge * max(float(np.mean(np.diag(s))), 1e-30) * np.eye(len(s))
-    return np.linalg.cholesky(s)  # LinAlgError where S is not positive semi-definite
+    try:
+        return np.linalg.cholesky(s)  # LinAlgError where S is not positive semi-definite
+    except np.linalg.LinAlgError as e:
+        raise NumericalError(f"the second moment is not positive definite with ridge {ridge} "
+                             f"({e})") from e
 
 
 @dataclass
@@ -71,12 +91,21 @@ class StreamFit:
 
 def spectrum(cov: np.ndarray, whitening: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Eigenvalues (descending, >= 0) and eigenvectors (columns) of ``cov`` in the whitened
-    space ``x -> x L``: the variances water-filling allocates over."""
+    space ``x -> x L``: the variances water-filling allocates over. InvalidInputError (TypeError
+    for non-numeric arrays) when ``cov`` is not a finite symmetric ``[D, D]`` matrix with a
+    non-negative diagonal or ``whitening`` not a finite ``[D, D]`` one, NumericalError when the
+    eigen solver fails."""
+    d = len(square(cov, "cov", covariance=True))
+    if whitening is not None:
+        square(whitening, "whitening", d)
     c = np.asarray(cov, dtype=np.float64)
     if whitening is not None:
         w = np.asarray(whitening, dtype=np.float64)
         c = w.T @ c @ w
-    lam, u = np.linalg.eigh((c + c.T) / 2)
+    try:
+        lam, u = np.linalg.eigh((c + c.T) / 2)
+    except np.linalg.LinAlgError as e:
+        raise NumericalError(f"the spectrum of cov cannot be computed ({e})") from e
     order = np.argsort(lam)[::-1]
     return np.maximum(lam[order], 0.0), u[:, order]
 
@@ -117,16 +146,38 @@ def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True
     when an allocation is not monotone in the variances); those allocated 0 bits are dropped
     (they decode as the mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
     ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
+
+    InvalidParameterError for a ``bits_per_element`` that is not finite and ``>= 0``, a
+    ``max_bits`` outside ``0..8`` (TypeError where it is not an int), ``bits`` that are not one
+    integer ``>= 0`` per component; InvalidInputError when the variances are all zero (or the
+    target leaves no bits: InvalidParameterError).
     """
     d = len(sp.mean)
     lam, u = sp.variances, sp.vectors
+    if _checks.real(bits_per_element, "bits_per_element") < 0:
+        raise InvalidParameterError(f"bits_per_element must be >= 0, got {bits_per_element}")
+    _checks.integer(max_bits, "max_bits", 0, len(LLOYD_MAX_MSE) - 1)
+    if bits is not None:
+        given = np.asarray(bits)
+        if given.dtype.kind not in "iu":
+            raise TypeError(f"bits must be integers, got dtype {given.dtype}")
+        if given.shape != (len(lam),):
+            raise InvalidParameterError(
+                f"bits must hold one integer per component, shape ({len(lam)},), got {list(given.shape)}")
+        if given.size and given.min() < 0:
+            raise InvalidParameterError(f"bits must be >= 0, got {int(given.min())}")
     w = None if sp.whitening is None else np.asarray(sp.whitening, dtype=np.float64)
+    allocated = bits is None
     if bits is None:
         bits = allocate_bits(lam, row_budget(bits_per_element, d, norm), max_bits,
                              floor=min_bits, max_components=max_components,
                              component_cost=component_cost)
     bits = np.asarray(bits, dtype=np.int64)
     keep = np.flatnonzero(bits > 0)
+    if keep.size == 0 and allocated and not np.any(np.asarray(lam) > 0):
+        raise InvalidInputError(
+            f"all {len(lam)} variances are zero (or negative, clamped to zero): there is nothing "
+            "to give bits to")
     if keep.size == 0:
         raise InvalidParameterError(
             f"{bits_per_element} bits per element leave no bits for the components at D = {d}")
@@ -145,7 +196,17 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
                max_bits: int = 8, bits: Optional[np.ndarray] = None) -> StreamFit:
     """PCA of ``cov`` in the whitened space (``x -> x L``), water-filled to the target (or
     given ``bits`` per component, in the order of :func:`spectrum`): :func:`fit_spectrum` of
-    the spectrum of ``(mean, cov)``."""
+    the spectrum of ``(mean, cov)``. InvalidInputError when ``mean`` is not a finite vector of
+    the length of ``cov`` (see :func:`spectrum` and :func:`fit_spectrum` for the rest)."""
+    m = np.asarray(mean)
+    if m.dtype.kind not in "fiu":
+        raise TypeError(f"mean must be numeric, got dtype {m.dtype}")
+    c = np.asarray(cov)
+    if m.ndim != 1 or c.ndim != 2 or c.shape != (len(m), len(m)):
+        raise InvalidInputError(
+            f"mean has shape {list(m.shape)} but cov {list(c.shape)}: they must be [D] and [D, D]")
+    if not np.all(np.isfinite(m)):
+        raise InvalidInputError("mean holds NaN or inf")
     lam, u = spectrum(cov, whitening)
     return fit_spectrum(HeadSpectrum(mean, lam, u, whitening), bits_per_element, norm=norm,
                         max_bits=max_bits, bits=bits)
@@ -154,7 +215,18 @@ def fit_stream(mean: np.ndarray, cov: np.ndarray, bits_per_element: float, *,
 def stream_inputs(stats: AttentionStats, stream: str, layer: int, head: int,
                   settings: CalibratedStream, sensitivity: Optional[Sensitivity] = None
                   ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
-    """(mean, covariance, whitening factor) of one (stream, layer, kv-head) for the settings."""
+    """(mean, covariance, whitening factor) of one (stream, layer, kv-head) for the settings.
+    TypeError for arguments of the wrong type, InvalidParameterError for a stream other than
+    ``'k'``/``'v'`` or a layer (row of the statistics) or kv-head out of range."""
+    if not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be AttentionStats, got {type(stats).__name__}")
+    if not isinstance(settings, CalibratedStream):
+        raise TypeError(f"settings must be a CalibratedStream, got {type(settings).__name__}")
+    if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
+        raise TypeError(f"sensitivity must be Sensitivity or None, got {type(sensitivity).__name__}")
+    _checks.choice(stream, "stream", ("k", "v"))
+    _checks.integer(layer, "layer", 0, stats.num_layers - 1)
+    _checks.integer(head, "head", 0, stats.kv_heads - 1)
     if stream == "k":
         mean, cov = stats.k_mean[layer, head], stats.k_cov[layer, head]
     else:
@@ -182,10 +254,12 @@ def head_spectrum(stats: AttentionStats, stream: str, layer: int, head: int,
     try:
         mean, cov, w = stream_inputs(stats, stream, layer, head, settings, sensitivity)
         lam, u = spectrum(cov, w)
-    except np.linalg.LinAlgError as e:
+    except (np.linalg.LinAlgError, NumericalError) as e:
         raise NumericalError(
             f"stream {stream!r}, layer {layer}, kv-head {head}: the statistics behind "
             f"whiten = {settings.whiten!r} cannot be factored ({e})") from e
+    except InvalidInputError as e:
+        raise InvalidInputError(f"stream {stream!r}, layer {layer}, kv-head {head}: {e}") from e
     return HeadSpectrum(mean, lam, u, w)
 
 
@@ -232,6 +306,9 @@ def sensitivity_weights(synthesis: np.ndarray, fisher: np.ndarray) -> np.ndarray
     """``w_j = s_j^T F s_j`` for synthesis rows ``s_j``: the loss per unit of squared error in
     component ``j`` (an error ``e`` in the coefficients is ``e @ synthesis`` in the row)."""
     s = np.asarray(synthesis, dtype=np.float64)
+    if s.ndim != 2:
+        raise InvalidInputError(f"synthesis must be [m, D], got shape {list(s.shape)}")
+    square(fisher, "fisher", s.shape[1])
     return np.maximum(np.einsum("ja,ab,jb->j", s, np.asarray(fisher, dtype=np.float64), s), 0.0)
 
 

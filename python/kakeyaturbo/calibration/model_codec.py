@@ -55,6 +55,8 @@ class ModelCodec:
             raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats must be AttentionStats, got {type(stats).__name__}")
+        if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
+            raise TypeError(f"sensitivity must be Sensitivity or None, got {type(sensitivity).__name__}")
         if recipe.mode != "calibrated":
             raise InvalidParameterError(f"recipe {recipe.name!r} is not calibrated")
         if recipe.needs_sensitivity and sensitivity is None:

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple, Type, TypeVar
 import numpy as np
 
 from .._files import write_atomically
-from ..errors import CorruptDataError, InvalidParameterError
+from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError
 
 _S = TypeVar("_S", bound="_Stored")
 
@@ -69,7 +69,7 @@ class _Stored:
             raise CorruptDataError(f"{cls.KIND} {str(p)!r} lacks the arrays {missing}")
         try:
             return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
-        except InvalidParameterError as e:
+        except (InvalidParameterError, InvalidInputError) as e:  # inconsistent, or no covariances
             raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
 
 
@@ -85,6 +85,61 @@ def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtyp
     if not np.all(np.isfinite(arr)):
         raise InvalidParameterError(f"{owner} {name!r} holds NaN or inf")
     return arr
+
+
+#: Tolerance of :func:`covariance_defect`, relative to the largest magnitude of the matrix: the
+#: statistics this library gathers are symmetric to ~1e-11 of it and have no negative variance.
+SYMMETRY_RTOL = 1e-6
+
+
+def covariance_defect(a: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Of float64 matrices ``a [..., D, D]``: (whether each is not symmetric, whether each has a
+    negative diagonal entry), each within ``SYMMETRY_RTOL`` of that matrix's largest magnitude.
+    A diagonal and symmetry check, not a full positive semi-definiteness test (which would need
+    an eigendecomposition of every matrix): it refuses negative variances and asymmetric
+    matrices; an indefinite matrix with a non-negative diagonal passes (its negative
+    eigenvalues are clamped to 0 by :func:`~kakeyaturbo.calibration.fit.spectrum`)."""
+    tol = SYMMETRY_RTOL * np.abs(a).max(axis=(-1, -2))
+    asym = np.abs(a - np.swapaxes(a, -1, -2)).max(axis=(-1, -2)) > tol
+    neg = np.diagonal(a, axis1=-2, axis2=-1).min(axis=-1) < -tol
+    return asym, neg
+
+
+def square(a: Any, name: str, d: Optional[int] = None, *, covariance: bool = False) -> np.ndarray:
+    """``a`` as a finite float64 ``[D, D]`` matrix (``D == d`` if given): TypeError when it is
+    not numeric, InvalidInputError naming ``name`` when it is of another shape, holds NaN or inf,
+    or (``covariance``) is not symmetric or has a negative diagonal entry
+    (:func:`covariance_defect`)."""
+    arr = np.asarray(a)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{name} must be a numeric matrix, got {type(a).__name__} of dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[0] != arr.shape[1] or arr.shape[0] < 1:
+        raise InvalidInputError(f"{name} must be a square [D, D] matrix, got shape {list(arr.shape)}")
+    if d is not None and arr.shape[0] != d:
+        raise InvalidInputError(f"{name} is {arr.shape[0]}x{arr.shape[1]}, it must be {d}x{d}")
+    arr = arr.astype(np.float64, copy=False)
+    if not np.all(np.isfinite(arr)):
+        raise InvalidInputError(f"{name} holds NaN or inf")
+    if covariance:
+        asym, neg = covariance_defect(arr)
+        if asym or neg:
+            raise InvalidInputError(
+                f"{name} is not a covariance: "
+                + ("it is not symmetric" if asym else "a diagonal entry (a variance) is negative"))
+    return arr
+
+
+def _check_covariances(owner: str, name: str, a: np.ndarray, layers: Tuple[int, ...]) -> None:
+    """InvalidInputError naming the array, layer and kv-head of the first matrix of ``a [L, H,
+    D, D]`` that :func:`covariance_defect` refuses."""
+    asym, neg = covariance_defect(a)
+    bad = np.argwhere(asym | neg)
+    if len(bad):
+        row, h = (int(i) for i in bad[0])
+        what = "is not symmetric" if asym[row, h] else "has a negative diagonal entry (variance)"
+        raise InvalidInputError(
+            f"{owner} {name!r} at layer {layers[row]}, kv-head {h} {what}: it is not a covariance "
+            f"({len(bad)} of {asym.size} matrices are not)")
 
 
 def _layer_index(owner: str, meta: Dict[str, Any], n: int) -> Tuple[int, ...]:
@@ -124,8 +179,10 @@ class AttentionStats(_Stored):
     KIND = "calibration"
 
     def __post_init__(self) -> None:
-        """Checks that every array agrees on (layers, kv-heads, head_dim) and is finite;
-        raises InvalidParameterError naming the array."""
+        """Checks that every array agrees on (layers, kv-heads, head_dim) and is finite (else
+        InvalidParameterError naming the array), and that ``q2``, ``k_cov``, ``v_cov`` and
+        ``o_gram`` are symmetric with non-negative diagonals (else InvalidInputError naming the
+        array, layer and kv-head; see :func:`covariance_defect`)."""
         q2, v_cov = np.asarray(self.q2), np.asarray(self.v_cov)
         if q2.ndim != 4 or v_cov.ndim != 4:
             raise InvalidParameterError(
@@ -143,7 +200,9 @@ class AttentionStats(_Stored):
                                    ("k_samples", (n, h, None, d), np.float32),
                                    ("v_samples", (n, h, None, dv), np.float32)):
             setattr(self, name, _check("calibration", name, getattr(self, name), shape, dtype))
-        _layer_index("calibration", self.meta, n)
+        layers = _layer_index("calibration", self.meta, n)
+        for name in ("q2", "k_cov", "v_cov", "o_gram"):
+            _check_covariances("calibration", name, getattr(self, name), layers)
 
     @property
     def num_layers(self) -> int:
