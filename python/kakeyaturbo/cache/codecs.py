@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable, Mapping
 from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -57,7 +58,7 @@ class IdentityCodec:
     """Stores the rows as raw little-endian float32 after a 4-byte ``D`` header; decodes exactly."""
 
     def __init__(self, *, pre_rope_keys: bool = False) -> None:
-        self.pre_rope_keys = bool(pre_rope_keys)
+        self.pre_rope_keys = _checks.boolean(pre_rope_keys, "pre_rope_keys")
 
     def __repr__(self) -> str:
         return f"IdentityCodec(pre_rope_keys={self.pre_rope_keys})"
@@ -138,6 +139,11 @@ def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
     return ModelCodec.merged([ModelCodec(st, recipe, threads=threads, sensitivity=se) for st, se in parts])
 
 
+#: The library's own codecs (exactly these classes, not subclasses that may decode otherwise):
+#: their decoded rows are not checked again (:func:`decode_rows`).
+TRUSTED = (IdentityCodec, BlockCodec, ModelCodec)
+
+
 def check_streams(streams: Sequence[str]) -> Tuple[str, ...]:
     """The stream names as a tuple (a single name allowed), each checked, none twice."""
     if isinstance(streams, str):
@@ -153,27 +159,42 @@ def check_streams(streams: Sequence[str]) -> Tuple[str, ...]:
 
 
 def check_codec(codec: Any) -> None:
-    """TypeError unless ``codec`` implements :class:`StreamCodec` (``encode`` and ``decode``)."""
+    """TypeError unless ``codec`` is an instance implementing :class:`StreamCodec` (``encode``
+    and ``decode``; ``pre_rope_keys``, where it has one, a bool)."""
+    if isinstance(codec, type):
+        raise TypeError(f"codec must be a StreamCodec instance, got the class {codec.__name__}: "
+                        f"pass {codec.__name__}(...)")
     for attr in ("encode", "decode"):
         if not callable(getattr(codec, attr, None)):
             raise TypeError(f"codec must implement StreamCodec ({attr} missing): {codec!r}")
+    pre = getattr(codec, "pre_rope_keys", False)
+    if not isinstance(pre, (bool, np.bool_)):
+        raise TypeError(f"{codec!r}.pre_rope_keys must be a bool, got {type(pre).__name__} {pre!r}")
 
 
 def boundary_layers(boundary: Sequence[int], num_layers: Optional[int]) -> FrozenSet[int]:
-    """Layer indices, negative ones counted from the end (needs ``num_layers``); out of range dropped."""
+    """Layer indices, negative ones counted from the end (needs ``num_layers``). Where the layer
+    count is known, an index outside ``[-num_layers, num_layers)`` is an InvalidParameterError
+    (a recipe's indices for models of any depth are resolved by :meth:`Recipe.boundary` first);
+    a ``boundary`` that is not a collection of ints, a TypeError naming it."""
+    if isinstance(boundary, (str, bytes, Mapping, bool, np.bool_)) or not isinstance(boundary, Iterable):
+        raise TypeError(f"boundary must be a sequence of layer indices (ints), got {type(boundary).__name__} "
+                        f"{boundary!r}")
     out = set()
     for i in boundary:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
             raise TypeError(f"boundary layers must be ints, got {i!r}")
         i = int(i)
+        if num_layers is not None and not -num_layers <= i < num_layers:
+            raise InvalidParameterError(f"boundary layer {i} is out of range: boundary indices must be in "
+                                        f"[-{num_layers}, {num_layers}) for {num_layers} layers")
         if i < 0:
             if num_layers is None:
                 raise InvalidParameterError(
                     f"boundary layer {i} counts from the end: give the model or num_layers"
                 )
             i += num_layers
-        if i >= 0 and (num_layers is None or i < num_layers):
-            out.add(i)
+        out.add(i)
     return frozenset(out)
 
 
@@ -187,7 +208,7 @@ def codes_layer(codec: StreamCodec, layer: int) -> bool:
 
 def wants_rope(codec: StreamCodec, streams: Sequence[str]) -> bool:
     """Whether keys are compressed by a codec that codes them without RoPE."""
-    return bool(getattr(codec, "pre_rope_keys", False)) and "k" in streams
+    return bool(getattr(codec, "pre_rope_keys", False)) and "k" in streams  # a bool: check_codec
 
 
 def encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> List[List[bytes]]:
@@ -205,8 +226,11 @@ def encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> L
 
 
 def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
-    """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``."""
+    """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``. The rows of a codec that is not
+    one of the library's own (:data:`TRUSTED`, whose decoders give finite rows of finite input)
+    are checked for finiteness: InvalidInputError naming the codec, stream, layer and head."""
     y = np.empty((len(blobs), len(blobs[0]) if blobs else 0, t, d), dtype=np.float32)
+    check = type(codec) not in TRUSTED
     for b, row in enumerate(blobs):
         for h, blob in enumerate(row):
             r = np.asarray(codec.decode(stream, layer, h, blob))
@@ -215,7 +239,18 @@ def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[by
                     f"{codec!r}.decode returned shape {r.shape} for stream {stream!r}, layer {layer}, "
                     f"head {h}; expected {(t, d)}"
                 )
-            y[b, h] = r
+            if not check:
+                y[b, h] = r
+                continue
+            if r.dtype.kind not in "fiu":
+                raise InvalidInputError(f"{codec!r}.decode returned dtype {r.dtype} for stream {stream!r}, "
+                                        f"layer {layer}, head {h}; expected float32")
+            with np.errstate(over="ignore", invalid="ignore"):
+                y[b, h] = r
+            if not np.isfinite(y[b, h]).all():
+                raise InvalidInputError(
+                    f"{codec!r}.decode returned NaN or infinite values (or values past float32's range) "
+                    f"for stream {stream!r}, layer {layer}, head {h}")
     return y
 
 

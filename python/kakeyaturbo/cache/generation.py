@@ -26,11 +26,13 @@ from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .rollback import crop_count
 from .positions import Positions
-from .pretrained import CalibrationLike, codec_for_model
-from .rope import layer_rope
+from .pretrained import CalibrationLike, check_codec_model, codec_for_model
+from .rope import check_rope, rope_of_layer
 
 #: The kernels that attend over the codes: ``auto`` (Rust on the CPU, Triton on a GPU), or one.
 KERNELS = ("auto", "rust", "triton")
+#: The most layers ``num_layers`` may give (every layer is built up front).
+MAX_LAYERS = 4096
 
 
 class KakeyaCache(Cache):
@@ -94,6 +96,9 @@ class KakeyaCache(Cache):
                  threads: Optional[int] = None, synthesis: str = "bf16", kernel: str = "auto") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
         n_sink = _checks.integer(n_sink, "n_sink", 0)
+        if num_layers is not None:
+            num_layers = _checks.integer(num_layers, "num_layers", 0, MAX_LAYERS)
+        keep_decoded = _checks.boolean(keep_decoded, "keep_decoded")
         check_codec(codec)
         windows: Tuple[Optional[int], ...] = ()
         layout = None
@@ -102,6 +107,7 @@ class KakeyaCache(Cache):
         self._specs: Tuple[Any, ...] = ()
         if model is not None:
             layout = describe(model)
+            check_codec_model(codec, model)  # ModelMismatchError for another model's codec
             if num_layers is not None and num_layers != layout.num_layers:
                 raise InvalidParameterError(f"num_layers={num_layers} but the model has {layout.num_layers} layers")
             num_layers = layout.num_layers
@@ -115,11 +121,14 @@ class KakeyaCache(Cache):
         self.n_sink = n_sink
         self.streams = check_streams(streams)
         self.boundary = boundary_layers(boundary, num_layers)
-        self.keep_decoded = bool(keep_decoded)
+        self.keep_decoded = keep_decoded
         self.windows = windows
         self._positions: Optional[Positions] = None
         if wants_rope(codec, self.streams):
-            if rope is None:
+            if rope is not None:
+                check_rope(rope, num_layers, [s.head_dim if s.has_kv and not self._latent else None
+                                              for s in self._specs])
+            else:
                 if layout is None:
                     raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=")
                 rope = layout.require_rope()
@@ -130,6 +139,11 @@ class KakeyaCache(Cache):
         self.kernel = _checks.choice(kernel, "kernel", KERNELS)
         if self.kernel == "triton":
             require("kernel='triton'", ("torch", "triton"), "pip install triton")
+            if (model is not None and not self._latent and getattr(model, "device", None) == torch.device("cpu")
+                    and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
+                raise InvalidParameterError(
+                    "kernel='triton' for a model on the CPU needs Triton's interpreter (TRITON_INTERPRET=1 set "
+                    "before kakeyaturbo.kernels is imported): use kernel='auto' or 'rust' on the CPU")
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)
@@ -161,7 +175,7 @@ class KakeyaCache(Cache):
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a Recipe (recipes.load(name) gives one), got {type(recipe).__name__}")
         kwargs.setdefault("n_sink", recipe.n_sink)
-        kwargs.setdefault("boundary", recipe.boundary_layers)
+        kwargs.setdefault("boundary", _recipe_boundary(recipe, model, kwargs.get("num_layers")))
         kwargs.setdefault("streams", recipe.streams)
         return cls(BlockCodec(recipe, pre_rope_keys=pre_rope_keys, threads=threads), model=model, **kwargs)
 
@@ -178,7 +192,7 @@ class KakeyaCache(Cache):
         other keyword arguments as in the constructor."""
         codec, rec = codec_for_model(model, recipe, calibration, threads)
         kwargs.setdefault("n_sink", rec.n_sink)
-        kwargs.setdefault("boundary", rec.boundary_layers)
+        kwargs.setdefault("boundary", _recipe_boundary(rec, model, kwargs.get("num_layers")))
         kwargs.setdefault("streams", rec.streams)
         return cls(codec, model=model, **kwargs)
 
@@ -235,7 +249,7 @@ class KakeyaCache(Cache):
         elif spec is not None and spec.cache_type == "indexed_attention":  # and an indexer's keys
             cls = KakeyaIndexedLayer
         layer = cls(i, self.codec, block_size=self.block_size, n_sink=self.n_sink,
-                    streams=() if raw else self.streams, rope=layer_rope(self.rope, i),
+                    streams=() if raw else self.streams, rope=rope_of_layer(self.rope, i),
                     positions=self._positions, keep_decoded=self.keep_decoded,
                     window=self.windows[i] if i < len(self.windows) else None)
         layer.readers = 1 + sum(s.reads == i for s in self._specs)  # its own attention, KV sharing's
@@ -354,6 +368,13 @@ class KakeyaCache(Cache):
                    for layer in self.layers)
 
 
+def _recipe_boundary(recipe: Recipe, model: Any, num_layers: Any) -> Sequence[int]:
+    """A recipe's boundary layers, those in range of the model's (or ``num_layers``) layers where
+    the count is known: a recipe serves models of any depth (:meth:`Recipe.boundary`)."""
+    n = describe(model).num_layers if model is not None else num_layers
+    return recipe.boundary(n) if isinstance(n, int) and not isinstance(n, bool) else recipe.boundary_layers
+
+
 def _state_bytes(layer: Any) -> int:
     """Bytes of the conv and recurrent states a hybrid model's state layer holds (transformers'
     ``LinearAttentionLayer``; 0 for a layer without cache)."""
@@ -377,7 +398,7 @@ def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_de
         return f"{codec!r} is not a calibrated codec: sealed blocks are decoded, then attended"
     if codec.pre_rope_keys:
         for i in range(num_layers):
-            why = fast_mod.dynamic_rope(layer_rope(rope, i))
+            why = fast_mod.dynamic_rope(rope_of_layer(rope, i))
             if why is not None:
                 return why
     if not set(STREAMS) <= set(streams):

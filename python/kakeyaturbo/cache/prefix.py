@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any, Dict, Sequence, Tuple
 
 import torch
+from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
 
 from ..codec import _checks
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError, KakeyaError
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, rope_for
@@ -49,6 +50,57 @@ def sink_rows(n_sink: int, first: int, held: int) -> int:
     return min(max(n_sink - first, 0), held)
 
 
+def _check_layers(cache: Any) -> list:
+    """The layers of ``cache`` if it is one :func:`compress_cache` can change in place: every
+    layer a transformers ``DynamicLayer`` (full attention, ``DynamicSlidingWindowLayer``, a
+    hybrid's attention layer) or a layer without K/V rows (a hybrid's recurrent or convolution
+    state, ``DummyLayer``); TypeError otherwise, naming the layer class. A ``StaticCache`` (its
+    tensors hold ``max_cache_len`` slots, the empty ones too), a ``QuantizedCache`` (its keys are
+    only the recent rows) and a ``KakeyaCache`` (its keys are a computed view; it is coded as it
+    fills) are refused."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, (list, tuple)):
+        raise TypeError(f"cache must be a filled transformers cache (a DynamicCache, with .layers), got "
+                        f"{type(cache).__name__}")
+    for i, layer in enumerate(layers):
+        if getattr(layer, "keys", None) is None and getattr(layer, "values", None) is None:
+            continue  # no K/V rows: nothing to code, nothing changes
+        if not isinstance(layer, DynamicLayer) or isinstance(layer, BaseQuantizedLayer):
+            raise TypeError(
+                f"compress_cache takes a filled transformers DynamicCache (layers DynamicLayer or "
+                f"DynamicSlidingWindowLayer); layer {i} of this {type(cache).__name__} is a "
+                f"{type(layer).__name__}, which it cannot change in place")
+    return list(layers)
+
+
+def _check_model(codec: StreamCodec, model: Any) -> None:
+    """ModelMismatchError when ``codec`` (a calibrated ``ModelCodec``, or any codec with a
+    ``check_model``) was made for another model than ``model``."""
+    check = getattr(codec, "check_model", None)
+    if model is not None and callable(check):
+        check(model)
+
+
+def _located(e: KakeyaError, where: str) -> KakeyaError:
+    """``e`` as the same error type with ``where`` (layer, stream) in front of its message."""
+    try:
+        out = type(e)(f"{where}: {e}")
+    except Exception:  # an error type that does not take one message: keep it as it is
+        return e
+    out.__dict__.update(e.__dict__)
+    return out
+
+
+def _check_finite(x: torch.Tensor, what: str, first: int) -> None:
+    """InvalidInputError, ``what`` followed by the first NaN/infinity in ``x [B, H, T, D]`` (rows
+    from position ``first``) and where it is."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        b, h, t, d = (int(v) for v in bad.nonzero()[0])
+        raise InvalidInputError(f"{what} {float(x[b, h, t, d])} at batch row {b}, kv-head {h}, "
+                                f"position {first + t}, column {d}; the cache is unchanged")
+
+
 def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary: Sequence[int] = (),
                    streams: Sequence[str] = STREAMS, rope: Any = None, positions: Any = None,
                    model: Any = None) -> Dict[str, Any]:
@@ -68,21 +120,29 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     the decoded keys with each layer's own rotation: ``rope`` is the model's
     (:func:`kakeyaturbo.cache.rope.rope_for`; a plain ``positions -> (cos, sin)`` callable applies
     to every layer), or found from ``model``. ``positions`` (``[T]`` or ``[batch, T]`` over every
-    token the cache saw; default ``0 .. T-1``) are the tokens' RoPE positions.
+    token the cache saw; default ``0 .. T-1``) are the tokens' RoPE positions. With ``model``, a
+    codec that has a ``check_model`` (a calibrated ``ModelCodec``) is checked against it first.
+
+    Every layer is coded and decoded before any is written (the decoded rows wait on the CPU), so
+    a refused call leaves the cache as it was.
 
     Returns ``bits`` (all-in: ``8 * len(blob)`` for every blob plus 16 bits per element kept
     uncompressed), ``elements`` (K and V elements the layers hold), ``bits_per_element``,
     ``blob_bytes``, ``raw_elements`` and ``compressed_layers``.
-    Raises InvalidParameterError (a ValueError) on a bad stream name, a negative ``n_sink``, a
-    codec that needs RoPE without ``rope`` or ``model`` (UnsupportedModelError when the model's
-    RoPE cannot be removed), or a codec that decodes to the wrong shape.
+    Raises TypeError for a cache other than a ``DynamicCache`` of ``DynamicLayer`` /
+    ``DynamicSlidingWindowLayer`` (a ``StaticCache``, ``QuantizedCache`` or ``KakeyaCache``);
+    ModelMismatchError for a codec made for another model than ``model``; InvalidInputError
+    naming the layer and stream for rows to code that hold NaN or infinity, or a codec that decodes
+    them to NaN or infinity (codec errors are raised with the layer and stream in front);
+    InvalidParameterError (a ValueError) on a bad stream name, a negative ``n_sink``, a codec that
+    needs RoPE without ``rope`` or ``model`` (UnsupportedModelError when the model's RoPE cannot be
+    removed), or a codec that decodes to the wrong shape.
     """
     check_codec(codec)
-    if not isinstance(getattr(cache, "layers", None), (list, tuple)):
-        raise TypeError(f"cache must be a filled transformers cache (with .layers), got {type(cache).__name__}")
+    layers = _check_layers(cache)
     streams = check_streams(streams)
     n_sink = _checks.integer(n_sink, "n_sink", 0)
-    layers = list(cache.layers)
+    _check_model(codec, model)
     skip = boundary_layers(boundary, len(layers))
     want_rope = wants_rope(codec, streams)
     if want_rope and rope is None:
@@ -92,7 +152,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     if want_rope and positions is not None:
         positions = _positions(positions, layers)
     bits = elems = blob_bytes = raw = 0
-    done = []
+    done, pending = [], []
     with torch.no_grad():
         for i, layer in enumerate(layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -111,21 +171,31 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                     raw += t.numel()
                     continue
                 raw += b * h * s * d
+                where = f"layer {i}, stream {stream!r}"
                 x = t[:, :, s:]
+                _check_finite(x, f"{where}: the rows to code hold", first + s)
                 r = layer_rope(rope, i) if stream == "k" and want_rope else None
                 pos = None
                 if r is not None:
                     pos = torch.arange(first + n) if positions is None else positions
                     pos = pos[..., first + s:first + n]
                     x = r.remove(x, pos)
-                blobs = encode_rows(codec, stream, i, to_numpy(x))
+                try:
+                    blobs = encode_rows(codec, stream, i, to_numpy(x))
+                    y = torch.from_numpy(decode_rows(codec, stream, i, blobs, n - s, d)).to(t.device)
+                except KakeyaError as e:
+                    raise _located(e, where) from e
                 nb = sum(len(blob) for row in blobs for blob in row)
                 blob_bytes += nb
                 bits += 8 * nb
-                y = torch.from_numpy(decode_rows(codec, stream, i, blobs, n - s, d)).to(t.device)
                 if r is not None:
                     y = r.apply(y, pos)
-                t[:, :, s:] = y.to(t.dtype)
+                y = y.to(t.dtype)
+                _check_finite(y, f"{where}: {codec!r}.decode returned", first + s)
+                pending.append((t, s, y.to("cpu")))
+        # Every layer coded: only now is the cache changed.
+        for t, s, y in pending:
+            t[:, :, s:] = y
     bits += RAW_BITS * raw
     return {
         "bits": bits,
