@@ -11,18 +11,12 @@ pytest.importorskip("transformers")
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, codec_for  # noqa: E402
+from synthetic_stats import synthetic_stats  # noqa: E402
 
 
 def _stats(layers: int = 2, heads: int = 1, d: int = 16):
-    g = np.random.default_rng(0)
-    a = g.standard_normal((layers, heads, d, d))
-    spd = np.einsum("lhij,lhkj->lhik", a, a) / d + np.eye(d)
-    stats = calibration.AttentionStats(
-        meta={}, q2=spd, k_mean=np.zeros((layers, heads, d)), k_cov=spd,
-        v_mean=np.zeros((layers, heads, d)), v_cov=spd, o_gram=spd,
-        k_samples=np.zeros((layers, heads, 0, d), np.float32),
-        v_samples=np.zeros((layers, heads, 0, d), np.float32))
-    return stats, calibration.Sensitivity(meta={}, k=spd * 1e-3, v=spd * 1e-3)
+    stats = synthetic_stats(layers, heads, d)
+    return stats, calibration.Sensitivity(meta={}, k=stats.q2 * 1e-3, v=stats.q2 * 1e-3)
 
 
 def test_codec_for_picks_the_mode() -> None:

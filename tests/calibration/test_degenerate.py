@@ -3,11 +3,14 @@ numpy error or a non-finite result), and statistics whose covariances are not co
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
 import kakeyaturbo as kt
 from kakeyaturbo import calibrate, calibration, recipes
+from synthetic_stats import synthetic_stats
 
 D = 8
 
@@ -17,15 +20,7 @@ def _spd(d: int = D, seed: int = 0) -> np.ndarray:
     return a @ a.T / d + np.eye(d)
 
 
-def _stats(layers: int = 2, heads: int = 2, meta=None, **override) -> calibration.AttentionStats:
-    a = np.random.default_rng(1).standard_normal((layers, heads, D, D))
-    spd = np.einsum("lhij,lhkj->lhik", a, a) / D + np.eye(D)
-    arrays = dict(q2=spd, k_mean=np.zeros((layers, heads, D)), k_cov=spd,
-                  v_mean=np.zeros((layers, heads, D)), v_cov=spd, o_gram=spd,
-                  k_samples=np.zeros((layers, heads, 0, D), np.float32),
-                  v_samples=np.zeros((layers, heads, 0, D), np.float32))
-    arrays.update(override)
-    return calibration.AttentionStats(meta=meta or {}, **arrays)
+_stats = partial(synthetic_stats, heads=2, d=D, seed=1)
 
 
 def _recipe(**k) -> recipes.Recipe:

@@ -8,6 +8,7 @@ import pytest
 
 import kakeyaturbo as kt
 from kakeyaturbo import calibration, recipes
+from synthetic_stats import synthetic_stats
 
 D = 32
 
@@ -108,16 +109,7 @@ def test_more_bits_never_hurt() -> None:
     assert all(a > b for a, b in zip(errs, errs[1:])), errs
 
 
-def _stats(layers: int = 2, heads: int = 1, d: int = 8, **override):
-    g = np.random.default_rng(0)
-    a = g.standard_normal((layers, heads, d, d))
-    spd = np.einsum("lhij,lhkj->lhik", a, a) / d + np.eye(d)
-    arrays = dict(q2=spd, k_mean=np.zeros((layers, heads, d)), k_cov=spd,
-                  v_mean=np.zeros((layers, heads, d)), v_cov=spd, o_gram=spd,
-                  k_samples=np.zeros((layers, heads, 0, d), np.float32),
-                  v_samples=np.zeros((layers, heads, 0, d), np.float32))
-    arrays.update(override)
-    return calibration.AttentionStats(meta={}, **arrays)
+_stats = synthetic_stats
 
 
 def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
