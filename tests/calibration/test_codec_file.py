@@ -118,6 +118,9 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(fitted, tmp_path) -> N
     path = fitted.save(tmp_path / "codec.safetensors")
     with pytest.raises(InvalidParameterError, match="does not exist"):
         ModelCodec.load(tmp_path / "nothing.safetensors")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(InvalidParameterError, match="adir' is a directory, not a file"):
+        ModelCodec.load(tmp_path / "adir")
     data = path.read_bytes()
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data[:len(data) // 2])

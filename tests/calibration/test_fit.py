@@ -138,6 +138,9 @@ def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
         calibration.AttentionStats.load(path)
     with pytest.raises(kt.InvalidParameterError, match="does not exist"):
         calibration.AttentionStats.load(tmp_path / "none.safetensors")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(kt.InvalidParameterError, match="adir' is a directory"):
+        calibration.AttentionStats.load(tmp_path / "adir")
     # Arrays that disagree on the number of layers, written by hand, are corrupt data.
     from safetensors.numpy import save_file
 

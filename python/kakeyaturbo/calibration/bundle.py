@@ -290,7 +290,7 @@ def read_file(p: Path, where: str, fmt: str, version: int, what: str, writer: st
     should be, and ``writer``, what writes one), UnsupportedVersionError when its version is
     above ``version``."""
     if not p.is_file():
-        raise InvalidParameterError(f"{where} does not exist")
+        raise InvalidParameterError(f"{where} is a directory, not a file" if p.is_dir() else f"{where} does not exist")
     meta, arrays = _read(p, where)
     if meta.get("format") != fmt:
         raise CorruptDataError(f"{where} is not {what} (format {meta.get('format')!r}); "

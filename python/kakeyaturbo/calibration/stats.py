@@ -56,7 +56,8 @@ class _Stored:
             except OSError as e:  # a name the system refuses to look up (too long)
                 raise InvalidParameterError(f"{cls.KIND} file {str(f)[:200]!r}: {e.strerror}") from None
             if not there:
-                raise InvalidParameterError(f"{cls.KIND} file {str(f)!r} does not exist")
+                raise InvalidParameterError(f"{cls.KIND} file {str(f)!r} " +
+                                            ("is a directory" if f.is_dir() else "does not exist"))
         try:
             arrays = load_file(str(p))
             meta = json.loads(side.read_text(encoding="utf-8"))
