@@ -124,6 +124,10 @@ def test_fast_generates_as_decode_then_attend(setup, no_decode) -> None:
     # Keys coded before RoPE: the cos/sin table the kernel read, 8 bytes per position and frequency.
     assert table == (0 if name.endswith("after") else fast_mod.TABLE_ROWS * 8 * 8)
     assert fast.nbytes() == sum(mf.values())  # the model's table is not the sequence's
+    # Repeated batch rows (beam search) share their sealed bytes: held, and counted, once.
+    blobs = fast.layers[0].memory()["blobs"]
+    fast.batch_repeat_interleave(3)
+    assert fast.layers[0].codes().nbytes == fast.layers[0].memory()["blobs"] == blobs
 
 
 def test_fast_chunked_prefill_and_decoding_steps(setup) -> None:

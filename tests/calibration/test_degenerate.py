@@ -197,3 +197,24 @@ def test_loaded_statistics_are_checked(tmp_path) -> None:
     with pytest.raises(kt.CorruptDataError, match="s.safetensors.*'k_cov' at layer 0, kv-head 0"):
         calibration.AttentionStats.load(path)
 
+
+
+def test_sensitivity_refuses_matrices_that_are_not_second_moments(tmp_path) -> None:
+    from safetensors.numpy import save_file
+
+    good = _stats()
+    sens = calibration.Sensitivity(meta={}, k=good.k_cov, v=good.v_cov)
+    asym = good.k_cov.copy()
+    asym[1, 0, 2, 5] += 0.5
+    with pytest.raises(kt.InvalidInputError, match="sensitivity 'k' at layer 1, kv-head 0 is not symmetric"):
+        calibration.Sensitivity(meta={}, k=asym, v=good.v_cov)
+    neg = good.v_cov.copy()
+    neg[0, 1] = -neg[0, 1]
+    with pytest.raises(kt.InvalidInputError, match="'v' at layer 5, kv-head 1 has a negative"):
+        calibration.Sensitivity(meta={"layer_index": [5, 9]}, k=good.k_cov, v=neg)
+    # a damaged file: refused as corrupt, naming the file and the matrix
+    path, _ = sens.save(tmp_path / "f.safetensors")
+    arrays = {"k": np.ascontiguousarray(sens.k), "v": np.random.default_rng(0).standard_normal(sens.v.shape)}
+    save_file(arrays, str(path))
+    with pytest.raises(kt.CorruptDataError, match="f.safetensors.*'v' at layer 0, kv-head 0"):
+        calibration.Sensitivity.load(path)

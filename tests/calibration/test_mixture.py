@@ -77,10 +77,16 @@ def test_pooled_statistics_are_the_moments_of_the_pooled_rows() -> None:
         np.testing.assert_allclose(getattr(alone, name), getattr(parts[0][0], name), rtol=1e-12)
 
 
+def _gram(g: np.random.Generator, layers: int, heads: int) -> np.ndarray:
+    """Random symmetric positive semi-definite ``[layers, heads, D, D]`` matrices (a sensitivity
+    is a sum of gradients' outer products)."""
+    a = g.random((layers, heads, D, D))
+    return a @ np.swapaxes(a, -1, -2)
+
+
 def test_pooled_sensitivity_is_the_weighted_average() -> None:
     g = np.random.default_rng(0)
-    a = [Sensitivity(meta={"windows": w}, k=g.random((L, H, D, D)), v=g.random((L, H, D, D)))
-         for w in (3, 1)]
+    a = [Sensitivity(meta={"windows": w}, k=_gram(g, L, H), v=_gram(g, L, H)) for w in (3, 1)]
     p = pool_sensitivity([(a[0], 3), (a[1], 1)])
     np.testing.assert_allclose(p.k, 0.75 * a[0].k + 0.25 * a[1].k, rtol=1e-12)
     np.testing.assert_allclose(p.v, 0.75 * a[0].v + 0.25 * a[1].v, rtol=1e-12)
@@ -89,8 +95,8 @@ def test_pooled_sensitivity_is_the_weighted_average() -> None:
 
 def test_pooling_refuses_what_does_not_pool() -> None:
     g = np.random.default_rng(0)
-    s = Sensitivity(meta={}, k=g.random((L, H, D, D)), v=g.random((L, H, D, D)))
-    other = Sensitivity(meta={}, k=g.random((L, 1, D, D)), v=g.random((L, 1, D, D)))
+    s = Sensitivity(meta={}, k=_gram(g, L, H), v=_gram(g, L, H))
+    other = Sensitivity(meta={}, k=_gram(g, L, 1), v=_gram(g, L, 1))
     with pytest.raises(InvalidParameterError, match="shapes"):
         pool_sensitivity([(s, 1), (other, 1)])
     for bad in ([], [(s, 0)], [(s, -1), (s, 2)], [(s, float("nan"))]):

@@ -234,7 +234,12 @@ class Sensitivity(_Stored):
     and ``D_v`` wide where they differ, as :class:`AttentionStats`), summed
     over the cached positions and averaged over windows (an empirical Fisher). To second order
     an error ``e_t`` in row ``t`` raises the loss by ``e_t^T F e_t / 2``, so ``F`` weighs every
-    coded component by what it costs the model."""
+    coded component by what it costs the model.
+
+    Construction checks the shapes, finiteness (InvalidParameterError) and, as for
+    :class:`AttentionStats`, that every matrix is symmetric with a non-negative diagonal
+    (InvalidInputError naming the array, layer and kv-head: a damaged file is refused, not read
+    through one triangle)."""
 
     meta: Dict[str, Any]
     k: np.ndarray
@@ -252,7 +257,9 @@ class Sensitivity(_Stored):
                     f"{list(a.shape)}")
         self.k = _check("sensitivity", "k", k, k.shape, np.float64)
         self.v = _check("sensitivity", "v", v, k.shape[:2] + v.shape[2:], np.float64)
-        _layer_index("sensitivity", self.meta, k.shape[0])
+        layers = _layer_index("sensitivity", self.meta, k.shape[0])
+        for name in ("k", "v"):
+            _check_covariances("sensitivity", name, getattr(self, name), layers)
 
     @property
     def layer_index(self) -> Tuple[int, ...]:

@@ -93,7 +93,8 @@ impl PyLayerCodes {
     fn v_dim(&self) -> usize {
         self.inner.v_dim()
     }
-    /// Bytes held: every container's bytes.
+    /// Bytes held: every container's bytes, each counted once however many (batch row,
+    /// kv-head) stores share it (repeated batch rows, one `bytes` object appended twice).
     #[getter]
     fn nbytes(&self) -> usize {
         self.inner.nbytes()

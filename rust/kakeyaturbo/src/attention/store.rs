@@ -440,10 +440,18 @@ impl LayerCodes {
             s.clear();
         }
     }
-    /// Bytes held: every container's bytes (a block shared by repeated batch rows counts
-    /// once per row).
+    /// Bytes held: every container's bytes, each counted once however many stores share it
+    /// (repeated batch rows after `select`, or one owner's bytes appended twice).
     pub fn nbytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|s| s.nbytes()).sum()
+        let mut seen = std::collections::HashSet::new();
+        self.k
+            .iter()
+            .chain(&self.v)
+            .flat_map(|s| s.blocks())
+            .map(|b| b.bytes())
+            .filter(|bytes| seen.insert(bytes.as_ptr() as usize))
+            .map(|bytes| bytes.len())
+            .sum()
     }
     pub(crate) fn k_store(&self, i: usize) -> &CodeStore {
         &self.k[i]

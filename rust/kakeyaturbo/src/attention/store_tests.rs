@@ -71,8 +71,12 @@ fn layers_append_select_and_count() {
     l.append(1, 1, kb.clone(), vb.clone()).unwrap();
     assert!(l.common_rows().is_err());
     assert_eq!(l.rows(1, 1).unwrap(), 60);
+    let five = 5 * (kb.len() + vb.len());
+    assert_eq!(l.nbytes(), five);
     l.select(&[1, 1, 0]).unwrap();
     assert_eq!(l.batch(), 3);
+    // A repeated batch row shares its blocks: they are held, and counted, once.
+    assert_eq!(l.nbytes(), five);
     assert_eq!(l.rows(0, 1).unwrap(), 60);
     assert_eq!(l.rows(2, 1).unwrap(), 30);
     assert_eq!(l.blob(1, 1, "k", 1).unwrap(), &kb[..]);
@@ -91,7 +95,12 @@ fn layers_append_select_and_count() {
     assert_eq!(l.batch(), 3);
     // Shared bytes read the same as owned ones, and the front block can go.
     let shared: Arc<[u8]> = kb.clone().into();
-    l.append(2, 1, Blob::shared(shared), vb.clone()).unwrap();
+    l.append(2, 1, Blob::shared(shared.clone()), vb.clone())
+        .unwrap();
+    // The same bytes appended to two stores (as the binding shares one Python `bytes`) count once.
+    let before = l.nbytes();
+    l.append(2, 0, Blob::shared(shared), vb.clone()).unwrap();
+    assert_eq!(l.nbytes(), before + vb.len());
     assert_eq!(l.rows(2, 1).unwrap(), 60);
     assert_eq!(l.blob(2, 1, "k", 1).unwrap(), &kb[..]);
     l.pop_front_block();
