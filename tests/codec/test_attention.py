@@ -148,7 +148,11 @@ def test_layer_codes_hold_the_containers() -> None:
     out2 = kt.decode_attention(codes, c.q[sel], c.tail_k[sel], c.tail_v[sel],
                                sink_k=c.sink_k[sel], sink_v=c.sink_v[sel])
     assert np.array_equal(out2, out[sel])
-    assert codes.batch == 3 and codes.nbytes == total // 2 * 3
+    # the repeated row shares its containers: every one is held, and counted, once
+    assert codes.batch == 3 and codes.nbytes == total
+    codes.select([0])
+    assert codes.nbytes == sum(len(codes.blob(0, h, s, i)) for h, s, i in itertools.product(range(2), "kv", range(2)))
+    codes.select([0, 0, 0])
     # append_blocks keeps nothing unless every container is accepted.
     k = [[codes.blob(b, h, "k", 0) for h in range(2)] for b in range(3)]
     v = [[codes.blob(b, h, "v", 0) for h in range(2)] for b in range(3)]
