@@ -1,8 +1,10 @@
 """Tiny random-weight decoders of every family the cache supports, built from a transformers config
 (no download), with what sets each apart: sliding windows (8 tokens, so prompts cross them),
 q/k norms, MQA, head_dim 256, per-layer-type RoPE, partial rotary, interleaved RoPE, NoPE layers,
-attention softcapping, learnt attention sinks; hybrids whose recurrent, state-space or
-convolution layers hold no K/V rows."""
+attention softcapping, learnt attention sinks, ALiBi and absolute positions; hybrids whose
+recurrent, state-space or convolution layers hold no K/V rows. The families with multi-head latent
+attention, and those whose keys' RoPE cannot be taken off, are in ``families_latent.py``; what they
+are all built from in ``family_base.py``."""
 
 from __future__ import annotations
 
@@ -12,37 +14,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import transformers as T
 
-VOCAB, WINDOW = 97, 8
-T_PROMPT = 21  # > WINDOW: every sliding layer has rolled
-#: Three layers, a full one between two sliding ones.
-SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
-
-#: Five layers, the last two sharing the K/V rows of the last sliding and full layers before them.
-SHARED_FIVE = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
-#: A hybrid's three layers: an attention layer between two recurrent ones.
-LINEAR_FULL_LINEAR = ["linear_attention", "full_attention", "linear_attention"]
-_DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
-_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1)
-
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-               num_attention_heads=4, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-               eos_token_id=2)
-
-
-def _make(cfg_cls: Any, model_cls: Any, **kw: Any) -> Any:
-    torch.manual_seed(0)
-    return model_cls(cfg_cls(**dict(_COMMON, **kw))).eval()
-
-
-def _with_sinks(model: Any) -> Any:
-    """Learnt sinks that weigh: logits -1 .. 3 (the initialisation draws them near 0, where a
-    kernel ignoring them would still come close)."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            s = layer.self_attn.sinks
-            s.copy_(torch.rand(s.shape, generator=g) * 4 - 1)
-    return model
+from .families_latent import AFTER_ROPE, MLA
+from .family_base import (_DELTANET, _MAMBA2, LINEAR_FULL_LINEAR, SHARED_FIVE, SLIDING_FULL_SLIDING, T_PROMPT,
+                          VOCAB, WINDOW, _make, _with_dynamic_mask, _with_key_scale, _with_sinks)
 
 
 #: family -> (builder, what differs), the table of the README's "Model families".
@@ -197,6 +171,153 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                    activation_sparsity_pattern=[0.0] * 5, intermediate_size=[128] * 5),
                      "q/k RMSNorm and a scale-free v norm, RoPE by one call per tensor, AltUp and LAuReL "
                      "blocks, per-layer inputs; KV sharing as Gemma 4's"),
+    "gemma": (lambda: _make(T.GemmaConfig, T.GemmaForCausalLM, num_key_value_heads=1, head_dim=32),
+              "MQA, head_dim 32 apart from hidden / heads, scaled embeddings, GeGLU MLP"),
+    "olmo": (lambda: _make(T.OlmoConfig, T.OlmoForCausalLM, num_key_value_heads=2, clip_qkv=0.5),
+             "q/k/v clipped (clip_qkv), LayerNorm without parameters"),
+    "opt": (lambda: _make(T.OPTConfig, T.OPTForCausalLM, ffn_dim=128, word_embed_proj_dim=32,
+                          do_layer_norm_before=False),
+            "learned absolute positions, queries scaled before attention (scale 1 there), "
+            "LayerNorm after each block, embeddings projected in and out"),
+    "biogpt": (lambda: _make(T.BioGptConfig, T.BioGptForCausalLM),
+               "learned absolute positions, scaled embeddings"),
+    "gpt_bigcode": (lambda: _make(T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, n_embd=64, n_layer=3, n_head=4,
+                                  n_positions=256, multi_query=True),
+                    "MQA, fused qkv, learned absolute positions"),
+    "dbrx": (lambda: _make(T.DbrxConfig, T.DbrxForCausalLM, d_model=64, n_heads=4, n_layers=3,
+                           attn_config={"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 10000.0},
+                           ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+             "GQA, fused qkv clipped (clip_qkv), LayerNorm without bias, sparse MoE MLP (4 experts, 2 per token)"),
+    "gptj": (lambda: _make(T.GPTJConfig, T.GPTJForCausalLM, n_embd=64, n_layer=3, n_head=4, rotary_dim=8),
+             "partial rotary (half) split off by the attention, interleaved pairs, a sin/cos table per "
+             "frequency handed over as (sin, cos), RoPE on rows [batch, T, heads, D], keys before queries, "
+             "parallel attention and MLP"),
+    "codegen": (lambda: _make(T.CodeGenConfig, T.CodeGenForCausalLM, n_embd=64, n_layer=3, n_head=4, n_ctx=256,
+                              rotary_dim=8),
+                "GPT-J's RoPE, fused qkv interleaved over 4 model-parallel shards"),
+    "granitemoeshared": (lambda: _make(T.GraniteMoeSharedConfig, T.GraniteMoeSharedForCausalLM, num_key_value_heads=2,
+                                       num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                                       attention_multiplier=0.05),
+                         "attention scale 0.05, sparse MoE MLP with a shared expert"),
+    "granite_swa": (lambda: _with_sinks(_make(T.GraniteSWAConfig, T.GraniteSWAForCausalLM, num_key_value_heads=2,
+                                              sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
+                                              layer_rope_theta=[10000.0, 0, 500000.0], attention_multiplier=0.05)),
+                    "learnt attention sinks (scaling the output by sigmoid(lse - sink)), sliding and full layers, "
+                    "a rope theta per layer (a NoPE full layer), attention scale 0.05"),
+    "granitemoe_swa": (lambda: _with_sinks(_make(T.GraniteMoeSWAConfig, T.GraniteMoeSWAForCausalLM,
+                                                 num_key_value_heads=2, sliding_window=WINDOW,
+                                                 layer_types=SLIDING_FULL_SLIDING, num_local_experts=4,
+                                                 num_experts_per_tok=2, shared_intermediate_size=64)),
+                       "learnt attention sinks, sliding and full layers, sparse MoE MLP with a shared expert"),
+    "solar_open": (lambda: _make(T.SolarOpenConfig, T.SolarOpenForCausalLM, num_key_value_heads=2, head_dim=16,
+                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                   "GQA, routed and shared experts"),
+    "jais2": (lambda: _make(T.Jais2Config, T.Jais2ForCausalLM, num_key_value_heads=2),
+              "biased projections, LayerNorm, squared-ReLU MLP"),
+    "apertus1p5_text": (lambda: _make(T.Apertus1p5TextConfig, T.Apertus1p5TextForCausalLM, num_key_value_heads=2,
+                                      head_dim=16,
+                                      rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 64}),
+                        "q/k RMSNorm per head, llama3-scaled RoPE, xIELU MLP"),
+    "hyperclovax": (lambda: _make(T.HyperCLOVAXConfig, T.HyperCLOVAXForCausalLM, num_key_value_heads=2,
+                                  attention_multiplier=0.05, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                  logits_scaling=2.0),
+                    "attention scale 0.05, MuP multipliers, post-norms (Peri-LN)"),
+    "minimax_m3_vl_text": (lambda: _make(T.MiniMaxM3VLTextConfig, T.MiniMaxM3VLForCausalLM, num_key_value_heads=2,
+                                         head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         dense_intermediate_size=128, shared_intermediate_size=32,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.5}),
+                           "q/k Gemma-style RMSNorm per head, partial rotary (half), MoE MLP with a shared expert"),
+    "cwm": (lambda: _make(T.CwmConfig, T.CwmForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                          layer_types=SLIDING_FULL_SLIDING,
+                          rope_parameters={"rope_type": "llama3", "factor": 16.0, "rope_theta": 1000000.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 64}),
+            "sliding and full layers, llama3-scaled RoPE"),
+    "diffllama": (lambda: _make(T.DiffLlamaConfig, T.DiffLlamaForCausalLM, num_key_value_heads=2),
+                  "differential attention: two softmax attention calls over the cached rows, each with half "
+                  "of the values, combined with a learnt lambda and a group norm (not the fast path)"),
+    "doge": (lambda: _with_dynamic_mask(_make(T.DogeConfig, T.DogeForCausalLM, num_key_value_heads=2,
+                                              keep_window_size=WINDOW)),
+             "q/k RMSNorm per head, a dynamic mask: a learnt additive bias per key and kv head from the values, "
+             "top 8 keys kept per query (not the fast path)"),
+    "dots1": (lambda: _make(T.Dots1Config, T.Dots1ForCausalLM, num_key_value_heads=2, head_dim=16,
+                            sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING, n_routed_experts=4,
+                            num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                            first_k_dense_replace=1),
+              "q/k RMSNorm per head, sliding and full layers, a dense first layer, then routed and shared experts"),
+    "helium": (lambda: _make(T.HeliumConfig, T.HeliumForCausalLM, num_key_value_heads=2, head_dim=16),
+               "interleaved pairs from the first half of cat(f, f) tables"),
+    "cohere_compass_text": (lambda: _make(T.CohereCompassTextConfig, T.CohereCompassForCausalLM, num_key_value_heads=2,
+                                          sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
+                                          rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                 "rope_theta": 10000.0,
+                                                                                 "mrope_section": [4, 2, 2]},
+                                                           "full_attention": None}),
+                            "LayerNorm, parallel attention and MLP, multimodal RoPE sections on sliding layers, "
+                            "full layers without RoPE (rope parameters None for their layer type)"),
+    "mimo_v2_flash": (lambda: _with_sinks(_make(
+                          T.MiMoV2FlashConfig, T.MiMoV2FlashForCausalLM, num_key_value_heads=2, head_dim=16,
+                          v_head_dim=8, sliding_window=WINDOW,
+                          layer_types=["full_attention", "sliding_attention", "full_attention"],
+                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+                      "full layers, and a sliding layer with twice the kv heads and learnt sinks; values narrower "
+                      "than keys (8 of 16) and scaled; partial rotary (a third), per-layer-type RoPE, MoE MLP"),
+    "laguna": (lambda: _make(T.LagunaConfig, T.LagunaForCausalLM, num_key_value_heads=2, head_dim=16,
+                             sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
+                             num_attention_heads_per_layer=[4, 8, 4], num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32),
+               "query heads per layer (8 on the full layer, 4 on the sliding ones), q/k RMSNorm per head, "
+               "a softplus gate per head after attention, per-layer-type RoPE (partial on full layers), MoE MLP"),
+    "hy_v3": (lambda: _make(T.HYV3Config, T.HYV3ForCausalLM, num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32),
+              "q/k RMSNorm per head, a dense first layer, then routed and shared experts"),
+    "inkling_text": (lambda: _make(T.InklingTextConfig, T.InklingForCausalLM, num_key_value_heads=2, head_dim=16,
+                                   swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=32,
+                                   sliding_window_size=WINDOW, d_rel=4, rel_extent=16, local_layer_ids=[0, 2],
+                                   log_scaling_n_floor=4, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, moe_intermediate_size=32),
+                     "no RoPE: a learnt relative position bias from the hidden state (over 16 tokens), keys and "
+                     "values after short convolutions (their states in the layer's cache beside the rows), "
+                     "q/k RMSNorm with scale 1/head_dim, log-scaled queries on full layers; sliding layers with "
+                     "heads and head_dim of their own (2 query heads, 1 kv head, 32 wide)"),
+    "inkling2_text": (lambda: _make(T.Inkling2TextConfig, T.Inkling2ForCausalLM, num_key_value_heads=2,
+                                    head_dim=16, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                                    swa_head_dim=32, sliding_window_size=WINDOW, d_rel=4, rel_extent=16,
+                                    layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+                                    log_scaling_n_floor=4, n_routed_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, n_layers_per_attn_res_block=2, unpadded_vocab_size=VOCAB),
+                      "Inkling's, and sink logits per query from the hidden state, L2-clipped q/k, keys and "
+                      "values from a dynamic convolution on full layers, a gated output projection, block "
+                      "attention residuals"),
+    "hrm_text": (lambda: _make(T.HrmTextConfig, T.HrmTextForCausalLM, head_dim=16, num_hidden_layers=1,
+                               H_cycles=1, L_cycles=2),
+                 "looped: a low-level stack run twice, then a high-level one, each run caching its own K/V "
+                 "layer; a sigmoid gate per channel, MHA"),
+    "dory": (lambda: _make(T.DoryConfig, T.DoryForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                           layer_types=SLIDING_FULL_SLIDING, n_input_layers=1, n_output_layers=1,
+                           n_recurrent_loops=1),
+             "nGPT-normalised q/k with learnt scales, a sigmoid gate and a sub-norm before the output "
+             "projection, sliding and full layers; its recurrent section run once (more loops are refused)"),
+    "falcon": (lambda: _make(T.FalconConfig, T.FalconForCausalLM, multi_query=True, parallel_attn=True),
+               "MQA (Falcon-7B's multi_query), fused qkv, parallel attention and MLP"),
+    "falcon_alibi": (lambda: _make(T.FalconConfig, T.FalconForCausalLM, alibi=True, multi_query=False),
+                     "Falcon with ALiBi: MHA, a rotary module built but never applied (keys carry no rotation)"),
+    "bloom": (lambda: _make(T.BloomConfig, T.BloomForCausalLM),
+              "ALiBi (a per-head linear bias on the scores), fused qkv"),
+    "xglm": (lambda: _make(T.XGLMConfig, T.XGLMForCausalLM, d_model=64, ffn_dim=128, num_layers=3,
+                           attention_heads=4),
+             "sinusoidal absolute positions, queries scaled before attention"),
+    "gpt_neo": (lambda: _make(T.GPTNeoConfig, T.GPTNeoForCausalLM, num_layers=3, num_heads=4, window_size=WINDOW,
+                              attention_types=[[["local", "global"], 1], [["local"], 1]]),
+                "learned absolute positions, local layers (a window of 8 by the mask, every row cached), "
+                "unscaled scores"),
+    "jetmoe": (lambda: _make(T.JetMoeConfig, T.JetMoeForCausalLM, num_key_value_heads=2, kv_channels=16,
+                             num_local_experts=4, num_experts_per_tok=2),
+               "mixture of attention heads (the query and output projections routed, 2 of 4 experts; "
+               "K/V heads tiled, not interleaved, over the query heads), sparse MoE MLP"),
     # Hybrids: layers without K/V rows (recurrent, state-space or convolution state; MLP-only)
     # between the attention layers, kept as transformers keeps them.
     "qwen3_next": (lambda: _make(T.Qwen3NextConfig, T.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
@@ -207,6 +328,20 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "qwen3_5_text": (lambda: _make(T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, num_key_value_heads=2, head_dim=16,
                                    layer_types=LINEAR_FULL_LINEAR, **_DELTANET),
                      "hybrid: Gated DeltaNet layers, gated attention with q/k RMSNorm and partial rotary (a quarter)"),
+    "qwen3_5_moe_text": (lambda: _make(T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM, num_key_value_heads=2,
+                                       head_dim=16, layer_types=LINEAR_FULL_LINEAR, **_DELTANET, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=32,
+                                       shared_expert_intermediate_size=32),
+                         "hybrid: Gated DeltaNet layers, gated attention with q/k RMSNorm and partial rotary "
+                         "(a quarter), MoE MLP with a shared expert"),
+    "qwen4_exp_text": (lambda: _make(T.Qwen4ExpTextConfig, T.Qwen4ExpForCausalLM, num_key_value_heads=2, head_dim=16,
+                                     layer_types=LINEAR_FULL_LINEAR, **_DELTANET, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_count=2,
+                                     hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                                     indexer_budget=8, indexer_compress_ratio=4),
+                       "hybrid: Gated DeltaNet layers, gated attention with q/k RMSNorm whose keys an indexer "
+                       "picks (top 2 blocks of 4 tokens and the tail, through the mask; its keys cached beside "
+                       "the rows), hyper-connections, MoE MLP"),
     "olmo_hybrid": (lambda: _make(T.OlmoHybridConfig, T.OlmoHybridForCausalLM, num_key_value_heads=2,
                                   layer_types=LINEAR_FULL_LINEAR),
                     "hybrid: Gated DeltaNet layers, attention with q/k RMSNorm over the whole projection"),
@@ -229,9 +364,26 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                                 mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1),
                   "hybrid in every layer: attention and a Mamba-2 mixer side by side, the layer's cache holding "
                   "K/V rows and the mixer's states together; MuP multipliers"),
+    "zaya": (lambda: _with_key_scale(_make(
+                 T.ZayaConfig, T.ZayaForCausalLM, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                 layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], num_experts=4, num_experts_per_tok=1,
+                 moe_intermediate_size=32, router_hidden_size=16)),
+             "compressed convolutional attention: q/k from a causal convolution (its state in the layer's cache "
+             "beside the rows), values half from the previous token (a recurrent state), L2-normalised q/k "
+             "with a learnt key scale per head, partial rotary (half) per layer type, sliding and full layers"),
     "lfm2": (lambda: _make(T.Lfm2Config, T.Lfm2ForCausalLM, num_key_value_heads=2,
                            layer_types=["conv", "full_attention", "conv"]),
              "hybrid: short-convolution layers, attention with q/k RMSNorm per head"),
+    "lara_mini": (lambda: _make(T.LaraMiniConfig, T.LaraMiniForCausalLM, num_key_value_heads=2, head_dim=16,
+                                sliding_window=WINDOW, **_DELTANET, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                layer_types=["linear_attention", "sliding_attention", "full_attention"]),
+                  "hybrid: Gated DeltaNet layers, q/k RMSNorm per head, sliding layers with RoPE and full layers "
+                  "without, MoE MLP"),
+    "lfm3": (lambda: _make(T.Lfm3Config, T.Lfm3ForCausalLM, num_key_value_heads=2, head_dim=16,
+                           sliding_window=WINDOW, layer_types=["sliding_attention", "conv", "full_attention"]),
+             "hybrid: a short-convolution layer between a sliding and a full attention layer, q/k RMSNorm per "
+             "head, a sigmoid gate per head, `proportional` RoPE (half) on the full layer, sandwich norms"),
     "lfm2_moe": (lambda: _make(T.Lfm2MoeConfig, T.Lfm2MoeForCausalLM, num_key_value_heads=2,
                                layer_types=["conv", "full_attention", "conv"], num_experts=2,
                                num_experts_per_tok=1, moe_intermediate_size=32, num_dense_layers=1),
@@ -239,47 +391,23 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
 }
 
 
-_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-            v_head_dim=16)
-_ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-               n_group=1, topk_group=1)
-
-_DSA = dict(index_head_dim=16, index_n_heads=4, index_topk=8)  # top 8 rows: prompts of 30 tokens skip some
-
-#: Multi-head latent attention: each layer caches a latent row (32 wide here, no RoPE) as keys and
-#: the rotated key part (8 wide) as values. Served by codecs of the cached rows (not calibrated).
-MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
-    "deepseek_v3": (lambda: _make(T.DeepseekV3Config, T.DeepseekV3ForCausalLM, **_MLA, **_ROUTED),
-                    "MLA, routed and shared experts"),
-    "deepseek_v2": (lambda: _make(T.DeepseekV2Config, T.DeepseekV2ForCausalLM, **_MLA, **_ROUTED),
-                    "MLA, routed and shared experts"),
-    "glm4_moe_lite": (lambda: _make(T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM, **_MLA, **_ROUTED),
-                      "MLA (GLM-4.7-Flash), routed and shared experts"),
-    "minicpm3": (lambda: _make(T.MiniCPM3Config, T.MiniCPM3ForCausalLM, **dict(_MLA, q_lora_rank=16)),
-                 "MLA with a low-rank query"),
-    "youtu": (lambda: _make(T.YoutuConfig, T.YoutuForCausalLM, **dict(_MLA, q_lora_rank=16)),
-              "MLA with a low-rank query"),
-    "deepseek_v32": (lambda: _make(T.DeepseekV32Config, T.DeepseekV32ForCausalLM, **_DSA, **_ROUTED,
-                                   **dict(_MLA, q_lora_rank=16)),
-                     "MLA with dynamic sparse attention: an indexer's keys cached beside the rows, which pick "
-                     "the rows each query attends to"),
-    "glm_moe_dsa": (lambda: _make(T.GlmMoeDsaConfig, T.GlmMoeDsaForCausalLM, **_DSA, **_ROUTED,
-                                  **dict(_MLA, q_lora_rank=16)),
-                    "MLA with dynamic sparse attention (GLM-5)"),
-    "kimi_linear": (lambda: _make(T.KimiLinearConfig, T.KimiLinearForCausalLM, layer_types=LINEAR_FULL_LINEAR,
-                                  linear_head_dim=16, linear_num_heads=4, **_MLA),
-                    "hybrid: Kimi Delta Attention layers around an MLA layer"),
+#: Families whose attention scales the queries after RoPE (per head and channel; Dory's nGPT ``sqk``,
+#: constant at initialisation, so it commutes with the rotation): layer's attention module -> the
+#: factor ``[q_heads, 1, head_dim]`` the queries entering RoPE are to be multiplied by.
+QUERY_SCALE: Dict[str, Callable[[Any], torch.Tensor]] = {
+    "dory": lambda m: (m.sqk * m.sqk_scale).square().view(-1, 1, m.head_dim).detach(),
 }
 
-
-#: Families whose keys' RoPE cannot be taken off (so only recipes that code keys after RoPE are
-#: calibrated for them).
-AFTER_ROPE: Dict[str, Tuple[Callable[[], Any], str]] = {
-    "llama4_text": (lambda: _make(T.Llama4TextConfig, T.Llama4ForCausalLM, num_key_value_heads=2, head_dim=16,
-                                  intermediate_size_mlp=128, num_hidden_layers=4, attention_chunk_size=WINDOW,
-                                  num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1, 1, 0],
-                                  interleave_moe_layer_step=2),
-                    "chunked attention (chunks of 8), a NoPE global layer, complex-valued RoPE, MoE MLP"),
+#: Families of :data:`FAMILIES` whose calibration statistics (and the attention weights they are
+#: weighted by) are refused by name, and what the refusal says: attention computed by their own
+#: code, not through transformers' AttentionInterface (no queries and keys to take statistics of);
+#: K/V heads tiled over the query heads (JetMoE: not the grouping the statistics assume); attention
+#: calls that cannot be told apart by layer (HRM's loops).
+NO_STATISTICS: Dict[str, str] = {
+    **dict.fromkeys(("falcon", "falcon_alibi", "bloom", "xglm", "gpt_neo"),
+                    "did not run their attention through transformers' AttentionInterface"),
+    "jetmoe": "attention receives queries",
+    "hrm_text": "attention modules share layer_idx",
 }
 
 
@@ -294,7 +422,8 @@ def family_prompt(batch: int = 1, t: int = T_PROMPT, seed: int = 1) -> torch.Ten
 
 def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Patches the family's own ``apply_rotary_pos_emb`` to record, per call (one per layer that
-    applies RoPE, in layer order), ``(q, k)`` going in and ``cos, sin``."""
+    applies RoPE, in layer order), ``(q, k)`` going in and ``cos, sin`` (GPT-J's and CodeGen's:
+    one call per tensor, the keys first, on rows ``[batch, T, heads, D]``, with ``(sin, cos)``)."""
     mod = sys.modules[type(model).__module__]
     calls: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     orig = getattr(mod, "apply_rotary_pos_emb", None)
@@ -302,11 +431,20 @@ def rope_calls(model: Any, monkeypatch: Any) -> List[Tuple[torch.Tensor, torch.T
         return calls
     hq = model.config.get_text_config(decoder=True).num_attention_heads
     query: List[torch.Tensor] = []  # Gemma 4 rotates one tensor per call: the queries, then the keys
+    key: List[torch.Tensor] = []  # GPT-J: the keys, then the queries
 
     def spy(*a: Any, **kw: Any) -> Any:
         out = orig(*a, **kw)  # type: ignore[misc]
         if isinstance(out, tuple):
             calls.append((a[0].detach().clone(), a[1].detach().clone(), a[2], a[3]))
+            return out
+        if len(a) == 3 and not kw and a[1].shape[-1] * 2 == a[0].shape[-1]:  # GPT-J: (x, sin, cos)
+            x = a[0].detach().clone().transpose(1, 2)
+            if x.shape[1] == hq:  # (describe's probe has 2 heads)
+                if key:
+                    calls.append((x, key.pop(), a[2], a[1]))
+                else:
+                    key.append(x)
             return out
         if (a[3] if len(a) > 3 else kw.get("unsqueeze_dim", 1)) != 2:
             return out  # not the model's own call ([batch, rows, heads, D]): describe's probe

@@ -2,7 +2,10 @@
 RoPE re-applied bit for bit against the model's own cache and removed to float rounding; the
 identity codec exact through the evaluation with every layer coded, across sliding windows;
 a calibrated recipe calibrated, coded and generating; KakeyaCache generation token for token
-as DynamicCache's, past the sliding window; what cannot work refused up front."""
+as DynamicCache's, past the sliding window; what cannot work refused up front. The families of
+``families.NO_STATISTICS`` (attention of their own, K/V heads tiled over the queries, or calls
+that cannot be told apart by layer): the cache as for every family, statistics and attention
+weights refused by name."""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 
 from .conftest import forward, generate  # noqa: E402
-from .families import (FAMILIES, SLIDING_FULL_SLIDING, T_PROMPT, VOCAB, WINDOW, build, family_prompt,  # noqa: E402
-                       rope_calls)
+from .families import (FAMILIES, NO_STATISTICS, QUERY_SCALE, SLIDING_FULL_SLIDING, T_PROMPT, VOCAB,  # noqa: E402
+                       WINDOW, build, family_prompt, rope_calls)
 
 NAMES = sorted(FAMILIES)
 
@@ -96,7 +99,8 @@ def test_identity_codec_is_exact_through_the_eval(family) -> None:
     forward(model, family_prompt(t=ctx), cache)
     got = compress_cache(cache, IdentityCodec())
     held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]
-    assert got["elements"] == sum(2 * s.kv_heads * n * s.head_dim for s, n in zip(layout.layers, held) if s.has_kv)
+    assert got["elements"] == sum(s.kv_heads * n * (s.head_dim + (s.v_dim or s.head_dim))  # values: v_dim wide
+                                  for s, n in zip(layout.layers, held) if s.has_kv)
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])
@@ -128,8 +132,10 @@ def test_kakeya_cache_generates_as_dynamic_cache(family, pre_rope) -> None:
         if a.is_sliding:  # blocks of 4 overlapping the last WINDOW - 1 positions, no sink
             assert a.num_sealed() <= (WINDOW - 1 + 3) // 4 + 1 and a._s["k"].sink.shape[-2] == 0
     kv = describe(model).kv_layers
-    assert cache.nbytes_uncompressed() == sum(  # (a layer may hold K/V rows and states: Falcon-H1)
-        (sum(t.numel() * t.element_size() for t in (layer.keys, layer.values)) if i in kv else 0)
+    assert cache.nbytes_uncompressed() == sum(  # (a layer may hold K/V rows and states: Falcon-H1;
+        # K/V rows and an indexer's keys: Qwen4-Exp)
+        sum(t.numel() * t.element_size() for t in ((layer.keys, layer.values) if i in kv else ())
+            + (getattr(layer, "indexer_keys", None),) if t is not None)
         + _state_bytes(layer) for i, layer in enumerate(ref.layers))
     assert cache.memory()["state"] == sum(_state_bytes(layer) for layer in ref.layers)
 
@@ -141,32 +147,40 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     layout = describe(model)
     g = np.random.default_rng(0)
     wins = [list(g.integers(3, VOCAB, 24)) for _ in range(3)]
+    if name in NO_STATISTICS:  # refused by name
+        with pytest.raises(kt.UnsupportedModelError, match=f"'{layout.model_type}'.*{NO_STATISTICS[name]}"):
+            calibration.collect(model, wins, n_sink=1, samples=8, weighting="uniform")
+        return
     calls = rope_calls(model, monkeypatch)
     stats = calibration.collect(model, wins, n_sink=1, samples=8, weighting="uniform")
     monkeypatch.undo()
-    hq, hkv, d = layout.calibration_group()[1]
+    group, (hq, hkv, d) = layout.calibration_group()
     nl = len(_rope_layers(layout))
-    assert stats.layer_index == layout.kv_layers  # rows: the K/V layers (a hybrid's, not all)
+    # rows: the K/V layers (a hybrid's, not all) of the calibration group's shape (MiMo-V2-Flash's
+    # sliding layers have other head counts than its full ones)
+    assert stats.layer_index == group
     if nl == 0:  # no RoPE anywhere (GPT-2): the statistics are those of the cached keys
-        i = layout.kv_layers[-1]
+        i = [j for j in group if not layout.layers[j].is_sliding][-1]  # (a sliding layer holds the last rows)
         ks = []
         for w in wins:
             cache = transformers.DynamicCache(config=model.config)
             forward(model, torch.tensor([w]), cache)
             ks.append(cache.layers[i].keys[:, :, 1:])
         k = torch.cat(ks, dim=2)[0].double()
-        np.testing.assert_allclose(stats.k_mean[-1], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(stats.k_mean[group.index(i)], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
     else:
         # The last layer whose rows no other layer reads (with KV sharing, a row of the
         # statistics also holds the queries of the layers sharing it).
         read = {s.reads for s in layout.layers}
-        i = [r for r in _rope_layers(layout) if r not in read][-1]
+        i = [r for r in _rope_layers(layout) if r not in read and r in group][-1]
         at = _rope_layers(layout).index(i)
         calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
         q = torch.cat([c[0] for c in calls[at::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
+        if name in QUERY_SCALE:  # queries scaled after RoPE, as attention receives them
+            q = q * QUERY_SCALE[name](kt.families.attention_modules(model)[i]).double()
         k = torch.cat([c[1][:, :, 1:] for c in calls[at::nl]], dim=2)[0].double()
         w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
-        j = layout.kv_layers.index(i)
+        j = group.index(i)
         np.testing.assert_allclose(stats.k_mean[j, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
         qg = q.reshape(hkv, hq // hkv * q.shape[1], w)
         want_q2 = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
@@ -186,6 +200,21 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
     assert max(cache.layers[i].num_sealed() for i in layout.kv_layers) >= 1
 
 
+def _sink_scaled(module, q, k, mask, kwargs, p):
+    """Eager's probabilities ``p`` as attention weighs the values: Granite SWA's eager returns the
+    softmax without its learnt sink and scales the output by ``sigmoid(lse - sink)`` after (the
+    sink as one more softmax entry, as GPT-OSS's eager folds it in before returning)."""
+    sinks = getattr(module, "sinks", None)
+    if sinks is None or not torch.allclose(p.sum(-1), torch.ones(())):
+        return p
+    kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    logits = q @ kk.transpose(-1, -2) * kwargs["scaling"]
+    if mask is not None:
+        logits = logits + mask[..., :kk.shape[-2]]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return p * torch.sigmoid(lse - sinks.view(1, -1, 1, 1))
+
+
 def test_attention_weights_as_the_model_computes_them(family) -> None:
     """The squared attention probabilities the statistics are weighted by equal those of the
     family's own eager attention (scaling, softcapping, sliding-window masks), whether the mask
@@ -194,6 +223,12 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
     name, model = family
     ids = family_prompt(t=T_PROMPT)
     got = {}
+    if name in NO_STATISTICS:  # refused by name: before the forward pass, or by the capture's check
+        with pytest.raises(kt.UnsupportedModelError, match=NO_STATISTICS[name]):
+            with torch.no_grad(), AttentionCapture(model, lambda *a: a[-1](*a[2:5])) as cap:
+                model(input_ids=ids, use_cache=False)
+            cap.check(describe(model).kv_layers)
+        return
 
     def run(weights: bool):
         def handler(i, module, q, k, v, mask, kwargs, attend):
@@ -203,7 +238,8 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
             torch.testing.assert_close(o, out[0], rtol=1e-5, atol=1e-6)
             assert o.shape == out[0].shape and o.dtype == out[0].dtype and o.is_contiguous()
             if weights:  # eager's own probabilities
-                p2 = out[1][0].double().square().reshape(wq.shape[0], wq.shape[1], *out[1].shape[-2:])
+                p2 = (_sink_scaled(module, q, k, mask, kwargs, out[1])[0].double().square()
+                      .reshape(wq.shape[0], wq.shape[1], *out[1].shape[-2:]))
                 torch.testing.assert_close(wq, p2[..., 1:].sum(-1), rtol=1e-5, atol=1e-7)
                 torch.testing.assert_close(wk, p2.sum(dim=(1, 2)), rtol=1e-5, atol=1e-7)
             got.setdefault(weights, []).append((wq, wk))
@@ -252,6 +288,14 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
         calibration.collect(hy, wins, samples=2)
     assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
+    # Dory's recurrent section run twice per forward pass: refused in either cache mode.
+    for mode in ("per_loop", "last_loop"):
+        dory = transformers.DoryForCausalLM(transformers.DoryConfig(
+            head_dim=16, num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
+            recurrent_kv_cache_mode=mode, **{k: v for k, v in common.items() if k != "num_hidden_layers"})).eval()
+        for call in (lambda: describe(dory), lambda: KakeyaCache(IdentityCodec(), model=dory)):
+            with pytest.raises(kt.UnsupportedModelError, match="'dory': layers run 2 times per forward pass"):
+                call()
 
 
 @pytest.mark.parametrize("name, classes", [

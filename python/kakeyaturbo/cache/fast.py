@@ -22,13 +22,14 @@ rotated queries. Unsupported cases fall back to decoding the sealed blocks and r
 model's own implementation (:meth:`KakeyaLayer.materialize`).
 
 Multi-head latent attention (:data:`LATENT`: DeepSeek V2/V3/V3.2, GLM-4.7-Flash, GLM-5, MiniCPM3,
-Youtu) caches a latent row and a rotated key part per token and expands them into every head's
-keys and values (``expand_kv``, the value projection ``kv_b_proj``) before attention. For those,
-:func:`install` also wraps each attention module's ``expand_kv`` so that the rows a fast layer
-returned pass through unexpanded, and :func:`attention` computes the absorbed form: each head's
-query moved into the latent space (``W_uk^T q_nope``), scores from both streams' codes, the
-weighted sum of the latent codes, then the head's value projection (``W_uv``) on it
-(:func:`_attend_latent`). Dynamic sparse attention's picks (``indices``) are folded into the mask,
+Youtu, HY-V4, LongCat-Flash, Sarvam, A.X-K1/K2, dots.llm3) caches a latent row and a rotated key
+part per token and expands them into every head's keys and values (``expand_kv``, the value
+projection ``kv_b_proj``) before attention. For those, :func:`install` also wraps each attention
+module's ``expand_kv`` so that the rows a fast layer returned pass through unexpanded, and
+:func:`attention` computes the absorbed form: each head's query moved into the latent space
+(``W_uk^T q_nope``), scores from both streams' codes, the weighted sum of the latent codes, then
+the head's value projection (``W_uv``) on it (:func:`_attend_latent`; learnt sinks, HY-V4's, as
+for the other layers). Dynamic sparse attention's picks (``indices``) are folded into the mask,
 as the model does for eager and sdpa. The Rust kernel only: on a GPU these layers take the slow path.
 """
 
@@ -55,7 +56,8 @@ NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
 #: ``expand_kv`` (wrapped by :func:`install`; checked on a tiny model of each in
 #: ``tests/cache/test_mla.py``).
 LATENT = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                    "minicpm3", "youtu"})
+                    "minicpm3", "youtu", "hy_v4", "longcat_flash", "sarvam_mla", "axk1", "axk2",
+                    "dots3_note_text"})
 
 #: Model types whose attention hands the tensor ``update`` returned straight to the attention
 #: function (checked on a tiny model of each in ``tests/cache/test_fast.py``).
@@ -65,10 +67,14 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "arcee", "gpt_oss", "glm4", "ernie4_5", "glm4_moe", "cohere2", "olmoe", "minimax_m2",
                       "phimoe", "nemotron", "granitemoe", "exaone_moe", "ministral3", "vaultgemma", "glm",
                       "ernie4_5_moe", "flex_olmo", "bitnet", "persimmon", "gemma4_text", "gemma3n_text",
-                      "llama4_text",
+                      "llama4_text", "gemma", "olmo", "opt", "biogpt", "gpt_bigcode", "dbrx", "gptj", "codegen",
+                      "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
+                      "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
+                      "hunyuan_v1_moe", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
                       # hybrids: recurrent, state-space or convolution layers beside the attention
                       "qwen3_next", "qwen3_5_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
-                      "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1"}) | LATENT
+                      "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "qwen3_5_moe_text", "qwen4_exp_text",
+                      "lfm3", "lara_mini", "zaya"}) | LATENT
 
 #: The attribute of a key tensor that names the layer which returned it.
 TAG = "_kakeyaturbo_layer"
@@ -114,6 +120,9 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
     t = tables.get(key)
     if t is None or t.n_positions < n:
         rows = max(TABLE_ROWS, -(-n // TABLE_STEP) * TABLE_STEP if n > TABLE_ROWS else TABLE_ROWS)
+        limit = getattr(rope.module, "max_positions", None)  # a tabulated rotary (GPT-J): its rows only
+        if isinstance(limit, int) and n <= limit < rows:
+            rows = limit
         cos, sin = rope(torch.arange(rows)[None])
         t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)
         tables[key] = t
@@ -339,7 +348,8 @@ def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mas
     q = query.detach()
     q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn].to(w.dtype), w[:, :dn])
     q_all = torch.cat([q_lat, q[..., dn:].to(q_lat.dtype)], dim=-1)
-    out = _kernel(layer, codes, module, query, _f32(q_all), mask, kwargs, latent=True)
+    out = _kernel(layer, codes, module, query, _f32(q_all), mask, kwargs, latent=True,
+                  sink_logits=_f32_or_none(_sink_logits(module, kwargs)))  # (HY-V4's learnt sinks)
     o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out).to(device=w.device, dtype=w.dtype), w[:, dn:])
     return o.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 

@@ -84,18 +84,19 @@ def check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Tuple[Any, List
                 + "rotating its keys; which layers apply RoPE is not known for this family, so keys "
                 "are not calibrated without RoPE (code them as the cache holds them: [k] rope = "
                 "'after', statistics collected with rope='after')")
-        # The last output of the layer's calls that has the keys' shape (a function rotating one
-        # tensor per call may hand them over as [batch, rows, heads, D], transposed after).
-        key = None
+        # The outputs of the layer's calls that have the keys' shape (a function rotating one
+        # tensor per call may hand them over as [batch, rows, heads, D], transposed after, and
+        # rotate the keys before the queries: GPT-J), one of which must be the keys.
+        keys = []
         for r in outs:
             if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
                 r = r.transpose(1, 2)
             if r.shape[:-1] == k.shape[:-1] and r.shape[-1] <= k.shape[-1]:
-                key = r
-        if key is None:  # no output of the keys' shape: nothing to compare
+                keys.append(r)
+        if not keys:  # no output of the keys' shape: nothing to compare
             continue
         # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.
-        if not _close(k[..., :key.shape[-1]], key, 4, k.dtype):
+        if not any(_close(k[..., :key.shape[-1]], key, 4, k.dtype) for key in keys):
             raise UnsupportedModelError(
                 f"model type {model_type(model)!r}: its keys change after RoPE (layer {i}: attention "
                 "receives other keys than its apply_rotary_pos_emb returns, e.g. a k norm on the "

@@ -65,8 +65,10 @@ class _Group:
     order), shape, and the layers that attend over one of them (KV sharing: layer -> the one it
     reads)."""
 
-    def __init__(self, layers: Tuple[int, ...], hq: int, hkv: int, d: int, shared: Dict[int, int]) -> None:
+    def __init__(self, layers: Tuple[int, ...], hq: int, hkv: int, d: int, shared: Dict[int, int],
+                 dv: Optional[int] = None) -> None:
         self.layers, self.hq, self.hkv, self.d, self.shared = layers, hq, hkv, d, shared
+        self.dv = dv or d  # the values' width (MiMo-V2-Flash's are narrower than its keys)
         self.group = hq // hkv
         self.row = {i: j for j, i in enumerate(layers)}  # model layer index -> row of the statistics
         self.row.update({i: self.row[src] for i, src in shared.items()})
@@ -101,7 +103,7 @@ def _groups(model: Any, side: str, groups: Groups
         if any(g.layers == layers for g in out):
             raise InvalidParameterError(f"layers {list(layers)} asked twice")
         shared = {s.index: s.reads for s in layout.layers if s.kind == "shared" and s.reads in layers}
-        out.append(_Group(layers, hq, hkv, d, shared))
+        out.append(_Group(layers, hq, hkv, d, shared, layout.layers[layers[0]].v_dim))
     rope = layout.require_rope() if side == "before" else None
     reads = {s.index: s.reads for s in layout.layers if s.kind == "shared"}
     return rope, out, layout.kv_layers, reads
@@ -173,11 +175,11 @@ def weights_o_gram(model: Any, layers: Optional[Sequence[int]] = None) -> np.nda
 
     _, (g,), _, _ = _groups(model, "after", [layers])
     mods = _attention_modules(model)
-    o_gram = np.zeros((len(g.layers), g.hkv, g.d, g.d))
+    o_gram = np.zeros((len(g.layers), g.hkv, g.dv, g.dv))
     for i in sorted(i for i in g.row if i in mods):
-        w_o = output_projection(mods[i], g.hq, g.d).weight.detach().double().numpy()
+        w_o = output_projection(mods[i], g.hq, g.dv).weight.detach().double().numpy()
         for h in range(g.hkv):
-            blk = w_o[:, h * g.group * g.d:(h + 1) * g.group * g.d].reshape(w_o.shape[0], g.group, g.d)
+            blk = w_o[:, h * g.group * g.dv:(h + 1) * g.group * g.dv].reshape(w_o.shape[0], g.group, g.dv)
             o_gram[g.row[i], h] += np.einsum("xrd,xre->de", blk, blk)
     return o_gram
 
@@ -257,7 +259,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     q2 = [torch.zeros((len(g.layers), g.hkv, g.d, g.d), dtype=torch.float64) for g in specs]
     q_count = [torch.zeros((len(g.layers), g.hkv), dtype=torch.float64) for g in specs]
     k_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
-    v_acc = [Moments(len(g.layers), g.hkv, g.d) for g in specs]
+    v_acc = [Moments(len(g.layers), g.hkv, g.dv) for g in specs]
     drawn = SampledRows(windows, n_sink, samples, seed)
     sel: List[int] = []
 
@@ -318,12 +320,12 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
             first_keys.clear()
     out = []
     for n, g in enumerate(specs):
-        o_gram = np.zeros((len(g.layers), g.hkv, g.d, g.d))
+        o_gram = np.zeros((len(g.layers), g.hkv, g.dv, g.dv))
         for i, a in sorted((i, a) for i, a in cap.seen.items() if i in g.row):
-            w_o = output_projection(a, g.hq, g.d).weight.detach().double().numpy()  # [hidden, hq * d]
+            w_o = output_projection(a, g.hq, g.dv).weight.detach().double().numpy()  # [hidden, hq * dv]
             for h in range(g.hkv):
                 for r in range(g.group):
-                    blk = w_o[:, (h * g.group + r) * g.d:(h * g.group + r + 1) * g.d]
+                    blk = w_o[:, (h * g.group + r) * g.dv:(h * g.group + r + 1) * g.dv]
                     o_gram[g.row[i], h] += blk.T @ blk
         km, kc = k_acc[n].moments()
         vm, vc = v_acc[n].moments()
@@ -335,7 +337,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         q2n = (q2[n] / q_count[n].clamp_min(1e-300)[:, :, None, None]).numpy()
         out.append(AttentionStats(meta=info, q2=q2n, k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
                                   o_gram=o_gram, k_samples=k_acc[n].stacked_samples(g.d),
-                                  v_samples=v_acc[n].stacked_samples(g.d)))
+                                  v_samples=v_acc[n].stacked_samples(g.dv)))
     return out
 
 
@@ -397,7 +399,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
         raise InvalidParameterError(
             f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
-    fisher = [{s: np.zeros((len(g.layers), g.hkv, g.d, g.d)) for s in ("k", "v")} for g in specs]
+    fisher = [{s: np.zeros((len(g.layers), g.hkv, w, w)) for s, w in (("k", g.d), ("v", g.dv))} for g in specs]
     leaves: Dict[Tuple[str, int], Any] = {}
     shared_parts: Dict[int, Tuple[Any, Any]] = {}  # each layer's K/V with its leaves in, for those sharing it
     where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows

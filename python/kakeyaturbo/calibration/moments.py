@@ -82,8 +82,9 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     ``q [1, Hq, T, D]``, ``k [1, Hkv, T, D]`` (no cache: queries and keys are the same
     positions); ``mask`` as the model's attention implementation gets it (None, or not 4-D as
     flash attention's: causal and the ``sliding_window`` the layer passes; bool: True where
-    attended; float: added; keys after a query are masked in all of them). Computed in
-    float32, ``chunk`` query positions at a time against the keys up to the chunk's last, so no
+    attended; float: added; one for every head or one per query head, as Doge's dynamic mask;
+    keys after a query are masked in all of them). Computed in float32, ``chunk`` query
+    positions at a time against the keys up to the chunk's last, so no
     ``[Hq, T, T]`` tensor is ever materialised and the masked half is never computed. With
     ``v [1, Hkv, T, D]`` the attention output is computed from the same probabilities and
     returned third, ``[1, T, Hq, D]`` in ``q``'s dtype, as transformers' attention functions
@@ -91,7 +92,10 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     time; equal to the model's own output to float32 rounding, checked per family). A module
     with learnt sinks (``module.sinks``, one logit per query head: GPT-OSS) has each query's
     softmax taken with its head's sink logit as one more entry, which holds no value and is
-    dropped from the sums, as the model's attention does."""
+    dropped from the sums, as the model's attention does. A ``position_bias`` the model passes
+    (``[1, Hq, T, T]``, added to the scaled logits: Inkling's relative position bias) is added
+    as its eager attention adds it; per-query sink logits it passes as ``sinks`` (``[1, Hq, T,
+    1]``: Inkling 2's, computed from the hidden state) are taken as the learnt sinks are."""
     import torch
 
     _, hq, t, d = q.shape
@@ -108,12 +112,19 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
     pos = torch.arange(t)
     sinks = getattr(module, "sinks", None)
     if sinks is not None:
-        sinks = sinks.detach().float().reshape(hkv, group, 1, 1)
+        sinks = sinks.detach().float().reshape(hkv, group, 1, 1).expand(-1, -1, t, 1)
+    if kwargs.get("sinks") is not None:  # one sink logit per query
+        sinks = kwargs["sinks"][0].detach().float().reshape(hkv, group, t, 1)
+    bias = kwargs.get("position_bias")
+    if bias is not None:
+        bias = bias[0].detach().float().reshape(hkv, group, t, -1)[..., -t:]
     vf = None if v is None else v[0].detach().float()[:, None]  # [hkv, 1, t, d]
     out = None if v is None else torch.empty((hkv, group, t, vf.shape[-1]), dtype=torch.float32)
     for a in range(0, t, chunk):
         b = min(a + chunk, t)  # causal: queries a..b-1 see keys 0..b-1 at most
         logits = torch.matmul(qf[:, :, a:b], kt[:, None, :, :b]) * scaling  # [hkv, group, c, b]
+        if bias is not None:
+            logits += bias[:, :, a:b, :b]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if mask is None or mask.ndim != 4:  # causal (and the layer's window) by position
@@ -121,14 +132,17 @@ def attention_p2(module: Any, q: Any, k: Any, mask: Any, kwargs: Dict[str, Any],
             if window:
                 hidden |= pos[None, :b] <= pos[a:b, None] - window
             logits.masked_fill_(hidden, float("-inf"))
-        elif mask.dtype == torch.bool:
-            logits.masked_fill_(~mask[0, 0, a:b, :b], float("-inf"))
-        else:
-            logits += mask[0, 0, a:b, :b].float()
+        else:  # one mask for every head, or one per query head (Doge's dynamic mask: a bias per key)
+            m = mask[0, :, a:b, :b]
+            m = m[None] if m.shape[0] == 1 else m.reshape(hkv, group, b - a, b)
+            if m.dtype == torch.bool:
+                logits.masked_fill_(~m, float("-inf"))
+            else:
+                logits += m.float()
         if sinks is None:
             p2 = torch.softmax(logits, dim=-1)
         else:
-            p2 = torch.softmax(torch.cat([logits, sinks.expand(-1, -1, b - a, 1)], dim=-1), dim=-1)[..., :-1]
+            p2 = torch.softmax(torch.cat([logits, sinks[:, :, a:b]], dim=-1), dim=-1)[..., :-1]
         if out is not None:
             out[:, :, a:b] = torch.matmul(p2, vf[:, :, :b])
         p2.square_()

@@ -11,10 +11,10 @@ and restores the model's own implementation on exit.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import UnsupportedModelError
-from .layout import model_type
+from .layout import ATTENTION_NAMES, model_type
 
 #: The implementation name the capture registers in transformers' attention interfaces.
 NAME = "kakeyaturbo_capture"
@@ -46,6 +46,17 @@ def _eager(module: Any) -> Callable[..., Tuple[Any, Any]]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def _indices_run_twice(model: Any) -> List[int]:
+    """The ``layer_idx`` values more than one attention module (:data:`~.layout.ATTENTION_NAMES`)
+    carries."""
+    count: Dict[int, int] = {}
+    for mod in model.modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES):
+            count[idx] = count.get(idx, 0) + 1
+    return sorted(i for i, n in count.items() if n > 1)
 
 
 class AttentionCapture:
@@ -83,6 +94,12 @@ class AttentionCapture:
             from .layout import describe
 
             layout = describe(self.model)
+            twice = _indices_run_twice(self.model)
+            if twice:
+                raise UnsupportedModelError(
+                    f"model type {layout.model_type!r}: attention modules share layer_idx {twice} (one "
+                    "module run for several cache layers: HRM's looped stacks, Zamba 2's shared block): which "
+                    "layer a call serves cannot be told, so statistics cannot be taken")
             # Multi-head latent attention hands attention keys expanded from the latent: a key
             # head per query head, of the query's size.
             self._shapes = {s.index: (s.q_heads, s.q_heads, None) if layout.latent else
@@ -123,8 +140,9 @@ class AttentionCapture:
               kwargs: Dict[str, Any]) -> Tuple[Any, Any]:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
-            raise UnsupportedModelError(
-                f"model type {model_type(self.model)!r}: attention module {type(module).__name__} has no layer_idx")
+            # Attention over no cached rows (Inkling 2's block attention residuals): the model's
+            # own, unchanged (a K/V layer that never comes here is refused by :meth:`check`).
+            return self._function(module)(module, query, key, value, mask, **kwargs)
         self._check_shapes(layer, query, key)
         self.seen[layer] = module
         fn = self._function(module)

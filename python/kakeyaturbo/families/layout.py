@@ -60,7 +60,8 @@ class LayerSpec:
     cache_type: str = ""
     states: int = 0
     reads: Optional[int] = None
-    #: Width of the cached values where it is not ``head_dim`` (multi-head latent attention).
+    #: Width of the cached values where it is not ``head_dim`` (multi-head latent attention;
+    #: MiMo-V2-Flash's narrower values, its config's ``v_head_dim``).
     v_dim: Optional[int] = None
 
     @property
@@ -228,6 +229,11 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
     if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
         raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
+    loops = getattr(cfg, "n_recurrent_loops", None)
+    if isinstance(loops, int) and loops > 1:
+        raise _refuse(mt, f"layers run {loops} times per forward pass (Dory's recurrent loops): the later loops' "
+                          "K/V go to cache layers appended past the config's ('per_loop') or are read from the "
+                          "cache's tensors directly ('last_loop'), and one attention module serves every loop")
     own = _own_cache_class(model)
     if own is not None:
         raise _refuse(mt, f"its modeling code keeps a cache class of its own ({own}) and takes no other")
@@ -249,22 +255,29 @@ def _own_cache_class(model: Any) -> Optional[str]:
     return None
 
 
+#: How the class names of attention modules end (LongCat-Flash's is ``LongcatFlashMLA``).
+ATTENTION_NAMES = ("Attention", "MLA")
+
+
 def attention_modules(model: Any) -> Dict[int, Any]:
-    """The attention modules of a decoder by ``layer_idx`` (modules named ``*Attention`` with a
-    ``layer_idx``)."""
+    """The attention modules of a decoder by ``layer_idx`` (modules named ``*Attention`` or
+    ``*MLA`` with a ``layer_idx``)."""
     out: Dict[int, Any] = {}
     for mod in model.modules():
         idx = getattr(mod, "layer_idx", None)
-        if isinstance(idx, int) and type(mod).__name__.endswith("Attention") and idx not in out:
+        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES) and idx not in out:
             out[idx] = mod
     return out
 
 
 def output_projection(module: Any, q_heads: int, head_dim: int) -> Any:
     """The linear map from the concatenated attention heads to the hidden state (``o_proj``,
-    GPT-NeoX's ``dense``, ...); its weight is ``[hidden, q_heads * head_dim]``."""
+    GPT-NeoX's ``dense``, ..., or the ``linear`` inside such a module: Inkling 2's gated output
+    projection); its weight is ``[hidden, q_heads * head_dim]``."""
     for name in _OUTPUT_PROJECTIONS:
         lin = getattr(module, name, None)
+        if lin is not None and getattr(lin, "weight", None) is None:  # a gated projection's own linear (Inkling 2)
+            lin = getattr(lin, "linear", None)
         w = getattr(lin, "weight", None)
         if w is not None and w.ndim == 2 and w.shape[1] == q_heads * head_dim:
             return lin
@@ -282,6 +295,22 @@ def _rotary_module(model: Any) -> Any:
         if mod is not None and "Rotary" in type(mod).__name__:
             return mod
     return None
+
+
+def _rotary_by_theta(model: Any, cfg: Any) -> Optional[List[Any]]:
+    """Per layer, the rotary module of its own base frequency where the config sets one per layer
+    (Granite SWA's ``layer_rope_theta``, one module per distinct non-zero theta in ``rotary_embs``;
+    theta 0 is a layer without RoPE), None for a layer without RoPE or without such a module; None
+    where the config sets no theta per layer (every layer uses :func:`_rotary_module`'s)."""
+    thetas = getattr(cfg, "layer_rope_theta", None)
+    if not isinstance(thetas, (list, tuple)):
+        return None
+    base = getattr(model, "base_model", model)
+    mods = {}
+    for mod in getattr(base, "rotary_embs", None) or ():
+        params = getattr(getattr(mod, "config", None), "rope_parameters", None) or {}
+        mods[params.get("rope_theta")] = mod
+    return [mods.get(t) if t else None for t in thetas]
 
 
 def rope_module(model: Any) -> Any:
@@ -334,6 +363,7 @@ _ROPE_IF: Dict[str, Callable[[Any], bool]] = {
     "exaone_moe": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "kolibri1": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "afmoe": lambda m: bool(m.is_local_attention),
+    "lara_mini": lambda m: m.sliding_window is not None,
 }
 
 
@@ -344,21 +374,54 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
     return {} if test is None else {i: bool(test(m)) for i, m in attention_modules(model).items()}
 
 
-def _layer_heads(cfg: Any, i: int) -> Tuple[int, int, int]:
-    """``(q_heads, kv_heads, head_dim)`` of layer ``i``: from its per-layer config where the
-    config has one (Gemma 4's global layers: another head_dim and kv-head count), else the
-    config's."""
+#: Families whose layers differ in head counts or head_dim by a rule of their own config (no
+#: per-layer config): ``(config, layer index, layer type) -> (q_heads, kv_heads, head_dim)``, as
+#: their attention modules size their projections.
+_HEADS_IF: Dict[str, Callable[[Any, int, str], Tuple[int, int, int]]] = {
+    # MiMo-V2-Flash: sliding layers have twice the kv heads of the full ones.
+    "mimo_v2_flash": lambda c, i, lt: (c.num_attention_heads,
+                                       c.num_key_value_heads * (2 if lt == "sliding_attention" else 1), c.head_dim),
+    "laguna": lambda c, i, lt: (c.num_attention_heads_per_layer[i], c.num_key_value_heads, c.head_dim),
+    # Inkling (1 and 2): sliding layers with heads and head_dim of their own.
+    "inkling_text": lambda c, i, lt: _inkling_heads(c, lt),
+    "inkling2_text": lambda c, i, lt: _inkling_heads(c, lt),
+}
+
+
+def _inkling_heads(c: Any, lt: str) -> Tuple[int, int, int]:
+    if lt == "hybrid_sliding":
+        return c.swa_num_attention_heads, c.swa_num_key_value_heads, c.swa_head_dim
+    return c.num_attention_heads, c.num_key_value_heads, c.head_dim
+
+
+def _per_layer(cfg: Any, i: int, name: str) -> Any:
+    """``name`` of layer ``i``'s per-layer config where the config has one, else the config's (None
+    where it has none)."""
     try:
         lc = cfg.per_layer_config[i]
     except Exception:  # configs without per-layer views
         lc = cfg
-    hq = int(getattr(lc, "num_attention_heads", None) or cfg.num_attention_heads)
-    hkv = int(getattr(lc, "num_key_value_heads", None) or hq)
-    d = int(getattr(lc, "head_dim", None) or cfg.hidden_size // hq)
+    return getattr(lc, name, None)
+
+
+def _layer_heads(cfg: Any, i: int, mt: str = "", lt: str = "") -> Tuple[int, int, int]:
+    """``(q_heads, kv_heads, head_dim)`` of layer ``i`` (of layer type ``lt``, model type ``mt``):
+    from its per-layer config where the config has one (Gemma 4's global layers: another head_dim
+    and kv-head count), by the family's rule of :data:`_HEADS_IF`, else the config's."""
+    hq = int(_per_layer(cfg, i, "num_attention_heads") or cfg.num_attention_heads)
+    hkv = _per_layer(cfg, i, "num_key_value_heads")
+    if hkv is None and getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        hkv = 1  # multi-query by a flag (Falcon-7B); Falcon-40B's new architecture caches every query head
+    hkv = int(hkv or hq)
+    d = int(_per_layer(cfg, i, "head_dim") or cfg.hidden_size // hq)
+    if mt in _HEADS_IF:
+        hq, hkv, d = (int(n) for n in _HEADS_IF[mt](cfg, i, lt))
     return hq, hkv, d
 
 
 def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], Optional[str]]:
+    if getattr(cfg, "alibi", False) is True:  # Falcon with ALiBi: a rotary module built, never applied
+        return ModelRope([None] * len(types)), None
     module = _rotary_module(model)
     if module is None:
         # Positions by other means (GPT-2's learnt embeddings, a hybrid model's recurrent layers:
@@ -374,13 +437,21 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
     uses = getattr(cfg, "no_rope_layers", None)  # SmolLM3: 1 = the layer applies RoPE
     applies = _applies_rope(model, model_type(model))
     apply_fn = _apply_fn(model)
-    found: Dict[Tuple[Optional[str], int], LayerRope] = {}
+    by_theta = _rotary_by_theta(model, cfg)
+    # Layer types whose rope parameters the config sets to None apply no RoPE (Cohere Compass).
+    params = getattr(cfg, "rope_parameters", None)
+    nope_types = {t for t, p in params.items() if p is None and t in types} if isinstance(params, dict) else set()
+    found: Dict[Tuple[Any, Optional[str], int], LayerRope] = {}
     layers: List[Optional[LayerRope]] = []
     for i, lt in enumerate(types):
         if lt not in KV_LAYER_TYPES or (isinstance(uses, (list, tuple)) and i < len(uses) and not uses[i]) \
-                or not applies.get(i, True):
+                or not applies.get(i, True) or (by_theta is not None and not cfg.layer_rope_theta[i]) \
+                or (per_type and lt in nope_types):
             layers.append(None)
             continue
+        mod = module if by_theta is None else by_theta[i]
+        if mod is None:
+            return None, f"no rotary module (rotary_embs) for layer {i}'s rope theta {cfg.layer_rope_theta[i]}"
         key = lt if per_type else None
         rt = rope_type.get(lt) if isinstance(rope_type, dict) else rope_type
         if not isinstance(rt, str):
@@ -389,16 +460,16 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")
-        d = _layer_heads(cfg, i)[2]
-        if (key, d) not in found:
+        d = _layer_heads(cfg, i, model_type(model), lt)[2]
+        if (id(mod), key, d) not in found:
             if apply_fn is None:
                 return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
-            rope = detect_rope(apply_fn, module, key, d)
+            rope = detect_rope(apply_fn, mod, key, d)
             if rope is None:
                 return None, ("its apply_rotary_pos_emb pairs channels in a way kakeyaturbo does not "
                               "reproduce bit for bit (neither rotate_half nor interleaved)")
-            found[(key, d)] = rope
-        layers.append(found[(key, d)])
+            found[(id(mod), key, d)] = rope
+        layers.append(found[(id(mod), key, d)])
     return ModelRope(layers), None
 
 
@@ -428,12 +499,15 @@ def describe(model: Any) -> ModelLayout:
     types, kwargs = _layer_types(cfg, mt)
     _check_kv(model, cfg, mt, types)
     shared = _sharing(cfg) or {}
-    latent = bool(getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None))
+    # Multi-head latent attention: the latent and rotated widths of each layer (its per-layer
+    # config's where the config has one: dots.llm3's sliding layers have widths of their own)
+    widths = [(_per_layer(cfg, i, "kv_lora_rank"), _per_layer(cfg, i, "qk_rope_head_dim")) for i in range(len(types))]
+    latent = any(r and dr for r, dr in widths)
     specs: List[LayerSpec] = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         if i in shared:  # attends over the K/V rows of an earlier layer of its type
             src = specs[shared[i]]
-            hq, hkv, d = _layer_heads(cfg, i)
+            hq, hkv, d = _layer_heads(cfg, i, mt, lt)
             specs.append(LayerSpec(i, "shared", src.window, hq, hkv, d, lt, reads=src.index))
             continue
         if lt in STATE_LAYER_TYPES:
@@ -442,13 +516,15 @@ def describe(model: Any) -> ModelLayout:
         window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None
         if lt in _SLIDING_TYPES and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window or chunked attention without a window size")
-        hq, hkv, d = _layer_heads(cfg, i)
+        hq, hkv, d = _layer_heads(cfg, i, mt, lt)
         kind = "chunked" if lt == "chunked_attention" else "sliding" if window else "full"
         if latent:  # one latent row (keys) and one rotated key row (values) per token
-            specs.append(LayerSpec(i, kind, window, hq, 1, int(cfg.kv_lora_rank), lt, v_dim=int(cfg.qk_rope_head_dim)))
+            specs.append(LayerSpec(i, kind, window, hq, 1, int(widths[i][0]), lt, v_dim=int(widths[i][1])))
             continue
         states = int(kw.get("number_of_states", 1)) if lt in STATEFUL_KV_TYPES else 0
-        specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states))
+        dv = _per_layer(cfg, i, "v_head_dim")  # values of another width (MiMo-V2-Flash)
+        specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states,
+                               v_dim=int(dv) if isinstance(dv, int) and dv != d else None))
     if latent:  # the latent keys carry no rotation: nothing to take off or put back
         return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)

@@ -20,6 +20,10 @@ turns into the per-channel form above, so everything downstream sees one form:
 - ``"halved"``: ``cat(f, f)``, of which the family's ``apply_rotary_pos_emb`` takes the first
   half and repeats each entry for an interleaved pair (GLM, GLM-4, ERNIE 4.5, Helium).
 
+A module may hand its tables over as ``(sin, cos)`` (GPT-J, CodeGen: per frequency, for
+interleaved pairs, applied by ``apply_rotary_pos_emb(x, sin, cos)`` to rows ``[batch, T, heads,
+D]``): :class:`LayerRope`'s ``order`` says so, and it hands them on as ``(cos, sin)``.
+
 Both channels of a pair share one angle, so per pair the map is ``s * R(theta)`` (``s`` the
 scaling) and ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)`` inverts it exactly; without the
 division it is the transpose ``s * R(theta)^T``, which carries a gradient taken after RoPE back
@@ -36,6 +40,8 @@ import torch
 STYLES = ("half", "interleaved")
 #: The forms of a rotary module's cos/sin tables that :class:`LayerRope` reads (the docstring).
 TABLES = ("channel", "frequency", "halved")
+#: The orders in which a rotary module returns its two tables (the docstring).
+ORDERS = ("cos_sin", "sin_cos")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,22 +126,26 @@ class LayerRope:
     layer types (Gemma 3: a local and a global base frequency), else None; ``style``: the
     pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`;
     ``table``: the form of the module's tables (:data:`TABLES`), turned here into one entry per
-    channel.
+    channel; ``order``: the order the module returns them in (:data:`ORDERS`).
 
     Calling it with integer positions ``[T]`` or ``[batch, T]`` gives float32 ``cos``/``sin``
     ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (in the
     per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
     """
 
-    def __init__(self, module: Any, layer_type: Optional[str], style: str, table: str = "channel") -> None:
+    def __init__(self, module: Any, layer_type: Optional[str], style: str, table: str = "channel",
+                 order: str = "cos_sin") -> None:
         if style not in STYLES:
             raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
         if table not in TABLES:
             raise ValueError(f"RoPE table form must be one of {TABLES}, got {table!r}")
+        if order not in ORDERS:
+            raise ValueError(f"RoPE table order must be one of {ORDERS}, got {order!r}")
         self.module = module
         self.layer_type = layer_type
         self.style = style
         self.table = table
+        self.order = order
         inv = getattr(module, "inv_freq", None)
         if layer_type is not None:
             inv = getattr(module, f"{layer_type}_inv_freq", inv)
@@ -144,13 +154,14 @@ class LayerRope:
     def __repr__(self) -> str:
         lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
         tf = f", table={self.table!r}" if self.table != "channel" else ""
+        tf += f", order={self.order!r}" if self.order != "cos_sin" else ""
         return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{tf})"
 
     def same_as(self, other: "Optional[LayerRope]") -> bool:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
                 and other.layer_type == self.layer_type and other.style == self.style
-                and other.table == self.table)
+                and other.table == self.table and getattr(other, "order", "cos_sin") == self.order)
 
     def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.module_tables(positions)
@@ -164,7 +175,7 @@ class LayerRope:
         return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
     def module_tables(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The cos/sin as the rotary module gives them (not widened)."""
+        """The cos/sin as the rotary module gives them (not widened; as ``(cos, sin)``)."""
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
@@ -175,7 +186,7 @@ class LayerRope:
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
         with torch.no_grad():
             cos, sin = self.module(probe, pos, **kw)
-        return cos, sin
+        return (sin, cos) if self.order == "sin_cos" else (cos, sin)
 
     def _cs(self, positions: Any, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self(positions)
@@ -205,6 +216,7 @@ class FnRope(LayerRope):
         self.layer_type = None
         self.style = style
         self.table = "channel"
+        self.order = "cos_sin"
         self.device = torch.device("cpu")
 
     def __repr__(self) -> str:
@@ -262,10 +274,12 @@ class ModelRope:
 
 
 def _rotated_key(apply_fn: Any, x: torch.Tensor, cos: Any, sin: Any) -> Optional[torch.Tensor]:
-    """``x`` rotated by a modeling module's ``apply_rotary_pos_emb``: ``(q, k, cos, sin) -> (q,
-    k)`` as most families write it, or ``(x, cos, sin) -> x`` (Gemma 4 rotates queries and keys
-    by separate calls); None when it takes neither."""
-    for args in ((x, x.clone(), cos, sin), (x, cos, sin)):
+    """``x`` rotated by a modeling module's ``apply_rotary_pos_emb``, handed the module's two
+    tables in its order: ``(q, k, cos, sin) -> (q, k)`` as most families write it, or ``(x, cos,
+    sin) -> x`` (Gemma 4 rotates queries and keys by separate calls), also on rows ``[batch, T,
+    heads, D]`` (GPT-J's ``(x, sin, cos)``); None when it takes none of them."""
+    for args, back in (((x, x.clone(), cos, sin), False), ((x, cos, sin), False),
+                       ((x.transpose(1, 2), cos, sin), True)):
         try:
             with torch.no_grad():
                 out = apply_fn(*args)
@@ -274,7 +288,7 @@ def _rotated_key(apply_fn: Any, x: torch.Tensor, cos: Any, sin: Any) -> Optional
         if len(args) == 4 and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor):
             return out[1]
         if len(args) == 3 and isinstance(out, torch.Tensor):
-            return out
+            return out.transpose(1, 2) if back else out
     return None
 
 
@@ -287,23 +301,28 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
     Rows of the full ``head_dim`` are tried first (the function splits off the rotated channels
     itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
     attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
-    channels). The table forms are tried in the order of :data:`TABLES`."""
+    channels). The table forms are tried in the order of :data:`TABLES`, then the orders of
+    :data:`ORDERS`."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
-    for table in TABLES:
-        for style in STYLES:
-            rope = LayerRope(module, layer_type, style, table)
-            cos_m, sin_m = rope.module_tables(pos)
-            cos, sin = rope(pos)
-            widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
-            for width in widths:
-                if cos.shape[-1] > width:
-                    continue
-                x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
-                x = x.to(cos.device)
-                out = _rotated_key(apply_fn, x, cos_m, sin_m)
-                if out is None:  # a different signature or convention: not one we can reproduce
-                    continue
-                mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
-                if mine.shape == out.shape and torch.equal(mine, out):
-                    return rope
+    limit = getattr(module, "max_positions", None)  # a tabulated rotary (GPT-J, CodeGen): within its rows
+    if isinstance(limit, int) and limit > 0:
+        pos = pos % limit
+    raw = LayerRope(module, layer_type, "half").module_tables(pos)  # as the module returns them
+    for order in ORDERS:
+        for table in TABLES:
+            for style in STYLES:
+                rope = LayerRope(module, layer_type, style, table, order)
+                cos, sin = rope(pos)
+                widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
+                for width in widths:
+                    if cos.shape[-1] > width:
+                        continue
+                    x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
+                    x = x.to(cos.device)
+                    out = _rotated_key(apply_fn, x, *raw)
+                    if out is None:  # a different signature or convention: not one we can reproduce
+                        continue
+                    mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
+                    if mine.shape == out.shape and torch.equal(mine, out):
+                        return rope
     return None
