@@ -411,6 +411,11 @@ NO_STATISTICS: Dict[str, str] = {
 }
 
 
+#: Families of ``fast.FAMILIES`` whose checkpoints are multimodal and tested as such elsewhere
+#: (``test_multimodal.py``: the decoder inside its ``...ForConditionalGeneration``), not built here.
+ELSEWHERE = frozenset({"qwen2_5_vl_text"})
+
+
 def build(name: str) -> Any:
     return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE[name])[0]()
 

@@ -1,0 +1,106 @@
+"""The cache in multimodal checkpoints' decoders, as users load them (``...ForConditionalGeneration``
+of Gemma 3, Mistral 3, Qwen 2.5-VL and Qwen 3.5: a vision tower before the text model), on tiny
+random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
+multimodal RoPE gives the image tokens positions of their own. The identity codec generates as
+``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
+same cache decoding its blocks, with a calibrated codec of keys after and before RoPE."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+
+from .conftest import fast_codec, fast_recipe  # noqa: E402
+
+VOCAB = 97
+_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2)
+#: The Qwen models' special tokens, inside the tiny vocabulary.
+_IDS = dict(image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
+
+
+@lru_cache(maxsize=None)
+def _build(name: str):
+    torch.manual_seed(0)
+    t = transformers
+    if name == "gemma3":
+        cfg = t.Gemma3Config(text_config=dict(_TEXT, sliding_window=8),
+                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=2, image_size=28, patch_size=14),
+                             mm_tokens_per_image=4)
+        return t.Gemma3ForConditionalGeneration(cfg).eval()
+    if name == "mistral3":
+        cfg = t.Mistral3Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8),
+                               vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                                                  image_size=28, patch_size=14))
+        return t.Mistral3ForConditionalGeneration(cfg).eval()
+    if name == "qwen2_5_vl":
+        cfg = t.Qwen2_5_VLConfig(text_config=dict(_TEXT, rope_parameters=_MROPE), vision_config=_QWEN_VISION, **_IDS)
+        return t.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    assert name == "qwen3_5"
+    text = dict(_TEXT, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                rope_parameters=dict(_MROPE, partial_rotary_factor=1.0))
+    return t.Qwen3_5ForConditionalGeneration(t.Qwen3_5Config(text_config=text, vision_config=_QWEN_VISION,
+                                                             **_IDS)).eval()
+
+
+def _inputs(name: str, image: bool):
+    """A prompt of 20 text tokens, or (``image``) 6 text tokens, an image of 2 x 2 merged patches
+    between its start and end tokens, and 12 more."""
+    g = torch.Generator().manual_seed(1)
+    if not image:
+        return {"input_ids": torch.randint(3, 80, (1, 20), generator=g)}
+    ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.tensor([[92, 90, 90, 90, 90, 93]]),
+                     torch.randint(3, 80, (1, 12), generator=g)], dim=1)
+    return {"input_ids": ids, "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+def _generate(model, inputs, cache):
+    out = model.generate(**inputs, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits)
+
+
+CASES = [("gemma3", False), ("mistral3", False), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_5", False),
+         ("qwen3_5", True)]
+
+
+@pytest.mark.parametrize("name, image", CASES)
+def test_identity_codec_generates_as_dynamic_cache(name, image) -> None:
+    m = _build(name)
+    inputs = _inputs(name, image)
+    seq, logits = _generate(m, inputs, transformers.DynamicCache(config=m.config))
+    for pre in (False, True):
+        s, lg = _generate(m, inputs, KakeyaCache(IdentityCodec(pre_rope_keys=pre), model=m, block_size=4, n_sink=1))
+        assert torch.equal(s, seq), (name, pre)
+        # keys without RoPE: taken off and put back at float32 rounding
+        assert (lg - logits).abs().max().item() <= (0.0 if not pre else 1e-5), (name, pre)
+
+
+@pytest.mark.parametrize("rope", ["after", "before"])
+@pytest.mark.parametrize("name, image", CASES)
+def test_attention_over_the_codes_as_decode_then_attend(name, image, rope) -> None:
+    m = _build(name)
+    codec = fast_codec(m, fast_recipe(rope), rope)
+    inputs = _inputs(name, image)
+    fast = KakeyaCache(codec, model=m, block_size=4, n_sink=1, synthesis="f32")
+    slow = KakeyaCache(codec, model=m, block_size=4, n_sink=1, fast=False)
+    assert fast.fast, fast.fast_reason
+    s_f, l_f = _generate(m, inputs, fast)
+    s_s, l_s = _generate(m, inputs, slow)
+    assert torch.equal(s_f, s_s), name
+    assert (l_f - l_s).abs().max().item() <= 1e-5, name
+    assert any(layer.num_sealed() for layer in fast.layers if hasattr(layer, "num_sealed"))
