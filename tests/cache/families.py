@@ -413,7 +413,7 @@ NO_STATISTICS: Dict[str, str] = {
 
 #: Families of ``fast.FAMILIES`` whose checkpoints are multimodal and tested as such elsewhere
 #: (``test_multimodal.py``: the decoder inside its ``...ForConditionalGeneration``), not built here.
-ELSEWHERE = frozenset({"qwen2_5_vl_text"})
+ELSEWHERE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
 
 
 def build(name: str) -> Any:

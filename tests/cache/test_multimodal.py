@@ -1,5 +1,6 @@
 """The cache in multimodal checkpoints' decoders, as users load them (``...ForConditionalGeneration``
-of Gemma 3, Mistral 3, Qwen 2.5-VL and Qwen 3.5: a vision tower before the text model), on tiny
+of Gemma 3, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and Qwen 3.5: a vision tower before the text
+model), on tiny
 random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
 multimodal RoPE gives the image tokens positions of their own. The identity codec generates as
 ``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
@@ -45,6 +46,16 @@ def _build(name: str):
                                                   num_hidden_layers=1, num_attention_heads=2, head_dim=16,
                                                   image_size=28, patch_size=14))
         return t.Mistral3ForConditionalGeneration(cfg).eval()
+    if name == "qwen2_vl":
+        cfg = t.Qwen2VLConfig(text_config=dict(_TEXT, rope_parameters=_MROPE),
+                              vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
+                                                 patch_size=14, spatial_merge_size=2, temporal_patch_size=2), **_IDS)
+        return t.Qwen2VLForConditionalGeneration(cfg).eval()
+    if name == "qwen3_vl":  # interleaved multimodal RoPE sections, deepstack visual features
+        cfg = t.Qwen3VLConfig(text_config=dict(_TEXT, rope_parameters=dict(_MROPE, mrope_interleaved=True)),
+                              vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0], num_position_embeddings=64),
+                              **_IDS)
+        return t.Qwen3VLForConditionalGeneration(cfg).eval()
     if name == "qwen2_5_vl":
         cfg = t.Qwen2_5_VLConfig(text_config=dict(_TEXT, rope_parameters=_MROPE), vision_config=_QWEN_VISION, **_IDS)
         return t.Qwen2_5_VLForConditionalGeneration(cfg).eval()
@@ -74,8 +85,8 @@ def _generate(model, inputs, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-CASES = [("gemma3", False), ("mistral3", False), ("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_5", False),
-         ("qwen3_5", True)]
+CASES = [("gemma3", False), ("mistral3", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True),
+         ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
 @pytest.mark.parametrize("name, image", CASES)

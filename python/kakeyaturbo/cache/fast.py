@@ -71,7 +71,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
                       "hunyuan_v1_moe", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
-                      "qwen2_5_vl_text",
+                      "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
                       # hybrids: recurrent, state-space or convolution layers beside the attention
                       "qwen3_next", "qwen3_5_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
                       "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "qwen3_5_moe_text", "qwen4_exp_text",
