@@ -46,7 +46,7 @@ import torch
 from ..codec.attention import RopeTable, decode_attention
 from ..families.capture import sparse_mask
 from ..families.layout import model_type
-from ..families.rope import LayerRope
+from ..families.rope import LayerRope, tabulated_rows
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
@@ -121,8 +121,8 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
     t = tables.get(key)
     if t is None or t.n_positions < n:
         rows = max(TABLE_ROWS, -(-n // TABLE_STEP) * TABLE_STEP if n > TABLE_ROWS else TABLE_ROWS)
-        limit = getattr(rope.module, "max_positions", None)  # a tabulated rotary (GPT-J): its rows only
-        if isinstance(limit, int) and n <= limit < rows:
+        limit = tabulated_rows(rope.module)  # a tabulated rotary (GPT-J): its rows only
+        if limit is not None and n <= limit < rows:
             rows = limit
         cos, sin = rope(torch.arange(rows)[None])
         t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)

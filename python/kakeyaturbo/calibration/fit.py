@@ -13,7 +13,7 @@ from ..codec import CalibratedCodec, _checks, centroids_gaussian
 from ..errors import InvalidInputError, InvalidParameterError, NumericalError
 from ..recipes import CalibratedStream
 from .allocation import LLOYD_MAX_MSE, allocate_bits, row_budget
-from .stats import AttentionStats, Sensitivity, square
+from .stats import AttentionStats, Sensitivity, check_types, square
 
 #: Ridge added to the query covariance, relative to its mean diagonal (SPEC section 7).
 RIDGE = 1e-3
@@ -218,12 +218,9 @@ def stream_inputs(stats: AttentionStats, stream: str, layer: int, head: int,
     """(mean, covariance, whitening factor) of one (stream, layer, kv-head) for the settings.
     TypeError for arguments of the wrong type, InvalidParameterError for a stream other than
     ``'k'``/``'v'`` or a layer (row of the statistics) or kv-head out of range."""
-    if not isinstance(stats, AttentionStats):
-        raise TypeError(f"stats must be AttentionStats, got {type(stats).__name__}")
+    check_types(stats, sensitivity)
     if not isinstance(settings, CalibratedStream):
         raise TypeError(f"settings must be a CalibratedStream, got {type(settings).__name__}")
-    if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
-        raise TypeError(f"sensitivity must be Sensitivity or None, got {type(sensitivity).__name__}")
     _checks.choice(stream, "stream", ("k", "v"))
     _checks.integer(layer, "layer", 0, stats.num_layers - 1)
     _checks.integer(head, "head", 0, stats.kv_heads - 1)

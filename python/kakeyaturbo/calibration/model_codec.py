@@ -17,7 +17,7 @@ from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
 from .bundle import _checksum, file_format, fingerprint, read_file, write_file
 from .fit import fit_codec, fit_tables, head_spectrum, shrunk_sensitivity, weighted_variances
-from .stats import AttentionStats, Sensitivity
+from .stats import AttentionStats, Sensitivity, check_types
 
 
 #: The ``format`` entry of a codec file's metadata, and the version this build writes and reads.
@@ -53,10 +53,7 @@ class ModelCodec:
                  sensitivity: Optional[Sensitivity] = None) -> None:
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
-        if not isinstance(stats, AttentionStats):
-            raise TypeError(f"stats must be AttentionStats, got {type(stats).__name__}")
-        if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
-            raise TypeError(f"sensitivity must be Sensitivity or None, got {type(sensitivity).__name__}")
+        check_types(stats, sensitivity)
         if recipe.mode != "calibrated":
             raise InvalidParameterError(f"recipe {recipe.name!r} is not calibrated")
         if recipe.needs_sensitivity and sensitivity is None:

@@ -273,3 +273,12 @@ class Sensitivity(_Stored):
         """Whether it is of the same layers, kv-heads and row widths as ``stats``."""
         return (self.k.shape == stats.q2.shape and self.v.shape == stats.v_cov.shape
                 and self.layer_index == stats.layer_index)
+
+
+def check_types(stats: Any, sensitivity: Any) -> None:
+    """TypeError unless ``stats`` is :class:`AttentionStats` and ``sensitivity`` a
+    :class:`Sensitivity` or None (the calibration entry points that take both)."""
+    if not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be AttentionStats, got {type(stats).__name__}")
+    if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
+        raise TypeError(f"sensitivity must be Sensitivity or None, got {type(sensitivity).__name__}")

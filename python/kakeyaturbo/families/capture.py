@@ -11,10 +11,10 @@ and restores the model's own implementation on exit.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ..errors import UnsupportedModelError
-from .layout import ATTENTION_NAMES, model_type
+from .layout import attention_modules_by_index, model_type
 
 #: The implementation name the capture registers in transformers' attention interfaces.
 NAME = "kakeyaturbo_capture"
@@ -46,17 +46,6 @@ def _eager(module: Any) -> Callable[..., Tuple[Any, Any]]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
-
-
-def _indices_run_twice(model: Any) -> List[int]:
-    """The ``layer_idx`` values more than one attention module (:data:`~.layout.ATTENTION_NAMES`)
-    carries."""
-    count: Dict[int, int] = {}
-    for mod in model.modules():
-        idx = getattr(mod, "layer_idx", None)
-        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES):
-            count[idx] = count.get(idx, 0) + 1
-    return sorted(i for i, n in count.items() if n > 1)
 
 
 class AttentionCapture:
@@ -94,7 +83,7 @@ class AttentionCapture:
             from .layout import describe
 
             layout = describe(self.model)
-            twice = _indices_run_twice(self.model)
+            twice = sorted(i for i, mods in attention_modules_by_index(self.model).items() if len(mods) > 1)
             if twice:
                 raise UnsupportedModelError(
                     f"model type {layout.model_type!r}: attention modules share layer_idx {twice} (one "

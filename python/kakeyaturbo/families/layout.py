@@ -259,15 +259,20 @@ def _own_cache_class(model: Any) -> Optional[str]:
 ATTENTION_NAMES = ("Attention", "MLA")
 
 
-def attention_modules(model: Any) -> Dict[int, Any]:
-    """The attention modules of a decoder by ``layer_idx`` (modules named ``*Attention`` or
-    ``*MLA`` with a ``layer_idx``)."""
-    out: Dict[int, Any] = {}
+def attention_modules_by_index(model: Any) -> Dict[int, List[Any]]:
+    """Every attention module of a decoder (named ``*Attention`` or ``*MLA``, with a
+    ``layer_idx``) by ``layer_idx``, in the order ``model.modules()`` gives them."""
+    out: Dict[int, List[Any]] = {}
     for mod in model.modules():
         idx = getattr(mod, "layer_idx", None)
-        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES) and idx not in out:
-            out[idx] = mod
+        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES):
+            out.setdefault(idx, []).append(mod)
     return out
+
+
+def attention_modules(model: Any) -> Dict[int, Any]:
+    """The attention module of a decoder by ``layer_idx`` (the first where several carry one)."""
+    return {idx: mods[0] for idx, mods in attention_modules_by_index(model).items()}
 
 
 def output_projection(module: Any, q_heads: int, head_dim: int) -> Any:

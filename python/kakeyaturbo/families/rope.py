@@ -161,7 +161,7 @@ class LayerRope:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
                 and other.layer_type == self.layer_type and other.style == self.style
-                and other.table == self.table and getattr(other, "order", "cos_sin") == self.order)
+                and other.table == self.table and other.order == self.order)
 
     def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.module_tables(positions)
@@ -273,6 +273,13 @@ class ModelRope:
         return self.layers[0](positions)
 
 
+def tabulated_rows(module: Any) -> Optional[int]:
+    """The positions a rotary module holds a table of (GPT-J's, CodeGen's ``max_positions``: it
+    indexes that table by position), or None for a module that computes any position."""
+    limit = getattr(module, "max_positions", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def _rotated_key(apply_fn: Any, x: torch.Tensor, cos: Any, sin: Any) -> Optional[torch.Tensor]:
     """``x`` rotated by a modeling module's ``apply_rotary_pos_emb``, handed the module's two
     tables in its order: ``(q, k, cos, sin) -> (q, k)`` as most families write it, or ``(x, cos,
@@ -304,8 +311,8 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
     channels). The table forms are tried in the order of :data:`TABLES`, then the orders of
     :data:`ORDERS`."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
-    limit = getattr(module, "max_positions", None)  # a tabulated rotary (GPT-J, CodeGen): within its rows
-    if isinstance(limit, int) and limit > 0:
+    limit = tabulated_rows(module)  # a tabulated rotary (GPT-J, CodeGen): within its rows
+    if limit is not None:
         pos = pos % limit
     raw = LayerRope(module, layer_type, "half").module_tables(pos)  # as the module returns them
     for order in ORDERS:
