@@ -4,10 +4,14 @@ model), on tiny
 random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
 multimodal RoPE gives the image tokens positions of their own. The identity codec generates as
 ``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
-same cache decoding its blocks, with a calibrated codec of keys after and before RoPE."""
+same cache decoding its blocks, with a calibrated codec of keys after and before RoPE; keys
+coded before RoPE are the model's keys before its multimodal RoPE, and a saved prefix keeps the
+image's positions."""
 
 from __future__ import annotations
 
+import struct
+import zlib
 from functools import lru_cache
 
 import pytest
@@ -15,7 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe  # noqa: E402
 
@@ -75,8 +82,10 @@ def _inputs(name: str, image: bool):
         return {"input_ids": torch.randint(3, 80, (1, 20), generator=g)}
     ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.tensor([[92, 90, 90, 90, 90, 93]]),
                      torch.randint(3, 80, (1, 12), generator=g)], dim=1)
+    # mm_token_type_ids marks the image tokens, as the processor does: without them the model
+    # gives every token one position (no multimodal RoPE).
     return {"input_ids": ids, "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=g),
-            "image_grid_thw": torch.tensor([[1, 4, 4]])}
+            "image_grid_thw": torch.tensor([[1, 4, 4]]), "mm_token_type_ids": (ids == 90).int()}
 
 
 def _generate(model, inputs, cache):
@@ -115,3 +124,79 @@ def test_attention_over_the_codes_as_decode_then_attend(name, image, rope) -> No
     assert torch.equal(s_f, s_s), name
     assert (l_f - l_s).abs().max().item() <= 1e-5, name
     assert any(layer.num_sealed() for layer in fast.layers if hasattr(layer, "num_sealed"))
+
+
+class _Recorder(IdentityCodec):
+    """The identity codec (keys without RoPE), keeping the key rows of one (layer, kv-head) it codes."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(pre_rope_keys=True)
+        self.layer, self.rows = layer, []
+
+    def encode(self, stream, layer, head, x):
+        if stream == "k" and layer == self.layer and head == 0:
+            self.rows.append(np.array(x))
+        return super().encode(stream, layer, head, x)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_keys_are_coded_without_multimodal_rope(name) -> None:
+    """With an image, keys coded before RoPE are the model's keys before RoPE: the image tokens'
+    three positions and the text's after the image (behind the token's index) are taken off, at
+    prefill and at every generated token."""
+    m = _build(name)
+    layers = m.model.language_model.layers
+    i = next(j for j, layer in enumerate(layers) if hasattr(layer, "self_attn"))
+    attn = layers[i].self_attn
+    seen = []
+    hook = (getattr(attn, "k_norm", None) or attn.k_proj).register_forward_hook(
+        lambda _m, _a, out: seen.append(out.detach().reshape(out.shape[0], out.shape[1], -1, 16)[0, :, 0]))
+    codec = _Recorder(i)
+    cache = KakeyaCache(codec, model=m, block_size=4, n_sink=1)
+    try:
+        _generate(m, _inputs(name, True), cache)
+    finally:
+        hook.remove()
+    want = torch.cat(seen).numpy()
+    got = np.concatenate(codec.rows)
+    assert len(got) >= 24  # the prompt's image and the tokens after it were coded
+    # the sink row (position 0) is held raw; the coded rows follow it
+    np.testing.assert_allclose(got, want[1:1 + len(got)], rtol=0, atol=1e-5)
+    # the 2 x 2 image tokens' (temporal, height, width): three of the four differ
+    assert cache._positions.grid is not None and len(cache._positions.triples) == 3
+
+
+def test_saved_prefix_keeps_the_multimodal_positions(tmp_path) -> None:
+    """A cache holding an image's multimodal positions saves them (a version-2 file) and loads
+    as it was: the same positions and keys; a file that claims them in version 1, or whose
+    three rows do not begin with the positions, is damage."""
+    m = _build("qwen2_vl")
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m, block_size=4, n_sink=1)
+    _generate(m, _inputs("qwen2_vl", True), cache)
+    path = cache.save(tmp_path / "image.kkpfx")
+    header, _ = persist.read_header(path)
+    assert header["grid"] == header["positions"] == cache.get_seq_length()
+    loaded = KakeyaCache.load(path, m)
+    a, b = cache._positions, loaded._positions
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.grid, b.grid) and torch.equal(a.extra, b.extra)
+    assert a.triples == b.triples
+    for x, y in zip(cache.layers, loaded.layers):
+        for s, t in zip(x.materialize(), y.materialize()):
+            assert torch.equal(s, t)
+
+    def damaged(data: bytes, name: str):
+        data = bytearray(data)
+        struct.pack_into("<I", data, len(data) - 4, zlib.crc32(bytes(data[:-4])))
+        (tmp_path / name).write_bytes(bytes(data))
+        return tmp_path / name
+
+    data = path.read_bytes()
+    old = bytearray(data)
+    struct.pack_into("<H", old, 4, 1)
+    with pytest.raises(CorruptDataError, match="version 1 holds no multimodal"):
+        KakeyaCache.load(damaged(old, "v1.kkpfx"), m)
+    t = cache.get_seq_length()
+    off = bytearray(data)  # the grid closes the file: its temporal row is the first of three
+    struct.pack_into("<i", off, len(data) - 4 - 4 * 3 * t, 5)
+    with pytest.raises(CorruptDataError, match="multimodal positions"):
+        KakeyaCache.load(damaged(off, "grid.kkpfx"), m)

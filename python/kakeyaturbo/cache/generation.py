@@ -25,7 +25,7 @@ from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_co
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .rollback import crop_count
-from .positions import Positions
+from .positions import Positions, rotary_modules, watch_rotary
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
 from .rope import check_rope, rope_of_layer
 
@@ -280,7 +280,7 @@ class KakeyaCache(Cache):
     def _snapshot(self) -> Any:
         """What :meth:`_roll_back` puts back (taken before each forward call of the model)."""
         layers = [layer.snapshot() if isinstance(layer, KakeyaLayer) else None for layer in self.layers]
-        return len(self.layers), layers, None if self._positions is None else self._positions.pos
+        return len(self.layers), layers, None if self._positions is None else self._positions.snapshot()
 
     def _roll_back(self, snap: Any) -> None:
         """The cache as it was before a forward call that raised (a layer refused its rows):
@@ -302,7 +302,7 @@ class KakeyaCache(Cache):
             self._broken = (f"a refused forward call may have advanced the recurrent or convolution states of "
                             f"layers {states}, which change in place: reset() the cache before the next call")
         if self._positions is not None:
-            self._positions.pos = pos
+            self._positions.restore(pos)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens of every layer, or of none: a layer that
@@ -341,7 +341,8 @@ class KakeyaCache(Cache):
         held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`),
         ``indexer`` (the indexer keys of a dynamic-sparse-attention layer, DeepSeek V3.2's, raw),
         ``positions`` (int32 per token and batch row, only when
-        the codec codes keys without RoPE) and ``rope_table`` (the cos/sin table attention over
+        the codec codes keys without RoPE; four more per token once an image's multimodal RoPE
+        positions are held: :class:`~kakeyaturbo.cache.positions.Positions`) and ``rope_table`` (the cos/sin table attention over
         keys coded before RoPE reads: 8 bytes per position and rotary frequency, shared by the
         layers and by every cache of the model: reported here in full, left out of :meth:`nbytes`)."""
         out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0, "state": 0, "indexer": 0}
@@ -430,7 +431,8 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
     the cache holds feeds none or their tail again, which would fail deep in the model or
     silently continue from the wrong tokens), and a call on a cache a refused call left
     unusable; hands the call's ``position_ids`` to the cache's position store (some families,
-    GPT-NeoX, do not forward them to the cache); takes a snapshot of the layers. After: a call
+    GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's rotary
+    modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a snapshot of the layers. After: a call
     that raised (a later layer refused its rows, say) is rolled back, so that the cache is as it
     was; a loaded prefix is continued only once a call went through. The hooks hold the cache
     weakly and go when the cache does."""
@@ -460,7 +462,7 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
                     f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
                     f"file): give ids that begin with those {held} tokens and go on past them")
         if c._positions is not None:
-            c._positions.pending = p
+            c._positions.expect(p)
         c._undo = c._snapshot()
 
     def after(_module: Any, _args: Any, kwargs: Dict[str, Any], result: Any) -> None:
@@ -476,6 +478,13 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
                model.register_forward_hook(after, with_kwargs=True, always_call=True)]
     weakref.finalize(cache, lambda: [h.remove() for h in handles])
+    if cache._positions is not None:  # inside a call of the cache's: its position store
+
+        def live() -> Optional[Positions]:
+            c = ref()
+            return c._positions if c is not None and c._undo is not None else None
+
+        watch_rotary(rotary_modules(cache.rope), live, cache)
 
 
 def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor],

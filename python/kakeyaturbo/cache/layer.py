@@ -249,16 +249,19 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         :data:`~kakeyaturbo.cache.fast.TABLE_MAX` (the caller then takes the slow path)."""
         assert self.rope is not None and self.positions is not None and self.positions.pos is not None
         starts, bs = self._s["k"].starts, self.block_size
-        pos = self.positions.pos
-        if starts and starts[-1] - starts[0] == (len(starts) - 1) * bs:
-            p = pos[:, starts[0]:starts[0] + len(starts) * bs]
-        else:
-            p = torch.cat([pos[:, s:s + bs] for s in starts], dim=1) if starts else pos[:, :0]
-        rows = p.numpy()
+
+        def sealed(x: torch.Tensor) -> np.ndarray:
+            if starts and starts[-1] - starts[0] == (len(starts) - 1) * bs:
+                return x[:, starts[0]:starts[0] + len(starts) * bs].numpy()
+            return (torch.cat([x[:, s:s + bs] for s in starts], dim=1) if starts else x[:, :0]).numpy()
+
+        rows = sealed(self.positions.pos)
         n = int(rows.max()) + 1 if rows.size else 1
         if n > fast_mod.TABLE_MAX:
             return None
-        table = rope_table(self.rope, n)
+        extra = self.positions.extra
+        table, rows = self.positions.rotation(self.rope, rope_table(self.rope, n), rows,
+                                              None if extra is None else sealed(extra))
         self._rope_table = table
         return table, rows
 

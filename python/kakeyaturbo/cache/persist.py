@@ -3,7 +3,8 @@ file and loaded in another process to continue generation without recomputing th
 
 The file holds what the cache holds, as it holds it: the sealed blocks' blobs byte for byte (no
 re-coding), the raw sink and staging rows at their dtype, and the RoPE positions of the tokens
-where they are not ``0 .. T-1`` (left-padded batches); plus what rebuilds the cache (its
+where they are not ``0 .. T-1`` (left-padded batches; with multimodal RoPE each token's three,
+a version-2 file); plus what rebuilds the cache (its
 settings, the recipe, the model's layers) and who it belongs to: the model (type, fingerprint of
 the attention weights) and the codec (a fingerprint of everything that decides its bytes).
 Loading refuses another model or another codec with ModelMismatchError, a damaged file with
@@ -14,11 +15,11 @@ Layout (FORMAT.md, "Saved prefix files"; all integers little-endian):
 | field | type | notes |
 |---|---|---|
 | magic | 4 bytes | ``KKYP`` |
-| version | u16 | 1 |
+| version | u16 | 2 with multimodal positions, else 1 |
 | flags | u16 | 0 (reserved for a lossless stage; none is applied, see docs/prefix.md) |
 | header length ``h`` | u32 | |
 | header | ``h`` bytes | UTF-8 JSON: settings, owners, and per layer and stream the counts of the sections below |
-| sections | | per layer, per stream (``k`` then ``v``): sink rows, staging rows (raw, ``[B, H, n, D]``), blob lengths (u32 per blob, block-major, then batch row, then kv-head), the blobs; then positions (int32 ``[B, T]``) when stored |
+| sections | | per layer, per stream (``k`` then ``v``): sink rows, staging rows (raw, ``[B, H, n, D]``), blob lengths (u32 per blob, block-major, then batch row, then kv-head), the blobs; then positions (int32 ``[B, T]``) when stored, then multimodal ones (int32 ``[3, B, T]``) |
 | crc32 | u32 | of every preceding byte |
 
 So a file's size is the cache's held bytes (:meth:`KakeyaCache.nbytes`, without the decoded
@@ -53,7 +54,9 @@ from .layer import KakeyaLayer
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
 MAGIC = b"KKYP"
-VERSION = 1
+#: The newest version this build writes and reads: 2 only for files holding multimodal RoPE
+#: positions (``grid``), which a build reading version 1 must not load; 1 otherwise.
+VERSION = 2
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _CRC = 4
 #: Raw row dtypes a file may hold.
@@ -187,17 +190,21 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         layers.append(entry)
     positions = getattr(cache, "_positions", None)
     pos = positions.pos if positions is not None else None
+    grid = positions.grid if positions is not None else None
     header["positions"] = 0
-    if pos is not None and not _default_positions(pos):
+    if pos is not None and (grid is not None or not _default_positions(pos)):
         header["positions"] = int(pos.shape[1])
         chunks.append(pos.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
+    if grid is not None:  # multimodal RoPE: every token's three positions (a version-2 file)
+        header["grid"] = int(grid.shape[2])
+        chunks.append(grid.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
     header.update(dtype=dtype or "float32", batch=batch or 0, layers=layers)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
     def write(t: Path) -> None:
         crc = 0
         with open(t, "wb") as f:
-            for c in [_HEAD.pack(MAGIC, VERSION, 0, len(head)), head] + chunks:
+            for c in [_HEAD.pack(MAGIC, VERSION if grid is not None else 1, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
             f.write(struct.pack("<I", crc))
@@ -263,6 +270,8 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         _check_header(header)
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CorruptDataError(f"{where}: its header is inconsistent ({e})") from None
+    if version < 2 and header.get("grid", 0):
+        raise CorruptDataError(f"{where}: version {version} holds no multimodal positions, its header says it does")
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
 
@@ -285,6 +294,8 @@ def _check_header(h: Dict[str, Any]) -> None:
         raise ValueError(f"dtype {h['dtype']!r} unknown")
     batch = _int(h["batch"], "batch", 0, _MAX_DIM)
     _int(h["positions"], "positions")
+    if h.get("grid", 0) and _int(h["grid"], "grid") != h["positions"]:
+        raise ValueError(f"multimodal positions of {h['grid']} tokens, positions of {h['positions']}")
     c = h["cache"]
     bs = _int(c["block_size"], "block_size", 1)
     n_sink = _int(c["n_sink"], "n_sink")
@@ -444,11 +455,18 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
         if pos.numel() and int(pos.min()) < 0:
             raise CorruptDataError(f"{where}: a negative position ({int(pos.min())}) among the RoPE "
                                    "positions it records")
+    grid = _tensor(r, torch.int32, (3, b, t), "multimodal positions", "cpu") if header.get("grid", 0) else None
+    if grid is not None and (not torch.equal(grid[0], pos) or int(grid.min()) < 0):
+        raise CorruptDataError(f"{where}: its multimodal positions are negative or do not begin with the "
+                               "positions it records")
     if r.at != r.end:
         raise CorruptDataError(f"{where}: {r.end - r.at} bytes after the last section")
     seen = max((s["seen"] for s in states), default=0)
     if cache._positions is not None and seen:
-        cache._positions.pos = pos if pos is not None else torch.arange(seen, dtype=torch.int32)[None].expand(b, seen).clone()
+        if grid is not None:
+            cache._positions.load(grid)
+        else:
+            cache._positions.pos = pos if pos is not None else torch.arange(seen, dtype=torch.int32)[None].expand(b, seen).clone()
         if cache._positions.pos.shape[1] != seen:
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
     try:

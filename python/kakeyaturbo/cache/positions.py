@@ -1,25 +1,57 @@
 """The RoPE positions of the tokens a generation cache holds (:class:`Positions`, shared by
-its layers) and the ``position_ids`` a layer's ``update`` receives (:func:`position_ids`)."""
+its layers), the ``position_ids`` a layer's ``update`` receives (:func:`position_ids`), and the
+multimodal positions a model's rotary module is called with (:func:`watch_rotary`).
+
+Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) rotates each token by three positions
+(temporal, height, width), each for its own sections of the frequencies: they agree for text
+tokens (but run behind the token's index after an image) and differ for image and video
+tokens. The cache takes RoPE off with the positions the model rotated by, so that the codec
+sees the model's keys before RoPE; a row whose three positions differ gets a rotation of its
+own, appended to the rope table the kernel reads (:meth:`Positions.rotation`)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
+
+from ..codec.attention import RopeTable
+from ..families.rope import LayerRope, ModelRope
 
 
 class Positions:
-    """The RoPE position of every token the cache saw, ``int32 [batch, T]``, shared by all
-    layers (kept only when the codec codes keys without RoPE). ``pending`` holds the
+    """The RoPE position of every token the cache saw, ``int32 [batch, T]`` (:attr:`pos`), shared
+    by all layers (kept only when the codec codes keys without RoPE). ``pending`` holds the
     ``position_ids`` of the forward call in progress when the model's own forward gave them
-    (families whose attention does not forward them to the cache: GPT-NeoX)."""
+    (families whose attention does not forward them to the cache: GPT-NeoX), ``pending_grid``
+    the multimodal ones its rotary module was called with (``[3, batch, q]``).
+
+    Once a token's three multimodal positions differ, :attr:`grid` holds every token's
+    (``int32 [3, batch, T]``; :attr:`pos` then holds the temporal one) and :attr:`extra` the
+    index of each such token's triple in :attr:`triples` (``-1`` for the others)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.pos: Optional[torch.Tensor] = None
+        self.grid: Optional[torch.Tensor] = None
+        self.extra: Optional[torch.Tensor] = None
+        self.triples: List[Tuple[int, int, int]] = []
+        self._index: Dict[Tuple[int, int, int], int] = {}
+        self._tables: List[Tuple[RopeTable, int, RopeTable]] = []
         self.pending: Optional[torch.Tensor] = None
+        self.pending_grid: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return 0 if self.pos is None else self.pos.shape[1]
+
+    def expect(self, position_ids: Optional[torch.Tensor]) -> None:
+        """A forward call begins: its ``position_ids`` (or None); no multimodal ones yet."""
+        self.pending = position_ids
+        self.pending_grid = None
 
     def record(self, start: int, q: int, batch: int, position_ids: Optional[torch.Tensor]) -> None:
         """Tokens ``start .. start+q`` of a layer's update; the first layer to see them records them."""
@@ -28,32 +60,103 @@ class Positions:
             return
         if start != have:
             raise RuntimeError(f"positions recorded up to {have}, a layer appends at {start}")
+        g = self.pending_grid
+        if isinstance(g, torch.Tensor) and g.shape[-1] == q:
+            self._record_grid(g.detach().to("cpu", torch.int32).expand(3, batch, q), have)
+            return
         if position_ids is None and isinstance(self.pending, torch.Tensor) and self.pending.shape[-1] == q:
             position_ids = self.pending
         if position_ids is None:
             new = torch.arange(start, start + q, dtype=torch.int32)[None].expand(batch, q)
         else:
             new = position_ids.detach().to("cpu", torch.int32).expand(batch, q)
-        self.pos = new.clone() if self.pos is None else torch.cat([self.pos, new], dim=1)
+        self._append(new, None if self.grid is None else new[None].expand(3, -1, -1),
+                     None if self.extra is None else torch.full((batch, q), -1, dtype=torch.int32))
+
+    def load(self, grid: torch.Tensor) -> None:
+        """Every token's multimodal positions ``int32 [3, batch, T]`` (a saved cache's)."""
+        self.reset()
+        self._record_grid(grid, 0)
+
+    def _record_grid(self, g: torch.Tensor, have: int) -> None:
+        odd = (g[0] != g[1]) | (g[1] != g[2])
+        if self.grid is None and not bool(odd.any()):
+            self._append(g[0], None, None)
+            return
+        if self.grid is None:  # the first token whose positions differ: every earlier one's agree
+            b = g.shape[1]
+            before = self.pos if self.pos is not None else torch.zeros((b, 0), dtype=torch.int32)
+            self.grid = before[None].expand(3, -1, -1).clone()
+            self.extra = torch.full((b, have), -1, dtype=torch.int32)
+        extra = torch.full(odd.shape, -1, dtype=torch.int32)
+        if bool(odd.any()):
+            ids = []
+            for t in map(tuple, g.permute(1, 2, 0)[odd].tolist()):
+                i = self._index.get(t)
+                if i is None:
+                    i = self._index[t] = len(self.triples)
+                    self.triples.append(t)
+                ids.append(i)
+            extra[odd] = torch.tensor(ids, dtype=torch.int32)
+        self._append(g[0], g, extra)
+
+    def _append(self, pos: torch.Tensor, grid: Optional[torch.Tensor], extra: Optional[torch.Tensor]) -> None:
+        self.pos = pos.clone() if self.pos is None else torch.cat([self.pos, pos], dim=1)
+        if grid is not None and self.grid is not None:
+            self.grid = torch.cat([self.grid, grid], dim=2)
+        if extra is not None and self.extra is not None:
+            self.extra = torch.cat([self.extra, extra], dim=1)
 
     def get(self, start: int, n: int) -> torch.Tensor:
+        """The positions of tokens ``start .. start+n``: ``[batch, n]``, or ``[3, batch, n]``
+        (:attr:`grid`) once a token's multimodal positions differed."""
         assert self.pos is not None and start + n <= len(self)
-        return self.pos[:, start:start + n]
+        return self.pos[:, start:start + n] if self.grid is None else self.grid[:, :, start:start + n]
+
+    def rotation(self, rope: Any, table: RopeTable, rows: np.ndarray,
+                 extra: Optional[np.ndarray]) -> Tuple[RopeTable, np.ndarray]:
+        """The rope table and rows the kernel reads for sealed rows at ``rows`` (positions into
+        ``table``), ``extra`` their entries of :attr:`extra`: rows with a triple of their own
+        read it from rows appended to the table (computed by ``rope``, once per table and count
+        of triples)."""
+        if extra is None or not (extra >= 0).any():
+            return table, rows
+        k = len(self.triples)
+        found = next((t for base, n, t in self._tables if base is table and n == k), None)
+        if found is None:
+            g = torch.tensor(self.triples, dtype=torch.long).T[:, None, :]
+            cos, sin = rope(g)
+            more = RopeTable.from_full(cos[0].float().cpu().numpy(), sin[0].float().cpu().numpy(), table.style)
+            found = RopeTable(np.concatenate([table.cos, more.cos]), np.concatenate([table.sin, more.sin]),
+                              table.style)
+            self._tables = [e for e in self._tables if e[0] is not table] + [(table, k, found)]
+        n = table.n_positions
+        return found, np.where(extra >= 0, extra + n, rows).astype(np.int32)
 
     def nbytes(self) -> int:
-        return 0 if self.pos is None else self.pos.numel() * self.pos.element_size()
+        return sum(0 if t is None else t.numel() * t.element_size() for t in (self.pos, self.grid, self.extra))
+
+    def snapshot(self) -> Tuple[Any, ...]:
+        """What :meth:`restore` puts back (the tensors are replaced, never changed in place)."""
+        return self.pos, self.grid, self.extra
+
+    def restore(self, snap: Tuple[Any, ...]) -> None:
+        self.pos, self.grid, self.extra = snap
 
     def select(self, idx: torch.Tensor) -> None:
+        idx = idx.to("cpu")
         if self.pos is not None:
-            self.pos = self.pos.index_select(0, idx.to("cpu"))
+            self.pos = self.pos.index_select(0, idx)
+        if self.grid is not None and self.extra is not None:
+            self.grid = self.grid.index_select(1, idx)
+            self.extra = self.extra.index_select(0, idx)
 
     def crop(self, length: int) -> None:
         if self.pos is not None:
             self.pos = self.pos[:, :length].clone()
-
-    def reset(self) -> None:
-        self.pos = None
-        self.pending = None
+        if self.grid is not None and self.extra is not None:
+            self.grid = self.grid[:, :, :length].clone()
+            self.extra = self.extra[:, :length].clone()
 
 
 def position_ids(kwargs: Dict[str, Any], q: int) -> Optional[torch.Tensor]:
@@ -65,3 +168,27 @@ def position_ids(kwargs: Dict[str, Any], q: int) -> Optional[torch.Tensor]:
             if isinstance(p, torch.Tensor) and p.ndim == 2 and p.shape[-1] == q:
                 return p
     return None
+
+
+def rotary_modules(rope: Any) -> List[Any]:
+    """The rotary modules of a cache's ``rope`` (a :class:`ModelRope` or :class:`LayerRope`;
+    none for a plain callable)."""
+    layers = rope.layers if isinstance(rope, ModelRope) else [rope]
+    return [r.module for r in layers if isinstance(r, LayerRope)]
+
+
+def watch_rotary(modules: Iterable[Any], positions: Callable[[], Optional[Positions]], owner: Any) -> None:
+    """Hands the multimodal ``position_ids`` (``[3, batch, q]``) each rotary module in
+    ``modules`` is called with to ``positions()`` (None: not inside a call of the cache's, or the
+    cache is gone), as ``pending_grid``; the hooks go when ``owner`` does."""
+
+    def hook(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        p = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        if isinstance(p, torch.Tensor) and p.ndim == 3 and p.shape[0] == 3:
+            store = positions()
+            if store is not None:
+                store.pending_grid = p
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
+               for m in {id(m): m for m in modules if isinstance(m, torch.nn.Module)}.values()]
+    weakref.finalize(owner, lambda: [h.remove() for h in handles])

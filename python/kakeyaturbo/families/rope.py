@@ -128,7 +128,8 @@ class LayerRope:
     ``table``: the form of the module's tables (:data:`TABLES`), turned here into one entry per
     channel; ``order``: the order the module returns them in (:data:`ORDERS`).
 
-    Calling it with integer positions ``[T]`` or ``[batch, T]`` gives float32 ``cos``/``sin``
+    Calling it with integer positions ``[T]`` or ``[batch, T]`` (or the ``[3, batch, T]`` of a
+    multimodal rotary module: temporal, height, width) gives float32 ``cos``/``sin``
     ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (in the
     per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
     """
@@ -179,8 +180,9 @@ class LayerRope:
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
-        if pos.ndim != 2:
-            raise ValueError(f"positions must be [T] or [batch, T], got shape {tuple(pos.shape)}")
+        if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3):
+            raise ValueError(f"positions must be [T], [batch, T] or (multimodal RoPE) [3, batch, T], "
+                             f"got shape {tuple(pos.shape)}")
         # The module reads only the dtype and device of its first argument.
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
