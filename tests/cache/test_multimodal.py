@@ -74,12 +74,23 @@ def _build(name: str):
                                                              **_IDS)).eval()
 
 
-def _inputs(name: str, image: bool):
+def _inputs(name: str, image):
     """A prompt of 20 text tokens, or (``image``) 6 text tokens, an image of 2 x 2 merged patches
-    between its start and end tokens, and 12 more."""
+    between its start and end tokens, and 12 more; ``image="batch"``: that prompt and a
+    left-padded one with an image of its own elsewhere."""
     g = torch.Generator().manual_seed(1)
     if not image:
         return {"input_ids": torch.randint(3, 80, (1, 20), generator=g)}
+    if image == "batch":
+        img = torch.tensor([92, 90, 90, 90, 90, 93])
+        def text(n):
+            return torch.randint(3, 80, (n,), generator=g)
+
+        ids = torch.stack([torch.cat([text(6), img, text(12)]),
+                           torch.cat([torch.zeros(3, dtype=torch.long), text(2), img, text(13)])])
+        return {"input_ids": ids, "attention_mask": (torch.arange(24)[None] >= torch.tensor([[0], [3]])).long(),
+                "pixel_values": torch.randn(32, 3 * 2 * 14 * 14, generator=g),
+                "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]), "mm_token_type_ids": (ids == 90).int()}
     ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.tensor([[92, 90, 90, 90, 90, 93]]),
                      torch.randint(3, 80, (1, 12), generator=g)], dim=1)
     # mm_token_type_ids marks the image tokens, as the processor does: without them the model
@@ -94,8 +105,8 @@ def _generate(model, inputs, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-CASES = [("gemma3", False), ("mistral3", False), ("qwen2_vl", True), ("qwen2_5_vl", False), ("qwen2_5_vl", True),
-         ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
+CASES = [("gemma3", False), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
+         ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
 @pytest.mark.parametrize("name, image", CASES)
