@@ -21,8 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 
-from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist  # noqa: E402
-from kakeyaturbo.errors import CorruptDataError  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache, persist  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidInputError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe  # noqa: E402
 
@@ -211,3 +211,34 @@ def test_saved_prefix_keeps_the_multimodal_positions(tmp_path) -> None:
     struct.pack_into("<i", off, len(data) - 4 - 4 * 3 * t, 5)
     with pytest.raises(CorruptDataError, match="multimodal positions"):
         KakeyaCache.load(damaged(off, "grid.kkpfx"), m)
+
+
+def test_compress_cache_takes_the_multimodal_positions() -> None:
+    """``compress_cache`` of a filled ``DynamicCache`` given the ``[3, batch, T]`` positions the
+    model rotated by (its ``get_rope_index``) codes the keys before RoPE; ``[3, ...]`` positions
+    for a rotation without multimodal sections are refused before anything changes."""
+    m = _build("qwen2_vl")
+    inputs = _inputs("qwen2_vl", True)
+    seen = []
+    hook = m.model.language_model.layers[0].self_attn.k_proj.register_forward_hook(
+        lambda _m, _a, out: seen.append(out.detach().reshape(1, out.shape[1], -1, 16)[0, :, 0]))
+    cache = transformers.DynamicCache(config=m.config)
+    try:
+        with torch.no_grad():
+            m(**inputs, cache=cache, use_cache=True)
+    finally:
+        hook.remove()
+    grid, _ = m.model.get_rope_index(inputs["input_ids"], image_grid_thw=inputs["image_grid_thw"],
+                                     mm_token_type_ids=inputs["mm_token_type_ids"])
+    codec = _Recorder(0)
+    compress_cache(cache, codec, positions=grid, model=m)
+    np.testing.assert_allclose(codec.rows[0], seen[0].numpy(), rtol=0, atol=1e-5)
+    flat = _build("gemma3")
+    g = transformers.DynamicCache(config=flat.config)
+    with torch.no_grad():
+        flat(**_inputs("gemma3", False), cache=g, use_cache=True)
+    before = g.layers[0].keys.clone()
+    with pytest.raises(InvalidInputError, match=r"positions must be \[T\] or \[batch=1, T\] with"):
+        compress_cache(g, IdentityCodec(pre_rope_keys=True), positions=torch.arange(20)[None, None].expand(3, 1, 20),
+                       model=flat)
+    assert torch.equal(g.layers[0].keys, before)

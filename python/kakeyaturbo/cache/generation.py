@@ -25,9 +25,9 @@ from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_co
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .rollback import crop_count
-from .positions import Positions, rotary_modules, watch_rotary
+from .positions import Positions, watch_rotary
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
-from .rope import check_rope, rope_of_layer
+from .rope import check_rope, layer_ropes, rope_of_layer
 
 #: The kernels that attend over the codes: ``auto`` (Rust on the CPU, Triton on a GPU), or one.
 KERNELS = ("auto", "rust", "triton")
@@ -484,7 +484,7 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
             c = ref()
             return c._positions if c is not None and c._undo is not None else None
 
-        watch_rotary(rotary_modules(cache.rope), live, cache)
+        watch_rotary([r.module for r in layer_ropes(cache.rope)], live, cache)
 
 
 def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor],

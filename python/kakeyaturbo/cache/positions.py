@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from ..codec.attention import RopeTable
-from ..families.rope import LayerRope, ModelRope
 
 
 class Positions:
@@ -168,13 +167,6 @@ def position_ids(kwargs: Dict[str, Any], q: int) -> Optional[torch.Tensor]:
             if isinstance(p, torch.Tensor) and p.ndim == 2 and p.shape[-1] == q:
                 return p
     return None
-
-
-def rotary_modules(rope: Any) -> List[Any]:
-    """The rotary modules of a cache's ``rope`` (a :class:`ModelRope` or :class:`LayerRope`;
-    none for a plain callable)."""
-    layers = rope.layers if isinstance(rope, ModelRope) else [rope]
-    return [r.module for r in layers if isinstance(r, LayerRope)]
 
 
 def watch_rotary(modules: Iterable[Any], positions: Callable[[], Optional[Positions]], owner: Any) -> None:

@@ -12,7 +12,7 @@ from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError, KakeyaError
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
-from .rope import layer_rope, rope_for
+from .rope import layer_rope, layer_ropes, rope_for
 
 
 def held_span(layer: Any) -> Tuple[int, int]:
@@ -25,9 +25,10 @@ def held_span(layer: Any) -> Tuple[int, int]:
     return max(seen - held, 0), held
 
 
-def _positions(positions: Any, layers: Sequence[Any]) -> torch.Tensor:
-    """``positions`` checked before any layer changes: integers, ``[T]`` or ``[batch, T]``, ``T``
-    covering every token a layer holds (TypeError, InvalidInputError)."""
+def _positions(positions: Any, layers: Sequence[Any], rope: Any) -> torch.Tensor:
+    """``positions`` checked before any layer changes: integers, ``[T]``, ``[batch, T]`` or (a
+    model whose ``rope`` is multimodal) ``[3, batch, T]``, ``T`` covering every token a layer
+    holds (TypeError, InvalidInputError)."""
     try:
         pos = torch.as_tensor(positions)
     except (TypeError, ValueError, RuntimeError) as e:
@@ -38,8 +39,12 @@ def _positions(positions: Any, layers: Sequence[Any]) -> torch.Tensor:
             if getattr(layer, "keys", None) is not None and layer.keys.numel()]
     need = max((first + n for (first, n), _ in held), default=0)
     batch = held[0][1] if held else None
-    if pos.ndim not in (1, 2) or pos.shape[-1] < need or (pos.ndim == 2 and pos.shape[0] != batch):
-        raise InvalidInputError(f"positions must be [T] or [batch={batch}, T] with T >= {need} (every "
+    ropes = layer_ropes(rope)
+    grid = bool(ropes) and all(r.multimodal for r in ropes)
+    if (pos.ndim not in (1, 2, 3) or pos.shape[-1] < need or (pos.ndim >= 2 and pos.shape[-2] != batch)
+            or (pos.ndim == 3 and (pos.shape[0] != 3 or not grid))):
+        also = f" or [3, batch={batch}, T]" if grid else ""
+        raise InvalidInputError(f"positions must be [T] or [batch={batch}, T]{also} with T >= {need} (every "
                                 f"token the cache saw), got shape {tuple(pos.shape)}")
     return pos
 
@@ -120,7 +125,9 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     the decoded keys with each layer's own rotation: ``rope`` is the model's
     (:func:`kakeyaturbo.cache.rope.rope_for`; a plain ``positions -> (cos, sin)`` callable applies
     to every layer), or found from ``model``. ``positions`` (``[T]`` or ``[batch, T]`` over every
-    token the cache saw; default ``0 .. T-1``) are the tokens' RoPE positions. With ``model``, a
+    token the cache saw; default ``0 .. T-1``) are the tokens' RoPE positions; for multimodal RoPE
+    (Qwen2-VL and its successors) after an image, the ``[3, batch, T]`` the model rotated by (its
+    ``get_rope_index``). With ``model``, a
     codec that has a ``check_model`` (a calibrated ``ModelCodec``) is checked against it first.
 
     Every layer is coded and decoded before any is written (the decoded rows wait on the CPU), so
@@ -150,7 +157,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
             raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
         rope = rope_for(model)
     if want_rope and positions is not None:
-        positions = _positions(positions, layers)
+        positions = _positions(positions, layers, rope)
     bits = elems = blob_bytes = raw = 0
     done, pending = [], []
     with torch.no_grad():

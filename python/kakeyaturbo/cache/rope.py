@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InvalidParameterError
 from ..families.layout import rope_for
-from ..families.rope import (STYLES, FnRope, LayerRope, ModelRope, apply_rope, layer_rope,
+from ..families.rope import (STYLES, FnRope, LayerRope, ModelRope, apply_rope, layer_rope, layer_ropes,
                              rope_transpose, rotate_half, rotate_interleaved, unapply_rope)
 
 #: positions ``[T]`` or ``[batch, T]`` (integers) -> ``(cos, sin)``, each float32
@@ -28,7 +28,7 @@ RopeFn = Callable[[Any], Tuple[torch.Tensor, torch.Tensor]]
 _PROBE = torch.arange(2)[None]
 
 __all__ = ["STYLES", "FnRope", "LayerRope", "ModelRope", "RopeFn", "apply_rope", "check_rope",
-           "layer_rope", "rope_for", "rope_of_layer", "rope_transpose", "rotate_half",
+           "layer_rope", "layer_ropes", "rope_for", "rope_of_layer", "rope_transpose", "rotate_half",
            "rotate_interleaved", "unapply_rope"]
 
 

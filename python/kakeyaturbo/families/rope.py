@@ -32,7 +32,7 @@ to the rows before it.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -158,6 +158,12 @@ class LayerRope:
         tf += f", order={self.order!r}" if self.order != "cos_sin" else ""
         return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{tf})"
 
+    @property
+    def multimodal(self) -> bool:
+        """Whether the module rotates by three positions per token (``mrope_section``: Qwen2-VL
+        and its successors), so takes ``[3, batch, T]``."""
+        return getattr(self.module, "mrope_section", None) is not None
+
     def same_as(self, other: "Optional[LayerRope]") -> bool:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
@@ -180,9 +186,9 @@ class LayerRope:
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
-        if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3):
+        if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3 and self.multimodal):
             raise ValueError(f"positions must be [T], [batch, T] or (multimodal RoPE) [3, batch, T], "
-                             f"got shape {tuple(pos.shape)}")
+                             f"got shape {tuple(pos.shape)} for {self!r}")
         # The module reads only the dtype and device of its first argument.
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
@@ -335,3 +341,10 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
                     if mine.shape == out.shape and torch.equal(mine, out):
                         return rope
     return None
+
+
+def layer_ropes(rope: Any) -> List[LayerRope]:
+    """The :class:`LayerRope` of every layer of ``rope`` (a :class:`ModelRope`, one
+    :class:`LayerRope`, or a plain callable: none)."""
+    layers = rope.layers if isinstance(rope, ModelRope) else [rope]
+    return [r for r in layers if isinstance(r, LayerRope)]
