@@ -16,7 +16,8 @@ first difference, the mean KL divergence of their next-token distributions from 
 DynamicCache's and the slow path's over the steps whose prefixes are still the same (up to and
 including the first differing token), and a profile of a decode step (attention, cache update,
 sealing, and the rest of the model: time inside the attention functions and the cache's `update`, summed over
-the layers, per generated token). Prints a table and writes JSON.
+the layers, per generated token; over the codes, the Rust kernel's share of attention in brackets,
+the rest of it the Python around the kernel). Prints a table and writes JSON.
 
     .venv/bin/python benches/bench_generate.py \\
         --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
@@ -40,6 +41,7 @@ from kakeyaturbo import assets, calibration, recipes
 from kakeyaturbo.cache import KakeyaCache, codec_for
 from kakeyaturbo.cache import fast as fast_mod
 from kakeyaturbo.cache.layer import KakeyaLayer
+from kakeyaturbo.codec.attention import LayerCodes
 from kakeyaturbo.calibration import corpus
 from kakeyaturbo.eval import model as model_mod
 
@@ -59,11 +61,12 @@ class Clock(transformers.LogitsProcessor):
 
 
 class Profile:
-    """Time spent inside the attention functions, the caches' ``update`` and the fast layers'
-    sealing, summed, while open; counted from the second generated token (decode steps only)."""
+    """Time spent inside the attention functions (and of it inside the Rust kernel's call), the
+    caches' ``update`` and the fast layers' sealing, summed, while open; counted from the second
+    generated token (decode steps only)."""
 
     def __init__(self) -> None:
-        self.acc: Dict[str, float] = {"attention": 0.0, "update": 0.0, "seal": 0.0}
+        self.acc: Dict[str, float] = {"attention": 0.0, "kernel": 0.0, "update": 0.0, "seal": 0.0}
         self.on = False
         self._undo: List[Callable[[], None]] = []
 
@@ -101,6 +104,7 @@ class Profile:
         self._wrap(transformers.DynamicCache, "update", "update")
         self._wrap(KakeyaCache, "update", "update")
         self._wrap(KakeyaLayer, "settle", "seal")
+        self._wrap(LayerCodes, "kernel_attend", "kernel")  # the Rust kernel's share of attention
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -206,7 +210,7 @@ def main() -> int:
         if steps:
             per["attention"] -= per["seal"]  # the fast path seals inside its attention function
         if steps:
-            per["model_rest"] = 1e3 * decode_s / steps - sum(per.values())
+            per["model_rest"] = 1e3 * decode_s / steps - sum(v for k, v in per.items() if k != "kernel")
         return {"tokens": out[0, n0:], "logp": logp.steps, "prefill_s": clock.t[0] - t0,
                 "decode_s": decode_s,
                 "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
@@ -279,7 +283,7 @@ def main() -> int:
           f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f}")
     print("| prompt | cache | recipe | bits/elem held | prefill s | decode tok/s | vs DynamicCache "
           "| identical (vs DynamicCache) | identical (vs decode-then-attend) | KL vs DynamicCache "
-          "| KL vs decode-then-attend | decode step ms: attention / update / seal / rest |")
+          "| KL vs decode-then-attend | decode step ms: attention (kernel) / update / seal / rest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     shown = summarize(rows) if args.repeats > 1 else rows
     if args.repeats > 1:
@@ -290,6 +294,8 @@ def main() -> int:
 
         sm = r["step_ms"]
         prof = " / ".join(f"{sm.get(k, 0):.1f}" for k in ("attention", "update", "seal", "model_rest"))
+        if sm.get("kernel"):  # attention over the codes: the kernel's share, the rest Python around it
+            prof = prof.replace(" / ", f" ({sm['kernel']:.1f}) / ", 1)
         bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "16 (bf16) / 32 held"
         vs = f"{r['speed_vs_dynamic']:.2f}x" if "speed_vs_dynamic" in r else "1.00x"
         same = f"{r['identical_to_dynamic']}/{r['new_tokens']}" if "new_tokens" in r else "-"

@@ -147,6 +147,27 @@ def test_fast_chunked_prefill_and_decoding_steps(setup) -> None:
     assert fast.get_seq_length() == 50 and fast.layers[0].num_sealed() == 6
 
 
+def test_key_rotation_is_read_once_per_change_of_the_sealed_rows(ropebefore) -> None:
+    """Keys coded before RoPE: a decode step between two seals reuses the rows and table the
+    last step read; a sealed block, positions changed in place (a crop, a reorder, or set
+    anew) read them again."""
+    model = build("llama")
+    cache = KakeyaCache(fast_codec(model, ropebefore, "before"), model=model, block_size=8, n_sink=1)
+    forward(model, _ids(t=20), cache)
+    layer = cache.layers[0]
+    layer.codes()
+    table, rows = layer.key_rotation()
+    forward(model, _ids(t=1, seed=2), cache)  # 21 tokens: no new block
+    assert layer.key_rotation()[1] is rows
+    forward(model, _ids(t=4, seed=3), cache)  # 25: a block sealed
+    layer.codes()
+    more = layer.key_rotation()[1]
+    assert more is not rows and more.shape == (1, 24) and more[0, -1] == 24
+    cache._positions.pos = cache._positions.pos + 5
+    moved = layer.key_rotation()[1]
+    assert moved is not more and np.array_equal(moved, more + 5)
+
+
 def test_fast_left_padded_batch(setup) -> None:
     name, model, codec = setup
     ids = _ids(batch=2, t=40)

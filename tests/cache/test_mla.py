@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache  # noqa: E402
+from kakeyaturbo.codec.attention import LayerCodes  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
@@ -229,13 +230,13 @@ def test_attention_over_the_codes(name, monkeypatch) -> None:
 
     monkeypatch.setattr(KakeyaLayer, "_block", guarded)
     calls = [0]
-    real = fast_mod.decode_attention
+    real = LayerCodes.kernel_attend
 
-    def counted(*a, **kw):
-        calls[0] += bool(kw.get("latent"))
-        return real(*a, **kw)
+    def counted(self, *a):
+        calls[0] += bool(a[-1])  # latent, the last argument
+        return real(self, *a)
 
-    monkeypatch.setattr(fast_mod, "decode_attention", counted)
+    monkeypatch.setattr(LayerCodes, "kernel_attend", counted)
     seq_f, log_f = generate(model, ids, fast, n=10)
     monkeypatch.setattr(KakeyaLayer, "_block", orig)
     kv = describe(model).calibration_group()[0]

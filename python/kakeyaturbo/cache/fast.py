@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codec.attention import RopeTable, decode_attention
+from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_sink_logits
 from ..families.capture import sparse_mask
 from ..families.layout import model_type
 from ..families.rope import LayerRope, tabulated_rows
@@ -243,21 +243,16 @@ def _f32(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
-def _f32_or_none(x: Optional[torch.Tensor]) -> Optional[np.ndarray]:
-    return None if x is None else _f32(x)
-
-
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
               base: str, **kwargs: Any) -> Tuple[Any, Any]:
     """The attention function of :data:`NAMES` (see the module docstring). ``query``
     ``[B, H_q, n_q, D]``; returns ``(output [B, n_q, H_q, D_v], None)`` as transformers'
     functions do."""
     layer = getattr(key, TAG, None)
-    fn = _delegate(module, base)
     if isinstance(attention_mask, torch.Tensor):  # dynamic sparse attention's picks, as eager/sdpa take them
         attention_mask, kwargs = sparse_mask(attention_mask, kwargs, attention_mask.shape[-1])
     if layer is None:
-        return fn(module, query, key, value, attention_mask, **kwargs)
+        return _delegate(module, base)(module, query, key, value, attention_mask, **kwargs)
     try:
         codes = layer.codes()
         rot = None
@@ -270,7 +265,7 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
             k, v = layer.materialize()
             if layer.latent:  # the cached rows, expanded as the model's expand_kv does
                 k, v = type(module).expand_kv(module, k, v)
-            return fn(module, query, k, v, attention_mask, **kwargs)
+            return _delegate(module, base)(module, query, k, v, attention_mask, **kwargs)
         if layer.latent:
             return _attend_latent(layer, codes, module, query, attention_mask, kwargs)
         if layer._kernel_for(query.device) == "triton":
@@ -280,11 +275,17 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
         layer.read()
 
 
-def _sink_logits(module: Any, kwargs: Dict[str, Any]) -> Any:
+def _sink_logits(module: Any, kwargs: Dict[str, Any], layer: Any = None) -> Any:
     """The learnt sinks the model's attention takes (GPT-OSS passes its ``sinks`` as ``s_aux``;
-    its eager function reads ``module.sinks``), or None."""
+    its eager function reads ``module.sinks``), or None. A module found without them is
+    remembered by ``layer`` (a missing attribute of a torch module is slow to look up)."""
     s = kwargs.get("s_aux")
-    return getattr(module, "sinks", None) if s is None else s
+    if s is not None or (layer is not None and layer._sinkless is module):
+        return s
+    s = getattr(module, "sinks", None)
+    if s is None and layer is not None:
+        layer._sinkless = module
+    return s
 
 
 def _supported(module: Any, kwargs: Dict[str, Any]) -> bool:
@@ -312,26 +313,33 @@ def _scale_softcap(module: Any, query: torch.Tensor, kwargs: Dict[str, Any]) -> 
 
 
 def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndarray, mask: Any,
-            kwargs: Dict[str, Any], **extra: Any) -> np.ndarray:
-    """:func:`decode_attention` of ``q`` (the kernel's queries for the model's ``query``) over
-    the layer's codes and raw rows, with the family's scale and softcap, the layer's window and
-    threads and the model's mask; ``extra`` keyword arguments go to the kernel."""
+            kwargs: Dict[str, Any], rot: Any = None, latent: bool = False) -> np.ndarray:
+    """The attention of ``q`` (the kernel's queries for the model's ``query``) over the layer's
+    codes and raw rows, as :func:`decode_attention` computes it, with the family's scale and
+    softcap, the layer's window, threads and synthesis, the model's mask and learnt sinks;
+    ``rot``: :meth:`KakeyaLayer.key_rotation`'s table and rows (keys coded before RoPE). The
+    arrays go to the kernel as they are (:meth:`LayerCodes.kernel_attend`: it checks them): at
+    every decode step and layer, the public function's own checks would repeat the cache's."""
     sk, sv, tk, tv = layer.raw_rows()
+    n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
-    m = _bool_mask(mask, query.shape[-2], total)
-    return decode_attention(codes, q, _f32(tk), _f32(tv), sink_k=_f32(sk), sink_v=_f32(sv),
-                            scale=scale, softcap=softcap, window=layer.window,
-                            mask=None if m is None else np.ascontiguousarray(m.to("cpu").numpy()),
-                            threads=layer.threads, **extra)
+    m = _bool_mask(mask, n_q, total)
+    if m is not None:
+        m = additive_mask(np.ascontiguousarray(m.to("cpu").numpy()), codes.batch, n_q, total)
+    sinks = _sink_logits(module, kwargs, layer)
+    sinks = None if sinks is None else sink_logits_array(_f32(sinks), q.shape[1])
+    rope = None if rot is None else rot[0].kernel_args(rot[1].view(np.uint32), layer.synthesis)
+    out, lse = codes.kernel_attend(q, _f32(sk), _f32(sv), _f32(tk), _f32(tv), m, scale, softcap, layer.window,
+                                   layer.threads, rope, latent)
+    return out if sinks is None else with_sink_logits(out, lse, sinks)[0]
 
 
 def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
             kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
-    table, positions = rot if rot is not None else (None, None)
-    out = _kernel(layer, codes, module, query, _f32(query), mask, kwargs, rope=table, positions=positions,
-                  synthesis=layer.synthesis, sink_logits=_f32_or_none(_sink_logits(module, kwargs)))
-    o = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
+    o = torch.from_numpy(_kernel(layer, codes, module, query, _f32(query), mask, kwargs, rot))
+    if o.dtype != query.dtype or query.device.type != "cpu":
+        o = o.to(device=query.device, dtype=query.dtype)
     return o.transpose(1, 2).contiguous(), None
 
 
@@ -349,8 +357,7 @@ def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mas
     q = query.detach()
     q_lat = torch.einsum("bhnd,hdr->bhnr", q[..., :dn].to(w.dtype), w[:, :dn])
     q_all = torch.cat([q_lat, q[..., dn:].to(q_lat.dtype)], dim=-1)
-    out = _kernel(layer, codes, module, query, _f32(q_all), mask, kwargs, latent=True,
-                  sink_logits=_f32_or_none(_sink_logits(module, kwargs)))  # (HY-V4's learnt sinks)
+    out = _kernel(layer, codes, module, query, _f32(q_all), mask, kwargs, latent=True)  # (HY-V4's learnt sinks)
     o = torch.einsum("bhnr,hvr->bhnv", torch.from_numpy(out).to(device=w.device, dtype=w.dtype), w[:, dn:])
     return o.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
@@ -374,7 +381,7 @@ def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwar
                                      mask=_bool_mask(mask, n_q, total),
                                      rope=None if table is None else staged_rope(table, batch.device),
                                      positions=pos, synthesis=layer.synthesis,
-                                     sink_logits=_sink_logits(module, kwargs))
+                                     sink_logits=_sink_logits(module, kwargs, layer))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -404,7 +411,7 @@ class SealedCodes:
         self.codes: Any = None
         self.starts: List[int] = []  # the position each block the codes hold starts at
         self.epoch = 0
-        self._device: Any = None  # (epoch, blocks, LayerBatch, positions)
+        self._device: Any = None  # (epoch, blocks, LayerBatch, positions there, positions here)
 
     def forget(self) -> None:
         """Drops the codes (rebuilt from the blobs on the next :meth:`sync`)."""
@@ -445,11 +452,13 @@ class SealedCodes:
         n = len(self.starts)
         held = self._device
         if held is not None and held[0] == self.epoch and held[1] == n:
-            return held[2], held[3]
-        if held is not None and held[0] == self.epoch and 0 < held[1] < n:
+            batch = held[2]
+            if held[4] is positions:  # the layer reads its rows' positions anew only when they change
+                return batch, held[3]
+        elif held is not None and held[0] == self.epoch and 0 < held[1] < n:
             batch = extend_layer(held[2], self.codes, held[1])
         else:
             batch = stack_layer(self.codes, device)
         pos = None if positions is None else torch.from_numpy(np.ascontiguousarray(positions)).to(device)
-        self._device = (self.epoch, n, batch, pos)
+        self._device = (self.epoch, n, batch, pos, positions)
         return batch, pos

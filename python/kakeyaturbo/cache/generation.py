@@ -340,11 +340,12 @@ class KakeyaCache(Cache):
         (only with keep_decoded), ``state`` (a hybrid model's recurrent and convolution states,
         held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`),
         ``indexer`` (the indexer keys of a dynamic-sparse-attention layer, DeepSeek V3.2's, raw),
-        ``positions`` (int32 per token and batch row, only when
-        the codec codes keys without RoPE; four more per token once an image's multimodal RoPE
-        positions are held: :class:`~kakeyaturbo.cache.positions.Positions`) and ``rope_table`` (the cos/sin table attention over
-        keys coded before RoPE reads: 8 bytes per position and rotary frequency, shared by the
-        layers and by every cache of the model: reported here in full, left out of :meth:`nbytes`)."""
+        ``positions`` (int32 per token and batch row, only when the codec codes keys without
+        RoPE; four more per token once an image's multimodal RoPE positions are held:
+        :class:`~kakeyaturbo.cache.positions.Positions`) and ``rope_table`` (the cos/sin table
+        attention over keys coded before RoPE reads: 8 bytes per position and rotary frequency,
+        shared by the layers and by every cache of the model: reported here in full, left out
+        of :meth:`nbytes`)."""
         out = {"blobs": 0, "sink": 0, "staging": 0, "decoded": 0, "state": 0, "indexer": 0}
         for layer in self.layers:
             for key, n in _layer_memory(layer).items():
@@ -431,9 +432,9 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
     the cache holds feeds none or their tail again, which would fail deep in the model or
     silently continue from the wrong tokens), and a call on a cache a refused call left
     unusable; hands the call's ``position_ids`` to the cache's position store (some families,
-    GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's rotary
-    modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a snapshot of the layers. After: a call
-    that raised (a later layer refused its rows, say) is rolled back, so that the cache is as it
+    GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's
+    rotary modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a
+    snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is rolled back, so that the cache is as it
     was; a loaded prefix is continued only once a call went through. The hooks hold the cache
     weakly and go when the cache does."""
     ref = weakref.ref(cache)

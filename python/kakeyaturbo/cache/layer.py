@@ -114,6 +114,8 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         self.readers = 1
         self._reads = 0
         self._rope_table: Any = None  # the rope table the last fast step read (pre-RoPE keys)
+        self._rotation: Any = None  # what key_rotation read, and for which sealed rows
+        self._sinkless: Any = None  # the attention module last seen without learnt sinks
         #: Recording the past (assisted generation): rows are sealed or dropped only at the next
         #: crop, so that it can remove the rows taken since (``_recorded``) exactly.
         self.record_past = False
@@ -249,6 +251,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         :data:`~kakeyaturbo.cache.fast.TABLE_MAX` (the caller then takes the slow path)."""
         assert self.rope is not None and self.positions is not None and self.positions.pos is not None
         starts, bs = self._s["k"].starts, self.block_size
+        # Read once per change of the sealed rows (a block sealed or dropped, positions changed):
+        # a decode step between two seals reuses it.
+        key = (self.positions.epoch, self._codes.epoch, len(starts), starts[0] if starts else -1)
+        memo = self._rotation
+        if memo is not None and memo[0] == key:
+            self._rope_table = memo[1]
+            return memo[1], memo[2]
 
         def sealed(x: torch.Tensor) -> np.ndarray:
             if starts and starts[-1] - starts[0] == (len(starts) - 1) * bs:
@@ -262,7 +271,9 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         extra = self.positions.extra
         table, rows = self.positions.rotation(self.rope, rope_table(self.rope, n), rows,
                                               None if extra is None else sealed(extra))
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
         self._rope_table = table
+        self._rotation = (key, table, rows)
         return table, rows
 
     def get_mask_sizes(self, query_length: int) -> Tuple[int, int]:

@@ -465,8 +465,10 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     if cache._positions is not None and seen:
         if grid is not None:
             cache._positions.load(grid)
+        elif pos is not None:
+            cache._positions.pos = pos
         else:
-            cache._positions.pos = pos if pos is not None else torch.arange(seen, dtype=torch.int32)[None].expand(b, seen).clone()
+            cache._positions.pos = torch.arange(seen, dtype=torch.int32)[None].expand(b, seen).clone()
         if cache._positions.pos.shape[1] != seen:
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
     try:

@@ -35,7 +35,10 @@ class Positions:
         self.reset()
 
     def reset(self) -> None:
-        self.pos: Optional[torch.Tensor] = None
+        self._pos: Optional[torch.Tensor] = None
+        #: Counts the changes to positions already held (not the appends): what was read from
+        #: them (:meth:`KakeyaLayer.key_rotation`) holds while it is unchanged.
+        self.epoch = getattr(self, "epoch", 0) + 1
         self.grid: Optional[torch.Tensor] = None
         self.extra: Optional[torch.Tensor] = None
         self.triples: List[Tuple[int, int, int]] = []
@@ -43,6 +46,15 @@ class Positions:
         self._tables: List[Tuple[RopeTable, int, RopeTable]] = []
         self.pending: Optional[torch.Tensor] = None
         self.pending_grid: Optional[torch.Tensor] = None
+
+    @property
+    def pos(self) -> Optional[torch.Tensor]:
+        return self._pos
+
+    @pos.setter
+    def pos(self, value: Optional[torch.Tensor]) -> None:
+        self._pos = value
+        self.epoch += 1
 
     def __len__(self) -> int:
         return 0 if self.pos is None else self.pos.shape[1]
@@ -100,7 +112,7 @@ class Positions:
         self._append(g[0], g, extra)
 
     def _append(self, pos: torch.Tensor, grid: Optional[torch.Tensor], extra: Optional[torch.Tensor]) -> None:
-        self.pos = pos.clone() if self.pos is None else torch.cat([self.pos, pos], dim=1)
+        self._pos = pos.clone() if self._pos is None else torch.cat([self._pos, pos], dim=1)
         if grid is not None and self.grid is not None:
             self.grid = torch.cat([self.grid, grid], dim=2)
         if extra is not None and self.extra is not None:
@@ -142,6 +154,7 @@ class Positions:
     def restore(self, snap: Tuple[Any, ...]) -> None:
         self.pos, self.grid, self.extra = snap
 
+    # select and crop replace pos (its setter counts the change) with grid and extra.
     def select(self, idx: torch.Tensor) -> None:
         idx = idx.to("cpu")
         if self.pos is not None:

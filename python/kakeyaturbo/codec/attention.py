@@ -92,6 +92,11 @@ class RopeTable:
     def __repr__(self) -> str:
         return f"RopeTable(n_positions={self.n_positions}, rot_dim={self.rot_dim}, style={self.style!r})"
 
+    def kernel_args(self, positions: np.ndarray, synthesis: str) -> Tuple[Any, ...]:
+        """The rotation as the kernel takes it (:meth:`LayerCodes.kernel_attend`): ``positions``
+        uint32 ``[B, T_c]`` C-contiguous."""
+        return self._cos_t, self._sin_t, positions, self.style, synthesis
+
 
 class LayerCodes:
     """The sealed K and V codes of one attention layer, per (batch row, kv-head).
@@ -191,6 +196,18 @@ class LayerCodes:
         """:func:`decode_attention` over these codes."""
         return decode_attention(self, q, tail_k, tail_v, **kwargs)
 
+    def kernel_attend(self, q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, tail_k: np.ndarray,
+                      tail_v: np.ndarray, mask: Optional[np.ndarray], scale: float, softcap: Optional[float],
+                      window: Optional[int], threads: Optional[int], rot: Any, latent: bool
+                      ) -> Tuple[np.ndarray, np.ndarray]:
+        """The kernel call of :func:`decode_attention` (output and log-sum-exp), without the
+        checks it makes first: float32 C-contiguous arrays, ``mask`` additive ``[B, n_q, T]``
+        or None, ``rot`` from :meth:`RopeTable.kernel_args` or None. The kernel checks every
+        size, value and setting again (the same typed errors, with plainer messages): for a
+        caller that builds these arrays at every decode step (the generation cache)."""
+        return self._c.attend(q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap, window, threads, rot,
+                              latent)
+
     def __repr__(self) -> str:
         return repr(self._c)
 
@@ -220,7 +237,7 @@ def _contiguous(*arrays: np.ndarray) -> Tuple[np.ndarray, ...]:
     return tuple(np.ascontiguousarray(a) for a in arrays)
 
 
-def _mask(mask: Any, batch: int, n_q: int, total: Optional[int]) -> Optional[np.ndarray]:
+def additive_mask(mask: Any, batch: int, n_q: int, total: Optional[int]) -> Optional[np.ndarray]:
     """The additive mask ``[B, n_q, T]`` float32 from an additive or boolean (True: attend) mask
     of shape ``[B, n_q, T]`` or ``[B, 1, n_q, T]`` (``T`` = ``total`` where known)."""
     if mask is None:
@@ -370,13 +387,12 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
         if pos.size and (pos.min() < 0 or pos.max() >= rope.n_positions):
             raise InvalidInputError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
                                     f"got {pos.min()} .. {pos.max()}")
-        rot = (rope._cos_t, rope._sin_t, np.ascontiguousarray(pos, dtype=np.uint32), rope.style,
-               synthesis)
+        rot = rope.kernel_args(np.ascontiguousarray(pos, dtype=np.uint32), synthesis)
     if lat and rot is not None:
         raise InvalidParameterError("latent attention takes no rope: its latent rows carry no RoPE")
     sinks = None if sink_logits is None else sink_logits_array(sink_logits, qa.shape[1])
-    out, lse = codes._c.attend(qa, sk, sv, tk, tv, _mask(mask, b, n_q, total), scale_, cap, win,
-                               _checks.threads(threads), rot, lat)
+    out, lse = codes.kernel_attend(qa, sk, sv, tk, tv, additive_mask(mask, b, n_q, total), scale_, cap, win,
+                                   _checks.threads(threads), rot, lat)
     if sinks is not None:
         out, lse = with_sink_logits(out, lse, sinks)
     return (out, lse) if _checks.boolean(return_lse, "return_lse") else out

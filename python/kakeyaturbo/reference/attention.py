@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 
-from ..codec.attention import LayerCodes, RopeTable, _mask
+from ..codec.attention import LayerCodes, RopeTable, additive_mask
 from ..errors import InvalidInputError
 
 __all__ = ["decoded_kv", "reference_attention"]
@@ -114,7 +114,7 @@ def reference_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     if window is not None:
         seen &= qpos - pos < window
     s = s.masked_fill(~seen, float("-inf"))
-    m = _mask(mask, b, nq, t)
+    m = additive_mask(mask, b, nq, t)
     if m is not None:
         s = s + torch.from_numpy(m.astype(np.float64))[:, None]
     if sink_logits is not None:
