@@ -434,9 +434,9 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
     unusable; hands the call's ``position_ids`` to the cache's position store (some families,
     GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's
     rotary modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a
-    snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is rolled back, so that the cache is as it
-    was; a loaded prefix is continued only once a call went through. The hooks hold the cache
-    weakly and go when the cache does."""
+    snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is
+    rolled back, so that the cache is as it was; a loaded prefix is continued only once a call
+    went through. The hooks hold the cache weakly and go when the cache does."""
     ref = weakref.ref(cache)
 
     def ours(kwargs: Dict[str, Any]) -> Optional[KakeyaCache]:
