@@ -413,7 +413,10 @@ NO_STATISTICS: Dict[str, str] = {
 
 #: Families of ``fast.FAMILIES`` whose checkpoints are multimodal and tested as such elsewhere
 #: (``test_multimodal.py``: the decoder inside its ``...ForConditionalGeneration``), not built here.
-ELSEWHERE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text"})
+ELSEWHERE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text", "qwen2_5_omni_text",
+                       "qwen3_omni_moe_text", "cosmos3_edge_text", "hunyuan_vl_text", "hy_v4_vl_text", "glm4v_text",
+                       "glm4v_moe_text", "glm_ocr_text", "glm_image_text", "ernie4_5_vl_moe_text",
+                       "paddleocr_vl_text"})
 
 
 def build(name: str) -> Any:

@@ -57,7 +57,7 @@ NAMES = {"sdpa": "kakeyaturbo_codes_sdpa", "eager": "kakeyaturbo_codes_eager"}
 #: ``tests/cache/test_mla.py``).
 LATENT = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                     "minicpm3", "youtu", "hy_v4", "longcat_flash", "sarvam_mla", "axk1", "axk2",
-                    "dots3_note_text"})
+                    "dots3_note_text", "hy_v4_vl_text"})
 
 #: Model types whose attention hands the tensor ``update`` returned straight to the attention
 #: function (checked on a tiny model of each in ``tests/cache/test_fast.py``).
@@ -71,7 +71,11 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
                       "hunyuan_v1_moe", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
-                      "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text",
+                      # multimodal checkpoints' decoders (tests/cache/test_multimodal*.py)
+                      "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
+                      "qwen2_5_omni_text", "qwen3_omni_moe_text", "cosmos3_edge_text", "hunyuan_vl_text",
+                      "glm4v_text", "glm4v_moe_text", "glm_ocr_text", "glm_image_text", "ernie4_5_vl_moe_text",
+                      "paddleocr_vl_text",
                       # hybrids: recurrent, state-space or convolution layers beside the attention
                       "qwen3_next", "qwen3_5_text", "olmo_hybrid", "jamba", "bamba", "granitemoehybrid",
                       "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "qwen3_5_moe_text", "qwen4_exp_text",

@@ -485,7 +485,7 @@ def _watch_calls(model: Any, cache: KakeyaCache) -> None:
             c = ref()
             return c._positions if c is not None and c._undo is not None else None
 
-        watch_rotary([r.module for r in layer_ropes(cache.rope)], live, cache)
+        watch_rotary([r.module for r in layer_ropes(cache.rope) if r.multimodal], live, cache)
 
 
 def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor],

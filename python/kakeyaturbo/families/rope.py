@@ -160,9 +160,29 @@ class LayerRope:
 
     @property
     def multimodal(self) -> bool:
-        """Whether the module rotates by three positions per token (``mrope_section``: Qwen2-VL
-        and its successors), so takes ``[3, batch, T]``."""
-        return getattr(self.module, "mrope_section", None) is not None
+        """Whether the module rotates by three positions per token (``mrope_section`` of three:
+        Qwen2-VL and its successors), so takes ``[3, batch, T]``, turning both channels of each
+        pair by one angle however the positions differ: a rotation the cache can take off
+        (probed once). HunYuan-VL's sections split pairs between positions (an image token's map
+        is then no rotation), and may be four: it is rotated by one position per token."""
+        found = self.__dict__.get("_multimodal")
+        if found is None:
+            found = self.__dict__["_multimodal"] = self._three_sections() and self._pairs_kept()
+        return found
+
+    def _three_sections(self) -> bool:
+        sections = getattr(self.module, "mrope_section", None)
+        return sections is not None and len(sections) == 3
+
+    def _pairs_kept(self) -> bool:
+        try:
+            cos, sin = self(torch.tensor([5, 9, 13]).view(3, 1, 1))
+        except (RuntimeError, ValueError, TypeError):  # a module that takes no three positions per token
+            return False
+        h = cos.shape[-1] // 2
+        if self.style == "half":
+            return all(torch.equal(t[..., :h], t[..., h:]) for t in (cos, sin))
+        return all(torch.equal(t[..., 0::2], t[..., 1::2]) for t in (cos, sin))
 
     def same_as(self, other: "Optional[LayerRope]") -> bool:
         """Whether ``other`` rotates exactly as this one does."""
@@ -186,7 +206,7 @@ class LayerRope:
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
-        if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3 and self.multimodal):
+        if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3 and self._three_sections()):
             raise ValueError(f"positions must be [T], [batch, T] or (multimodal RoPE) [3, batch, T], "
                              f"got shape {tuple(pos.shape)} for {self!r}")
         # The module reads only the dtype and device of its first argument.
