@@ -109,10 +109,8 @@ CASES = [("gemma3", False), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl"
          ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
-@pytest.mark.parametrize("name, image", CASES)
-def test_identity_codec_generates_as_dynamic_cache(name, image) -> None:
-    m = _build(name)
-    inputs = _inputs(name, image)
+def check_identity(m, inputs, name) -> None:
+    """The identity codec (keys as cached, and without RoPE) generates as ``DynamicCache``."""
     seq, logits = _generate(m, inputs, transformers.DynamicCache(config=m.config))
     for pre in (False, True):
         s, lg = _generate(m, inputs, KakeyaCache(IdentityCodec(pre_rope_keys=pre), model=m, block_size=4, n_sink=1))
@@ -121,12 +119,10 @@ def test_identity_codec_generates_as_dynamic_cache(name, image) -> None:
         assert (lg - logits).abs().max().item() <= (0.0 if not pre else 1e-5), (name, pre)
 
 
-@pytest.mark.parametrize("rope", ["after", "before"])
-@pytest.mark.parametrize("name, image", CASES)
-def test_attention_over_the_codes_as_decode_then_attend(name, image, rope) -> None:
-    m = _build(name)
+def check_fast(m, inputs, rope, name) -> None:
+    """Attention over the codes of a calibrated codec (keys coded ``rope`` RoPE) as the same
+    cache decoding its blocks: the same tokens, logits within 1e-5, blocks sealed."""
     codec = fast_codec(m, fast_recipe(rope), rope)
-    inputs = _inputs(name, image)
     fast = KakeyaCache(codec, model=m, block_size=4, n_sink=1, synthesis="f32")
     slow = KakeyaCache(codec, model=m, block_size=4, n_sink=1, fast=False)
     assert fast.fast, fast.fast_reason
@@ -135,6 +131,17 @@ def test_attention_over_the_codes_as_decode_then_attend(name, image, rope) -> No
     assert torch.equal(s_f, s_s), name
     assert (l_f - l_s).abs().max().item() <= 1e-5, name
     assert any(layer.num_sealed() for layer in fast.layers if hasattr(layer, "num_sealed"))
+
+
+@pytest.mark.parametrize("name, image", CASES)
+def test_identity_codec_generates_as_dynamic_cache(name, image) -> None:
+    check_identity(_build(name), _inputs(name, image), name)
+
+
+@pytest.mark.parametrize("rope", ["after", "before"])
+@pytest.mark.parametrize("name, image", CASES)
+def test_attention_over_the_codes_as_decode_then_attend(name, image, rope) -> None:
+    check_fast(_build(name), _inputs(name, image), rope, name)
 
 
 class _Recorder(IdentityCodec):
@@ -159,22 +166,37 @@ def test_keys_are_coded_without_multimodal_rope(name) -> None:
     layers = m.model.language_model.layers
     i = next(j for j, layer in enumerate(layers) if hasattr(layer, "self_attn"))
     attn = layers[i].self_attn
+    cache = check_keys(m, _inputs(name, True), i, getattr(attn, "k_norm", None) or attn.k_proj)
+    # the 2 x 2 image tokens' (temporal, height, width): three of the four differ
+    assert cache._positions.grid is not None and len(cache._positions.triples) == 3
+
+
+def coded_keys(m, inputs, layer: int, module=None):
+    """Generates with an identity codec of keys before RoPE: the key rows of (``layer``, kv-head
+    0) the codec was handed, the outputs (kv-head 0, head_dim 16) of ``module`` (none where
+    None), and the cache."""
     seen = []
-    hook = (getattr(attn, "k_norm", None) or attn.k_proj).register_forward_hook(
+    hook = None if module is None else module.register_forward_hook(
         lambda _m, _a, out: seen.append(out.detach().reshape(out.shape[0], out.shape[1], -1, 16)[0, :, 0]))
-    codec = _Recorder(i)
+    codec = _Recorder(layer)
     cache = KakeyaCache(codec, model=m, block_size=4, n_sink=1)
     try:
-        _generate(m, _inputs(name, True), cache)
+        _generate(m, inputs, cache)
     finally:
-        hook.remove()
+        if hook is not None:
+            hook.remove()
+    return np.concatenate(codec.rows), seen, cache
+
+
+def check_keys(m, inputs, layer: int, module):
+    """The key rows coded before RoPE are ``module``'s outputs (the model's keys before RoPE),
+    the prompt's image and the tokens after it included; returns the cache."""
+    got, seen, cache = coded_keys(m, inputs, layer, module)
     want = torch.cat(seen).numpy()
-    got = np.concatenate(codec.rows)
     assert len(got) >= 24  # the prompt's image and the tokens after it were coded
     # the sink row (position 0) is held raw; the coded rows follow it
     np.testing.assert_allclose(got, want[1:1 + len(got)], rtol=0, atol=1e-5)
-    # the 2 x 2 image tokens' (temporal, height, width): three of the four differ
-    assert cache._positions.grid is not None and len(cache._positions.triples) == 3
+    return cache
 
 
 def test_saved_prefix_keeps_the_multimodal_positions(tmp_path) -> None:

@@ -24,14 +24,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import numpy as np  # noqa: E402
-
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
-from .conftest import fast_codec, fast_recipe  # noqa: E402
-from .test_multimodal import _generate, _Recorder  # noqa: E402
+from .test_multimodal import _generate, check_fast, check_identity, check_keys  # noqa: E402
 
 _TEXT = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -170,14 +167,7 @@ def test_the_cache_holds_the_positions_the_rotary_module_was_called_with(name, p
 
 @pytest.mark.parametrize("name, prompt", CASES)
 def test_identity_codec_generates_as_dynamic_cache(name, prompt) -> None:
-    m = _build(name)
-    inputs = _inputs(name, prompt)
-    seq, logits = _generate(m, inputs, transformers.DynamicCache(config=m.config))
-    for pre in (False, True):
-        s, lg = _generate(m, inputs, KakeyaCache(IdentityCodec(pre_rope_keys=pre), model=m, block_size=4, n_sink=1))
-        assert torch.equal(s, seq), (name, pre)
-        # keys without RoPE: taken off and put back at float32 rounding
-        assert (lg - logits).abs().max().item() <= (0.0 if not pre else 1e-5), (name, pre)
+    check_identity(_build(name), _inputs(name, prompt), name)
 
 
 @pytest.mark.parametrize("rope", ["after", "before"])
@@ -185,16 +175,7 @@ def test_identity_codec_generates_as_dynamic_cache(name, prompt) -> None:
 def test_attention_over_the_codes_as_decode_then_attend(name, prompt, rope) -> None:
     m = _build(name)
     assert describe(m).model_type in fast_mod.FAMILIES
-    codec = fast_codec(m, fast_recipe(rope), rope)
-    inputs = _inputs(name, prompt)
-    fast = KakeyaCache(codec, model=m, block_size=4, n_sink=1, synthesis="f32")
-    slow = KakeyaCache(codec, model=m, block_size=4, n_sink=1, fast=False)
-    assert fast.fast, fast.fast_reason
-    s_f, l_f = _generate(m, inputs, fast)
-    s_s, l_s = _generate(m, inputs, slow)
-    assert torch.equal(s_f, s_s), name
-    assert (l_f - l_s).abs().max().item() <= 1e-5, name
-    assert any(layer.num_sealed() for layer in fast.layers if hasattr(layer, "num_sealed"))
+    check_fast(m, _inputs(name, prompt), rope, name)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -203,21 +184,7 @@ def test_keys_are_coded_without_multimodal_rope(name) -> None:
     tokens' three positions and the text's after the image (behind the token's index) are taken
     off, at prefill and at every generated token."""
     m = _build(name)
-    attn = m.model.language_model.layers[1].self_attn
-    seen = []
-    hook = attn.k_proj.register_forward_hook(
-        lambda _m, _a, out: seen.append(out.detach().reshape(out.shape[0], out.shape[1], -1, 16)[0, :, 0]))
-    codec = _Recorder(1)
-    cache = KakeyaCache(codec, model=m, block_size=4, n_sink=1)
-    try:
-        _generate(m, _inputs(name), cache)
-    finally:
-        hook.remove()
-    want = torch.cat(seen).numpy()
-    got = np.concatenate(codec.rows)
-    assert len(got) >= 24  # the prompt's image and the tokens after it were coded
-    # the sink row (position 0) is held raw; the coded rows follow it
-    np.testing.assert_allclose(got, want[1:1 + len(got)], rtol=0, atol=1e-5)
+    cache = check_keys(m, _inputs(name), 1, m.model.language_model.layers[1].self_attn.k_proj)
     assert cache._positions.grid is not None and len(cache._positions.triples) >= 3
 
 

@@ -33,7 +33,8 @@ from kakeyaturbo.families import describe  # noqa: E402
 from kakeyaturbo.families.layout import model_type  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe  # noqa: E402
-from .test_multimodal import _IDS, _MROPE, _QWEN_VISION, _TEXT, _generate, _Recorder  # noqa: E402
+from .test_multimodal import (_IDS, _MROPE, _QWEN_VISION, _TEXT, _generate, check_fast, check_identity,  # noqa: E402
+                              check_keys, coded_keys)
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
 _AUDIO = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
@@ -160,13 +161,7 @@ def test_the_image_takes_multimodal_positions(name) -> None:
 def test_identity_codec_generates_as_dynamic_cache(name) -> None:
     """HunYuan-VL with three sections: keys that RoPE were taken off with the image tokens'
     three positions (no rotation there) came back changed."""
-    m = _build(name)
-    inputs = _inputs(name)
-    seq, logits = _generate(m, inputs, transformers.DynamicCache(config=m.config))
-    for pre in (False, True):
-        s, lg = _generate(m, inputs, KakeyaCache(IdentityCodec(pre_rope_keys=pre), model=m, block_size=4, n_sink=1))
-        assert torch.equal(s, seq), (name, pre)
-        assert (lg - logits).abs().max().item() <= (0.0 if not pre else 1e-5), (name, pre)
+    check_identity(_build(name), _inputs(name), name)
 
 
 @pytest.mark.parametrize("rope", ["after", "before"])
@@ -181,37 +176,11 @@ def test_attention_over_the_codes_as_decode_then_attend(name, rope) -> None:
         with pytest.raises(UnsupportedModelError, match=f"'{mt}': its keys change after RoPE"):
             fast_codec(m, fast_recipe(rope), rope)
         return
-    codec = fast_codec(m, fast_recipe(rope), rope)
-    inputs = _inputs(name)
-    fast = KakeyaCache(codec, model=m, block_size=4, n_sink=1, synthesis="f32")
-    slow = KakeyaCache(codec, model=m, block_size=4, n_sink=1, fast=False)
-    assert fast.fast, fast.fast_reason
-    s_f, l_f = _generate(m, inputs, fast)
-    s_s, l_s = _generate(m, inputs, slow)
-    assert torch.equal(s_f, s_s), name
-    assert (l_f - l_s).abs().max().item() <= 1e-5, name
-    assert any(layer.num_sealed() for layer in fast.layers if hasattr(layer, "num_sealed"))
+    check_fast(m, _inputs(name), rope, name)
 
 
-def _coded_keys(m, name, attn_out):
-    """Generates with an identity codec of keys before RoPE: the first attention layer's index,
-    the key rows of its kv-head 0 the codec was handed, the outputs (kv-head 0) of the module
-    ``attn_out(attention)`` (none where None) and the cache."""
-    layers = _text_model(m).layers
-    i = next(j for j, layer in enumerate(layers) if hasattr(layer, "self_attn"))
-    seen = []
-    hook = None
-    if attn_out is not None:
-        hook = attn_out(layers[i].self_attn).register_forward_hook(
-            lambda _m, _a, out: seen.append(out.detach().reshape(out.shape[0], out.shape[1], -1, 16)[0, :, 0]))
-    codec = _Recorder(i)
-    cache = KakeyaCache(codec, model=m, block_size=4, n_sink=1)
-    try:
-        _generate(m, _inputs(name), cache)
-    finally:
-        if hook is not None:
-            hook.remove()
-    return i, np.concatenate(codec.rows), seen, cache
+def _first_attention(m) -> int:
+    return next(j for j, layer in enumerate(_text_model(m).layers) if hasattr(layer, "self_attn"))
 
 
 @pytest.mark.parametrize("name", TRIPLES)
@@ -219,10 +188,9 @@ def test_keys_are_coded_without_multimodal_rope(name) -> None:
     """Keys coded before RoPE are the model's keys before RoPE (its k_norm's or k_proj's), the
     image tokens' positions taken off, at prefill and at every generated token."""
     m = _build(name)
-    _, got, seen, cache = _coded_keys(m, name, lambda a: getattr(a, "k_norm", None) or a.k_proj)
-    want = torch.cat(seen).numpy()
-    assert len(got) >= 24
-    np.testing.assert_allclose(got, want[1:1 + len(got)], rtol=0, atol=1e-5)
+    i = _first_attention(m)
+    attn = _text_model(m).layers[i].self_attn
+    cache = check_keys(m, _inputs(name), i, getattr(attn, "k_norm", None) or attn.k_proj)
     assert cache._positions.grid is not None and len(cache._positions.triples) == 3
 
 
@@ -231,7 +199,8 @@ def test_hunyuan_vl_keys_are_rotated_back_by_the_token_index(name) -> None:
     """HunYuan-VL's keys as it caches them (normalised after its RoPE) turned back by the plain
     rotation of each token's index: no multimodal positions held."""
     m = _build(name)
-    i, got, _, cache = _coded_keys(m, name, None)
+    i = _first_attention(m)
+    got, _, cache = coded_keys(m, _inputs(name), i)
     ref = transformers.DynamicCache(config=m.config)
     _generate(m, _inputs(name), ref)
     k = ref.layers[i].keys[0, 0]
