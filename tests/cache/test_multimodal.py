@@ -264,3 +264,21 @@ def test_compress_cache_takes_the_multimodal_positions() -> None:
         compress_cache(g, IdentityCodec(pre_rope_keys=True), positions=torch.arange(20)[None, None].expand(3, 1, 20),
                        model=flat)
     assert torch.equal(g.layers[0].keys, before)
+
+
+def test_only_the_model_s_rotary_calls_are_recorded() -> None:
+    """Inside a forward call of the cache's, the multimodal positions the model calls its rotary
+    module with are kept for the layers' updates; the cache's own calls of that module (taking
+    RoPE off sealed rows, building tables: an empty tensor first) are not."""
+    m = _build("qwen2_vl")
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m, block_size=4, n_sink=1)
+    grid = torch.tensor([[[7]], [[7]], [[8]]])
+    cache._undo = ()  # as between the cache's hooks around a forward call
+    cache.rope.layers[0](grid)
+    assert cache._positions.pending_grid is None
+    m.model.language_model.rotary_emb(torch.zeros(1, 1, 16), grid)
+    assert cache._positions.pending_grid is grid
+    cache._undo = None  # outside any call of the cache's: nothing is taken
+    cache._positions.expect(None)
+    m.model.language_model.rotary_emb(torch.zeros(1, 1, 16), grid)
+    assert cache._positions.pending_grid is None

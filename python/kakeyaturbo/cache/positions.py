@@ -188,6 +188,9 @@ def watch_rotary(modules: Iterable[Any], positions: Callable[[], Optional[Positi
     cache is gone), as ``pending_grid``; the hooks go when ``owner`` does."""
 
     def hook(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, torch.Tensor) and x.numel() == 0:  # the cache's own call (LayerRope)
+            return
         p = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(p, torch.Tensor) and p.ndim == 3 and p.shape[0] == 3:
             store = positions()
