@@ -5,7 +5,8 @@ the Rust kernel, on tiny random-weight models: the same greedy tokens, logits wi
 sealed block decoded, the device copy of the codes staged again only when the sealed blocks
 change. Families: Llama (keys before and after RoPE), GPT-OSS (learnt sinks, sliding layers),
 Gemma 2 (softcap, MQA, head_dim 256, sliding layers), Qwen3-Next (a hybrid: Gated DeltaNet layers
-around its attention layer), Gemma 4 (KV sharing: layers attending over another's codes)."""
+around its attention layer), Gemma 4 (KV sharing: layers attending over another's codes), Qwen2-VL
+with an image (its tokens' rotations appended to the rope table)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 from kakeyaturbo.kernels import attention as kattn  # noqa: E402
 
 from cache import families  # noqa: E402
-from cache.conftest import fast_recipe, generate  # noqa: E402
+from cache.conftest import fast_codec, fast_recipe, generate  # noqa: E402
+from cache.test_multimodal import _build as build_multimodal  # noqa: E402
+from cache.test_multimodal import _generate as generate_with  # noqa: E402
+from cache.test_multimodal import _inputs as multimodal_inputs  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 
@@ -108,3 +112,18 @@ def test_extending_a_stacking_gives_the_stacking_of_all() -> None:
             for f in ("codes", "scale_bits", "scale_exp", "outlier_ptr", "outlier_pos", "outlier_bits", "rstart"):
                 assert torch.equal(getattr(a, f), getattr(b, f)), (k, name, f)
         assert want.k.has_outliers and want.v.has_outliers
+
+
+def test_triton_kernel_with_an_image_s_rotations() -> None:
+    """Qwen2-VL with an image, keys coded before RoPE: the image tokens' rotations appended to the
+    rope table (``Positions.rotation``) reach the Triton kernel as they reach the Rust one."""
+    model = build_multimodal("qwen2_vl")
+    codec = fast_codec(model, fast_recipe("before"), "before")
+    inputs = multimodal_inputs("qwen2_vl", True)
+    rust = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="rust")
+    seq_r, log_r = generate_with(model, inputs, rust)
+    tri = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="triton")
+    seq_t, log_t = generate_with(model, inputs, tri)
+    assert tri._positions.triples and tri.layers[0]._rope_table.n_positions > 256  # rows appended
+    assert torch.equal(seq_t, seq_r)
+    assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * max(1.0, log_r.abs().max().item())
