@@ -15,6 +15,8 @@ import zlib
 from functools import lru_cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 import numpy as np  # noqa: E402
 
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache, persist  # noqa: E402
-from kakeyaturbo.errors import CorruptDataError, InvalidInputError  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidInputError, KakeyaError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe  # noqa: E402
 
@@ -282,3 +284,30 @@ def test_only_the_model_s_rotary_calls_are_recorded() -> None:
     cache._positions.expect(None)
     m.model.language_model.rotary_emb(torch.zeros(1, 1, 16), grid)
     assert cache._positions.pending_grid is None
+
+
+@lru_cache(maxsize=None)
+def _image_prefix(tmp: str) -> bytes:
+    m = _build("qwen2_vl")
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m, block_size=4, n_sink=1)
+    _generate(m, _inputs("qwen2_vl", True), cache)
+    return cache.save(f"{tmp}/image.kkpfx").read_bytes()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_any_damage_to_a_saved_image_prefix_is_a_kakeya_error(tmp_path_factory, data) -> None:
+    """A version-2 file (multimodal positions at its end) damaged anywhere, the checksum
+    recomputed: it loads, or it is refused with a KakeyaError; nothing else escapes."""
+    raw = bytearray(_image_prefix(str(tmp_path_factory.getbasetemp())))
+    tail = data.draw(st.booleans())  # the positions and the three rows, or anywhere
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(len(raw) - 4 - 16 * 31 if tail else 0, len(raw) - 5))
+        raw[at] = data.draw(st.integers(0, 255))
+    struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(bytes(raw[:-4])))
+    bad = tmp_path_factory.mktemp("fuzz") / "f.kkpfx"
+    bad.write_bytes(bytes(raw))
+    try:
+        KakeyaCache.load(bad, _build("qwen2_vl"))
+    except KakeyaError:
+        pass
