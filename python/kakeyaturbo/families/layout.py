@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import UnsupportedModelError
+from .heads import layer_heads, per_layer
 from .rope import LayerRope, ModelRope, detect_rope
 
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
@@ -379,51 +380,6 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
     return {} if test is None else {i: bool(test(m)) for i, m in attention_modules(model).items()}
 
 
-#: Families whose layers differ in head counts or head_dim by a rule of their own config (no
-#: per-layer config): ``(config, layer index, layer type) -> (q_heads, kv_heads, head_dim)``, as
-#: their attention modules size their projections.
-_HEADS_IF: Dict[str, Callable[[Any, int, str], Tuple[int, int, int]]] = {
-    # MiMo-V2-Flash: sliding layers have twice the kv heads of the full ones.
-    "mimo_v2_flash": lambda c, i, lt: (c.num_attention_heads,
-                                       c.num_key_value_heads * (2 if lt == "sliding_attention" else 1), c.head_dim),
-    "laguna": lambda c, i, lt: (c.num_attention_heads_per_layer[i], c.num_key_value_heads, c.head_dim),
-    # Inkling (1 and 2): sliding layers with heads and head_dim of their own.
-    "inkling_text": lambda c, i, lt: _inkling_heads(c, lt),
-    "inkling2_text": lambda c, i, lt: _inkling_heads(c, lt),
-}
-
-
-def _inkling_heads(c: Any, lt: str) -> Tuple[int, int, int]:
-    if lt == "hybrid_sliding":
-        return c.swa_num_attention_heads, c.swa_num_key_value_heads, c.swa_head_dim
-    return c.num_attention_heads, c.num_key_value_heads, c.head_dim
-
-
-def _per_layer(cfg: Any, i: int, name: str) -> Any:
-    """``name`` of layer ``i``'s per-layer config where the config has one, else the config's (None
-    where it has none)."""
-    try:
-        lc = cfg.per_layer_config[i]
-    except Exception:  # configs without per-layer views
-        lc = cfg
-    return getattr(lc, name, None)
-
-
-def _layer_heads(cfg: Any, i: int, mt: str = "", lt: str = "") -> Tuple[int, int, int]:
-    """``(q_heads, kv_heads, head_dim)`` of layer ``i`` (of layer type ``lt``, model type ``mt``):
-    from its per-layer config where the config has one (Gemma 4's global layers: another head_dim
-    and kv-head count), by the family's rule of :data:`_HEADS_IF`, else the config's."""
-    hq = int(_per_layer(cfg, i, "num_attention_heads") or cfg.num_attention_heads)
-    hkv = _per_layer(cfg, i, "num_key_value_heads")
-    if hkv is None and getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
-        hkv = 1  # multi-query by a flag (Falcon-7B); Falcon-40B's new architecture caches every query head
-    hkv = int(hkv or hq)
-    d = int(_per_layer(cfg, i, "head_dim") or cfg.hidden_size // hq)
-    if mt in _HEADS_IF:
-        hq, hkv, d = (int(n) for n in _HEADS_IF[mt](cfg, i, lt))
-    return hq, hkv, d
-
-
 def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], Optional[str]]:
     if getattr(cfg, "alibi", False) is True:  # Falcon with ALiBi: a rotary module built, never applied
         return ModelRope([None] * len(types)), None
@@ -465,7 +421,7 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")
-        d = _layer_heads(cfg, i, model_type(model), lt)[2]
+        d = layer_heads(cfg, i, model_type(model), lt)[2]
         if (id(mod), key, d) not in found:
             if apply_fn is None:
                 return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
@@ -506,13 +462,13 @@ def describe(model: Any) -> ModelLayout:
     shared = _sharing(cfg) or {}
     # Multi-head latent attention: the latent and rotated widths of each layer (its per-layer
     # config's where the config has one: dots.llm3's sliding layers have widths of their own)
-    widths = [(_per_layer(cfg, i, "kv_lora_rank"), _per_layer(cfg, i, "qk_rope_head_dim")) for i in range(len(types))]
+    widths = [(per_layer(cfg, i, "kv_lora_rank"), per_layer(cfg, i, "qk_rope_head_dim")) for i in range(len(types))]
     latent = any(r and dr for r, dr in widths)
     specs: List[LayerSpec] = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
         if i in shared:  # attends over the K/V rows of an earlier layer of its type
             src = specs[shared[i]]
-            hq, hkv, d = _layer_heads(cfg, i, mt, lt)
+            hq, hkv, d = layer_heads(cfg, i, mt, lt)
             specs.append(LayerSpec(i, "shared", src.window, hq, hkv, d, lt, reads=src.index))
             continue
         if lt in STATE_LAYER_TYPES:
@@ -521,13 +477,13 @@ def describe(model: Any) -> ModelLayout:
         window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None
         if lt in _SLIDING_TYPES and not (isinstance(window, int) and window >= 1):
             raise _refuse(mt, f"layer {i} is sliding-window or chunked attention without a window size")
-        hq, hkv, d = _layer_heads(cfg, i, mt, lt)
+        hq, hkv, d = layer_heads(cfg, i, mt, lt)
         kind = "chunked" if lt == "chunked_attention" else "sliding" if window else "full"
         if latent:  # one latent row (keys) and one rotated key row (values) per token
             specs.append(LayerSpec(i, kind, window, hq, 1, int(widths[i][0]), lt, v_dim=int(widths[i][1])))
             continue
         states = int(kw.get("number_of_states", 1)) if lt in STATEFUL_KV_TYPES else 0
-        dv = _per_layer(cfg, i, "v_head_dim")  # values of another width (MiMo-V2-Flash)
+        dv = per_layer(cfg, i, "v_head_dim")  # values of another width (MiMo-V2-Flash)
         specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states,
                                v_dim=int(dv) if isinstance(dv, int) and dv != d else None))
     if latent:  # the latent keys carry no rotation: nothing to take off or put back
