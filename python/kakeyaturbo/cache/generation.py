@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionLayer
 
 from .._extras import require
 from ..calibration import ModelCodec
@@ -18,10 +18,12 @@ from ..codec import _checks
 from ..codec.attention import SYNTHESES
 from ..errors import InvalidInputError, InvalidParameterError
 from ..families import describe
+from ..families.layout import text_config
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      wants_rope)
+from .compressed import CompressedEntries, compressed_layer
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .rollback import crop_count
@@ -105,6 +107,8 @@ class KakeyaCache(Cache):
         #: The model's layers as :func:`describe` read them (empty without a model): which cache
         #: layer each gets (:meth:`_new_layer`).
         self._specs: Tuple[Any, ...] = ()
+        #: The decoder's config, which the model's own layers of compressed attention are built from.
+        self._config: Any = None
         if model is not None:
             layout = describe(model)
             check_codec_model(codec, model)  # ModelMismatchError for another model's codec
@@ -113,6 +117,7 @@ class KakeyaCache(Cache):
             num_layers = layout.num_layers
             windows = tuple(s.window for s in layout.layers)
             self._specs = layout.layers
+            self._config = text_config(model)
         #: Multi-head latent attention (:attr:`ModelLayout.latent`): each layer's rows are a latent
         #: and a rotated key part (attention over their codes: ``fast._attend_latent``).
         self._latent = bool(layout is not None and layout.latent)
@@ -235,14 +240,16 @@ class KakeyaCache(Cache):
 
     def _new_layer(self, i: int) -> Any:
         spec = self._specs[i] if i < len(self._specs) else None
+        raw = i in self.boundary or not codes_layer(self.codec, i)
+        if spec is not None and spec.kind == "compressed":  # DeepSeek V4: the compressor's entries coded
+            return compressed_layer(DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type], self._config, i, self.codec,
+                                    block_size=self.block_size, n_sink=self.n_sink,
+                                    streams=() if raw else self.streams, keep_decoded=self.keep_decoded)
         if spec is not None and not spec.has_kv:
             # A hybrid's recurrent / convolution state, or no cache (MLP-only, KV sharing):
             # transformers' own layer.
-            from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
-
             kw = {"number_of_states": spec.states} if spec.states else {}
             return DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type](**kw)
-        raw = i in self.boundary or not codes_layer(self.codec, i)
         cls: Any = KakeyaLayer
         if spec is not None and spec.states:  # K/V rows and a recurrent state in one layer (Falcon-H1)
             cls = partial(KakeyaStateLayer, number_of_states=spec.states)
@@ -279,7 +286,7 @@ class KakeyaCache(Cache):
 
     def _snapshot(self) -> Any:
         """What :meth:`_roll_back` puts back (taken before each forward call of the model)."""
-        layers = [layer.snapshot() if isinstance(layer, KakeyaLayer) else None for layer in self.layers]
+        layers = [layer.snapshot() if isinstance(layer, _OWN) else None for layer in self.layers]
         return len(self.layers), layers, None if self._positions is None else self._positions.snapshot()
 
     def _roll_back(self, snap: Any) -> None:
@@ -290,7 +297,7 @@ class KakeyaCache(Cache):
         n, snaps, pos = snap
         states = []
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, KakeyaLayer):
+            if isinstance(layer, _OWN):
                 layer.restore(snaps[i] if i < n else None)
             elif i >= n:
                 layer.reset()
@@ -310,7 +317,7 @@ class KakeyaCache(Cache):
         any changes (RuntimeError)."""
         r = crop_count(tokens_to_remove)
         for layer in self.layers:
-            refusal = layer.crop_refusal(r) if isinstance(layer, KakeyaLayer) else None
+            refusal = layer.crop_refusal(r) if isinstance(layer, _OWN) else None
             if refusal is not None:
                 raise RuntimeError(refusal)
         super().crop(tokens_to_remove)
@@ -338,8 +345,11 @@ class KakeyaCache(Cache):
     def memory(self) -> Dict[str, int]:
         """Bytes held, by kind: ``blobs`` (sealed blocks), ``sink``, ``staging``, ``decoded``
         (only with keep_decoded), ``state`` (a hybrid model's recurrent and convolution states,
-        held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`),
-        ``indexer`` (the indexer keys of a dynamic-sparse-attention layer, DeepSeek V3.2's, raw),
+        held as transformers holds them and counted alike in :meth:`nbytes_uncompressed`; a
+        compressed-attention layer's window, compressor buffers and overlap state, DeepSeek
+        V4's: :mod:`~kakeyaturbo.cache.compressed`), ``indexer`` (the indexer keys of a
+        dynamic-sparse-attention layer, DeepSeek V3.2's, or the indexer entries of V4's CSA
+        layers, raw),
         ``positions`` (int32 per token and batch row, only when the codec codes keys without
         RoPE; four more per token once an image's multimodal RoPE positions are held:
         :class:`~kakeyaturbo.cache.positions.Positions`) and ``rope_table`` (the cos/sin table
@@ -366,8 +376,12 @@ class KakeyaCache(Cache):
 
     def nbytes_uncompressed(self) -> int:
         """Bytes a ``DynamicCache`` would hold for the same tokens at the same dtype."""
-        return sum((layer.nbytes_uncompressed() if isinstance(layer, KakeyaLayer) else 0) + _state_bytes(layer)
+        return sum((layer.nbytes_uncompressed() if isinstance(layer, _OWN) else 0) + _state_bytes(layer)
                    for layer in self.layers)
+
+
+#: The cache layers of kakeyaturbo's own (the others are transformers': state layers, no cache).
+_OWN = (KakeyaLayer, CompressedEntries)
 
 
 def _recipe_boundary(recipe: Recipe, model: Any, num_layers: Any) -> Sequence[int]:
@@ -389,7 +403,9 @@ def _state_bytes(layer: Any) -> int:
 
 
 def _layer_memory(layer: Any) -> Dict[str, int]:
-    return dict(layer.memory() if isinstance(layer, KakeyaLayer) else {}, state=_state_bytes(layer))
+    out = dict(layer.memory() if isinstance(layer, _OWN) else {})
+    out["state"] = out.get("state", 0) + _state_bytes(layer)
+    return out
 
 
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,

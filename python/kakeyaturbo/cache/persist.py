@@ -127,8 +127,9 @@ def _refuse_state_layers(layout: Any) -> None:
              or (not spec.has_kv and spec.cache_type != "dummy")]
     if state:
         raise UnsupportedModelError(
-            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state or an "
-            "indexer's keys, which a saved cache does not carry; such a model's cache cannot be saved or loaded")
+            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, an "
+            "indexer's keys or a compressor's state (DeepSeek V4), which a saved cache does not carry; such a "
+            "model's cache cannot be saved or loaded")
 
 
 def save(cache: Any, path: PathLike, model: Any = None) -> Path:

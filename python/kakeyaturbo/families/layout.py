@@ -29,6 +29,10 @@ _SLIDING_TYPES = ("sliding_attention", "hybrid_sliding", "chunked_attention")
 #: (a layer without attention, an MLP block: nothing cached). The cache keeps them as
 #: transformers keeps them; only the K/V layers are coded.
 STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
+#: Cache layer types of compressed attention (DeepSeek V4): a sliding window of K=V rows and,
+#: beside it, entries the model's compressor emits, one per ``compress_rates[type]`` tokens
+#: (CSA: 4, with a lightning indexer's entries of its own; HCA: 128), read as keys and values.
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 #: Names of the attention output projection (``[hidden, q_heads * head_dim]``), by family.
 _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
@@ -50,7 +54,11 @@ class LayerSpec:
       states (``cache_type`` ``linear_attention`` or ``conv``) or nothing (``dummy``: an MLP
       block); head counts 0;
     - ``"shared"``: an attention layer that caches nothing and attends over the K/V rows of layer
-      ``reads`` (Gemma 3n's and Gemma 4's KV sharing; its heads and ``window`` are its own)."""
+      ``reads`` (Gemma 3n's and Gemma 4's KV sharing; its heads and ``window`` are its own);
+    - ``"compressed"``: compressed attention (DeepSeek V4's CSA and HCA layers, ``cache_type``
+      one of :data:`COMPRESSED_LAYER_TYPES`): the last ``window - 1`` tokens' K=V rows (one kv-head
+      of ``head_dim``) and one compressed entry of ``head_dim`` per ``rate`` tokens, which grow with
+      the context; not a K/V layer (:attr:`has_kv` False): the cache codes its entries."""
 
     index: int
     kind: str
@@ -64,6 +72,8 @@ class LayerSpec:
     #: Width of the cached values where it is not ``head_dim`` (multi-head latent attention;
     #: MiMo-V2-Flash's narrower values, its config's ``v_head_dim``).
     v_dim: Optional[int] = None
+    #: Compressed attention: source tokens per compressed entry.
+    rate: Optional[int] = None
 
     @property
     def is_sliding(self) -> bool:
@@ -145,6 +155,10 @@ class ModelLayout:
         their window) stay raw in a calibrated recipe's cache unless the calibration holds their
         group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` and ``eval`` collect every group).
         UnsupportedModelError when no such group exists."""
+        if any(s.kind == "compressed" for s in self.layers):
+            raise UnsupportedModelError(
+                f"model type {self.model_type!r}: compressed attention's entries (DeepSeek V4) have no "
+                "calibration statistics: per-block recipes and the identity codec serve it")
         kv = [s for s in self.layers if s.has_kv]
         shape = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in kv}
         shapes = set(shape.values())
@@ -224,7 +238,7 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     """Refuses what does not keep one standard K/V row per token and head."""
     if getattr(cfg, "is_encoder_decoder", False):
         raise _refuse(mt, "encoder-decoder models keep a cross-attention cache; only decoders are supported")
-    bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES))
+    bad = sorted(set(types) - set(KV_LAYER_TYPES) - set(STATE_LAYER_TYPES) - set(COMPRESSED_LAYER_TYPES))
     if bad:
         reasons = "; ".join(f"layer type {t!r}" for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
@@ -238,7 +252,7 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     own = _own_cache_class(model)
     if own is not None:
         raise _refuse(mt, f"its modeling code keeps a cache class of its own ({own}) and takes no other")
-    if not any(t in KV_LAYER_TYPES for t in types):
+    if not any(t in KV_LAYER_TYPES + COMPRESSED_LAYER_TYPES for t in types):
         raise _refuse(mt, "no layer caches K/V rows (a recurrent or state-space model): nothing to compress")
     if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
         raise _refuse(mt, "bidirectional attention: not a causal decoder")
@@ -381,6 +395,10 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
 
 
 def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], Optional[str]]:
+    if any(t in COMPRESSED_LAYER_TYPES for t in types):
+        return None, ("compressed attention (DeepSeek V4) rotates a part of each key by a rotary module "
+                      "per layer type, its compressed entries at the first position of their window: "
+                      "kakeyaturbo codes its rows as cached, after RoPE")
     if getattr(cfg, "alibi", False) is True:  # Falcon with ALiBi: a rotary module built, never applied
         return ModelRope([None] * len(types)), None
     module = _rotary_module(model)
@@ -473,6 +491,10 @@ def describe(model: Any) -> ModelLayout:
             continue
         if lt in STATE_LAYER_TYPES:
             specs.append(LayerSpec(i, "state", None, 0, 0, 0, lt, int(kw.get("number_of_states", 0))))
+            continue
+        if lt in COMPRESSED_LAYER_TYPES:
+            specs.append(LayerSpec(i, "compressed", int(cfg.sliding_window), *layer_heads(cfg, i, mt, lt), lt,
+                                   rate=int(cfg.compress_rates[lt])))
             continue
         window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None
         if lt in _SLIDING_TYPES and not (isinstance(window, int) and window >= 1):

@@ -1,0 +1,191 @@
+"""DeepSeek V4's compressed attention (``kakeyaturbo.cache.compressed``): a sliding window of K=V
+rows beside the entries its compressor emits (CSA: one per 4 tokens, with an indexer's entries;
+HCA: one per ``rate``), the entries coded by the cache. A tiny random-weight model with one
+layer of each kind: described, served exactly by the identity codec (greedy tokens and logits as
+``DynamicCache``'s, beams too), coded by a per-block recipe, rolled back after a refused call,
+and refused where it cannot work (crop, save, keys without RoPE, calibration)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING  # noqa: E402
+
+from kakeyaturbo import calibration, recipes  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+from kakeyaturbo.cache.compressed import CompressedEntries  # noqa: E402
+from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
+from kakeyaturbo.errors import InvalidInputError, UnsupportedModelError  # noqa: E402
+from kakeyaturbo.families import describe  # noqa: E402
+
+VOCAB = 96
+TYPES = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def v4():
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, layer_types=TYPES, num_attention_heads=4,
+        head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=16, o_groups=2, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, index_n_heads=2, index_head_dim=16,
+        index_topk=3, sliding_window=8, hc_mult=2, num_nextn_predict_layers=0,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    for p in model.parameters():  # random weights of a usable scale
+        if p.ndim >= 2:
+            torch.nn.init.normal_(p, std=0.08)
+    return model
+
+
+def _ids(batch: int = 2, n: int = 70, seed: int = 1) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(3, VOCAB, (batch, n)))
+
+
+def _generate(model, cache, ids, **kw):
+    kw.setdefault("max_new_tokens", 14)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+def test_layout(v4) -> None:
+    layout = describe(v4)
+    assert [s.kind for s in layout.layers] == ["compressed", "compressed", "sliding"]
+    assert [s.rate for s in layout.layers] == [8, 4, None]
+    assert [s.window for s in layout.layers] == [8, 8, 8]
+    assert all((s.q_heads, s.kv_heads, s.head_dim) == (4, 1, 32) for s in layout.layers)
+    assert layout.kv_layers == (2,) and layout.rope is None and "DeepSeek V4" in layout.rope_error
+    with pytest.raises(UnsupportedModelError, match="compressed attention's entries"):
+        layout.calibration_group()
+
+
+def test_identity_codec_is_dynamic_cache(v4) -> None:
+    ids = _ids()
+    ref = _generate(v4, DynamicCache(config=v4.config), ids)
+    cache = KakeyaCache(IdentityCodec(), model=v4, block_size=4, n_sink=1)
+    out = _generate(v4, cache, ids)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+    hca, csa, sliding = cache.layers
+    assert isinstance(hca, CompressedEntries) and isinstance(csa, CompressedEntries)
+    assert isinstance(sliding, KakeyaLayer)
+    # 83 tokens: 10 HCA entries, 20 CSA entries (4 sealed blocks of 4 after the sink entry).
+    assert hca.entries.get_seq_length() == 10 and csa.entries.get_seq_length() == 20
+    assert csa.entries.num_sealed() == 4 and hca.entry_count["compressor"] == 10
+    mem = cache.memory()
+    assert mem["blobs"] > 0 and mem["indexer"] == 2 * 20 * 16 * 4 and mem["state"] > 0
+    assert cache.nbytes() == sum(v for k, v in mem.items() if k != "rope_table")
+    # Every held byte of DynamicCache's layers is counted once (its window's K=V rows once).
+    raw = ref.past_key_values.layers
+    expect = sum(_bytes(x) for layer in raw[:2] for x in _held(layer)) + 2 * _bytes(raw[2].keys)
+    assert cache.nbytes_uncompressed() == expect
+    # transformers' own layer classes stay those of every DynamicCache.
+    assert DYNAMIC_LAYER_TYPE_MAPPING["compressed_sparse_attention"] is type(raw[1])
+    assert type(raw[1]).__name__ == "DeepseekV4CSACache"
+
+
+def _bytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _held(layer):
+    yield layer.keys
+    for f in ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate"):
+        yield from getattr(layer, f, {}).values()
+
+
+def test_prefill_in_pieces_and_beams(v4) -> None:
+    ids = _ids(batch=1, n=61, seed=2)
+    caches = [DynamicCache(config=v4.config), KakeyaCache(IdentityCodec(), model=v4, block_size=4)]
+    logits = []
+    with torch.no_grad():
+        for c in caches:
+            parts = [v4(input_ids=ids[:, a:b], cache=c).logits for a, b in ((0, 23), (23, 50), (50, 61))]
+            logits.append(torch.cat(parts, dim=1))
+    assert torch.equal(logits[0], logits[1])
+    ref = _generate(v4, DynamicCache(config=v4.config), ids, num_beams=3, max_new_tokens=9)
+    out = _generate(v4, KakeyaCache(IdentityCodec(), model=v4, block_size=4), ids, num_beams=3, max_new_tokens=9)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_batch_rows_move_with_every_part(v4) -> None:
+    ids = _ids(batch=2, n=45, seed=3)
+    nxt = torch.tensor([[5], [7]])
+    with torch.no_grad():
+        cache = KakeyaCache(IdentityCodec(), model=v4, block_size=4)
+        v4(input_ids=ids, cache=cache)
+        moved = KakeyaCache(IdentityCodec(), model=v4, block_size=4)
+        v4(input_ids=ids, cache=moved)
+        moved.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+        moved.batch_select_indices(torch.tensor([1, 2]))  # rows 0, 1 again
+        want = v4(input_ids=nxt, cache=cache).logits
+        got = v4(input_ids=nxt, cache=moved).logits
+    assert torch.equal(got, want)
+    with pytest.raises(InvalidInputError, match="batch rows"):
+        moved.reorder_cache(torch.tensor([0, 5]))
+
+
+def test_a_per_block_recipe_codes_the_entries(v4) -> None:
+    ids = _ids(batch=1, n=400, seed=4)
+    ref = DynamicCache(config=v4.config)
+    cache = KakeyaCache.from_recipe(recipes.load("balanced"), model=v4, block_size=32)
+    with torch.no_grad():
+        want = v4(input_ids=ids, cache=ref).logits
+        got = v4(input_ids=ids, cache=cache).logits
+    assert torch.equal(got, want)  # the tokens of a call attend to their own rows exactly
+    csa = cache.layers[1]
+    assert csa.entries.num_sealed() == 3 and cache.memory()["blobs"] > 0
+    exact = ref.layers[1].compressed_kv["compressor"]
+    held = csa.entries.keys[:, 0]
+    assert held.shape == exact.shape
+    err = float((held - exact).norm() / exact.norm())
+    assert 0 < err < 0.2
+    with torch.no_grad():
+        step = v4(input_ids=torch.tensor([[11]]), cache=cache).logits
+    assert torch.isfinite(step).all()
+
+
+def test_a_refused_call_is_rolled_back(v4, monkeypatch) -> None:
+    ids = _ids(batch=1, n=37, seed=5)
+    ref = DynamicCache(config=v4.config)
+    cache = KakeyaCache(IdentityCodec(), model=v4, block_size=4)
+    with torch.no_grad():
+        v4(input_ids=ids, cache=ref)
+        v4(input_ids=ids, cache=cache)
+        before = cache.memory(), [dict(lay.entry_count) for lay in cache.layers[:2]]
+
+        def refuse(*a, **k):
+            raise InvalidInputError("refused here")
+
+        monkeypatch.setattr(cache.layers[2], "update", refuse)
+        with pytest.raises(InvalidInputError, match="refused here"):
+            v4(input_ids=_ids(batch=1, n=9, seed=6), cache=cache)
+        monkeypatch.undo()
+        assert (cache.memory(), [dict(lay.entry_count) for lay in cache.layers[:2]]) == before
+        more = _ids(batch=1, n=9, seed=7)
+        assert torch.equal(v4(input_ids=more, cache=cache).logits, v4(input_ids=more, cache=ref).logits)
+        bad = v4.get_input_embeddings()(more[:, :2]).clone()
+        bad[0, 1, 0] = float("nan")
+        with pytest.raises(InvalidInputError, match="NaN"):
+            v4(inputs_embeds=bad, cache=cache)
+
+
+def test_what_cannot_work_is_refused(v4, tmp_path) -> None:
+    cache = KakeyaCache(IdentityCodec(), model=v4, block_size=4)
+    with torch.no_grad():
+        v4(input_ids=_ids(batch=1, n=20), cache=cache)
+    with pytest.raises(RuntimeError, match="cannot be cropped"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 20
+    with pytest.raises(UnsupportedModelError, match="compressor's state"):
+        cache.save(tmp_path / "v4.kkprefix")
+    with pytest.raises(UnsupportedModelError, match="keys without RoPE"):
+        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=v4)
+    with pytest.raises(UnsupportedModelError, match="compressed attention's entries"):
+        calibration.collect(v4, [list(range(3, 40))], n_sink=1, samples=4)
