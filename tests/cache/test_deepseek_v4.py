@@ -17,10 +17,11 @@ from transformers import DynamicCache  # noqa: E402
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING  # noqa: E402
 
 from kakeyaturbo import calibration, recipes  # noqa: E402
-from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
 from kakeyaturbo.cache.compressed import CompressedEntries  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.errors import InvalidInputError, UnsupportedModelError  # noqa: E402
+from kakeyaturbo.eval import harness, peers  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
 VOCAB = 96
@@ -189,3 +190,57 @@ def test_what_cannot_work_is_refused(v4, tmp_path) -> None:
         KakeyaCache(IdentityCodec(pre_rope_keys=True), model=v4)
     with pytest.raises(UnsupportedModelError, match="compressed attention's entries"):
         calibration.collect(v4, [list(range(3, 40))], n_sink=1, samples=4)
+
+
+def test_compress_cache_codes_the_entries_once(v4) -> None:
+    ids = _ids(batch=2, n=300, seed=8)
+    cache = DynamicCache(config=v4.config)
+    with torch.no_grad():
+        v4(input_ids=ids, cache=cache)
+    hca, csa, sliding = cache.layers
+    windows = [lay.keys.clone() for lay in (hca, csa)]
+    indexer = csa.compressed_kv["indexer"].clone()
+    entries = [lay.compressed_kv["compressor"].clone() for lay in (hca, csa)]
+    window = sliding.keys.clone()
+    out = compress_cache(cache, BlockCodec(recipes.load("balanced")), n_sink=2)
+    # Every tensor held counts once: the windows (K=V), the entries, the indexer's entries, and
+    # the sliding layer's K and V.
+    counted = sum(t.numel() for lay in (hca, csa) for t in [lay.keys, *lay.compressed_kv.values()])
+    assert out["elements"] == counted + 2 * window.numel()
+    coded = sum(2 * (e.shape[1] - 2) * 32 for e in entries) + 2 * window.numel()  # the sliding layer's too
+    assert out["raw_elements"] == out["elements"] - coded and out["compressed_layers"] == [0, 1, 2]
+    assert out["bits"] == 8 * out["blob_bytes"] + 16 * out["raw_elements"]
+    for lay, e, old in zip((hca, csa), entries, windows):
+        new = lay.compressed_kv["compressor"]
+        assert torch.equal(new[:, :2], e[:, :2]) and not torch.equal(new, e)
+        assert float((new - e).norm() / e.norm()) < 0.2
+        assert torch.equal(lay.keys, old) and lay.values is lay.keys
+    assert torch.equal(csa.compressed_kv["indexer"], indexer)
+    with torch.no_grad():  # the model continues from the coded entries
+        assert torch.isfinite(v4(input_ids=ids[:, :1], cache=cache).logits).all()
+
+
+def test_the_evaluation_codes_the_entries_for_every_method(v4) -> None:
+    g = np.random.default_rng(9)
+    wins = [list(g.integers(3, VOCAB, 217)) for _ in range(2)]
+    methods = harness.baseline_methods(["identity", "fp8_e4m3"]) + [
+        harness.Method("exact", harness._no_quantise, kind="codec", codec=IdentityCodec()),
+        harness.codec_method(recipes.load("balanced"), 3)]
+    res = harness.evaluate(v4, wins, 200, methods)
+    assert res["identity"]["kl"] == 0 and res["exact"]["kl"] == 0
+    # fp8 codes the windows raw (16 bits), the entries and the sliding layer's K and V at 8 + scales.
+    assert 8 < res["fp8_e4m3"]["bits_per_element"] < 16 and res["fp8_e4m3"]["kl"] > 0
+    assert res["kakeyaturbo:balanced"]["kl"] > 0
+    assert "compressed-attention" in peers.unsupported("quanto-int4", v4)
+    cache = DynamicCache(config=v4.config)
+    with torch.no_grad():
+        v4(input_ids=torch.tensor([wins[0]]), cache=cache)
+    hca, csa, sliding = cache.layers
+    entries = [lay.compressed_kv["compressor"].clone() for lay in (hca, csa)]
+    windows = [lay.keys.clone() for lay in (hca, csa)]
+    fp8 = harness.baseline_methods(["fp8_e4m3"])[0]
+    bits, elems = harness.compress_prefix(cache, fp8)
+    assert elems == sum(t.numel() for lay in (hca, csa) for t in [lay.keys, *lay.compressed_kv.values()]) \
+        + 2 * sliding.keys.numel()
+    for lay, e, w in zip((hca, csa), entries, windows):
+        assert not torch.equal(lay.compressed_kv["compressor"], e) and torch.equal(lay.keys, w)

@@ -10,6 +10,7 @@ from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
 
 from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError, KakeyaError
+from .compressed import CODED
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, layer_ropes, rope_for
@@ -106,6 +107,29 @@ def _check_finite(x: torch.Tensor, what: str, first: int) -> None:
                                 f"position {first + t}, column {d}; the cache is unchanged")
 
 
+def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, first: int, r: Any, pos: Any,
+          pending: list) -> int:
+    """Codes the rows of ``t`` (``[B, H, T, D]``, positions ``first ..``) after the first ``s``
+    (RoPE ``r`` removed at ``pos`` first, where given), decodes them and queues the decoded rows
+    for writing into ``t`` (``pending``); returns the bytes of the blobs."""
+    where = f"layer {i}, stream {stream!r}"
+    x = t[:, :, s:]
+    _check_finite(x, f"{where}: the rows to code hold", first + s)
+    if r is not None:
+        x = r.remove(x, pos)
+    try:
+        blobs = encode_rows(codec, stream, i, to_numpy(x))
+        y = torch.from_numpy(decode_rows(codec, stream, i, blobs, t.shape[2] - s, t.shape[3])).to(t.device)
+    except KakeyaError as e:
+        raise _located(e, where) from e
+    if r is not None:
+        y = r.apply(y, pos)
+    y = y.to(t.dtype)
+    _check_finite(y, f"{where}: {codec!r}.decode returned", first + s)
+    pending.append((t, s, y.to("cpu")))
+    return sum(len(blob) for row in blobs for blob in row)
+
+
 def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary: Sequence[int] = (),
                    streams: Sequence[str] = STREAMS, rope: Any = None, positions: Any = None,
                    model: Any = None) -> Dict[str, Any]:
@@ -120,6 +144,12 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     Untouched, bit for bit: sink tokens (positions ``< n_sink`` still held), the ``boundary``
     layers (negative indices count from the last layer), layers a codec that names its layers
     (``codec.layers``) was not fitted for, and streams not in ``streams``.
+
+    A compressed-attention layer (DeepSeek V4's CSA and HCA: the model's own layer, with
+    ``compressed_kv``) holds its window as one tensor read as keys and values: it stays raw, as
+    do the indexer's entries; the compressor's entries after the first ``n_sink`` are coded once,
+    as keys ("k" in ``streams``), as :class:`~kakeyaturbo.cache.KakeyaCache` codes them
+    (:mod:`~kakeyaturbo.cache.compressed`). Each held tensor counts once in ``elements``.
 
     When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied to
     the decoded keys with each layer's own rotation: ``rope`` is the model's
@@ -158,12 +188,30 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
         rope = rope_for(model)
     if want_rope and positions is not None:
         positions = _positions(positions, layers, rope)
-    bits = elems = blob_bytes = raw = 0
+    elems = blob_bytes = raw = 0
     done, pending = [], []
     with torch.no_grad():
         for i, layer in enumerate(layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if k is None or v is None or k.numel() == 0:
+                continue
+            entries = getattr(layer, "compressed_kv", None)
+            if isinstance(entries, dict):  # compressed attention (DeepSeek V4): K=V window, entries
+                held = [k] + [t for name, t in entries.items() if name != CODED and t is not None]
+                elems += sum(t.numel() for t in held)
+                raw += sum(t.numel() for t in held)
+                k = v = entries.get(CODED)
+                if k is None or k.numel() == 0:
+                    continue
+                k = k.unsqueeze(1)  # [B, 1, entries, D]: a view, written through
+                elems += k.numel()
+                if i in skip or not codes_layer(codec, i) or "k" not in streams:
+                    raw += k.numel()
+                    continue
+                done.append(i)
+                s = min(n_sink, k.shape[2])
+                raw += k.shape[0] * s * k.shape[3]
+                blob_bytes += _code(codec, i, "k", k, s, 0, None, None, pending)
                 continue
             elems += k.numel() + v.numel()
             if i in skip or not codes_layer(codec, i):
@@ -178,32 +226,16 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                     raw += t.numel()
                     continue
                 raw += b * h * s * d
-                where = f"layer {i}, stream {stream!r}"
-                x = t[:, :, s:]
-                _check_finite(x, f"{where}: the rows to code hold", first + s)
                 r = layer_rope(rope, i) if stream == "k" and want_rope else None
                 pos = None
                 if r is not None:
                     pos = torch.arange(first + n) if positions is None else positions
                     pos = pos[..., first + s:first + n]
-                    x = r.remove(x, pos)
-                try:
-                    blobs = encode_rows(codec, stream, i, to_numpy(x))
-                    y = torch.from_numpy(decode_rows(codec, stream, i, blobs, n - s, d)).to(t.device)
-                except KakeyaError as e:
-                    raise _located(e, where) from e
-                nb = sum(len(blob) for row in blobs for blob in row)
-                blob_bytes += nb
-                bits += 8 * nb
-                if r is not None:
-                    y = r.apply(y, pos)
-                y = y.to(t.dtype)
-                _check_finite(y, f"{where}: {codec!r}.decode returned", first + s)
-                pending.append((t, s, y.to("cpu")))
+                blob_bytes += _code(codec, i, stream, t, s, first, r, pos, pending)
         # Every layer coded: only now is the cache changed.
         for t, s, y in pending:
             t[:, :, s:] = y
-    bits += RAW_BITS * raw
+    bits = 8 * blob_bytes + RAW_BITS * raw
     return {
         "bits": bits,
         "elements": elems,

@@ -19,6 +19,7 @@ require("kakeyaturbo.eval.harness")
 import torch  # noqa: E402
 
 from ..cache import codec_for, compress_cache
+from ..cache.compressed import CODED
 from ..cache.prefix import held_span, sink_rows
 from ..errors import InvalidParameterError
 from ..families import describe
@@ -139,6 +140,19 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, 
         k0, v0 = getattr(layer, "keys", None), getattr(layer, "values", None)
         if k0 is None or v0 is None or k0.numel() == 0:
             continue
+        entries = getattr(layer, "compressed_kv", None)
+        if isinstance(entries, dict):  # compressed attention (DeepSeek V4), as compress_cache treats it
+            raw = [k0] + [t for name, t in entries.items() if name != CODED and t is not None]
+            elems += sum(t.numel() for t in raw)
+            bits += 16 * sum(t.numel() for t in raw)
+            e = entries.get(CODED)
+            if e is None or e.numel() == 0:
+                continue
+            elems += e.numel()
+            coded = i not in method.boundary and "k" in method.streams
+            bits += _quantise(method, "k", e.unsqueeze(1), min(method.n_sink, e.shape[1])) if coded \
+                else 16 * e.numel()
+            continue
         elems += k0.numel() + v0.numel()
         if i in method.boundary:
             bits += 16 * (k0.numel() + v0.numel())
@@ -146,20 +160,25 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, 
         first, held = held_span(layer)
         s = sink_rows(method.n_sink, first, held)
         for stream, t in (("k", k0), ("v", v0)):
-            if stream not in method.streams:
-                bits += 16 * t.numel()
-                continue
-            heads = []
-            for h in range(t.shape[1]):
-                x = np.ascontiguousarray(t[0, h].float().numpy(), dtype=np.float32)
-                y = x.copy()
-                bits += 16 * s * x.shape[1]
-                if s < x.shape[0]:
-                    y[s:], b = method.quantise(stream, np.ascontiguousarray(x[s:]))
-                    bits += b
-                heads.append(torch.from_numpy(y))
-            t.copy_(torch.stack(heads)[None].to(t.dtype))
+            bits += _quantise(method, stream, t, s) if stream in method.streams else 16 * t.numel()
     return bits, elems
+
+
+def _quantise(method: Method, stream: str, t: Any, s: int) -> int:
+    """Replaces the rows of ``t`` (``[1, H, T, D]``) after the first ``s`` by the method's
+    reconstruction, in place; returns the bits, the ``s`` raw rows at 16 bits each."""
+    heads = []
+    bits = 0
+    for h in range(t.shape[1]):
+        x = np.ascontiguousarray(t[0, h].float().numpy(), dtype=np.float32)
+        y = x.copy()
+        bits += 16 * s * x.shape[1]
+        if s < x.shape[0]:
+            y[s:], b = method.quantise(stream, np.ascontiguousarray(x[s:]))
+            bits += b
+        heads.append(torch.from_numpy(y))
+    t.copy_(torch.stack(heads)[None].to(t.dtype))
+    return bits
 
 
 @dataclass

@@ -99,7 +99,9 @@ def unsupported(name: str, model: Any) -> Optional[str]:
     layout = describe(model)
     other = [what for what, has in (("sliding-window", any(layout.sliding)),
                                     ("chunked-attention", any(s.kind == "chunked" for s in layout.layers)),
-                                    ("recurrent or convolution state", len(layout.kv_layers) < layout.num_layers))
+                                    ("compressed-attention", any(s.kind == "compressed" for s in layout.layers)),
+                                    ("recurrent or convolution state",
+                                     any(not s.has_kv and s.kind != "compressed" for s in layout.layers)))
              if has]
     if other:
         return (f"peer {name} skipped: transformers' QuantizedCache takes full-attention layers "
