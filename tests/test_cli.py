@@ -442,3 +442,35 @@ def test_calibrate_out_is_written_where_the_cache_cannot_be(tiny_model_dir, tmp_
     err = capsys.readouterr().err
     assert out.is_file() and "warning: statistics of wiki-en not cached (cannot make the folder" in err
     assert blocker.read_text() == "a file where the cache folder would be"
+
+
+def test_compressed_attention_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """A DeepSeek V4 checkpoint (compressed attention: an HCA, a CSA and a sliding layer) through
+    the commands: calibrate (statistics of its compressor's entries), eval with the calibrated
+    recipe and a baseline (the identity exact, QuantizedCache skipped)."""
+    import transformers
+
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-v4", transformers.DeepseekV4Config,
+                            transformers.DeepseekV4ForCausalLM, num_key_value_heads=1, head_dim=32,
+                            qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=16, o_groups=2,
+                            moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, index_n_heads=2,
+                            index_head_dim=16, index_topk=3, sliding_window=8, hc_mult=2,
+                            num_nextn_predict_layers=0,
+                            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                            layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
+                                         "sliding_attention"])
+    text = tiny_model_dir / "text.txt"
+    cal = tmp_path / "v4.kkcal"
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--window", "96", "--sensitivity-windows", "2", "--score", "16",
+                     "--samples", "8", "--out", str(cal)]) == 0
+    out = tmp_path / "eval-out"
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
+                     "--windows", "2", "--ctx", "80", "--n-eval", "8", "--recipes", "calibrated-4bit",
+                     "--calibration", str(cal), "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["methods"]
+    assert "quanto-int4" not in res  # QuantizedCache lacks the compressor's state
+    assert res["identity"]["kl"] == 0.0
+    # The windows' rows stay raw (16 bits): more than the entries' 4, fewer than all raw.
+    assert 4 < res["kakeyaturbo:calibrated-4bit"]["bits_per_element"] < 16
+    assert res["kakeyaturbo:calibrated-4bit"]["kl"] > 0 and res["fp8_e4m3"]["kl"] > 0

@@ -1,9 +1,12 @@
 """DeepSeek V4's compressed attention (``kakeyaturbo.cache.compressed``): a sliding window of K=V
 rows beside the entries its compressor emits (CSA: one per 4 tokens, with an indexer's entries;
-HCA: one per ``rate``), the entries coded by the cache. A tiny random-weight model with one
-layer of each kind: described, served exactly by the identity codec (greedy tokens and logits as
-``DynamicCache``'s, beams too), coded by a per-block recipe, rolled back after a refused call,
-and refused where it cannot work (crop, save, keys without RoPE, calibration)."""
+HCA: one per ``rate``), the entries coded by the cache (their channels without RoPE as keys, the
+rotated ones as values). A tiny random-weight model with one layer of each kind: described,
+served exactly by the identity codec (greedy tokens and logits as ``DynamicCache``'s, beams too),
+coded by a per-block recipe and by a calibration of its own (statistics and sensitivity of the
+entries, ``kakeyaturbo.calibration.compressed``), through ``compress_cache`` and the evaluation as
+through the cache, rolled back after a refused call, and refused where it cannot work (crop,
+save)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
 from kakeyaturbo.cache.compressed import CompressedEntries  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
-from kakeyaturbo.errors import InvalidInputError, UnsupportedModelError  # noqa: E402
+from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.calibration.compressed import COMPRESSED_POINT  # noqa: E402
+from kakeyaturbo.errors import (InvalidInputError, InvalidParameterError, ModelMismatchError,  # noqa: E402
+                                UnsupportedModelError)
 from kakeyaturbo.eval import harness, peers  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
@@ -60,10 +66,12 @@ def test_layout(v4) -> None:
     assert [s.kind for s in layout.layers] == ["compressed", "compressed", "sliding"]
     assert [s.rate for s in layout.layers] == [8, 4, None]
     assert [s.window for s in layout.layers] == [8, 8, 8]
-    assert all((s.q_heads, s.kv_heads, s.head_dim) == (4, 1, 32) for s in layout.layers)
-    assert layout.kv_layers == (2,) and layout.rope is None and "DeepSeek V4" in layout.rope_error
-    with pytest.raises(UnsupportedModelError, match="compressed attention's entries"):
-        layout.calibration_group()
+    # The entries split: 24 channels without RoPE (keys), the 8 rotated ones (values).
+    assert [(s.q_heads, s.kv_heads, s.head_dim, s.v_dim) for s in layout.layers] == [(4, 1, 24, 8)] * 2 + [
+        (4, 1, 32, None)]
+    assert layout.kv_layers == (0, 1, 2) and all(layout.rope.layer(i) is None for i in range(3))
+    # Calibrated: the compressed layers; the sliding one holds at most 7 rows and stays raw.
+    assert layout.shape_groups() == (((0, 1), (4, 1, 24)),)
 
 
 def test_identity_codec_is_dynamic_cache(v4) -> None:
@@ -89,6 +97,11 @@ def test_identity_codec_is_dynamic_cache(v4) -> None:
     # transformers' own layer classes stay those of every DynamicCache.
     assert DYNAMIC_LAYER_TYPE_MAPPING["compressed_sparse_attention"] is type(raw[1])
     assert type(raw[1]).__name__ == "DeepseekV4CSACache"
+
+
+def _entries(layer):
+    """The entries a compressed layer of a KakeyaCache holds, decoded: ``[B, n, D]``."""
+    return torch.cat([layer.entries.keys, layer.entries.values], dim=-1)[:, 0]
 
 
 def _bytes(t) -> int:
@@ -143,7 +156,7 @@ def test_a_per_block_recipe_codes_the_entries(v4) -> None:
     csa = cache.layers[1]
     assert csa.entries.num_sealed() == 3 and cache.memory()["blobs"] > 0
     exact = ref.layers[1].compressed_kv["compressor"]
-    held = csa.entries.keys[:, 0]
+    held = _entries(csa)
     assert held.shape == exact.shape
     err = float((held - exact).norm() / exact.norm())
     assert 0 < err < 0.2
@@ -186,10 +199,8 @@ def test_what_cannot_work_is_refused(v4, tmp_path) -> None:
     assert cache.get_seq_length() == 20
     with pytest.raises(UnsupportedModelError, match="compressor's state"):
         cache.save(tmp_path / "v4.kkprefix")
-    with pytest.raises(UnsupportedModelError, match="keys without RoPE"):
-        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=v4)
-    with pytest.raises(UnsupportedModelError, match="compressed attention's entries"):
-        calibration.collect(v4, [list(range(3, 40))], n_sink=1, samples=4)
+    with pytest.raises(InvalidParameterError, match="fewer than two entries"):
+        calibration.collect(v4, [list(range(3, 12))], n_sink=1, samples=4)
 
 
 def test_compress_cache_codes_the_entries_once(v4) -> None:
@@ -202,7 +213,10 @@ def test_compress_cache_codes_the_entries_once(v4) -> None:
     indexer = csa.compressed_kv["indexer"].clone()
     entries = [lay.compressed_kv["compressor"].clone() for lay in (hca, csa)]
     window = sliding.keys.clone()
-    out = compress_cache(cache, BlockCodec(recipes.load("balanced")), n_sink=2)
+    codec = BlockCodec(recipes.load("balanced"))
+    with pytest.raises(InvalidParameterError, match="pass model="):
+        compress_cache(cache, codec, n_sink=2)
+    out = compress_cache(cache, codec, n_sink=2, model=v4)
     # Every tensor held counts once: the windows (K=V), the entries, the indexer's entries, and
     # the sliding layer's K and V.
     counted = sum(t.numel() for lay in (hca, csa) for t in [lay.keys, *lay.compressed_kv.values()])
@@ -239,8 +253,76 @@ def test_the_evaluation_codes_the_entries_for_every_method(v4) -> None:
     entries = [lay.compressed_kv["compressor"].clone() for lay in (hca, csa)]
     windows = [lay.keys.clone() for lay in (hca, csa)]
     fp8 = harness.baseline_methods(["fp8_e4m3"])[0]
-    bits, elems = harness.compress_prefix(cache, fp8)
+    with pytest.raises(InvalidParameterError, match="pass model="):
+        harness.compress_prefix(cache, fp8)
+    bits, elems = harness.compress_prefix(cache, fp8, model=v4)
     assert elems == sum(t.numel() for lay in (hca, csa) for t in [lay.keys, *lay.compressed_kv.values()]) \
         + 2 * sliding.keys.numel()
     for lay, e, w in zip((hca, csa), entries, windows):
         assert not torch.equal(lay.compressed_kv["compressor"], e) and torch.equal(lay.keys, w)
+
+
+@pytest.fixture(scope="module")
+def fitted(v4):
+    g = np.random.default_rng(10)
+    wins = [list(g.integers(3, VOCAB, 120)) for _ in range(3)]
+    stats = calibration.collect(v4, wins, n_sink=1, samples=16)
+    sens = calibration.collect_sensitivity(v4, wins, n_sink=1, score=12)
+    return wins, stats, sens
+
+
+def test_statistics_are_the_entries_moments(v4, fitted) -> None:
+    wins, stats, sens = fitted
+    assert stats.layer_index == (0, 1) and stats.meta["hooks"] == COMPRESSED_POINT
+    assert stats.q2.shape == (2, 1, 24, 24) and stats.o_gram.shape == (2, 1, 8, 8)
+    assert stats.k_samples.shape == (2, 1, 16, 24) and stats.v_samples.shape == (2, 1, 16, 8)
+    assert sens.k.shape == (2, 1, 24, 24) and sens.v.shape == (2, 1, 8, 8)
+    for f in (sens.k, sens.v):  # Fisher matrices: symmetric, positive semi-definite, not zero
+        assert np.allclose(f, np.swapaxes(f, -1, -2)) and np.linalg.eigvalsh(f).min() > -1e-9 * f.max() > -1
+        assert (np.abs(f).reshape(2, -1).max(axis=1) > 0).all()
+    # Uniform weighting: the plain moments of the entries after the first, every window.
+    flat = calibration.collect(v4, wins, n_sink=1, samples=0, weighting="uniform")
+    for j in (0, 1):
+        rows = []
+        for w in wins:
+            ref = DynamicCache(config=v4.config)
+            with torch.no_grad():
+                v4(input_ids=torch.tensor([w]), cache=ref)
+            rows.append(ref.layers[j].compressed_kv["compressor"][0, 1:].double())
+        x = torch.cat(rows).numpy()
+        assert np.allclose(flat.k_mean[j, 0], x[:, :24].mean(0), atol=1e-6)
+        assert np.allclose(flat.v_cov[j, 0], np.cov(x[:, 24:].T, bias=True), atol=1e-6)
+    # Attention weighting moves the means away from the plain ones.
+    assert not np.allclose(stats.k_mean, flat.k_mean, atol=1e-4)
+
+
+def test_a_calibrated_cache_codes_the_entries_as_compress_cache(v4, fitted, tmp_path) -> None:
+    _, stats, sens = fitted
+    cal = Calibration.for_model(v4, stats, sens)
+    back = Calibration.load(cal.save(tmp_path / "v4.kkcal")).check_model(v4)
+    cache = KakeyaCache.from_pretrained(v4, "calibrated-4bit", calibration=back, block_size=8)
+    assert not cache.fast and "not among the families" in cache.fast_reason
+    ids = _ids(batch=1, n=150, seed=11)
+    ref = DynamicCache(config=v4.config)
+    with torch.no_grad():
+        v4(input_ids=ids, cache=cache)
+        v4(input_ids=ids, cache=ref)
+    # The codec codes rows one by one: the cache's sealed blocks decode to what compress_cache
+    # writes for the same entries.
+    codec = cache.codec
+    out = compress_cache(ref, codec, n_sink=1, model=v4)
+    assert out["compressed_layers"] == [0, 1] and 3.5 < 8 * out["blob_bytes"] / sum(
+        (e.shape[1] - 1) * 32 for e in (ref.layers[i].compressed_kv["compressor"] for i in (0, 1))) < 4.2
+    for i in (0, 1):
+        sealed = cache.layers[i].entries.num_sealed() * 8
+        assert sealed > 0
+        got = _entries(cache.layers[i])[:, 1:sealed + 1]
+        assert torch.equal(got, ref.layers[i].compressed_kv["compressor"][:, 1:sealed + 1])
+    assert cache.nbytes() < cache.nbytes_uncompressed()
+    fresh = KakeyaCache.from_pretrained(v4, "calibrated-4bit", calibration=back, block_size=8)
+    res = _generate(v4, fresh, _ids(batch=1, n=40, seed=12), max_new_tokens=6)
+    assert res.sequences.shape == (1, 46)
+    with pytest.raises(ModelMismatchError):
+        codec.check_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1)))

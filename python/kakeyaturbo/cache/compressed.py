@@ -10,13 +10,15 @@ bounded; the entries grow with the context, and they are what the cache codes.
 The layer is the model's own cache layer class (its window, its compressor's buffers and, for
 CSA, the overlap state and the lightning indexer's entries, all as transformers holds them) with
 the compressor's entries taken over: :meth:`CompressedEntries.update_compressor_states` hands them
-to a :class:`~kakeyaturbo.cache.layer.KakeyaLayer` of their own, as its keys (coded once: they are
-the values too; its values are empty rows), whose sink, sealed blocks and staging hold them as
-any layer's keys: the first ``n_sink`` raw, every full block of ``block_size`` entries sealed
-(``block_size`` counts entries here: an HCA block of 512 entries spans 65,536 tokens), the
-partial block raw. Attention reads them decoded (the slow path). The indexer's entries stay raw
-(``memory()["indexer"]``); the window, the buffers and the overlap state are fixed-size and
-count as ``memory()["state"]``.
+to a :class:`~kakeyaturbo.cache.layer.KakeyaLayer` of their own, split as multi-head latent
+attention's rows are (:class:`~kakeyaturbo.families.LayerSpec` ``"compressed"``): the channels
+without RoPE as its keys, the rotated channels (the last ``qk_rope_head_dim``) as its values,
+each coded once (an entry is read as key and value alike). Its sink, sealed blocks and staging
+hold them as any layer's rows: the first ``n_sink`` entries raw, every full block of
+``block_size`` entries sealed (``block_size`` counts entries here: an HCA block of 512 entries
+spans 65,536 tokens), the partial block raw. Attention reads them decoded (the slow path). The
+indexer's entries stay raw (``memory()["indexer"]``); the window, the buffers and the overlap
+state are fixed-size and count as ``memory()["state"]``.
 
 A compressed layer cannot be cropped (the compressor emitted entries of the tokens a crop would
 remove) nor saved (the file format has no place for the compressor's state)."""
@@ -30,13 +32,12 @@ import torch
 
 from ..codec import _checks
 from ..errors import InvalidInputError
+from ..families.layout import COMPRESSOR
 from .checks import batch_rows
 from .codecs import StreamCodec
 from .layer import KakeyaLayer, _tensor_bytes
 from .rollback import crop_count
 
-#: The compressor's series whose entries the cache codes (the indexer's stay raw).
-CODED = "compressor"
 #: The model's cache-layer fields that hold per-name tensors, replaced (never changed in place)
 #: by its methods: what a snapshot keeps and a batch selection selects.
 _DICTS = ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate")
@@ -47,6 +48,8 @@ class CompressedEntries:
 
     index: int
     entries: KakeyaLayer
+    #: The entries' channels without RoPE (the first ``split``), coded as the keys.
+    split: int
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -59,19 +62,21 @@ class CompressedEntries:
         """Appends ``[B, n, head_dim]`` entries of series ``name`` and returns all of them: the
         compressor's held by :attr:`entries` (earlier ones as stored, sealed blocks decoded; this
         call's exactly as given), the indexer's as the model's layer holds them."""
-        if name != CODED:
+        if name != COMPRESSOR:
             return super().update_compressor_states(name, compressed)  # type: ignore[misc]
         n = compressed.shape[1] if compressed.ndim == 3 else -1
         if n < 0 or not compressed.is_floating_point():
             raise InvalidInputError(f"layer {self.index}: compressed entries must be floating-point "
                                     f"[B, n, D], got {compressed.dtype} {tuple(compressed.shape)}")
         if not n:
-            held = self.entries.keys
-            return compressed if held is None else held[:, 0]
-        rows = compressed.unsqueeze(1)  # one "kv-head"
-        out = self.entries.update(rows, rows[..., :0])[0]
-        self.entry_count[name] += n  # type: ignore[attr-defined]
-        return out[:, 0]
+            if not self.entries.is_initialized:
+                return compressed
+            held = (self.entries.keys, self.entries.values)
+        else:
+            rows = compressed.unsqueeze(1)  # one "kv-head"
+            held = self.entries.update(rows[..., :self.split], rows[..., self.split:])
+            self.entry_count[name] += n  # type: ignore[attr-defined]
+        return torch.cat(held, dim=-1)[:, 0]  # type: ignore[arg-type]
 
     # --- what transformers' layer API asks beyond the model's class -----------------------------
 
@@ -157,8 +162,8 @@ class CompressedEntries:
         every compressed entry raw, at their dtypes."""
         held = 0
         if self.entries.is_initialized:
-            rows = self.entries.raw_rows()[2]  # staging keys [B, 1, n, D]
-            held = rows.shape[0] * self.entries.seen * rows.shape[3] * rows.element_size()
+            k, v = self.entries.raw_rows()[2:]  # staging rows [B, 1, n, width]
+            held = k.shape[0] * self.entries.seen * (k.shape[3] + v.shape[3]) * k.element_size()
         indexer = _tensor_bytes(self.compressed_kv.get("indexer"))  # type: ignore[attr-defined]
         return self._fixed_bytes() + held + indexer
 
@@ -211,11 +216,12 @@ def _check_window_rows(layer: Any, key_states: Any, value_states: Any) -> None:
 _CLASSES: Dict[type, type] = {}
 
 
-def compressed_layer(base: type, config: Any, index: int, codec: StreamCodec, *, block_size: int, n_sink: int,
-                     streams: Sequence[str], keep_decoded: bool) -> Any:
+def compressed_layer(base: type, config: Any, index: int, codec: StreamCodec, *, split: int, block_size: int,
+                     n_sink: int, streams: Sequence[str], keep_decoded: bool) -> Any:
     """A cache layer of compressed attention: the model's own class ``base`` (from transformers'
     ``DYNAMIC_LAYER_TYPE_MAPPING``, built with the model's ``config``) with its compressor's
-    entries coded through ``codec`` (raw when ``"k"`` is not in ``streams``: a boundary layer)."""
+    entries coded through ``codec``, the first ``split`` channels as keys, the rest as values,
+    the streams in ``streams`` (none: a boundary layer's entries stay raw)."""
     cls = _CLASSES.get(base)
     if cls is None:
         # ``_layer_type`` None: transformers registers a layer class that names one as the layer of
@@ -225,6 +231,7 @@ def compressed_layer(base: type, config: Any, index: int, codec: StreamCodec, *,
                        "(kakeyaturbo.cache.compressed).", "_layer_type": None})
     layer = cls(config)
     layer.index = index
-    layer.entries = KakeyaLayer(index, codec, block_size=block_size, n_sink=n_sink,
-                                streams=("k",) if "k" in streams else (), keep_decoded=keep_decoded)
+    layer.split = split
+    layer.entries = KakeyaLayer(index, codec, block_size=block_size, n_sink=n_sink, streams=streams,
+                                keep_decoded=keep_decoded)
     return layer

@@ -243,7 +243,7 @@ class KakeyaCache(Cache):
         raw = i in self.boundary or not codes_layer(self.codec, i)
         if spec is not None and spec.kind == "compressed":  # DeepSeek V4: the compressor's entries coded
             return compressed_layer(DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type], self._config, i, self.codec,
-                                    block_size=self.block_size, n_sink=self.n_sink,
+                                    split=spec.head_dim, block_size=self.block_size, n_sink=self.n_sink,
                                     streams=() if raw else self.streams, keep_decoded=self.keep_decoded)
         if spec is not None and not spec.has_kv:
             # A hybrid's recurrent / convolution state, or no cache (MLP-only, KV sharing):

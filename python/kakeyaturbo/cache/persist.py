@@ -124,7 +124,7 @@ def _refuse_state_layers(layout: Any) -> None:
     that cache nothing (transformers' ``dummy``: MLP-only blocks, layers sharing another's K/V)
     are saved as empty entries."""
     state = [spec.index for spec in layout.layers if spec.states or spec.cache_type == "indexed_attention"
-             or (not spec.has_kv and spec.cache_type != "dummy")]
+             or spec.kind == "compressed" or (not spec.has_kv and spec.cache_type != "dummy")]
     if state:
         raise UnsupportedModelError(
             f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, an "

@@ -3,14 +3,15 @@ full-attention and sliding-window layers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
 
 from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError, KakeyaError
-from .compressed import CODED
+from ..families import describe
+from ..families.layout import COMPRESSOR
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
 from .rope import layer_rope, layer_ropes, rope_for
@@ -107,6 +108,43 @@ def _check_finite(x: torch.Tensor, what: str, first: int) -> None:
                                 f"position {first + t}, column {d}; the cache is unchanged")
 
 
+def entry_splits(model: Any) -> Dict[int, int]:
+    """Per layer of compressed attention (DeepSeek V4), the channels of its entries without RoPE,
+    which come first (:class:`~kakeyaturbo.families.LayerSpec` ``"compressed"``)."""
+    return {s.index: s.head_dim for s in describe(model).layers if s.kind == "compressed"}
+
+
+def cache_splits(cache: Any, model: Any) -> Dict[int, int]:
+    """:func:`entry_splits` of ``model`` where ``cache`` holds layers of compressed attention
+    (InvalidParameterError without a model), else empty (without reading the model)."""
+    if not any(isinstance(getattr(layer, "compressed_kv", None), dict) for layer in getattr(cache, "layers", ())):
+        return {}
+    if model is None:
+        raise InvalidParameterError("a cache of compressed attention (DeepSeek V4): its entries are coded as keys "
+                                    "(the channels without RoPE) and values (the rotated ones); pass model= to find "
+                                    "where they split")
+    return entry_splits(model)
+
+
+def _splits(layers: Sequence[Any], splits: Optional[Mapping[int, int]], model: Any) -> Mapping[int, int]:
+    """``splits``, else read from ``model``; InvalidParameterError when a compressed-attention
+    layer has none, or one not inside its entries' width."""
+    if splits is None and model is not None:
+        splits = entry_splits(model)
+    splits = splits or {}
+    for i, layer in enumerate(layers):
+        entries = getattr(layer, "compressed_kv", None)
+        e = entries.get(COMPRESSOR) if isinstance(entries, dict) else None
+        if e is None:
+            continue
+        w = splits.get(i)
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 < w < e.shape[-1]:
+            raise InvalidParameterError(
+                f"layer {i} is compressed attention (DeepSeek V4): its entries are coded as keys (the channels "
+                f"without RoPE) and values (the rotated ones); pass model= to find where they split, got {w!r}")
+    return splits
+
+
 def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, first: int, r: Any, pos: Any,
           pending: list) -> int:
     """Codes the rows of ``t`` (``[B, H, T, D]``, positions ``first ..``) after the first ``s``
@@ -132,7 +170,7 @@ def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, firs
 
 def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary: Sequence[int] = (),
                    streams: Sequence[str] = STREAMS, rope: Any = None, positions: Any = None,
-                   model: Any = None) -> Dict[str, Any]:
+                   model: Any = None, splits: Optional[Mapping[int, int]] = None) -> Dict[str, Any]:
     """Replaces the K and V of every compressed layer of ``cache`` by their decoded values, in place.
 
     ``cache``: a filled transformers ``DynamicCache`` (``cache.layers[i].keys`` / ``.values``,
@@ -147,9 +185,10 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
 
     A compressed-attention layer (DeepSeek V4's CSA and HCA: the model's own layer, with
     ``compressed_kv``) holds its window as one tensor read as keys and values: it stays raw, as
-    do the indexer's entries; the compressor's entries after the first ``n_sink`` are coded once,
-    as keys ("k" in ``streams``), as :class:`~kakeyaturbo.cache.KakeyaCache` codes them
-    (:mod:`~kakeyaturbo.cache.compressed`). Each held tensor counts once in ``elements``.
+    do the indexer's entries; the compressor's entries after the first ``n_sink`` are coded as
+    :class:`~kakeyaturbo.cache.KakeyaCache` codes them (:mod:`~kakeyaturbo.cache.compressed`):
+    their first ``splits[layer]`` channels (those without RoPE; default from ``model``) as keys,
+    the rest as values. Each held tensor counts once in ``elements``.
 
     When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied to
     the decoded keys with each layer's own rotation: ``rope`` is the model's
@@ -180,6 +219,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     streams = check_streams(streams)
     n_sink = _checks.integer(n_sink, "n_sink", 0)
     _check_model(codec, model)
+    splits = _splits(layers, splits, model)
     skip = boundary_layers(boundary, len(layers))
     want_rope = wants_rope(codec, streams)
     if want_rope and rope is None:
@@ -195,30 +235,24 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if k is None or v is None or k.numel() == 0:
                 continue
+            span = None
             entries = getattr(layer, "compressed_kv", None)
             if isinstance(entries, dict):  # compressed attention (DeepSeek V4): K=V window, entries
-                held = [k] + [t for name, t in entries.items() if name != CODED and t is not None]
+                held = [k] + [t for name, t in entries.items() if name != COMPRESSOR and t is not None]
                 elems += sum(t.numel() for t in held)
                 raw += sum(t.numel() for t in held)
-                k = v = entries.get(CODED)
-                if k is None or k.numel() == 0:
+                e = entries.get(COMPRESSOR)
+                if e is None or e.numel() == 0:
                     continue
-                k = k.unsqueeze(1)  # [B, 1, entries, D]: a view, written through
-                elems += k.numel()
-                if i in skip or not codes_layer(codec, i) or "k" not in streams:
-                    raw += k.numel()
-                    continue
-                done.append(i)
-                s = min(n_sink, k.shape[2])
-                raw += k.shape[0] * s * k.shape[3]
-                blob_bytes += _code(codec, i, "k", k, s, 0, None, None, pending)
-                continue
+                e = e.unsqueeze(1)  # [B, 1, entries, D]; the views below are written through
+                k, v = e[..., :splits[i]], e[..., splits[i]:]
+                span = (0, e.shape[2])
             elems += k.numel() + v.numel()
             if i in skip or not codes_layer(codec, i):
                 raw += k.numel() + v.numel()
                 continue
             done.append(i)
-            first, n = held_span(layer)
+            first, n = span or held_span(layer)
             s = sink_rows(n_sink, first, n)
             for stream, t in (("k", k), ("v", v)):
                 b, h, _, d = t.shape

@@ -28,6 +28,7 @@ from .._files import write_atomically
 from ..errors import CorruptDataError, InvalidParameterError, ModelMismatchError, UnsupportedVersionError
 from .checks import fingerprint
 from .collect import weights_o_gram
+from .compressed import COMPRESSED_POINT
 from .latent import LATENT_POINT
 from .mixture import O_GRAM_TOLERANCE
 from .stats import AttentionStats, Sensitivity
@@ -114,7 +115,8 @@ class Calibration:
                     raise ModelMismatchError(
                         f"{what} were gathered on another model: fingerprint of the attention weights "
                         f"{got} in their meta, {fp} for this model")
-            if st.meta.get("fingerprint") is None and st.meta.get("hooks") != LATENT_POINT:
+            hooks = st.meta.get("hooks")
+            if st.meta.get("fingerprint") is None and hooks not in (LATENT_POINT, COMPRESSED_POINT):
                 want = weights_o_gram(model, None if n == 0 else st.layer_index)
                 if float(np.abs(st.o_gram - want).max()) > O_GRAM_TOLERANCE * float(np.abs(want).max()):
                     raise ModelMismatchError(

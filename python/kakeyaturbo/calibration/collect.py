@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output, fingerprint
+from .compressed import collect_compressed, collect_compressed_sensitivity
 from .latent import collect_latent, collect_latent_sensitivity
 from .moments import Moments, SampledRows, attention_p2, layer_meta, no_logits, scored_nll
 from .stats import AttentionStats, Sensitivity
@@ -44,20 +45,23 @@ def attention_modules(model: Any) -> List[Any]:
     return [mods[i] for i in want]
 
 
-def _latent(model: Any, groups: Groups) -> bool:
-    """Whether ``model`` has multi-head latent attention (its statistics are taken at the cache,
-    :mod:`.latent`, one group of layers)."""
+def _at_cache(model: Any, groups: Groups) -> Optional[str]:
+    """``"latent"`` for a model with multi-head latent attention, ``"compressed"`` for one with
+    compressed attention (their statistics are taken at the cache, :mod:`.latent` and
+    :mod:`.compressed`, one group of layers), else None."""
     from ..families import describe
 
     layout = describe(model)
-    if not layout.latent:
-        return False
+    kind = "latent" if layout.latent else \
+        "compressed" if any(s.kind == "compressed" for s in layout.layers) else None
+    if kind is None:
+        return None
     known = list(layout.shape_groups()[0][0])
     if groups is not None and (len(groups) != 1 or any(g is not None and [int(i) for i in g] != known
                                                        for g in groups)):
-        raise InvalidParameterError(f"model type {layout.model_type!r}: its latent layers {known} are one "
+        raise InvalidParameterError(f"model type {layout.model_type!r}: its {kind} layers {known} are one "
                                     f"group, asked for once; got {[None if g is None else list(g) for g in groups]}")
-    return True
+    return kind
 
 
 class _Group:
@@ -247,9 +251,11 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     if isinstance(samples, bool) or not isinstance(samples, numbers.Integral) or samples < 0:
         raise InvalidParameterError(f"samples must be an integer >= 0, got {samples!r}")
     meta = _with_fingerprint(model, meta)
-    if _latent(model, groups):
-        return [collect_latent(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
-                               progress=progress, meta=meta, rope=side)]
+    at_cache = _at_cache(model, groups)
+    if at_cache is not None:
+        fn = collect_latent if at_cache == "latent" else collect_compressed
+        return [fn(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
+                   progress=progress, meta=meta, rope=side)]
     rope, specs, own, reads = _groups(model, side, groups)
     at = {i: (n, g, j) for n, g in enumerate(specs) for i, j in g.row.items()}  # layer -> (group, row)
 
@@ -390,9 +396,11 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
         raise InvalidParameterError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
     _check_windows(model, windows, n_sink, same_length=False)
     meta = _with_fingerprint(model, meta)
-    if _latent(model, groups):
-        return [collect_latent_sensitivity(model, windows, n_sink=n_sink, score=score, progress=progress,
-                                           meta=meta, rope=side, labels=labels, seed=seed)]
+    at_cache = _at_cache(model, groups)
+    if at_cache is not None:
+        fn = collect_latent_sensitivity if at_cache == "latent" else collect_compressed_sensitivity
+        return [fn(model, windows, n_sink=n_sink, score=score, progress=progress, meta=meta, rope=side,
+                   labels=labels, seed=seed)]
     rope, specs, own, reads = _groups(model, side, groups)
     kv_layers = [i for g in specs for i in g.layers]
     row = {i: (m, j) for m, g in enumerate(specs) for j, i in enumerate(g.layers)}  # layer -> (group, row)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import InvalidParameterError
+from .compressed import COMPRESSED_POINT
 from .latent import LATENT_POINT
 from .stats import AttentionStats, Sensitivity
 
@@ -97,7 +98,7 @@ def pool_stats(items: Sequence[Tuple[AttentionStats, float]], *, samples: Option
                                         f"{first.q2.shape} (layers {list(s.layer_index)} and "
                                         f"{list(first.layer_index)})")
     _same_meta(items, _SAME_STATS, "statistics")
-    latent = first.meta.get("hooks") == LATENT_POINT
+    latent = first.meta.get("hooks") in (LATENT_POINT, COMPRESSED_POINT)
     if latent:
         o_gram = sum(p * s.o_gram for (s, _), p in zip(items, w))
     else:

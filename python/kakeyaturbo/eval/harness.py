@@ -19,10 +19,10 @@ require("kakeyaturbo.eval.harness")
 import torch  # noqa: E402
 
 from ..cache import codec_for, compress_cache
-from ..cache.compressed import CODED
-from ..cache.prefix import held_span, sink_rows
+from ..cache.prefix import cache_splits, held_span, sink_rows
 from ..errors import InvalidParameterError
 from ..families import describe
+from ..families.layout import COMPRESSOR
 from ..recipes import Recipe
 from . import baselines, metrics, peers
 
@@ -124,14 +124,16 @@ def _forward(model: Any, ids: Any, cache: Any = None, keep: "int | None" = None)
     return out.logits, new if new is not None else out.past_key_values
 
 
-def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, int]:
+def compress_prefix(cache: Any, method: Method, rope: Any = None, model: Any = None) -> Tuple[int, int]:
     """Replaces, in place, every layer of a filled `cache` by the method's reconstruction;
     returns (bits, elements) over all layers, elements as the layers hold them (a sliding-window
     layer its last window - 1 tokens). `rope` (`kakeyaturbo.cache.rope.rope_for(model)`) is
-    needed by codecs that code keys without RoPE."""
+    needed by codecs that code keys without RoPE, `model` by a cache of compressed attention
+    (DeepSeek V4: where its entries split into keys and values; see `compress_cache`)."""
+    splits = cache_splits(cache, model)
     if method.codec is not None:
         stats = compress_cache(cache, method.codec, n_sink=method.n_sink, boundary=method.boundary,
-                               streams=method.streams, rope=rope)
+                               streams=method.streams, rope=rope, splits=splits)
         return stats["bits"], stats["elements"]
 
     bits = elems = 0
@@ -142,16 +144,18 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None) -> Tuple[int, 
             continue
         entries = getattr(layer, "compressed_kv", None)
         if isinstance(entries, dict):  # compressed attention (DeepSeek V4), as compress_cache treats it
-            raw = [k0] + [t for name, t in entries.items() if name != CODED and t is not None]
+            raw = [k0] + [t for name, t in entries.items() if name != COMPRESSOR and t is not None]
             elems += sum(t.numel() for t in raw)
             bits += 16 * sum(t.numel() for t in raw)
-            e = entries.get(CODED)
+            e = entries.get(COMPRESSOR)
             if e is None or e.numel() == 0:
                 continue
             elems += e.numel()
-            coded = i not in method.boundary and "k" in method.streams
-            bits += _quantise(method, "k", e.unsqueeze(1), min(method.n_sink, e.shape[1])) if coded \
-                else 16 * e.numel()
+            e = e.unsqueeze(1)  # [1, 1, entries, D]: keys (no RoPE) and values (rotated), as compress_cache
+            w = splits[i]
+            for stream, t in (("k", e[..., :w]), ("v", e[..., w:])):
+                coded = i not in method.boundary and stream in method.streams
+                bits += _quantise(method, stream, t, min(method.n_sink, e.shape[2])) if coded else 16 * t.numel()
             continue
         elems += k0.numel() + v0.numel()
         if i in method.boundary:
@@ -217,7 +221,7 @@ def evaluate(model: Any, windows: Sequence[Sequence[int]], ctx: int, methods: Se
                     # sliding-window layer's state is more than its keys and values.
                     cache = copy.deepcopy(prefilled)
                 if method is not None and method.fill is None:
-                    bits, elems = compress_prefix(cache, method, rope)
+                    bits, elems = compress_prefix(cache, method, rope, model)
                 logits, _ = _forward(model, cont, cache)
                 s = per[method.name] if method is not None else ref
                 s.seconds += time.perf_counter() - t0

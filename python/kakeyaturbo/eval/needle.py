@@ -233,7 +233,7 @@ def run(model: Any, tok: Any, prompt_list: Sequence[Prompt], methods: Sequence[A
                 for m in todo:
                     t = time.perf_counter()
                     cache = copy.deepcopy(prefilled)
-                    bits, elems = compress_prefix(cache, m, rope)
+                    bits, elems = compress_prefix(cache, m, rope, model)
                     text = tok.decode(greedy(model, cache, p.ids[-1], steps, tok.eos_token_id))
                     res[m.name] = {"answer": text, "retrieved": retrieved(text, p.number),
                                    "bits_per_element": bits / max(elems, 1)}

@@ -90,9 +90,11 @@ class AttentionCapture:
                     "module run for several cache layers: HRM's looped stacks, Zamba 2's shared block): which "
                     "layer a call serves cannot be told, so statistics cannot be taken")
             # Multi-head latent attention hands attention keys expanded from the latent: a key
-            # head per query head, of the query's size.
+            # head per query head, of the query's size. Compressed attention (DeepSeek V4) hands
+            # over whole rows (its spec splits the entries' width into keys and values).
             self._shapes = {s.index: (s.q_heads, s.q_heads, None) if layout.latent else
-                            (s.q_heads, s.kv_heads, s.head_dim) for s in layout.layers if s.attends}
+                            (s.q_heads, s.kv_heads, s.head_dim + (s.v_dim or 0) if s.kind == "compressed"
+                             else s.head_dim) for s in layout.layers if s.attends}
         self._orig = self.model.config._attn_implementation
         orig = self._orig if self._orig in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "eager"
         mask = "eager" if self.weights else orig

@@ -33,6 +33,9 @@ STATE_LAYER_TYPES = ("linear_attention", "conv", "dummy")
 #: beside it, entries the model's compressor emits, one per ``compress_rates[type]`` tokens
 #: (CSA: 4, with a lightning indexer's entries of its own; HCA: 128), read as keys and values.
 COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
+#: The key in such a layer's ``compressed_kv`` of the entries attention reads (the lightning
+#: indexer's are under ``"indexer"``).
+COMPRESSOR = "compressor"
 
 #: Names of the attention output projection (``[hidden, q_heads * head_dim]``), by family.
 _OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
@@ -56,9 +59,11 @@ class LayerSpec:
     - ``"shared"``: an attention layer that caches nothing and attends over the K/V rows of layer
       ``reads`` (Gemma 3n's and Gemma 4's KV sharing; its heads and ``window`` are its own);
     - ``"compressed"``: compressed attention (DeepSeek V4's CSA and HCA layers, ``cache_type``
-      one of :data:`COMPRESSED_LAYER_TYPES`): the last ``window - 1`` tokens' K=V rows (one kv-head
-      of ``head_dim``) and one compressed entry of ``head_dim`` per ``rate`` tokens, which grow with
-      the context; not a K/V layer (:attr:`has_kv` False): the cache codes its entries."""
+      one of :data:`COMPRESSED_LAYER_TYPES`): the last ``window - 1`` tokens' K=V rows (one
+      kv-head) and one compressed entry per ``rate`` tokens, which grow with the context. What
+      is coded is the entries, split as multi-head latent attention's rows are: their channels
+      without RoPE as the "keys" (``head_dim`` wide), the rotated channels as the "values"
+      (``v_dim`` wide); window rows and entries are ``head_dim + v_dim`` wide."""
 
     index: int
     kind: str
@@ -81,8 +86,9 @@ class LayerSpec:
 
     @property
     def has_kv(self) -> bool:
-        """Whether the layer caches K/V rows (full or sliding attention)."""
-        return self.kind in ("full", "sliding", "chunked")
+        """Whether the layer caches K/V rows (full, sliding or chunked attention; compressed
+        attention's entries)."""
+        return self.kind in ("full", "sliding", "chunked", "compressed")
 
     @property
     def attends(self) -> bool:
@@ -141,8 +147,11 @@ class ModelLayout:
         alike; UnsupportedModelError as :meth:`calibration_group`."""
         first = self.calibration_group()
         rest: Dict[Tuple[int, int, int], List[int]] = {}
+        # Beside compressed attention (DeepSeek V4) sliding layers hold at most window - 1 rows:
+        # they stay raw, no group of their own.
+        compressed = any(s.kind == "compressed" for s in self.layers)
         for s in self.layers:
-            if s.has_kv and s.index not in first[0]:
+            if s.has_kv and s.index not in first[0] and not compressed:
                 rest.setdefault((s.q_heads, s.kv_heads, s.head_dim), []).append(s.index)
         return (first,) + tuple((tuple(v), k) for k, v in rest.items())
 
@@ -155,10 +164,6 @@ class ModelLayout:
         their window) stay raw in a calibrated recipe's cache unless the calibration holds their
         group too (:meth:`shape_groups`; ``kakeyaturbo calibrate`` and ``eval`` collect every group).
         UnsupportedModelError when no such group exists."""
-        if any(s.kind == "compressed" for s in self.layers):
-            raise UnsupportedModelError(
-                f"model type {self.model_type!r}: compressed attention's entries (DeepSeek V4) have no "
-                "calibration statistics: per-block recipes and the identity codec serve it")
         kv = [s for s in self.layers if s.has_kv]
         shape = {s.index: (s.q_heads, s.kv_heads, s.head_dim) for s in kv}
         shapes = set(shape.values())
@@ -396,9 +401,10 @@ def _applies_rope(model: Any, mt: str) -> Dict[int, bool]:
 
 def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], Optional[str]]:
     if any(t in COMPRESSED_LAYER_TYPES for t in types):
-        return None, ("compressed attention (DeepSeek V4) rotates a part of each key by a rotary module "
-                      "per layer type, its compressed entries at the first position of their window: "
-                      "kakeyaturbo codes its rows as cached, after RoPE")
+        # DeepSeek V4: the entries' keys (their channels without RoPE) carry no rotation, their
+        # rotated channels (the "values") are coded as cached, as multi-head latent attention's;
+        # its sliding layers' few rows too, were a codec to code them (calibrations do not).
+        return ModelRope([None] * len(types)), None
     if getattr(cfg, "alibi", False) is True:  # Falcon with ALiBi: a rotary module built, never applied
         return ModelRope([None] * len(types)), None
     module = _rotary_module(model)
@@ -492,8 +498,10 @@ def describe(model: Any) -> ModelLayout:
         if lt in STATE_LAYER_TYPES:
             specs.append(LayerSpec(i, "state", None, 0, 0, 0, lt, int(kw.get("number_of_states", 0))))
             continue
-        if lt in COMPRESSED_LAYER_TYPES:
-            specs.append(LayerSpec(i, "compressed", int(cfg.sliding_window), *layer_heads(cfg, i, mt, lt), lt,
+        if lt in COMPRESSED_LAYER_TYPES:  # the entries' channels without RoPE, then the rotated ones
+            hq, hkv, d = layer_heads(cfg, i, mt, lt)
+            dr = int(cfg.qk_rope_head_dim)
+            specs.append(LayerSpec(i, "compressed", int(cfg.sliding_window), hq, hkv, d - dr, lt, v_dim=dr,
                                    rate=int(cfg.compress_rates[lt])))
             continue
         window = kw.get("sliding_window") if lt in _SLIDING_TYPES else None

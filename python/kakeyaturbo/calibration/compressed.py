@@ -1,0 +1,254 @@
+"""Statistics and sensitivity of compressed attention (DeepSeek V4's CSA and HCA layers), taken at
+the cache: what the codecs code is the entries the compressor emits (one per ``rate`` tokens,
+:mod:`kakeyaturbo.cache.compressed`), split as multi-head latent attention's rows are: their
+channels without RoPE as the "keys", the rotated channels as the "values"
+(:class:`~kakeyaturbo.families.LayerSpec` ``"compressed"``). The window's rows are not coded.
+
+Each window runs through the model with a ``DynamicCache``, which then holds the entries. An
+entry is read as key and value alike by every head (one kv-head); the queries that score it are
+every head's at every position, their channels without RoPE weighing the keys' errors (``q2``)
+and their rotated ones the values' (``o_gram``, as multi-head latent attention's rotated key
+part). The attention function sees the queries and the window's rows with the entries after
+them; the attention weights of the entries (sums of squared probabilities, the model's learnt
+sinks in the softmax, its mask with the compressor's block bias) weigh rows and queries as
+:func:`~kakeyaturbo.calibration.collect` weighs them. The first ``n_sink`` entries of each
+window are left out, as the cache keeps them raw. The sensitivity is taken as a cache is used:
+the prefix prefilled without gradients, its entries made inputs, the scored tokens fed through
+it (their own new entries appended to those inputs, as the model appends them)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..errors import InvalidParameterError, UnsupportedModelError
+from ..recipes import CalibrationSettings
+from .checks import check_same_output
+from .moments import Moments, layer_meta, no_logits, scored_nll
+from .stats import AttentionStats, Sensitivity
+
+#: Where the statistics of compressed attention are taken (recorded in their meta).
+COMPRESSED_POINT = ("compressed attention's entries at the cache (channels without RoPE as keys, rotated "
+                    "channels as values)")
+#: Query rows whose probabilities are computed at once (bounds the ``[heads, rows, keys]`` tensor).
+_CHUNK = 64
+
+
+def _layers(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
+    """``(layout, layers, query heads, keys' width, values' width)`` of the compressed layers."""
+    from ..families import describe
+
+    layout = describe(model)
+    layers, (hq, _, d) = layout.calibration_group()
+    return layout, layers, hq, d, int(layout.layers[layers[0]].v_dim or 0)
+
+
+def _meta(meta: Optional[Dict[str, Any]], layers: Sequence[int], hq: int, d: int, dv: int,
+          windows: Sequence[Sequence[int]], n_sink: int, rope: str, **extra: Any) -> Dict[str, Any]:
+    info = dict(meta or {})
+    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                **layer_meta(layers), q_heads=hq, kv_heads=1, head_dim=d, v_dim=dv,
+                date=datetime.date.today().isoformat(), hooks=COMPRESSED_POINT, rope=rope, **extra)
+    return info
+
+
+def entry_p2(module: Any, q: Any, kv: Any, mask: Any, kwargs: Dict[str, Any], entries: int,
+             n_sink: int) -> Tuple[Any, Any, Any]:
+    """Attention of one compressed layer over a window, as its eager attention computes it:
+    ``q [1, Hq, S, D]``, ``kv [1, 1, S + entries, D]`` (the window's rows, then the entries),
+    ``mask`` the float mask it adds (causal and sliding for the rows, the block bias for the
+    entries), the module's learnt ``sinks`` one more logit per head. Returns ``wq [Hq, S]``
+    (``sum`` of squared probabilities over the entries ``>= n_sink``), ``wk [entries]`` (over
+    every head and query, per entry), float64, and the output ``[1, S, Hq, D]``."""
+    import torch
+
+    _, hq, s, d = q.shape
+    scaling = kwargs.get("scaling")
+    scaling = float(d ** -0.5 if scaling is None else scaling)
+    k = kv[0, 0].detach().float()
+    sinks = getattr(module, "sinks", None)
+    wq = torch.zeros((hq, s), dtype=torch.float64)
+    wk = torch.zeros((entries,), dtype=torch.float64)
+    out = []
+    for a in range(0, s, _CHUNK):
+        b = min(a + _CHUNK, s)
+        logits = (q[0, :, a:b].detach().float() @ k.T) * scaling
+        if mask is not None:
+            logits = logits + mask[0, :, a:b].float()
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.detach().float().reshape(hq, 1, 1).expand(-1, b - a, 1)], dim=-1)
+        p = torch.softmax(logits, dim=-1)[..., :k.shape[0]]
+        out.append(p @ k)
+        p2 = p[..., k.shape[0] - entries:].double() ** 2
+        wq[:, a:b] = p2[..., n_sink:].sum(dim=-1)
+        wk += p2.sum(dim=(0, 1))
+    return wq, wk, torch.cat(out, dim=1).transpose(0, 1)[None].to(q.dtype)
+
+
+def _draws(counts: Sequence[Sequence[int]], samples: int, seed: int) -> List[List[List[int]]]:
+    """Per layer and window, the entries (counted from ``n_sink``) kept as samples: the same
+    number for every layer (the fewest any layer holds, at most ``samples``), drawn uniformly
+    without repeats (seeded) over each layer's entries of all windows."""
+    n = min([samples] + [sum(c) for c in counts])
+    rng = np.random.default_rng(seed)
+    out = []
+    for per_window in counts:
+        pick = np.sort(rng.choice(sum(per_window), size=n, replace=False)) if n else np.zeros(0, int)
+        lo = np.cumsum([0] + list(per_window))
+        out.append([[int(p - lo[w]) for p in pick if lo[w] <= p < lo[w + 1]] for w in range(len(per_window))])
+    return out
+
+
+def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
+                       seed: int = 0, weighting: str = "attention",
+                       progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+                       meta: Optional[Dict[str, Any]] = None, rope: str = "before") -> AttentionStats:
+    """:func:`~kakeyaturbo.calibration.collect` of a model with compressed attention (see the
+    module doc): the moments of the entries its cache holds, weighted as there (``weighting``),
+    with ``samples`` entries per layer. The keys carry no RoPE and the values are coded as
+    cached, so ``rope`` changes nothing but the record."""
+    import torch
+
+    from ..families import AttentionCapture
+    from ..families.layout import COMPRESSOR
+
+    if weighting not in ("attention", "uniform"):
+        raise InvalidParameterError(f"weighting must be 'attention' or 'uniform', got {weighting!r}")
+    layout, layers, hq, d, dv = _layers(model)
+    rate = [int(layout.layers[i].rate or 1) for i in layers]
+    counts = [[max(len(w) // r - n_sink, 0) for w in windows] for r in rate]
+    if any(sum(c) < 2 for c in counts):
+        raise InvalidParameterError(f"windows of {len(windows[0]) if windows else 0} tokens give compressed layers of "
+                                    f"rates {sorted(set(rate))} fewer than two entries after the first {n_sink}: "
+                                    "give longer or more windows")
+    drawn = _draws(counts, samples, seed)
+    row = {i: j for j, i in enumerate(layers)}
+    n = len(layers)
+    q2 = torch.zeros((n, 1, d, d), dtype=torch.float64)
+    qr2 = torch.zeros((n, 1, dv, dv), dtype=torch.float64)
+    q_count = torch.zeros((n, 1), dtype=torch.float64)
+    k_acc, v_acc = Moments(n, 1, d), Moments(n, 1, dv)
+    weights: Dict[int, Any] = {}
+
+    def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
+                attend: Any) -> Tuple[Any, Any]:
+        if i not in row:
+            return attend(q, k, v)
+        s = q.shape[2]
+        entries = k.shape[2] - s
+        if weighting == "attention":
+            wq, wk, o = entry_p2(module, q, k, mask, kwargs, entries, n_sink)
+            out = (o, None)
+            if first:
+                check_same_output(model, i, o, attend(q, k, v)[0])
+            weights[i] = wk[None, n_sink:]
+        else:
+            out = attend(q, k, v)
+            wq = torch.ones((hq, s), dtype=torch.float64)
+            weights[i] = None
+        qd = q[0].detach().double().reshape(-1, q.shape[-1])  # every head's queries: [heads * S, d + dv]
+        wf = wq.reshape(-1, 1)
+        j = row[i]
+        q2[j, 0] += (qd[:, :d] * wf).T @ qd[:, :d]
+        qr2[j, 0] += (qd[:, d:] * wf).T @ qd[:, d:]
+        q_count[j, 0] += wq.sum()
+        return out
+
+    cap = AttentionCapture(model, handler, weights=weighting == "attention")
+    head = no_logits(model)
+    first = True
+    with torch.no_grad(), cap:
+        for w_i, w in enumerate(progress(windows)):
+            cache = _cache(model)
+            model(input_ids=torch.tensor([list(w)]), cache=cache, **head)
+            if first:
+                cap.check(layers)
+                first = False
+            for i, j in row.items():
+                x = cache.layers[i].compressed_kv[COMPRESSOR][:, n_sink:].detach().double()  # [1, entries, d + dv]
+                for acc, part in ((k_acc, x[..., :d]), (v_acc, x[..., d:])):
+                    acc.add(j, part, weights[i])
+                    if drawn[j][w_i]:
+                        acc.samples[j][0].append(part[0, drawn[j][w_i]].numpy().astype(np.float32))
+    km, kc = k_acc.moments()
+    vm, vc = v_acc.moments()
+    norm = q_count.clamp_min(1e-300)[:, :, None, None]
+    info = _meta(meta, layers, hq, d, dv, windows, n_sink, rope, tokens=sum(len(w) for w in windows),
+                 samples=sum(len(x) for x in drawn[0]), weighting=weighting)
+    return AttentionStats(meta=info, q2=(q2 / norm).numpy(), k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
+                          o_gram=(qr2 / norm).numpy(), k_samples=k_acc.stacked_samples(d),
+                          v_samples=v_acc.stacked_samples(dv))
+
+
+def _cache(model: Any) -> Any:
+    import transformers
+
+    return transformers.DynamicCache(config=model.config)
+
+
+def collect_compressed_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
+                                   score: int = 64,
+                                   progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
+                                   meta: Optional[Dict[str, Any]] = None, rope: str = "before",
+                                   labels: str = "text", seed: int = 0) -> Sensitivity:
+    """:func:`~kakeyaturbo.calibration.collect_sensitivity` of a model with compressed attention,
+    taken as a cache is used: per window the first ``len - score - 1`` tokens are prefilled into
+    a ``DynamicCache`` without gradients, every compressed layer's entries are made inputs, and
+    the next ``score`` tokens are fed through it; ``F = sum_t g_t g_t^T`` of the gradients of
+    their next-token NLL at those entries (after the first ``n_sink``), split into keys and
+    values."""
+    import torch
+
+    from ..families.layout import COMPRESSOR
+
+    if labels not in CalibrationSettings.LABELS:
+        raise InvalidParameterError(f"labels must be one of {', '.join(CalibrationSettings.LABELS)}, got {labels!r}")
+    layout, layers, hq, d, dv = _layers(model)
+    if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
+        raise InvalidParameterError(
+            f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
+    fisher = {"k": np.zeros((len(layers), 1, d, d)), "v": np.zeros((len(layers), 1, dv, dv))}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        for n, w in enumerate(progress(windows)):
+            ids = torch.tensor([list(w)])
+            ctx = len(w) - score - 1
+            cache = _cache(model)
+            with torch.no_grad():
+                model(input_ids=ids[:, :ctx], cache=cache)
+            leaves: List[Tuple[int, Any]] = []
+            for i in layers:
+                held = cache.layers[i].compressed_kv
+                if held.get(COMPRESSOR) is None or held[COMPRESSOR].shape[1] <= n_sink:
+                    continue
+                x = held[COMPRESSOR].detach().clone().requires_grad_(True)
+                held[COMPRESSOR] = x
+                leaves.append((i, x))
+            if not leaves:
+                continue
+            with torch.enable_grad():
+                logits = model(input_ids=ids[:, ctx:-1], cache=cache).logits[0]
+                nll = scored_nll(logits, ids, ctx, labels, seed, n)
+                try:
+                    grads = torch.autograd.grad(nll, [x for _, x in leaves], allow_unused=True)
+                except RuntimeError as e:
+                    raise UnsupportedModelError(
+                        f"model type {layout.model_type!r}: no gradient through its cache ({e})") from None
+            for (i, x), g in zip(leaves, grads):
+                if g is None:  # no scored query read the entries (the indexer picked none)
+                    continue
+                g = g[0, n_sink:].double()  # [entries - n_sink, d + dv]
+                j = layers.index(i)
+                fisher["k"][j, 0] += (g[:, :d].T @ g[:, :d]).numpy()
+                fisher["v"][j, 0] += (g[:, d:].T @ g[:, d:]).numpy()
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    info = _meta(meta, layers, hq, d, dv, windows, n_sink, rope, score=score, labels=labels,
+                 cached="independent")
+    k = max(len(windows), 1)
+    return Sensitivity(meta=info, k=fisher["k"] / k, v=fisher["v"] / k)
