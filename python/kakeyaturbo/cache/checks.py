@@ -63,3 +63,15 @@ def batch_rows(idx: Any, batch: int, index: int) -> torch.Tensor:
         raise InvalidInputError(f"layer {index}: batch rows must be a non-empty 1-D list of rows in "
                                 f"0..{batch - 1}, got {t.tolist() if t.numel() <= 16 else tuple(t.shape)}")
     return t
+
+
+def selected_rows(indices: Any, batch: int, index: int) -> torch.Tensor:
+    """``batch_select_indices``'s ``indices`` (anything that indexes ``batch`` rows: integers, a
+    boolean mask, a slice of a tensor) as the rows of layer ``index`` to keep (InvalidInputError,
+    TypeError as :func:`batch_rows`)."""
+    try:
+        rows = torch.arange(batch)[torch.as_tensor(indices).to("cpu")]
+    except (IndexError, RuntimeError, TypeError, ValueError) as e:
+        raise InvalidInputError(f"layer {index}: batch indices {indices!r} do not select "
+                                f"rows of {batch} ({e})") from None
+    return batch_rows(rows, batch, index)

@@ -33,7 +33,7 @@ import torch
 from ..codec import _checks
 from ..errors import InvalidInputError
 from ..families.layout import COMPRESSOR
-from .checks import batch_rows
+from .checks import batch_rows, selected_rows
 from .codecs import StreamCodec
 from .layer import KakeyaLayer, _tensor_bytes
 from .rollback import crop_count
@@ -111,12 +111,7 @@ class CompressedEntries:
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:  # type: ignore[attr-defined]
-            try:
-                rows = torch.arange(self._batch())[torch.as_tensor(indices).to("cpu")]
-            except (IndexError, RuntimeError, TypeError, ValueError) as e:
-                raise InvalidInputError(f"layer {self.index}: batch indices {indices!r} do not select "
-                                        f"rows of {self._batch()} ({e})") from None
-            self._select(batch_rows(rows, self._batch(), self.index))
+            self._select(selected_rows(indices, self._batch(), self.index))
 
     def offload(self) -> None:
         raise NotImplementedError("KakeyaCache does not offload")

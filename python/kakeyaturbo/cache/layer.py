@@ -12,9 +12,9 @@ from transformers.cache_utils import CacheLayerMixin
 from .._extras import missing
 from ..codec.attention import LayerCodes
 from ..codec import _checks
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
-from .checks import batch_rows, check_rows
+from .checks import batch_rows, check_rows, selected_rows
 from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
@@ -303,12 +303,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            try:
-                rows = torch.arange(self._batch())[torch.as_tensor(indices).to("cpu")]
-            except (IndexError, RuntimeError, TypeError, ValueError) as e:
-                raise InvalidInputError(f"layer {self.index}: batch indices {indices!r} do not select "
-                                        f"rows of {self._batch()} ({e})") from None
-            self._select(batch_rows(rows, self._batch(), self.index))
+            self._select(selected_rows(indices, self._batch(), self.index))
 
     def offload(self) -> None:
         """Not supported: sealed blocks are host bytes already."""

@@ -18,15 +18,13 @@ it (their own new entries appended to those inputs, as the model appends them)."
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import InvalidParameterError, UnsupportedModelError
-from ..recipes import CalibrationSettings
+from ..errors import InvalidParameterError
 from .checks import check_same_output
-from .moments import Moments, layer_meta, no_logits, scored_nll
+from .moments import CacheMoments, cache_gradients, cache_meta, check_scored, dynamic_cache, no_logits
 from .stats import AttentionStats, Sensitivity
 
 #: Where the statistics of compressed attention are taken (recorded in their meta).
@@ -43,15 +41,6 @@ def _layers(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
     layout = describe(model)
     layers, (hq, _, d) = layout.calibration_group()
     return layout, layers, hq, d, int(layout.layers[layers[0]].v_dim or 0)
-
-
-def _meta(meta: Optional[Dict[str, Any]], layers: Sequence[int], hq: int, d: int, dv: int,
-          windows: Sequence[Sequence[int]], n_sink: int, rope: str, **extra: Any) -> Dict[str, Any]:
-    info = dict(meta or {})
-    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                **layer_meta(layers), q_heads=hq, kv_heads=1, head_dim=d, v_dim=dv,
-                date=datetime.date.today().isoformat(), hooks=COMPRESSED_POINT, rope=rope, **extra)
-    return info
 
 
 def entry_p2(module: Any, q: Any, kv: Any, mask: Any, kwargs: Dict[str, Any], entries: int,
@@ -126,10 +115,7 @@ def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: 
     drawn = _draws(counts, samples, seed)
     row = {i: j for j, i in enumerate(layers)}
     n = len(layers)
-    q2 = torch.zeros((n, 1, d, d), dtype=torch.float64)
-    qr2 = torch.zeros((n, 1, dv, dv), dtype=torch.float64)
-    q_count = torch.zeros((n, 1), dtype=torch.float64)
-    k_acc, v_acc = Moments(n, 1, d), Moments(n, 1, dv)
+    acc = CacheMoments(n, d, dv)
     weights: Dict[int, Any] = {}
 
     def handler(i: int, module: Any, q: Any, k: Any, v: Any, mask: Any, kwargs: Dict[str, Any],
@@ -149,11 +135,7 @@ def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: 
             wq = torch.ones((hq, s), dtype=torch.float64)
             weights[i] = None
         qd = q[0].detach().double().reshape(-1, q.shape[-1])  # every head's queries: [heads * S, d + dv]
-        wf = wq.reshape(-1, 1)
-        j = row[i]
-        q2[j, 0] += (qd[:, :d] * wf).T @ qd[:, :d]
-        qr2[j, 0] += (qd[:, d:] * wf).T @ qd[:, d:]
-        q_count[j, 0] += wq.sum()
+        acc.queries(row[i], qd[:, :d], qd[:, d:], wq)
         return out
 
     cap = AttentionCapture(model, handler, weights=weighting == "attention")
@@ -161,31 +143,17 @@ def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: 
     first = True
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
-            cache = _cache(model)
+            cache = dynamic_cache(model)
             model(input_ids=torch.tensor([list(w)]), cache=cache, **head)
             if first:
                 cap.check(layers)
                 first = False
             for i, j in row.items():
                 x = cache.layers[i].compressed_kv[COMPRESSOR][:, n_sink:].detach().double()  # [1, entries, d + dv]
-                for acc, part in ((k_acc, x[..., :d]), (v_acc, x[..., d:])):
-                    acc.add(j, part, weights[i])
-                    if drawn[j][w_i]:
-                        acc.samples[j][0].append(part[0, drawn[j][w_i]].numpy().astype(np.float32))
-    km, kc = k_acc.moments()
-    vm, vc = v_acc.moments()
-    norm = q_count.clamp_min(1e-300)[:, :, None, None]
-    info = _meta(meta, layers, hq, d, dv, windows, n_sink, rope, tokens=sum(len(w) for w in windows),
-                 samples=sum(len(x) for x in drawn[0]), weighting=weighting)
-    return AttentionStats(meta=info, q2=(q2 / norm).numpy(), k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
-                          o_gram=(qr2 / norm).numpy(), k_samples=k_acc.stacked_samples(d),
-                          v_samples=v_acc.stacked_samples(dv))
-
-
-def _cache(model: Any) -> Any:
-    import transformers
-
-    return transformers.DynamicCache(config=model.config)
+                acc.rows(j, x[..., :d], x[..., d:], weights[i], drawn[j][w_i])
+    return acc.stats(cache_meta(meta, layers, hq, d, dv, windows, n_sink, rope, COMPRESSED_POINT,
+                                tokens=sum(len(w) for w in windows), samples=sum(len(x) for x in drawn[0]),
+                                weighting=weighting))
 
 
 def collect_compressed_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
@@ -199,56 +167,30 @@ def collect_compressed_sensitivity(model: Any, windows: Sequence[Sequence[int]],
     the next ``score`` tokens are fed through it; ``F = sum_t g_t g_t^T`` of the gradients of
     their next-token NLL at those entries (after the first ``n_sink``), split into keys and
     values."""
-    import torch
-
     from ..families.layout import COMPRESSOR
 
-    if labels not in CalibrationSettings.LABELS:
-        raise InvalidParameterError(f"labels must be one of {', '.join(CalibrationSettings.LABELS)}, got {labels!r}")
     layout, layers, hq, d, dv = _layers(model)
-    if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
-        raise InvalidParameterError(
-            f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
+    check_scored(windows, n_sink, score, labels)
     fisher = {"k": np.zeros((len(layers), 1, d, d)), "v": np.zeros((len(layers), 1, dv, dv))}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
-    try:
-        for n, w in enumerate(progress(windows)):
-            ids = torch.tensor([list(w)])
-            ctx = len(w) - score - 1
-            cache = _cache(model)
-            with torch.no_grad():
-                model(input_ids=ids[:, :ctx], cache=cache)
-            leaves: List[Tuple[int, Any]] = []
-            for i in layers:
-                held = cache.layers[i].compressed_kv
-                if held.get(COMPRESSOR) is None or held[COMPRESSOR].shape[1] <= n_sink:
-                    continue
-                x = held[COMPRESSOR].detach().clone().requires_grad_(True)
-                held[COMPRESSOR] = x
-                leaves.append((i, x))
-            if not leaves:
-                continue
-            with torch.enable_grad():
-                logits = model(input_ids=ids[:, ctx:-1], cache=cache).logits[0]
-                nll = scored_nll(logits, ids, ctx, labels, seed, n)
-                try:
-                    grads = torch.autograd.grad(nll, [x for _, x in leaves], allow_unused=True)
-                except RuntimeError as e:
-                    raise UnsupportedModelError(
-                        f"model type {layout.model_type!r}: no gradient through its cache ({e})") from None
-            for (i, x), g in zip(leaves, grads):
-                if g is None:  # no scored query read the entries (the indexer picked none)
-                    continue
-                g = g[0, n_sink:].double()  # [entries - n_sink, d + dv]
-                j = layers.index(i)
-                fisher["k"][j, 0] += (g[:, :d].T @ g[:, :d]).numpy()
-                fisher["v"][j, 0] += (g[:, d:].T @ g[:, d:]).numpy()
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
-    info = _meta(meta, layers, hq, d, dv, windows, n_sink, rope, score=score, labels=labels,
-                 cached="independent")
+
+    def leaves(cache: Any) -> List[Tuple[Any, Any]]:
+        out = []
+        for i in layers:
+            held = cache.layers[i].compressed_kv
+            if held.get(COMPRESSOR) is not None and held[COMPRESSOR].shape[1] > n_sink:
+                held[COMPRESSOR] = x = held[COMPRESSOR].detach().clone().requires_grad_(True)
+                out.append((i, x))
+        return out
+
+    def add(i: int, g: Any) -> None:
+        g = g[0, n_sink:].double()  # [entries - n_sink, d + dv]
+        j = layers.index(i)
+        fisher["k"][j, 0] += (g[:, :d].T @ g[:, :d]).numpy()
+        fisher["v"][j, 0] += (g[:, d:].T @ g[:, d:]).numpy()
+
+    cache_gradients(model, windows, score, labels, seed, progress, layout.model_type, leaves, add,
+                    allow_unused=True)
+    info = cache_meta(meta, layers, hq, d, dv, windows, n_sink, rope, COMPRESSED_POINT, score=score,
+                      labels=labels, cached="independent")
     k = max(len(windows), 1)
     return Sensitivity(meta=info, k=fisher["k"] / k, v=fisher["v"] / k)

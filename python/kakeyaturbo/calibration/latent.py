@@ -14,15 +14,14 @@ second moment, kept where the values' output Gram matrix is kept for other famil
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import InvalidParameterError, UnsupportedModelError
-from ..recipes import CalibrationSettings
 from .checks import check_same_output
-from .moments import Moments, SampledRows, attention_p2, layer_meta, no_logits, scored_nll
+from .moments import (CacheMoments, SampledRows, attention_p2, cache_gradients, cache_meta, check_scored, dynamic_cache,
+                      no_logits)
 from .stats import AttentionStats, Sensitivity
 
 #: Where the statistics of a latent cache are taken (recorded in their meta).
@@ -75,15 +74,6 @@ def _layers(model: Any) -> Tuple[Any, Tuple[int, ...], int, int, int]:
     return layout, layers, hq, r, int(spec.v_dim or r)
 
 
-def _meta(meta: Optional[Dict[str, Any]], layers: Sequence[int], hq: int, r: int, dv: int,
-          windows: Sequence[Sequence[int]], n_sink: int, rope: str, **extra: Any) -> Dict[str, Any]:
-    info = dict(meta or {})
-    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
-                **layer_meta(layers), q_heads=hq, kv_heads=1, head_dim=r, v_dim=dv,
-                date=datetime.date.today().isoformat(), hooks=LATENT_POINT, rope=rope, **extra)
-    return info
-
-
 def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
                    seed: int = 0, weighting: str = "attention",
                    progress: Callable[[Iterable[Any]], Iterable[Any]] = lambda it: it,
@@ -103,10 +93,7 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
     w_uk = {i: _key_up(m) for i, m in mods.items()}
     row = {i: j for j, i in enumerate(layers)}
     n = len(layers)
-    q2 = torch.zeros((n, 1, r, r), dtype=torch.float64)
-    qr2 = torch.zeros((n, 1, dv, dv), dtype=torch.float64)
-    q_count = torch.zeros((n, 1), dtype=torch.float64)
-    k_acc, v_acc = Moments(n, 1, r), Moments(n, 1, dv)
+    acc = CacheMoments(n, r, dv)
     drawn = SampledRows(windows, n_sink, samples, seed)
     weights: Dict[int, Any] = {}
 
@@ -131,11 +118,7 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
         qd = q[0].detach().double()  # [heads, t, nope + rope]
         qt = torch.einsum("hnr,htn->htr", w_uk[i], qd[..., :nope]).reshape(-1, r)  # the latent's queries
         qr = qd[..., nope:].reshape(-1, qd.shape[-1] - nope)  # the rotated key part's
-        wf = wq.reshape(-1, 1)
-        j = row[i]
-        q2[j, 0] += (qt * wf).T @ qt
-        qr2[j, 0] += (qr * wf).T @ qr
-        q_count[j, 0] += wq.sum()
+        acc.queries(row[i], qt, qr, wq)
         return out
 
     cap = AttentionCapture(model, handler)
@@ -144,31 +127,16 @@ def collect_latent(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int 
     with torch.no_grad(), cap:
         for w_i, w in enumerate(progress(windows)):
             sel = drawn.of(w_i)
-            cache = _cache(model)
+            cache = dynamic_cache(model)
             model(input_ids=torch.tensor([list(w)]), cache=cache, **head)
             if first:
                 cap.check(layers)
                 first = False
             for i, j in row.items():
-                for acc, x in ((k_acc, cache.layers[i].keys), (v_acc, cache.layers[i].values)):
-                    x = x[0].detach().double()[:, n_sink:]  # [1, t - n_sink, width]
-                    acc.add(j, x, weights[i])
-                    if sel:
-                        acc.samples[j][0].append(x[0, sel].numpy().astype(np.float32))
-    km, kc = k_acc.moments()
-    vm, vc = v_acc.moments()
-    norm = q_count.clamp_min(1e-300)[:, :, None, None]
-    info = _meta(meta, layers, hq, r, dv, windows, n_sink, rope, tokens=sum(len(w) for w in windows),
-                 samples=len(drawn.pick), weighting=weighting)
-    return AttentionStats(meta=info, q2=(q2 / norm).numpy(), k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
-                          o_gram=(qr2 / norm).numpy(), k_samples=k_acc.stacked_samples(r),
-                          v_samples=v_acc.stacked_samples(dv))
-
-
-def _cache(model: Any) -> Any:
-    import transformers
-
-    return transformers.DynamicCache(config=model.config)
+                k, v = (x[0].detach().double()[:, n_sink:] for x in (cache.layers[i].keys, cache.layers[i].values))
+                acc.rows(j, k, v, weights[i], sel)  # [1, t - n_sink, width] each
+    return acc.stats(cache_meta(meta, layers, hq, r, dv, windows, n_sink, rope, LATENT_POINT,
+                                tokens=sum(len(w) for w in windows), samples=len(drawn.pick), weighting=weighting))
 
 
 def collect_latent_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1,
@@ -181,47 +149,27 @@ def collect_latent_sensitivity(model: Any, windows: Sequence[Sequence[int]], *, 
     prefilled into a ``DynamicCache`` without gradients, every layer's cached latent and rotated
     rows are made inputs, and the next ``score`` tokens are fed through it; ``F = sum_t g_t
     g_t^T`` of the gradients of their next-token NLL at those rows (positions ``>= n_sink``)."""
-    import torch
-
-    if labels not in CalibrationSettings.LABELS:
-        raise InvalidParameterError(f"labels must be one of {', '.join(CalibrationSettings.LABELS)}, got {labels!r}")
     layout, layers, hq, r, dv = _layers(model)
-    if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
-        raise InvalidParameterError(
-            f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
+    check_scored(windows, n_sink, score, labels)
     fisher = {"k": np.zeros((len(layers), 1, r, r)), "v": np.zeros((len(layers), 1, dv, dv))}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
-    try:
-        for n, w in enumerate(progress(windows)):
-            ids = torch.tensor([list(w)])
-            ctx = len(w) - score - 1
-            cache = _cache(model)
-            with torch.no_grad():
-                model(input_ids=ids[:, :ctx], cache=cache)
-            leaves: List[Tuple[str, int, Any]] = []
-            for i in layers:
-                lay = cache.layers[i]
-                for s, name in (("k", "keys"), ("v", "values")):
-                    x = getattr(lay, name).detach().clone().requires_grad_(True)
-                    setattr(lay, name, x)
-                    leaves.append((s, i, x))
-            with torch.enable_grad():
-                logits = model(input_ids=ids[:, ctx:-1], cache=cache).logits[0]
-                nll = scored_nll(logits, ids, ctx, labels, seed, n)
-                try:
-                    grads = torch.autograd.grad(nll, [x for _, _, x in leaves])
-                except RuntimeError as e:  # e.g. a recurrent layer updating its cached state in place
-                    raise UnsupportedModelError(
-                        f"model type {layout.model_type!r}: no gradient through its cache ({e})") from None
-            for (s, i, _), g in zip(leaves, grads):
-                g = g[0, 0, n_sink:].double()  # [ctx - n_sink, width]
-                fisher[s][layers.index(i), 0] += (g.T @ g).numpy()
-    finally:
-        for p in trainable:
-            p.requires_grad_(True)
-    info = _meta(meta, layers, hq, r, dv, windows, n_sink, rope, score=score, labels=labels,
-                 cached="independent")
+
+    def leaves(cache: Any) -> List[Tuple[Any, Any]]:
+        out = []
+        for i in layers:
+            lay = cache.layers[i]
+            for s, name in (("k", "keys"), ("v", "values")):
+                x = getattr(lay, name).detach().clone().requires_grad_(True)
+                setattr(lay, name, x)
+                out.append(((s, i), x))
+        return out
+
+    def add(key: Any, g: Any) -> None:
+        s, i = key
+        g = g[0, 0, n_sink:].double()  # [ctx - n_sink, width]
+        fisher[s][layers.index(i), 0] += (g.T @ g).numpy()
+
+    cache_gradients(model, windows, score, labels, seed, progress, layout.model_type, leaves, add)
+    info = cache_meta(meta, layers, hq, r, dv, windows, n_sink, rope, LATENT_POINT, score=score, labels=labels,
+                      cached="independent")
     k = max(len(windows), 1)
     return Sensitivity(meta=info, k=fisher["k"] / k, v=fisher["v"] / k)

@@ -4,10 +4,15 @@ the sensitivity differentiates."""
 
 from __future__ import annotations
 
+import datetime
 import inspect
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from ..errors import InvalidParameterError, UnsupportedModelError
+from ..recipes import CalibrationSettings
+from .stats import AttentionStats
 
 
 class Moments:
@@ -178,3 +183,114 @@ def scored_nll(logits: Any, ids: Any, ctx: int, labels: str, seed: int, window: 
         gen = torch.Generator().manual_seed(seed * 1_000_003 + window)
         target = torch.multinomial(logp.detach().exp(), 1, generator=gen)
     return -logp.gather(1, target).sum()
+
+
+# --- statistics taken at the cache (multi-head latent attention, compressed attention) --------
+
+
+def cache_meta(meta: Optional[Dict[str, Any]], layers: Sequence[int], hq: int, d: int, dv: int,
+               windows: Sequence[Sequence[int]], n_sink: int, rope: str, hooks: str, **extra: Any) -> Dict[str, Any]:
+    """The meta of statistics or a sensitivity taken at the cache: one kv-head of keys ``d`` and
+    values ``dv`` wide per layer, ``hooks`` saying where."""
+    info = dict(meta or {})
+    info.update(windows=len(windows), window=len(windows[0]) if windows else 0, n_sink=n_sink,
+                **layer_meta(layers), q_heads=hq, kv_heads=1, head_dim=d, v_dim=dv,
+                date=datetime.date.today().isoformat(), hooks=hooks, rope=rope, **extra)
+    return info
+
+
+class CacheMoments:
+    """What statistics taken at the cache accumulate per layer (one kv-head): the moments and
+    samples of its keys (``d`` wide) and values (``dv``), and the second moments of the queries
+    that weigh their errors: the keys' (``q2``) and the values' (kept as ``o_gram``: multi-head
+    latent attention's rotated key part, compressed attention's rotated channels, which only
+    queries read)."""
+
+    def __init__(self, layers: int, d: int, dv: int) -> None:
+        import torch
+
+        self.d, self.dv = d, dv
+        self.q2 = torch.zeros((layers, 1, d, d), dtype=torch.float64)
+        self.qr2 = torch.zeros((layers, 1, dv, dv), dtype=torch.float64)
+        self.q_count = torch.zeros((layers, 1), dtype=torch.float64)
+        self.k, self.v = Moments(layers, 1, d), Moments(layers, 1, dv)
+
+    def queries(self, layer: int, qk: Any, qv: Any, w: Any) -> None:
+        """Query rows ``qk [n, d]`` and ``qv [n, dv]`` (float64) of weights ``w`` (``n`` of them)."""
+        wf = w.reshape(-1, 1)
+        self.q2[layer, 0] += (qk * wf).T @ qk
+        self.qr2[layer, 0] += (qv * wf).T @ qv
+        self.q_count[layer, 0] += w.sum()
+
+    def rows(self, layer: int, k: Any, v: Any, w: Any, sample: Sequence[int]) -> None:
+        """Cached rows ``k [1, n, d]`` and ``v [1, n, dv]`` (float64) of weights ``w [1, n]`` (None:
+        1); the rows ``sample`` are kept as samples."""
+        for acc, x in ((self.k, k), (self.v, v)):
+            acc.add(layer, x, w)
+            if sample:
+                acc.samples[layer][0].append(x[0, list(sample)].numpy().astype(np.float32))
+
+    def stats(self, info: Dict[str, Any]) -> AttentionStats:
+        km, kc = self.k.moments()
+        vm, vc = self.v.moments()
+        norm = self.q_count.clamp_min(1e-300)[:, :, None, None]
+        return AttentionStats(meta=info, q2=(self.q2 / norm).numpy(), k_mean=km, k_cov=kc, v_mean=vm, v_cov=vc,
+                              o_gram=(self.qr2 / norm).numpy(), k_samples=self.k.stacked_samples(self.d),
+                              v_samples=self.v.stacked_samples(self.dv))
+
+
+def dynamic_cache(model: Any) -> Any:
+    """A fresh transformers ``DynamicCache`` for ``model`` (its own layer classes)."""
+    import transformers
+
+    return transformers.DynamicCache(config=model.config)
+
+
+def check_scored(windows: Sequence[Sequence[int]], n_sink: int, score: int, labels: str) -> None:
+    """InvalidParameterError for labels or windows a sensitivity at the cache cannot take."""
+    if labels not in CalibrationSettings.LABELS:
+        raise InvalidParameterError(f"labels must be one of {', '.join(CalibrationSettings.LABELS)}, got {labels!r}")
+    if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
+        raise InvalidParameterError(
+            f"windows need n_sink + 1 cached tokens, {score} scored and one more ({n_sink} + {score} + 2)")
+
+
+def cache_gradients(model: Any, windows: Sequence[Sequence[int]], score: int, labels: str, seed: int,
+                    progress: Callable[[Iterable[Any]], Iterable[Any]], model_type: str,
+                    leaves: Callable[[Any], List[Tuple[Any, Any]]], add: Callable[[Any, Any], None],
+                    allow_unused: bool = False) -> None:
+    """The gradients a sensitivity at the cache sums, taken as a cache is used: per window the
+    first ``len - score - 1`` tokens prefilled into a ``DynamicCache`` without gradients,
+    ``leaves(cache)`` makes the cached tensors to differentiate inputs (``[(key, leaf)]``), the
+    next ``score`` tokens are fed through the cache and ``add(key, gradient)`` takes the
+    gradient of their next-token NLL (``labels``, :func:`scored_nll`) at each leaf (a leaf none
+    of them read is refused, or skipped with ``allow_unused``: an indexer may pick none of a
+    layer's entries). The model's parameters take no gradient meanwhile."""
+    import torch
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        for n, w in enumerate(progress(windows)):
+            ids = torch.tensor([list(w)])
+            ctx = len(w) - score - 1
+            cache = dynamic_cache(model)
+            with torch.no_grad():
+                model(input_ids=ids[:, :ctx], cache=cache)
+            made = leaves(cache)
+            if not made:
+                continue
+            with torch.enable_grad():
+                logits = model(input_ids=ids[:, ctx:-1], cache=cache).logits[0]
+                nll = scored_nll(logits, ids, ctx, labels, seed, n)
+                try:
+                    grads = torch.autograd.grad(nll, [x for _, x in made], allow_unused=allow_unused)
+                except RuntimeError as e:  # e.g. a recurrent layer updating its cached state in place
+                    raise UnsupportedModelError(f"model type {model_type!r}: no gradient through its cache ({e})") from None
+            for (key, _), g in zip(made, grads):
+                if g is not None:
+                    add(key, g)
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
