@@ -29,7 +29,6 @@ blobs`` bytes (:func:`overhead`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -47,9 +46,9 @@ from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedModelError, UnsupportedVersionError
 from ..families import describe
-from ..recipes import Recipe
-from .codecs import STREAMS, BlockCodec, IdentityCodec, StreamCodec
+from .codecs import STREAMS, StreamCodec
 from .layer import KakeyaLayer
+from .persist_codec import codec_from_file, codec_identity, recipe_json
 
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
@@ -67,43 +66,6 @@ _MAX_DIM = 1 << 16
 _MAX_TOKENS = 1 << 31
 
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-# --- who the file belongs to -----------------------------------------------------------------
-
-
-def codec_identity(codec: StreamCodec) -> Dict[str, Any]:
-    """``{"kind", "fingerprint", "pre_rope_keys"}`` of a codec: a SHA-256 (first 128 bits, hex)
-    of everything that decides its bytes. :class:`IdentityCodec`: nothing else;
-    :class:`BlockCodec`: the recipe's stream settings (each blob is self-describing);
-    :class:`~kakeyaturbo.calibration.ModelCodec`: the fingerprint of every (stream, layer,
-    kv-head) calibration (FORMAT.md), so a codec fitted from other statistics or another recipe
-    differs. Another codec may define ``identity() -> str``. InvalidParameterError for a codec
-    that cannot be identified."""
-    pre = bool(getattr(codec, "pre_rope_keys", False))
-    h = hashlib.sha256(f"pre_rope_keys={pre}\n".encode())
-    if isinstance(codec, IdentityCodec):
-        kind = "identity"
-    elif isinstance(codec, BlockCodec):
-        kind = "block"
-        h.update(json.dumps({s: codec.params(s) for s in STREAMS}, sort_keys=True).encode())
-    elif isinstance(codec, ModelCodec):
-        kind = "calibrated"
-        for key in sorted(codec.codecs):
-            h.update(f"{key}:{codec.codecs[key].fingerprint:016x}\n".encode())
-    elif callable(getattr(codec, "identity", None)):
-        kind = f"custom:{type(codec).__qualname__}"
-        h.update(str(codec.identity()).encode())
-    else:
-        raise InvalidParameterError(
-            f"cannot save a prefix coded by {codec!r}: give the codec an identity() method "
-            "(a string that changes whenever its bytes would)")
-    h.update(kind.encode())
-    return {"kind": kind, "fingerprint": h.hexdigest()[:32], "pre_rope_keys": pre}
-
-
-def _recipe_json(recipe: Optional[Recipe]) -> Optional[Dict[str, Any]]:
-    return None if recipe is None else recipe.as_dict()
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -154,7 +116,7 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         "model": {"type": layout.model_type, "fingerprint": fingerprint(model),
                   "layers": layout.num_layers, "windows": [s.window for s in layout.layers]},
         "codec": codec_identity(cache.codec),
-        "recipe": _recipe_json(getattr(cache.codec, "recipe", None)),
+        "recipe": recipe_json(getattr(cache.codec, "recipe", None)),
         "cache": {"block_size": cache.block_size, "n_sink": cache.n_sink,
                   "boundary": sorted(cache.boundary), "streams": list(cache.streams)},
     }
@@ -407,7 +369,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
         raise ModelMismatchError(f"{where} holds {header['dtype']} rows; the model runs in {mdt} "
                                  f"(load it with dtype={header['dtype']})")
     if codec is None:
-        codec = _codec_from_file(header, where, model, calibration, threads, codec_for_model)
+        codec = codec_from_file(header, where, model, calibration, threads, codec_for_model)
     got = codec_identity(codec)
     want = header["codec"]
     if (got["kind"], got["fingerprint"]) != (want["kind"], want["fingerprint"]):
@@ -507,25 +469,3 @@ def _check_layout(header: Dict[str, Any], layout: Any, where: str) -> None:
                 raise CorruptDataError(
                     f"{where} is inconsistent: layer {spec.index} {name} rows of (kv-heads, width) = "
                     f"{(s['heads'], s['dim'])} in its header, the model's layer caches {want}")
-
-
-def _codec_from_file(header: Dict[str, Any], where: str, model: Any, calibration: Any,
-                     threads: Optional[int], codec_for_model: Any) -> StreamCodec:
-    kind = header["codec"]["kind"]
-    pre = bool(header["codec"].get("pre_rope_keys", False))
-    if kind == "identity":
-        return IdentityCodec(pre_rope_keys=pre)
-    rj = header.get("recipe")
-    if rj is None:
-        raise InvalidParameterError(f"{where} was coded by a {kind} codec without a recipe: pass codec=")
-    try:
-        recipe = Recipe(**rj)
-    except (TypeError, KakeyaError) as e:
-        raise CorruptDataError(f"{where}: its recipe does not load ({e})") from None
-    if kind == "block":
-        return BlockCodec(recipe, pre_rope_keys=pre, threads=threads)
-    if recipe.mode == "calibrated" and calibration is None and not recipe.calibration.path:
-        raise InvalidParameterError(
-            f"{where} was coded by the calibrated recipe {recipe.name!r}: pass calibration=FILE (the "
-            "calibration the cache was built from) or codec=")
-    return codec_for_model(model, recipe, calibration, threads)[0]
