@@ -114,13 +114,14 @@ def test_cache_keeps_the_state_layers_and_counts_them(qwen3_next, fitted) -> Non
     assert cache.layers[1].num_sealed() == 7 and cache.get_seq_length() == 30
 
 
-def test_a_hybrid_cache_is_not_saved(qwen3_next, tmp_path) -> None:
+def test_a_hybrid_cache_is_saved_with_its_states(qwen3_next, tmp_path) -> None:
+    """(More in test_persist_states.py.)"""
     cache = KakeyaCache(IdentityCodec(), model=qwen3_next, block_size=4)
     with torch.no_grad():
         qwen3_next(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]]), cache=cache)
-    with pytest.raises(kt.UnsupportedModelError, match=r"'qwen3_next': layers \[0, 2\] hold a recurrent"):
-        cache.save(tmp_path / "c.kkv")
-    assert not (tmp_path / "c.kkv").exists()
+    loaded = KakeyaCache.load(cache.save(tmp_path / "c.kkv"), qwen3_next)
+    for i in (0, 2):
+        assert torch.equal(loaded.layers[i].recurrent_states[0], cache.layers[i].recurrent_states[0])
 
 
 def test_refused_hybrids() -> None:
@@ -179,8 +180,7 @@ def test_a_kv_sharing_cache_is_saved_and_continued(tmp_path) -> None:
 
 def test_layers_holding_kv_rows_and_states_together(tmp_path) -> None:
     """Falcon-H1's layers run attention and a Mamba-2 mixer side by side: each cache layer holds
-    K/V rows (coded) and the mixer's states (as transformers holds them), which a saved cache
-    does not carry."""
+    K/V rows (coded) and the mixer's states (as transformers holds them), both in a saved cache."""
     from kakeyaturbo.cache.extra_layers import KakeyaStateLayer
 
     model = build("falcon_h1")
@@ -198,8 +198,10 @@ def test_layers_holding_kv_rows_and_states_together(tmp_path) -> None:
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     assert cache.memory()["state"] == sum(t.numel() * t.element_size() for b in ref.layers
                                           for t in (b.recurrent_states[0], b.conv_states[0]))
-    with pytest.raises(kt.UnsupportedModelError, match=r"'falcon_h1': layers \[0, 1, 2\] hold a recurrent"):
-        cache.save(tmp_path / "f.kkpfx")
+    loaded = KakeyaCache.load(cache.save(tmp_path / "f.kkpfx"), model)
+    for a, b in zip(loaded.layers, ref.layers):
+        assert torch.equal(a.recurrent_states[0], b.recurrent_states[0]) and torch.equal(a.conv_states[0], b.conv_states[0])
+        assert torch.equal(a.keys, b.keys) and a.has_previous_state[0]
 
 
 @pytest.mark.parametrize("name", ["granitemoehybrid", "lfm2", "falcon_h1"])

@@ -164,7 +164,7 @@ def test_calibrated_on_the_rows_it_caches(family, tmp_path) -> None:
     assert 3.0 < res["bits_per_element"] < 8.0 and np.isfinite(res["kl"])
 
 
-def test_indexer_keys_are_not_saved(tmp_path) -> None:
+def test_indexer_keys_follow_the_rows_and_are_saved(tmp_path) -> None:
     model = build("deepseek_v32")
     cache = KakeyaCache(IdentityCodec(), model=model, block_size=8)
     with torch.no_grad():
@@ -177,8 +177,9 @@ def test_indexer_keys_are_not_saved(tmp_path) -> None:
     assert torch.equal(cache.layers[0].indexer_keys, keys)
     cache.layers[0].crop(-2)
     assert cache.layers[0].indexer_keys.shape == (1, 7, 16) and cache.layers[0].get_seq_length() == 7
-    with pytest.raises(kt.UnsupportedModelError, match=r"'deepseek_v32': layers \[0, 1, 2\] hold .* an indexer's keys"):
-        cache.save(tmp_path / "d.kkpfx")
+    loaded = KakeyaCache.load(cache.save(tmp_path / "d.kkpfx"), model)
+    assert [lay.indexer_keys.shape[1] for lay in loaded.layers] == [7, 9, 9]
+    assert all(torch.equal(a.indexer_keys, b.indexer_keys) for a, b in zip(loaded.layers, cache.layers))
 
 
 def test_a_calibrated_cache_is_saved_and_continued(tmp_path) -> None:

@@ -4,9 +4,11 @@ file and loaded in another process to continue generation without recomputing th
 The file holds what the cache holds, as it holds it: the sealed blocks' blobs byte for byte (no
 re-coding), the raw sink and staging rows at their dtype, and the RoPE positions of the tokens
 where they are not ``0 .. T-1`` (left-padded batches; with multimodal RoPE each token's three,
-a version-2 file); plus what rebuilds the cache (its
-settings, the recipe, the model's layers) and who it belongs to: the model (type, fingerprint of
-the attention weights) and the codec (a fingerprint of everything that decides its bytes).
+a version-2 file) and what a layer holds beyond its rows (a hybrid's recurrent and
+convolution states, an indexer's keys, raw: :mod:`.persist_state`, a version-3 file); plus what
+rebuilds the cache (its settings, the recipe, the model's layers) and who it belongs to: the
+model (type, fingerprint of the attention weights) and the codec (a fingerprint of everything
+that decides its bytes).
 Loading refuses another model or another codec with ModelMismatchError, a damaged file with
 CorruptDataError naming it, a newer version with UnsupportedVersionError.
 
@@ -15,11 +17,11 @@ Layout (FORMAT.md, "Saved prefix files"; all integers little-endian):
 | field | type | notes |
 |---|---|---|
 | magic | 4 bytes | ``KKYP`` |
-| version | u16 | 2 with multimodal positions, else 1 |
+| version | u16 | 3 with layer states, else 2 with multimodal positions, else 1 |
 | flags | u16 | 0 (reserved for a lossless stage; none is applied, see docs/prefix.md) |
 | header length ``h`` | u32 | |
 | header | ``h`` bytes | UTF-8 JSON: settings, owners, and per layer and stream the counts of the sections below |
-| sections | | per layer, per stream (``k`` then ``v``): sink rows, staging rows (raw, ``[B, H, n, D]``), blob lengths (u32 per blob, block-major, then batch row, then kv-head), the blobs; then positions (int32 ``[B, T]``) when stored, then multimodal ones (int32 ``[3, B, T]``) |
+| sections | | per layer, per stream (``k`` then ``v``): sink rows, staging rows (raw, ``[B, H, n, D]``), blob lengths (u32 per blob, block-major, then batch row, then kv-head), the blobs; the layer's states; then positions (int32 ``[B, T]``) when stored, then multimodal ones (int32 ``[3, B, T]``) |
 | crc32 | u32 | of every preceding byte |
 
 So a file's size is the cache's held bytes (:meth:`KakeyaCache.nbytes`, without the decoded
@@ -48,14 +50,17 @@ from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, Model
 from ..families import describe
 from .codecs import STREAMS, StreamCodec
 from .layer import KakeyaLayer
+from . import persist_state
 from .persist_codec import codec_from_file, codec_identity, recipe_json
 
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
 MAGIC = b"KKYP"
-#: The newest version this build writes and reads: 2 only for files holding multimodal RoPE
-#: positions (``grid``), which a build reading version 1 must not load; 1 otherwise.
-VERSION = 2
+#: The newest version this build writes and reads: 3 for files holding layer states (a hybrid's
+#: recurrent and convolution states, an indexer's keys: :mod:`.persist_state`), 2 for files
+#: holding multimodal RoPE positions (``grid``) and no states, which a build reading an older
+#: version must not load; 1 otherwise.
+VERSION = persist_state.VERSION
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _CRC = 4
 #: Raw row dtypes a file may hold.
@@ -81,17 +86,15 @@ def _default_positions(pos: torch.Tensor) -> bool:
 
 
 def _refuse_state_layers(layout: Any) -> None:
-    """UnsupportedModelError for a hybrid model (its layers' recurrent and convolution states) or
-    dynamic sparse attention (the indexer's keys): they are not part of the file format. Layers
-    that cache nothing (transformers' ``dummy``: MLP-only blocks, layers sharing another's K/V)
-    are saved as empty entries."""
-    state = [spec.index for spec in layout.layers if spec.states or spec.cache_type == "indexed_attention"
-             or spec.kind == "compressed" or (not spec.has_kv and spec.cache_type != "dummy")]
+    """UnsupportedModelError for compressed attention (DeepSeek V4: its compressor's state is not
+    part of the file format). A hybrid's states and an indexer's keys are saved as layer states
+    (:mod:`.persist_state`); layers that cache nothing (transformers' ``dummy``: MLP-only blocks,
+    layers sharing another's K/V) as empty entries."""
+    state = [spec.index for spec in layout.layers if spec.kind == "compressed"]
     if state:
         raise UnsupportedModelError(
-            f"model type {layout.model_type!r}: layers {state} hold a recurrent or convolution state, an "
-            "indexer's keys or a compressor's state (DeepSeek V4), which a saved cache does not carry; such a "
-            "model's cache cannot be saved or loaded")
+            f"model type {layout.model_type!r}: layers {state} hold a compressor's state (DeepSeek V4), which a "
+            "saved cache does not carry; such a model's cache cannot be saved or loaded")
 
 
 def save(cache: Any, path: PathLike, model: Any = None) -> Path:
@@ -125,9 +128,15 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     chunks: List[bytes] = []
     layers = []
     dtype = batch = None
+    states = False
     for layer in cache.layers:
-        if not isinstance(layer, KakeyaLayer):  # caches nothing (transformers' DummyLayer)
-            layers.append({"seen": 0, "streams": {}})
+        tensors, flags = persist_state.layer_state(layer)
+        held = {"state": [{"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+                          for n, t in tensors], "flags": flags} if tensors or flags else {}
+        states = states or bool(held)
+        if not isinstance(layer, KakeyaLayer):  # caches no K/V rows (a state layer, transformers' DummyLayer)
+            layers.append({"seen": 0, "streams": {}, **held})
+            chunks += [_raw_bytes(t) for _, t in tensors]
             continue
         state = layer.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
@@ -150,7 +159,8 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
             }
             chunks += [_raw_bytes(sink), _raw_bytes(staging),
                        np.asarray([len(x) for x in blobs], dtype="<u4").tobytes()] + blobs
-        layers.append(entry)
+        layers.append(dict(entry, **held))
+        chunks += [_raw_bytes(t) for _, t in tensors]
     positions = getattr(cache, "_positions", None)
     pos = positions.pos if positions is not None else None
     grid = positions.grid if positions is not None else None
@@ -167,7 +177,8 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     def write(t: Path) -> None:
         crc = 0
         with open(t, "wb") as f:
-            for c in [_HEAD.pack(MAGIC, VERSION if grid is not None else 1, 0, len(head)), head] + chunks:
+            version = VERSION if states else 2 if grid is not None else 1
+            for c in [_HEAD.pack(MAGIC, version, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
             f.write(struct.pack("<I", crc))
@@ -235,6 +246,8 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         raise CorruptDataError(f"{where}: its header is inconsistent ({e})") from None
     if version < 2 and header.get("grid", 0):
         raise CorruptDataError(f"{where}: version {version} holds no multimodal positions, its header says it does")
+    if version < 3 and any("state" in layer or "flags" in layer for layer in header["layers"]):
+        raise CorruptDataError(f"{where}: version {version} holds no layer states, its header says it does")
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
 
@@ -278,6 +291,7 @@ def _check_header(h: Dict[str, Any]) -> None:
         if not isinstance(h["codec"][key], str):
             raise TypeError(f"codec {key} is not a string")
     for i, layer in enumerate(h["layers"]):
+        persist_state.check_header(layer, i, _MAX_DIM, _MAX_TOKENS)
         seen = _int(layer["seen"], f"layer {i} seen")
         streams = layer["streams"]
         if not isinstance(streams, dict) or (streams and set(streams) != set(STREAMS)):
@@ -393,6 +407,10 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     b = header["batch"]
     r = _Reader(data, at, len(data) - _CRC, where)
     states = []
+    # What the model's own layers hold beyond K/V rows once they hold a token, checked before a
+    # byte of it is read.
+    held = max((layer["seen"] for layer in header["layers"]), default=0)
+    want = persist_state.expected(model) if held and persist_state.holds_states(layout) else {}
     for i, layer in enumerate(header["layers"]):
         streams: Dict[str, Any] = {}
         for name in STREAMS:
@@ -410,7 +428,14 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             streams[name] = {"sink": sink, "sink_start": s["sink_start"], "staging": staging,
                              "staging_start": s["staging_start"], "blocks": blocks,
                              "starts": [s["first_block"] + j * c["block_size"] for j in range(nb)]}
-        states.append({"seen": layer["seen"], "streams": streams})
+        entries, flags = layer.get("state", []), layer.get("flags", {})
+        persist_state.check_states(entries, flags, want.get(i, {}), b, layer["seen"], where)
+        extra = {e["name"]: _tensor(r, persist_state.DTYPES[e["dtype"]], tuple(e["shape"]), f"layer {i} {e['name']}",
+                                    device) for e in entries}
+        for t_ in extra.values():
+            if t_.is_floating_point():
+                _finite(t_, where)
+        states.append({"seen": layer["seen"], "streams": streams, "extra": (extra, flags)})
     t = header["positions"]
     pos = None
     if t:
@@ -439,8 +464,10 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             if not isinstance(layer, KakeyaLayer):
                 if state["seen"] or state["streams"]:
                     raise CorruptDataError(f"{where}: layer {i} caches nothing, the file holds rows for it")
+                persist_state.restore(layer, *state["extra"])
                 continue
             layer.import_state(state)
+            persist_state.restore(layer, *state["extra"])
             if verify and not keep_decoded:
                 for name in layer.streams if state["streams"] else ():
                     for j in range(len(state["streams"][name]["blocks"])):

@@ -1,0 +1,149 @@
+"""Saved prefixes of layers that hold more than K/V rows (version-3 files, ``cache.persist_state``):
+a hybrid's recurrent and convolution states (Qwen3-Next's Gated DeltaNet layers, Falcon-H1's
+Mamba-2 mixer inside its attention layers, Nemotron-H's Mamba-2 and MLP-only layers) and the
+indexer's keys of dynamic sparse attention (DeepSeek V3.2): the loaded cache continues as the
+cache that was saved, and a file whose states do not fit the model is refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, InvalidParameterError, KakeyaError  # noqa: E402
+
+from .families import build, family_prompt  # noqa: E402
+
+NAMES = ["qwen3_next", "falcon_h1", "nemotron_h", "deepseek_v32"]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def saved(request, tmp_path_factory):
+    """``(name, model, path, reference cache)``: a prompt of 30 tokens in a cache of the identity
+    codec (blocks of 4), saved; the same prompt in a ``DynamicCache``."""
+    model = build(request.param)
+    ids = family_prompt(t=30)
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, cache=ref)
+    path = cache.save(tmp_path_factory.mktemp("states") / f"{request.param}.kkpfx")
+    return request.param, model, path, ref
+
+
+def test_a_loaded_cache_continues_as_the_saved_one(saved) -> None:
+    name, model, path, ref = saved
+    assert struct.unpack_from("<H", path.read_bytes(), 4)[0] == 3
+    header, _ = persist.read_header(path)
+    held = [e["name"] for layer in header["layers"] for e in layer.get("state", [])]
+    assert held and all(n.split(".")[0] in ("conv", "recurrent", "indexer_keys") for n in held)
+    loaded = KakeyaCache.load(path, model)
+    nxt = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        got = model(input_ids=nxt, cache=loaded).logits
+        want = model(input_ids=nxt, cache=ref).logits
+    assert torch.equal(got, want)
+    assert loaded.memory()["state"] + loaded.memory()["indexer"] > 0
+
+
+def _rewrite(path: Path, data: bytes) -> Path:
+    path.write_bytes(data[:-4] + struct.pack("<I", zlib.crc32(data[:-4])))
+    return path
+
+
+def _edit(src: Path, dst: Path, edit, version=None) -> Path:
+    data = src.read_bytes()
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12:12 + hlen])
+    edit(header)
+    head = json.dumps(header).encode()
+    v = struct.unpack_from("<H", data, 4)[0] if version is None else version
+    return _rewrite(dst, data[:4] + struct.pack("<HHI", v, 0, len(head)) + head + data[12 + hlen:])
+
+
+def _first_state(header):
+    return next(e for layer in header["layers"] for e in layer.get("state", []))
+
+
+def test_states_that_do_not_fit_the_model_are_refused(saved, tmp_path) -> None:
+    _, model, path, _ = saved
+    bad = tmp_path / "bad.kkpfx"
+
+    def renamed(h):
+        _first_state(h)["name"] = "recurrent.7"
+
+    def reshaped(h):
+        e = _first_state(h)
+        e["shape"] = e["shape"][:-1] + [e["shape"][-1] + 1]
+
+    def retyped(h):
+        e = _first_state(h)
+        e["dtype"] = "float16"
+
+    def flagged(h):
+        next(layer for layer in h["layers"] if layer.get("state"))["flags"]["previous.9"] = True
+
+    def dropped(h):
+        next(layer for layer in h["layers"] if layer.get("state"))["state"].pop()
+
+    for edit, match in ((renamed, "the model's layer holds"), (reshaped, "the model's layer holds"),
+                        (retyped, "the model's layer holds"), (flagged, "flags"), (dropped, "the model's layer holds")):
+        with pytest.raises(CorruptDataError, match=match):
+            KakeyaCache.load(_edit(path, bad, edit), model)
+    with pytest.raises(CorruptDataError, match="version 2 holds no layer states"):
+        KakeyaCache.load(_edit(path, bad, lambda h: None, version=2), model)
+    for edit in (lambda h: _first_state(h).update(name=3), lambda h: _first_state(h).update(shape=[-1]),
+                 lambda h: _first_state(h).update(dtype="int8")):
+        with pytest.raises(CorruptDataError, match="header is inconsistent"):
+            KakeyaCache.load(_edit(path, bad, edit), model)
+
+
+def test_damage_under_a_recomputed_checksum_is_a_kakeya_error(saved, tmp_path) -> None:
+    _, model, path, _ = saved
+    data = bytearray(path.read_bytes())
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    body = range(12 + hlen, len(data) - 4)
+    rng = np.random.default_rng(0)
+    bad = tmp_path / "bad.kkpfx"
+    for _ in range(25):
+        d = bytearray(data)
+        for at in rng.choice(body, size=3, replace=False):
+            d[at] ^= int(rng.integers(1, 256))
+        try:
+            KakeyaCache.load(_rewrite(bad, bytes(d)), model)
+        except KakeyaError:
+            pass
+
+
+def test_a_state_holding_nan_is_refused(tmp_path) -> None:
+    model = build("qwen3_next")
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=family_prompt(t=12), cache=cache)
+    cache.layers[0].recurrent_states[0].view(-1)[3] = float("nan")
+    path = cache.save(tmp_path / "nan.kkpfx")
+    with pytest.raises(CorruptDataError, match="NaN"):
+        KakeyaCache.load(path, model)
+
+
+def test_a_cache_recording_the_past_is_not_saved(tmp_path) -> None:
+    model = build("qwen3_next")
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=family_prompt(t=12), cache=cache)
+    for layer in cache.layers:
+        layer.activate_past_recording()
+    with pytest.raises(InvalidParameterError, match="records the past"):
+        cache.save(tmp_path / "p.kkpfx")
+    assert not (tmp_path / "p.kkpfx").exists()
