@@ -99,8 +99,14 @@ def test_identity_codec_is_exact_through_the_eval(family) -> None:
     forward(model, family_prompt(t=ctx), cache)
     got = compress_cache(cache, IdentityCodec())
     held = [min(ctx, WINDOW - 1) if s.is_sliding else ctx for s in layout.layers]
-    assert got["elements"] == sum(s.kv_heads * n * (s.head_dim + (s.v_dim or s.head_dim))  # values: v_dim wide
-                                  for s, n in zip(layout.layers, held) if s.has_kv)
+    indexer = sum(layer.indexer_keys.numel() for layer in cache.layers  # dynamic sparse attention's, raw
+                  if isinstance(getattr(layer, "indexer_keys", None), torch.Tensor))
+    assert got["elements"] == indexer + sum(s.kv_heads * n * (s.head_dim + (s.v_dim or s.head_dim))  # values: v_dim
+                                            for s, n in zip(layout.layers, held) if s.has_kv)
+    assert got["raw_elements"] >= indexer
+    again = transformers.DynamicCache(config=model.config)  # the baselines count the same elements
+    forward(model, family_prompt(t=ctx), again)
+    assert harness.compress_prefix(again, harness.baseline_methods(["fp8_e4m3"])[0], model=model)[1] == got["elements"]
 
 
 @pytest.mark.parametrize("pre_rope", [False, True])

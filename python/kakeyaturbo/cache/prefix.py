@@ -188,7 +188,9 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     do the indexer's entries; the compressor's entries after the first ``n_sink`` are coded as
     :class:`~kakeyaturbo.cache.KakeyaCache` codes them (:mod:`~kakeyaturbo.cache.compressed`):
     their first ``splits[layer]`` channels (those without RoPE; default from ``model``) as keys,
-    the rest as values. Each held tensor counts once in ``elements``.
+    the rest as values. Each held tensor counts once in ``elements``. The indexer's keys of dynamic
+    sparse attention (DeepSeek V3.2, GLM-5: ``indexer_keys``) stay raw and count in ``elements``
+    too, as in :meth:`KakeyaCache.nbytes`.
 
     When ``codec.pre_rope_keys``, keys are handed over with RoPE removed and RoPE is re-applied to
     the decoded keys with each layer's own rotation: ``rope`` is the model's
@@ -236,6 +238,10 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
             if k is None or v is None or k.numel() == 0:
                 continue
             span = None
+            indexer = getattr(layer, "indexer_keys", None)  # dynamic sparse attention: held raw
+            if isinstance(indexer, torch.Tensor):
+                elems += indexer.numel()
+                raw += indexer.numel()
             entries = getattr(layer, "compressed_kv", None)
             if isinstance(entries, dict):  # compressed attention (DeepSeek V4): K=V window, entries
                 held = [k] + [t for name, t in entries.items() if name != COMPRESSOR and t is not None]

@@ -142,6 +142,10 @@ def compress_prefix(cache: Any, method: Method, rope: Any = None, model: Any = N
         k0, v0 = getattr(layer, "keys", None), getattr(layer, "values", None)
         if k0 is None or v0 is None or k0.numel() == 0:
             continue
+        indexer = getattr(layer, "indexer_keys", None)  # dynamic sparse attention: raw, as compress_cache
+        if isinstance(indexer, torch.Tensor):
+            elems += indexer.numel()
+            bits += 16 * indexer.numel()
         entries = getattr(layer, "compressed_kv", None)
         if isinstance(entries, dict):  # compressed attention (DeepSeek V4), as compress_cache treats it
             raw = [k0] + [t for name, t in entries.items() if name != COMPRESSOR and t is not None]
