@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist  # noqa: E402
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist, persist_state  # noqa: E402
 from kakeyaturbo.errors import CorruptDataError, InvalidParameterError, KakeyaError  # noqa: E402
+from kakeyaturbo.families import describe  # noqa: E402
 
 from .families import build, family_prompt  # noqa: E402
 
@@ -147,3 +148,27 @@ def test_a_cache_recording_the_past_is_not_saved(tmp_path) -> None:
     with pytest.raises(InvalidParameterError, match="records the past"):
         cache.save(tmp_path / "p.kkpfx")
     assert not (tmp_path / "p.kkpfx").exists()
+
+
+#: Every family of ``families.py`` / ``families_latent.py`` whose cache layers hold states beyond
+#: K/V rows (hybrids) or an indexer's keys (dynamic sparse attention).
+HELD = ["axk2", "bailing_hybrid", "bamba", "deepseek_v32", "dots3_note_text", "falcon_h1", "glm_moe_dsa",
+        "granitemoehybrid", "hy_v4", "inkling2_text", "inkling_text", "jamba", "kimi_linear", "lara_mini", "lfm2",
+        "lfm2_moe", "lfm3", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+        "qwen4_exp_text", "zaya"]
+
+
+@pytest.mark.parametrize("name", HELD)
+def test_every_family_with_states_continues_from_a_file(name, tmp_path) -> None:
+    model = build(name)
+    assert persist_state.holds_states(describe(model))
+    ids = family_prompt(t=24)
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    ref = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, cache=ref)
+    loaded = KakeyaCache.load(cache.save(tmp_path / f"{name}.kkpfx"), model)
+    nxt = torch.tensor([[5, 6]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=nxt, cache=loaded).logits, model(input_ids=nxt, cache=ref).logits)
