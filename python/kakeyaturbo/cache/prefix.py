@@ -114,35 +114,22 @@ def entry_splits(model: Any) -> Dict[int, int]:
     return {s.index: s.head_dim for s in describe(model).layers if s.kind == "compressed"}
 
 
-def cache_splits(cache: Any, model: Any) -> Dict[int, int]:
-    """:func:`entry_splits` of ``model`` where ``cache`` holds layers of compressed attention
-    (InvalidParameterError without a model), else empty (without reading the model)."""
-    if not any(isinstance(getattr(layer, "compressed_kv", None), dict) for layer in getattr(cache, "layers", ())):
-        return {}
-    if model is None:
-        raise InvalidParameterError("a cache of compressed attention (DeepSeek V4): its entries are coded as keys "
-                                    "(the channels without RoPE) and values (the rotated ones); pass model= to find "
-                                    "where they split")
-    return entry_splits(model)
-
-
-def _splits(layers: Sequence[Any], splits: Optional[Mapping[int, int]], model: Any) -> Mapping[int, int]:
-    """``splits``, else read from ``model``; InvalidParameterError when a compressed-attention
-    layer has none, or one not inside its entries' width."""
-    if splits is None and model is not None:
+def cache_splits(cache: Any, model: Any, splits: Optional[Mapping[int, int]] = None) -> Mapping[int, int]:
+    """Where the entries of each compressed-attention layer of ``cache`` split: ``splits``, else
+    :func:`entry_splits` of ``model`` (read only when the cache holds such a layer);
+    InvalidParameterError when such a layer has none, or one not inside its entries' width."""
+    layers = getattr(cache, "layers", ())
+    held = {i: e[COMPRESSOR] for i, e in enumerate(getattr(layer, "compressed_kv", None) for layer in layers)
+            if isinstance(e, dict) and e.get(COMPRESSOR) is not None}
+    if held and splits is None and model is not None:
         splits = entry_splits(model)
-    splits = splits or {}
-    for i, layer in enumerate(layers):
-        entries = getattr(layer, "compressed_kv", None)
-        e = entries.get(COMPRESSOR) if isinstance(entries, dict) else None
-        if e is None:
-            continue
-        w = splits.get(i)
+    for i, e in held.items():
+        w = (splits or {}).get(i)
         if isinstance(w, bool) or not isinstance(w, int) or not 0 < w < e.shape[-1]:
             raise InvalidParameterError(
                 f"layer {i} is compressed attention (DeepSeek V4): its entries are coded as keys (the channels "
                 f"without RoPE) and values (the rotated ones); pass model= to find where they split, got {w!r}")
-    return splits
+    return splits or {}
 
 
 def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, first: int, r: Any, pos: Any,
@@ -214,14 +201,15 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     them to NaN or infinity (codec errors are raised with the layer and stream in front);
     InvalidParameterError (a ValueError) on a bad stream name, a negative ``n_sink``, a codec that
     needs RoPE without ``rope`` or ``model`` (UnsupportedModelError when the model's RoPE cannot be
-    removed), or a codec that decodes to the wrong shape.
+    removed), a compressed-attention layer without ``splits`` or ``model``, or a codec that
+    decodes to the wrong shape.
     """
     check_codec(codec)
     layers = _check_layers(cache)
     streams = check_streams(streams)
     n_sink = _checks.integer(n_sink, "n_sink", 0)
     _check_model(codec, model)
-    splits = _splits(layers, splits, model)
+    splits = cache_splits(cache, model, splits)
     skip = boundary_layers(boundary, len(layers))
     want_rope = wants_rope(codec, streams)
     if want_rope and rope is None:
