@@ -28,17 +28,23 @@ from .families import build, family_prompt  # noqa: E402
 NAMES = ["qwen3_next", "falcon_h1", "nemotron_h", "deepseek_v32"]
 
 
-@pytest.fixture(scope="module", params=NAMES)
-def saved(request, tmp_path_factory):
-    """``(name, model, path, reference cache)``: a prompt of 30 tokens in a cache of the identity
-    codec (blocks of 4), saved; the same prompt in a ``DynamicCache``."""
-    model = build(request.param)
-    ids = family_prompt(t=30)
+def _filled(model, t: int):
+    """A prompt of ``t`` tokens in a cache of the identity codec (blocks of 4) and in a
+    ``DynamicCache``."""
+    ids = family_prompt(t=t)
     cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
         model(input_ids=ids, cache=ref)
+    return cache, ref
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def saved(request, tmp_path_factory):
+    """``(name, model, path, reference cache)``: :func:`_filled` with 30 tokens, saved."""
+    model = build(request.param)
+    cache, ref = _filled(model, 30)
     path = cache.save(tmp_path_factory.mktemp("states") / f"{request.param}.kkpfx")
     return request.param, model, path, ref
 
@@ -162,12 +168,7 @@ HELD = ["axk2", "bailing_hybrid", "bamba", "deepseek_v32", "dots3_note_text", "f
 def test_every_family_with_states_continues_from_a_file(name, tmp_path) -> None:
     model = build(name)
     assert persist_state.holds_states(describe(model))
-    ids = family_prompt(t=24)
-    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
-    ref = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=ids, cache=cache)
-        model(input_ids=ids, cache=ref)
+    cache, ref = _filled(model, 24)
     loaded = KakeyaCache.load(cache.save(tmp_path / f"{name}.kkpfx"), model)
     nxt = torch.tensor([[5, 6]])
     with torch.no_grad():
