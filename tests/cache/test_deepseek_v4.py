@@ -5,10 +5,14 @@ rotated ones as values). A tiny random-weight model with one layer of each kind:
 served exactly by the identity codec (greedy tokens and logits as ``DynamicCache``'s, beams too),
 coded by a per-block recipe and by a calibration of its own (statistics and sensitivity of the
 entries, ``kakeyaturbo.calibration.compressed``), through ``compress_cache`` and the evaluation as
-through the cache, rolled back after a refused call, and refused where it cannot work (crop,
-save)."""
+through the cache, saved and loaded, rolled back after a refused call, and refused where it
+cannot work (crop)."""
 
 from __future__ import annotations
+
+import json
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -20,13 +24,13 @@ from transformers import DynamicCache  # noqa: E402
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING  # noqa: E402
 
 from kakeyaturbo import calibration, recipes  # noqa: E402
-from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
+from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache, persist  # noqa: E402
 from kakeyaturbo.cache.compressed import CompressedEntries  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.calibration.compressed import COMPRESSED_POINT  # noqa: E402
-from kakeyaturbo.errors import (InvalidInputError, InvalidParameterError, ModelMismatchError,  # noqa: E402
-                                UnsupportedModelError)
+from kakeyaturbo.errors import (CorruptDataError, InvalidInputError, InvalidParameterError,  # noqa: E402
+                                ModelMismatchError)
 from kakeyaturbo.eval import harness, peers  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
@@ -197,8 +201,6 @@ def test_what_cannot_work_is_refused(v4, tmp_path) -> None:
     with pytest.raises(RuntimeError, match="cannot be cropped"):
         cache.crop(-1)
     assert cache.get_seq_length() == 20
-    with pytest.raises(UnsupportedModelError, match="compressor's state"):
-        cache.save(tmp_path / "v4.kkprefix")
     with pytest.raises(InvalidParameterError, match="fewer than two entries"):
         calibration.collect(v4, [list(range(3, 12))], n_sink=1, samples=4)
 
@@ -326,3 +328,44 @@ def test_a_calibrated_cache_codes_the_entries_as_compress_cache(v4, fitted, tmp_
         codec.check_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=1)))
+
+
+@pytest.mark.parametrize("tokens", [3, 37, 70])
+def test_a_saved_cache_continues_as_the_one_saved(v4, fitted, tokens, tmp_path) -> None:
+    """Before the first entry (3 tokens), with entries raw and sealed, under the identity codec, a
+    per-block recipe and the calibrated one; a header whose counts or states do not add up is
+    refused."""
+    _, stats, sens = fitted
+    ids = _ids(batch=2, n=tokens, seed=13)
+    nxt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    for n, cache in enumerate([KakeyaCache(IdentityCodec(), model=v4, block_size=4, n_sink=1),
+                               KakeyaCache.from_recipe(recipes.load("balanced"), model=v4, block_size=4),
+                               KakeyaCache.from_pretrained(v4, "calibrated-4bit", block_size=4,
+                                                           calibration=Calibration.for_model(v4, stats, sens))]):
+        with torch.no_grad():
+            v4(input_ids=ids, cache=cache)
+        path = cache.save(tmp_path / f"v4-{n}.kkpfx")
+        loaded = KakeyaCache.load(path, v4, codec=cache.codec)
+        with torch.no_grad():
+            assert torch.equal(v4(input_ids=nxt, cache=loaded).logits, v4(input_ids=nxt, cache=cache).logits)
+    header, _ = persist.read_header(path)
+    assert header["layers"][1]["counts"] == {"cumulative_length": tokens, "entry_count.compressor": tokens // 4,
+                                             "entry_count.indexer": tokens // 4}
+    bad = tmp_path / "bad.kkpfx"
+    for edit, match in ((lambda h: h["layers"][1]["counts"].update(cumulative_length=tokens + 1), "the model's layer"),
+                        (lambda h: h["layers"][0]["counts"].update({"entry_count.compressor": 99}), "entries held"),
+                        (lambda h: h["layers"][0]["counts"].pop("cumulative_length"), "counts"),
+                        (lambda h: h["layers"][2].update(counts={"cumulative_length": 1}), "keeps none")):
+        with pytest.raises(CorruptDataError, match=match):
+            KakeyaCache.load(_edit_header(path, bad, edit), v4, codec=cache.codec)
+
+
+def _edit_header(src, dst, edit):
+    data = src.read_bytes()
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    header = json.loads(data[12:12 + hlen])
+    edit(header)
+    head = json.dumps(header).encode()
+    raw = data[:8] + struct.pack("<I", len(head)) + head + data[12 + hlen:]
+    dst.write_bytes(raw[:-4] + struct.pack("<I", zlib.crc32(raw[:-4])))
+    return dst

@@ -21,7 +21,8 @@ indexer's entries stay raw (``memory()["indexer"]``); the window, the buffers an
 state are fixed-size and count as ``memory()["state"]``.
 
 A compressed layer cannot be cropped (the compressor emitted entries of the tokens a crop would
-remove) nor saved (the file format has no place for the compressor's state)."""
+remove). A saved prefix holds its coded entries as a layer's rows and the rest as layer states
+(:mod:`~kakeyaturbo.cache.persist_state`)."""
 
 from __future__ import annotations
 

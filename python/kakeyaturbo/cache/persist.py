@@ -5,7 +5,8 @@ The file holds what the cache holds, as it holds it: the sealed blocks' blobs by
 re-coding), the raw sink and staging rows at their dtype, and the RoPE positions of the tokens
 where they are not ``0 .. T-1`` (left-padded batches; with multimodal RoPE each token's three,
 a version-2 file) and what a layer holds beyond its rows (a hybrid's recurrent and
-convolution states, an indexer's keys, raw: :mod:`.persist_state`, a version-3 file); plus what
+convolution states, an indexer's keys, a compressed layer's window and compressor state, raw:
+:mod:`.persist_state`, a version-3 file); plus what
 rebuilds the cache (its settings, the recipe, the model's layers) and who it belongs to: the
 model (type, fingerprint of the attention weights) and the codec (a fingerprint of everything
 that decides its bytes).
@@ -46,9 +47,10 @@ from .._core import __version__
 from .._files import write_atomically
 from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
-from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedModelError, UnsupportedVersionError
+from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
 from ..families import describe
 from .codecs import STREAMS, StreamCodec
+from .compressed import CompressedEntries
 from .layer import KakeyaLayer
 from . import persist_state
 from .persist_codec import codec_from_file, codec_identity, recipe_json
@@ -57,7 +59,8 @@ __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "re
 
 MAGIC = b"KKYP"
 #: The newest version this build writes and reads: 3 for files holding layer states (a hybrid's
-#: recurrent and convolution states, an indexer's keys: :mod:`.persist_state`), 2 for files
+#: recurrent and convolution states, an indexer's keys, DeepSeek V4's compressor state:
+#: :mod:`.persist_state`), 2 for files
 #: holding multimodal RoPE positions (``grid``) and no states, which a build reading an older
 #: version must not load; 1 otherwise.
 VERSION = persist_state.VERSION
@@ -85,18 +88,6 @@ def _default_positions(pos: torch.Tensor) -> bool:
     return bool(torch.equal(pos, want))
 
 
-def _refuse_state_layers(layout: Any) -> None:
-    """UnsupportedModelError for compressed attention (DeepSeek V4: its compressor's state is not
-    part of the file format). A hybrid's states and an indexer's keys are saved as layer states
-    (:mod:`.persist_state`); layers that cache nothing (transformers' ``dummy``: MLP-only blocks,
-    layers sharing another's K/V) as empty entries."""
-    state = [spec.index for spec in layout.layers if spec.kind == "compressed"]
-    if state:
-        raise UnsupportedModelError(
-            f"model type {layout.model_type!r}: layers {state} hold a compressor's state (DeepSeek V4), which a "
-            "saved cache does not carry; such a model's cache cannot be saved or loaded")
-
-
 def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     """Writes ``cache`` (a filled :class:`KakeyaCache`) to ``path`` (see the module doc) and
     returns the path; the file is written beside it and renamed, so a reader never sees half a
@@ -113,7 +104,6 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         raise InvalidParameterError("save needs the model that filled the cache: cache.save(path, model=model)")
     p = Path(path)
     layout = describe(model)
-    _refuse_state_layers(layout)
     header: Dict[str, Any] = {
         "library": f"kakeyaturbo {__version__}",
         "model": {"type": layout.model_type, "fingerprint": fingerprint(model),
@@ -130,15 +120,16 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     dtype = batch = None
     states = False
     for layer in cache.layers:
-        tensors, flags = persist_state.layer_state(layer)
+        tensors, flags, counts = persist_state.layer_state(layer)
         held = {"state": [{"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-                          for n, t in tensors], "flags": flags} if tensors or flags else {}
+                          for n, t in tensors], "flags": flags, "counts": counts} if tensors or flags else {}
         states = states or bool(held)
-        if not isinstance(layer, KakeyaLayer):  # caches no K/V rows (a state layer, transformers' DummyLayer)
+        rows = layer.entries if isinstance(layer, CompressedEntries) else layer  # DeepSeek V4: coded entries
+        if not isinstance(rows, KakeyaLayer):  # caches no K/V rows (a state layer, transformers' DummyLayer)
             layers.append({"seen": 0, "streams": {}, **held})
             chunks += [_raw_bytes(t) for _, t in tensors]
             continue
-        state = layer.export_state()
+        state = rows.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
         for name, part in state["streams"].items():
             sink, staging = part["sink"], part["staging"]
@@ -246,7 +237,7 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         raise CorruptDataError(f"{where}: its header is inconsistent ({e})") from None
     if version < 2 and header.get("grid", 0):
         raise CorruptDataError(f"{where}: version {version} holds no multimodal positions, its header says it does")
-    if version < 3 and any("state" in layer or "flags" in layer for layer in header["layers"]):
+    if version < 3 and any(k in layer for layer in header["layers"] for k in ("state", "flags", "counts")):
         raise CorruptDataError(f"{where}: version {version} holds no layer states, its header says it does")
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
@@ -364,7 +355,6 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
 
     header, data, at, where = _read_file(path)
     layout = describe(model)
-    _refuse_state_layers(layout)
     saved = header["model"]
     if saved.get("type") != layout.model_type:
         raise ModelMismatchError(f"{where} was saved from a {saved.get('type')!r} model, not {layout.model_type!r}")
@@ -409,8 +399,8 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     states = []
     # What the model's own layers hold beyond K/V rows once they hold a token, checked before a
     # byte of it is read.
-    held = max((layer["seen"] for layer in header["layers"]), default=0)
-    want = persist_state.expected(model) if held and persist_state.holds_states(layout) else {}
+    held = max((_tokens(layer) for layer in header["layers"]), default=0)
+    want = persist_state.expected(model, layout) if held and persist_state.holds_states(layout) else {}
     for i, layer in enumerate(header["layers"]):
         streams: Dict[str, Any] = {}
         for name in STREAMS:
@@ -428,14 +418,15 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             streams[name] = {"sink": sink, "sink_start": s["sink_start"], "staging": staging,
                              "staging_start": s["staging_start"], "blocks": blocks,
                              "starts": [s["first_block"] + j * c["block_size"] for j in range(nb)]}
-        entries, flags = layer.get("state", []), layer.get("flags", {})
-        persist_state.check_states(entries, flags, want.get(i, {}), b, layer["seen"], where)
+        entries, flags, counts = layer.get("state", []), layer.get("flags", {}), layer.get("counts", {})
+        persist_state.check_states(entries, flags, counts, want.get(i, {}), b, layer["seen"], layout.layers[i], where)
         extra = {e["name"]: _tensor(r, persist_state.DTYPES[e["dtype"]], tuple(e["shape"]), f"layer {i} {e['name']}",
                                     device) for e in entries}
         for t_ in extra.values():
             if t_.is_floating_point():
                 _finite(t_, where)
-        states.append({"seen": layer["seen"], "streams": streams, "extra": (extra, flags)})
+        states.append({"seen": layer["seen"], "streams": streams, "extra": (extra, flags, counts),
+                       "tokens": _tokens(layer)})
     t = header["positions"]
     pos = None
     if t:
@@ -449,7 +440,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
                                "positions it records")
     if r.at != r.end:
         raise CorruptDataError(f"{where}: {r.end - r.at} bytes after the last section")
-    seen = max((s["seen"] for s in states), default=0)
+    seen = max((s["tokens"] for s in states), default=0)
     if cache._positions is not None and seen:
         if grid is not None:
             cache._positions.load(grid)
@@ -461,17 +452,18 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
     try:
         for i, (layer, state) in enumerate(zip(cache.layers, states)):
-            if not isinstance(layer, KakeyaLayer):
+            rows = layer.entries if isinstance(layer, CompressedEntries) else layer
+            if not isinstance(rows, KakeyaLayer):
                 if state["seen"] or state["streams"]:
                     raise CorruptDataError(f"{where}: layer {i} caches nothing, the file holds rows for it")
                 persist_state.restore(layer, *state["extra"])
                 continue
-            layer.import_state(state)
+            rows.import_state(state)
             persist_state.restore(layer, *state["extra"])
             if verify and not keep_decoded:
-                for name in layer.streams if state["streams"] else ():
+                for name in rows.streams if state["streams"] else ():
                     for j in range(len(state["streams"][name]["blocks"])):
-                        layer._block(name, j)
+                        rows._block(name, j)
     except KakeyaError as e:
         raise CorruptDataError(f"{where}: a sealed block does not decode ({e})") from None
     if model is not None:
@@ -479,6 +471,11 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     # The first call must continue the prefix (kakeyaturbo.cache.generation._watch_calls).
     cache._resume = (seen, None if pos is None else pos.max(dim=1).values) if seen else None
     return cache
+
+
+def _tokens(layer: Dict[str, Any]) -> int:
+    """The tokens a layer of the header saw: its rows', a compressed layer's from its counts."""
+    return max(layer["seen"], layer.get("counts", {}).get("cumulative_length", 0))
 
 
 def _check_layout(header: Dict[str, Any], layout: Any, where: str) -> None:

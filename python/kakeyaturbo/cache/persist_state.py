@@ -1,14 +1,18 @@
 """What a saved prefix keeps of a layer beyond its K/V rows (a version-3 file,
 :mod:`kakeyaturbo.cache.persist`): a hybrid model's recurrent and convolution states (transformers'
 ``LinearAttentionLayer``, and Falcon-H1's :class:`~kakeyaturbo.cache.extra_layers.KakeyaStateLayer`)
-and the indexer's keys of dynamic sparse attention (DeepSeek V3.2, GLM-5, HY-V4:
-:class:`~kakeyaturbo.cache.extra_layers.KakeyaIndexedLayer`), raw, as transformers holds them.
+the indexer's keys of dynamic sparse attention (DeepSeek V3.2, GLM-5, HY-V4:
+:class:`~kakeyaturbo.cache.extra_layers.KakeyaIndexedLayer`), and a compressed-attention layer's
+window, compressor buffers, overlap state and indexer entries (DeepSeek V4:
+:mod:`~kakeyaturbo.cache.compressed`; its coded entries are the layer's streams), raw, as
+transformers holds them.
 
-Per layer the header lists its tensors (``state``: name, dtype, shape) and flags (``flags``:
-whether a state index has seen a token); their bytes follow the layer's streams. A reader knows
-each name's meaning and refuses any other name, and checks every shape against what the model's
-own layer holds after one token (:func:`expected`: the batch and token axes excepted) before it
-reads a byte."""
+Per layer the header lists its tensors (``state``: name, dtype, shape), flags (``flags``:
+whether a state index has seen a token) and counts (``counts``: a compressed layer's tokens and
+entries); the tensors' bytes follow the layer's streams. A reader knows each name's meaning and
+refuses any other name, and checks every shape against what the model's own layer holds after a
+first call (:func:`expected`: the batch axis, and the token axis at the length the counts give)
+before it reads a byte."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..errors import CorruptDataError, InvalidParameterError
+from ..families.layout import COMPRESSOR
+from .compressed import CompressedEntries
 from .extra_layers import KakeyaIndexedLayer
 
 #: The version of a file that holds layer states.
@@ -25,15 +31,38 @@ VERSION = 3
 #: Dtypes a state tensor may have (raw rows' and the position ids').
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
 #: Per name prefix, the axis of the batch and of the tokens (None: the state does not grow).
-_AXES = {"conv": (0, None), "recurrent": (0, None), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2)}
+_AXES = {"conv": (0, None), "recurrent": (0, None), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2),
+         "window": (0, 2), "buffer_kv": (0, 1), "buffer_gate": (0, 1), "overlap_kv": (0, None),
+         "overlap_gate": (0, None), "indexer_entries": (0, 1)}
+#: A compressed-attention layer's per-series fields (DeepSeek V4's cache layers).
+_SERIES = ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
+States = Tuple[List[Tuple[str, torch.Tensor]], Dict[str, bool], Dict[str, int]]
 
 
-def layer_state(layer: Any) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, bool]]:
-    """``([(name, tensor)], {flag: bool})`` of what ``layer`` holds beyond K/V rows (empty lists
-    for a layer without). InvalidParameterError while a hybrid layer records the past (assisted
-    decoding between a draft and its check)."""
+def _compressed(layer: Any) -> List[Tuple[str, torch.Tensor]]:
+    """The state tensors of a compressed-attention layer (the model's own or a
+    :class:`CompressedEntries`): the window, each series' buffers and overlap, the indexer's
+    entries (the compressor's entries are the layer's streams, not state)."""
+    out = [("window", layer.keys)]
+    for f in _SERIES:
+        out += [(f"{f}.{name}", t) for name, t in getattr(layer, f, {}).items() if t is not None]
+    ix = layer.compressed_kv.get("indexer")
+    return out + ([("indexer_entries", ix)] if ix is not None else [])
+
+
+def layer_state(layer: Any) -> States:
+    """``([(name, tensor)], {flag: bool}, {count: int})`` of what ``layer`` holds beyond K/V rows
+    (empty for a layer without). InvalidParameterError while a hybrid layer records the past
+    (assisted decoding between a draft and its check)."""
     tensors: List[Tuple[str, torch.Tensor]] = []
     flags: Dict[str, bool] = {}
+    counts: Dict[str, int] = {}
+    if isinstance(layer, CompressedEntries):
+        if layer.is_initialized:
+            tensors = _compressed(layer)
+            counts = {"cumulative_length": int(layer.cumulative_length),
+                      **{f"entry_count.{n}": int(c) for n, c in layer.entry_count.items()}}
+        return tensors, flags, counts
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         if layer.record_past:
             raise InvalidParameterError("cannot save a cache while it records the past (assisted decoding): "
@@ -49,22 +78,26 @@ def layer_state(layer: Any) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, b
             t = getattr(layer, name)
             if t is not None:
                 tensors.append((name, t))
-    return tensors, flags
+    return tensors, flags, counts
 
 
 def holds_states(layout: Any) -> bool:
-    """Whether a model's cache layers hold states beyond K/V rows (a hybrid's, an indexer's)."""
-    return layout.stateful or any(s.cache_type == "indexed_attention" for s in layout.layers)
+    """Whether a model's cache layers hold states beyond K/V rows (a hybrid's, an indexer's, a
+    compressed layer's)."""
+    return layout.stateful or any(s.cache_type == "indexed_attention" or s.kind == "compressed"
+                                  for s in layout.layers)
 
 
-def expected(model: Any) -> Dict[int, Dict[str, Tuple[Tuple[int, ...], torch.dtype]]]:
-    """Per layer, the shape and dtype of every state tensor the model's own cache holds after one
-    token (batch 1): what a file's states are checked against."""
+def expected(model: Any, layout: Any) -> Dict[int, Dict[str, Tuple[Tuple[int, ...], torch.dtype]]]:
+    """Per layer, the shape and dtype of every state tensor the model's own cache holds after a
+    first call (batch 1) of one token, or of as many as a compressed layer takes per entry (so
+    that its overlap state exists): what a file's states are checked against."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     p = next(iter(model.parameters()), None)
-    ids = torch.zeros((1, 1), dtype=torch.long, device=None if p is None else p.device)
+    n = max([1] + [int(s.rate or 1) for s in layout.layers if s.cache_type == "compressed_sparse_attention"])
+    ids = torch.zeros((1, n), dtype=torch.long, device=None if p is None else p.device)
     with torch.no_grad():
         model(input_ids=ids, cache=cache)
     out: Dict[int, Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = {}
@@ -80,18 +113,26 @@ def expected(model: Any) -> Dict[int, Dict[str, Tuple[Tuple[int, ...], torch.dty
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
                 got[name] = (tuple(t.shape), t.dtype)
+        if isinstance(getattr(layer, "compressed_kv", None), dict):
+            got.update((name, (tuple(t.shape), t.dtype)) for name, t in _compressed(layer))
         out[i] = got
     return out
 
 
-def check_states(entries: List[Dict[str, Any]], flags: Dict[str, bool],
-                 want: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], batch: int, seen: int, where: str) -> None:
+def check_states(entries: List[Dict[str, Any]], flags: Dict[str, bool], counts: Dict[str, int],
+                 want: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], batch: int, seen: int, spec: Any,
+                 where: str) -> None:
     """CorruptDataError naming the file unless the state tensors ``entries`` lists (header
-    fields, checked for type already) are those the model's layer holds (``want``: empty for a
-    cache that holds no token), each of its dtype and of its shape at ``batch`` rows (and
-    ``seen`` tokens where the state grows with the tokens), and the flags those of its state
-    indices."""
+    fields, checked for type already) are those the model's layer (``spec``) holds (``want``:
+    empty for a cache that holds no token), each of its dtype and of its shape at ``batch`` rows
+    and, where the state grows, at the length ``seen`` tokens (a compressed layer: its counts)
+    give; the flags those of its state indices, the counts a compressed layer's."""
     indices = {name.partition(".")[2] for name in want if name.startswith(("conv.", "recurrent."))}
+    lengths = _lengths(counts, want, seen, spec, where) if want and spec.kind == "compressed" else {}
+    if lengths:  # no overlap state before a series' first entry
+        want = {n: v for n, v in want.items() if not n.startswith("overlap") or counts[f"entry_count.{_series(n)}"]}
+    elif counts:
+        raise CorruptDataError(f"{where} is inconsistent: counts {sorted(counts)} for a layer that keeps none")
     names = [e["name"] for e in entries]
     if sorted(names) != sorted(want) or sorted(flags) != sorted(f"previous.{j}" for j in indices):
         raise CorruptDataError(f"{where} is inconsistent: states {sorted(names)} and flags {sorted(flags)} in its "
@@ -103,14 +144,49 @@ def check_states(entries: List[Dict[str, Any]], flags: Dict[str, bool],
         need = list(shape)
         need[b_axis] = batch
         if t_axis is not None:
-            need[t_axis] = seen
+            need[t_axis] = lengths.get(name, seen)
         if DTYPES[e["dtype"]] != dtype or list(e["shape"]) != need:
             raise CorruptDataError(f"{where} is inconsistent: state {name!r} of {e['dtype']} {e['shape']} in its "
                                    f"header, the model's layer holds {str(dtype).replace('torch.', '')} {need}")
 
 
-def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool]) -> None:
+def _series(name: str) -> str:
+    return name.partition(".")[2]
+
+
+def _lengths(counts: Dict[str, int], want: Dict[str, Any], seen: int, spec: Any, where: str) -> Dict[str, int]:
+    """A compressed layer's counts checked (its tokens, its series' entries: ``seen`` of the
+    compressor's held as the layer's streams) and the lengths of its growing states they give."""
+    series = sorted({_series(n) for n in want if n.startswith("buffer_kv.")})
+    if sorted(counts) != sorted(["cumulative_length"] + [f"entry_count.{n}" for n in series]):
+        raise CorruptDataError(f"{where} is inconsistent: counts {sorted(counts)}, the model's layer keeps "
+                               f"the tokens and the entries of {series}")
+    tokens, rate = counts["cumulative_length"], int(spec.rate)
+    if counts[f"entry_count.{COMPRESSOR}"] != seen or any(counts[f"entry_count.{n}"] * rate > tokens for n in series):
+        raise CorruptDataError(f"{where} is inconsistent: {seen} entries held, counts {counts}, one entry per {rate} "
+                               "tokens")
+    out = {"window": min(tokens, int(spec.window) - 1),
+           "indexer_entries": counts.get("entry_count.indexer", 0)}
+    for n in series:
+        out[f"buffer_kv.{n}"] = out[f"buffer_gate.{n}"] = tokens - counts[f"entry_count.{n}"] * rate
+    return out
+
+
+def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool], counts: Dict[str, int]) -> None:
     """Puts states :func:`layer_state` gave (read back from a file) into a fresh ``layer``."""
+    if isinstance(layer, CompressedEntries) and "window" in tensors:
+        window = tensors["window"]
+        layer.lazy_initialization(window, window)
+        layer.keys = layer.values = window
+        layer.cumulative_length = counts["cumulative_length"]
+        layer.entry_count = {_series(k): v for k, v in counts.items() if k.startswith("entry_count.")}
+        for name, t in tensors.items():
+            field, _, series = name.partition(".")
+            if field in _SERIES:
+                getattr(layer, field)[series] = t
+        if "indexer_entries" in tensors:
+            layer.compressed_kv["indexer"] = tensors["indexer_entries"]
+        return
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         for name, t in tensors.items():
             kind, _, j = name.partition(".")
@@ -131,9 +207,13 @@ def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool]
 def check_header(layer: Dict[str, Any], i: int, max_dim: int, max_elements: int) -> None:
     """Types and ranges of a layer's ``state`` and ``flags`` header fields (ValueError,
     TypeError): names of a known kind, dtypes known, shapes of bounded integers."""
-    state, flags = layer.get("state", []), layer.get("flags", {})
-    if not isinstance(state, list) or not isinstance(flags, dict):
-        raise TypeError(f"layer {i} state or flags")
+    state, flags, counts = layer.get("state", []), layer.get("flags", {}), layer.get("counts", {})
+    if not isinstance(state, list) or not isinstance(flags, dict) or not isinstance(counts, dict):
+        raise TypeError(f"layer {i} state, flags or counts")
+    for k, v in counts.items():
+        ok = k == "cumulative_length" or k in (f"entry_count.{COMPRESSOR}", "entry_count.indexer")
+        if not ok or isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= max_elements:
+            raise ValueError(f"layer {i} count {k!r} = {v!r}")
     names = set()
     for e in state:
         name = e["name"]
