@@ -30,7 +30,7 @@ from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.calibration.compressed import COMPRESSED_POINT  # noqa: E402
 from kakeyaturbo.errors import (CorruptDataError, InvalidInputError, InvalidParameterError,  # noqa: E402
-                                ModelMismatchError)
+                                KakeyaError, ModelMismatchError)
 from kakeyaturbo.eval import harness, peers  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
@@ -358,6 +358,17 @@ def test_a_saved_cache_continues_as_the_one_saved(v4, fitted, tokens, tmp_path) 
                         (lambda h: h["layers"][2].update(counts={"cumulative_length": 1}), "keeps none")):
         with pytest.raises(CorruptDataError, match=match):
             KakeyaCache.load(_edit_header(path, bad, edit), v4, codec=cache.codec)
+    data = path.read_bytes()  # damage anywhere under a recomputed checksum: loads or a KakeyaError
+    rng = np.random.default_rng(tokens)
+    for _ in range(15):
+        d = bytearray(data)
+        for at in rng.choice(len(d) - 4, size=2, replace=False):
+            d[at] ^= int(rng.integers(1, 256))
+        bad.write_bytes(bytes(d[:-4]) + struct.pack("<I", zlib.crc32(bytes(d[:-4]))))
+        try:
+            KakeyaCache.load(bad, v4, codec=cache.codec)
+        except KakeyaError:
+            pass
 
 
 def _edit_header(src, dst, edit):
