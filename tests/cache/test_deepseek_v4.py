@@ -10,10 +10,6 @@ cannot work (crop)."""
 
 from __future__ import annotations
 
-import json
-import struct
-import zlib
-
 import numpy as np
 import pytest
 
@@ -33,6 +29,8 @@ from kakeyaturbo.errors import (CorruptDataError, InvalidInputError, InvalidPara
                                 KakeyaError, ModelMismatchError)
 from kakeyaturbo.eval import harness, peers  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
+
+from .test_persist import _rewrite, _with_header  # noqa: E402
 
 VOCAB = 96
 TYPES = ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"]
@@ -357,26 +355,15 @@ def test_a_saved_cache_continues_as_the_one_saved(v4, fitted, tokens, tmp_path) 
                         (lambda h: h["layers"][0]["counts"].pop("cumulative_length"), "counts"),
                         (lambda h: h["layers"][2].update(counts={"cumulative_length": 1}), "keeps none")):
         with pytest.raises(CorruptDataError, match=match):
-            KakeyaCache.load(_edit_header(path, bad, edit), v4, codec=cache.codec)
+            KakeyaCache.load(_with_header(path, bad, edit), v4, codec=cache.codec)
     data = path.read_bytes()  # damage anywhere under a recomputed checksum: loads or a KakeyaError
     rng = np.random.default_rng(tokens)
     for _ in range(15):
         d = bytearray(data)
         for at in rng.choice(len(d) - 4, size=2, replace=False):
             d[at] ^= int(rng.integers(1, 256))
-        bad.write_bytes(bytes(d[:-4]) + struct.pack("<I", zlib.crc32(bytes(d[:-4]))))
         try:
-            KakeyaCache.load(bad, v4, codec=cache.codec)
+            KakeyaCache.load(_rewrite(bad, bytes(d)), v4, codec=cache.codec)
         except KakeyaError:
             pass
 
-
-def _edit_header(src, dst, edit):
-    data = src.read_bytes()
-    (hlen,) = struct.unpack_from("<I", data, 8)
-    header = json.loads(data[12:12 + hlen])
-    edit(header)
-    head = json.dumps(header).encode()
-    raw = data[:8] + struct.pack("<I", len(head)) + head + data[12 + hlen:]
-    dst.write_bytes(raw[:-4] + struct.pack("<I", zlib.crc32(raw[:-4])))
-    return dst

@@ -339,13 +339,16 @@ def _rewrite(path: Path, data: bytes) -> Path:
     return path
 
 
-def _with_header(src: Path, dst: Path, edit) -> Path:
+def _with_header(src: Path, dst: Path, edit, version=None) -> Path:
+    """``src`` with its header changed by ``edit`` (and its version, where given), the checksum
+    recomputed, written to ``dst``."""
     data = src.read_bytes()
     (hlen,) = struct.unpack_from("<I", data, 8)
     header = json.loads(data[12:12 + hlen])
     edit(header)
     head = json.dumps(header).encode()
-    return _rewrite(dst, data[:8] + struct.pack("<I", len(head)) + head + data[12 + hlen:])
+    v = struct.unpack_from("<H", data, 4)[0] if version is None else version
+    return _rewrite(dst, data[:4] + struct.pack("<HHI", v, 0, len(head)) + head + data[12 + hlen:])
 
 
 @pytest.fixture(scope="module")

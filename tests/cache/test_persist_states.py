@@ -6,10 +6,7 @@ cache that was saved, and a file whose states do not fit the model is refused.""
 
 from __future__ import annotations
 
-import json
 import struct
-import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +21,7 @@ from kakeyaturbo.errors import CorruptDataError, InvalidParameterError, KakeyaEr
 from kakeyaturbo.families import describe  # noqa: E402
 
 from .families import build, family_prompt  # noqa: E402
+from .test_persist import _rewrite, _with_header  # noqa: E402
 
 NAMES = ["qwen3_next", "falcon_h1", "nemotron_h", "deepseek_v32"]
 
@@ -64,21 +62,6 @@ def test_a_loaded_cache_continues_as_the_saved_one(saved) -> None:
     assert loaded.memory()["state"] + loaded.memory()["indexer"] > 0
 
 
-def _rewrite(path: Path, data: bytes) -> Path:
-    path.write_bytes(data[:-4] + struct.pack("<I", zlib.crc32(data[:-4])))
-    return path
-
-
-def _edit(src: Path, dst: Path, edit, version=None) -> Path:
-    data = src.read_bytes()
-    (hlen,) = struct.unpack_from("<I", data, 8)
-    header = json.loads(data[12:12 + hlen])
-    edit(header)
-    head = json.dumps(header).encode()
-    v = struct.unpack_from("<H", data, 4)[0] if version is None else version
-    return _rewrite(dst, data[:4] + struct.pack("<HHI", v, 0, len(head)) + head + data[12 + hlen:])
-
-
 def _first_state(header):
     return next(e for layer in header["layers"] for e in layer.get("state", []))
 
@@ -107,13 +90,13 @@ def test_states_that_do_not_fit_the_model_are_refused(saved, tmp_path) -> None:
     for edit, match in ((renamed, "the model's layer holds"), (reshaped, "the model's layer holds"),
                         (retyped, "the model's layer holds"), (flagged, "flags"), (dropped, "the model's layer holds")):
         with pytest.raises(CorruptDataError, match=match):
-            KakeyaCache.load(_edit(path, bad, edit), model)
+            KakeyaCache.load(_with_header(path, bad, edit), model)
     with pytest.raises(CorruptDataError, match="version 2 holds no layer states"):
-        KakeyaCache.load(_edit(path, bad, lambda h: None, version=2), model)
+        KakeyaCache.load(_with_header(path, bad, lambda h: None, version=2), model)
     for edit in (lambda h: _first_state(h).update(name=3), lambda h: _first_state(h).update(shape=[-1]),
                  lambda h: _first_state(h).update(dtype="int8")):
         with pytest.raises(CorruptDataError, match="header is inconsistent"):
-            KakeyaCache.load(_edit(path, bad, edit), model)
+            KakeyaCache.load(_with_header(path, bad, edit), model)
 
 
 def test_damage_under_a_recomputed_checksum_is_a_kakeya_error(saved, tmp_path) -> None:
