@@ -187,16 +187,9 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
                             linear_value_head_dim=16,
                             layer_types=["linear_attention", "full_attention", "linear_attention"])
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    text = tiny_model_dir / "text.txt"
     cal = tmp_path / "h.kkcal"
-    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
-                     "--windows", "2", "--window", "64", "--sensitivity-windows", "2", "--score", "16",
-                     "--samples", "20", "--out", str(cal)]) == 0
-    out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
-                     "--windows", "2", "--ctx", "48", "--n-eval", "8", "--recipes", "calibrated-4bit",
-                     "--calibration", str(cal), "--baselines", "identity", "--out", str(out)]) == 0
-    res = json.loads((out / "results.json").read_text())["methods"]
+    res = _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, window=64, samples=20, ctx=48,
+                               baselines="identity")
     assert "quanto-int4" not in res  # QuantizedCache takes full-attention layers only
     assert (res["identity"]["dppl"], res["identity"]["kl"]) == (0.0, 0.0)
     row = res["kakeyaturbo:calibrated-4bit"]
@@ -209,6 +202,21 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
     assert cache.fast and seq.shape[1] == 44 and cache.layers[1].num_sealed() == 2
     assert cache.memory()["state"] > 0
     assert not cache_dir.exists()
+
+
+def _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, *, window, samples, ctx, baselines):
+    """``kakeyaturbo calibrate`` of a checkpoint on the tiny text (2 windows of ``window`` tokens,
+    the sensitivity of 2 scoring 16) into ``cal``, then ``eval`` of calibrated-4bit from it (2
+    windows, ``ctx``, 8 scored) beside ``baselines``: the methods of its results."""
+    text = tiny_model_dir / "text.txt"
+    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
+                     "--windows", "2", "--window", str(window), "--sensitivity-windows", "2", "--score", "16",
+                     "--samples", str(samples), "--out", str(cal)]) == 0
+    out = tmp_path / "eval-out"
+    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
+                     "--windows", "2", "--ctx", str(ctx), "--n-eval", "8", "--recipes", "calibrated-4bit",
+                     "--calibration", str(cal), "--baselines", baselines, "--out", str(out)]) == 0
+    return json.loads((out / "results.json").read_text())["methods"]
 
 
 def _two_head_sizes(tiny_model_dir, tmp_path):
@@ -459,16 +467,8 @@ def test_compressed_attention_model_directory(tiny_model_dir, tmp_path, cache_di
                             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                             layer_types=["heavily_compressed_attention", "compressed_sparse_attention",
                                          "sliding_attention"])
-    text = tiny_model_dir / "text.txt"
-    cal = tmp_path / "v4.kkcal"
-    assert cli.main(["calibrate", "--model", str(model_dir), "--text", str(text), "--calibration-text", "same",
-                     "--windows", "2", "--window", "96", "--sensitivity-windows", "2", "--score", "16",
-                     "--samples", "8", "--out", str(cal)]) == 0
-    out = tmp_path / "eval-out"
-    assert cli.main(["eval", "--model", str(model_dir), "--text", str(text),
-                     "--windows", "2", "--ctx", "80", "--n-eval", "8", "--recipes", "calibrated-4bit",
-                     "--calibration", str(cal), "--baselines", "identity,fp8_e4m3", "--out", str(out)]) == 0
-    res = json.loads((out / "results.json").read_text())["methods"]
+    res = _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, tmp_path / "v4.kkcal", window=96, samples=8,
+                               ctx=80, baselines="identity,fp8_e4m3")
     assert "quanto-int4" not in res  # QuantizedCache lacks the compressor's state
     assert res["identity"]["kl"] == 0.0
     # The windows' rows stay raw (16 bits): more than the entries' 4, fewer than all raw.

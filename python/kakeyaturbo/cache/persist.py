@@ -67,7 +67,7 @@ VERSION = persist_state.VERSION
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _CRC = 4
 #: Raw row dtypes a file may hold.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = persist_state.ROW_DTYPES
 #: Limits checked before anything is allocated (far beyond any real cache).
 _MAX_HEADER = 64 << 20
 _MAX_DIM = 1 << 16

@@ -28,8 +28,10 @@ from .extra_layers import KakeyaIndexedLayer
 
 #: The version of a file that holds layer states.
 VERSION = 3
+#: Dtypes a file's raw rows may have.
+ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Dtypes a state tensor may have (raw rows' and the position ids').
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64}
+DTYPES = {**ROW_DTYPES, "int64": torch.int64}
 #: Per name prefix, the axis of the batch and of the tokens (None: the state does not grow).
 _AXES = {"conv": (0, None), "recurrent": (0, None), "indexer_keys": (0, 1), "indexer_position_ids": (1, 2),
          "window": (0, 2), "buffer_kv": (0, 1), "buffer_gate": (0, 1), "overlap_kv": (0, None),
