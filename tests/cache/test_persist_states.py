@@ -156,3 +156,14 @@ def test_every_family_with_states_continues_from_a_file(name, tmp_path) -> None:
     nxt = torch.tensor([[5, 6]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=nxt, cache=loaded).logits, model(input_ids=nxt, cache=ref).logits)
+
+
+def test_a_state_of_a_dtype_no_file_holds_is_refused_on_saving(tmp_path) -> None:
+    model = build("qwen3_next")
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4)
+    with torch.no_grad():
+        model(input_ids=family_prompt(t=12), cache=cache)
+    cache.layers[0].recurrent_states[0] = cache.layers[0].recurrent_states[0].double()
+    with pytest.raises(InvalidParameterError, match="cannot save state 'recurrent.0' of dtype torch.float64"):
+        cache.save(tmp_path / "f64.kkpfx")
+    assert not (tmp_path / "f64.kkpfx").exists()

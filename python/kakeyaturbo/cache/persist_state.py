@@ -55,7 +55,8 @@ def _compressed(layer: Any) -> List[Tuple[str, torch.Tensor]]:
 def layer_state(layer: Any) -> States:
     """``([(name, tensor)], {flag: bool}, {count: int})`` of what ``layer`` holds beyond K/V rows
     (empty for a layer without). InvalidParameterError while a hybrid layer records the past
-    (assisted decoding between a draft and its check)."""
+    (assisted decoding between a draft and its check), or for a state of a dtype no file holds
+    (it would be written and then refused on loading)."""
     tensors: List[Tuple[str, torch.Tensor]] = []
     flags: Dict[str, bool] = {}
     counts: Dict[str, int] = {}
@@ -64,7 +65,6 @@ def layer_state(layer: Any) -> States:
             tensors = _compressed(layer)
             counts = {"cumulative_length": int(layer.cumulative_length),
                       **{f"entry_count.{n}": int(c) for n, c in layer.entry_count.items()}}
-        return tensors, flags, counts
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         if layer.record_past:
             raise InvalidParameterError("cannot save a cache while it records the past (assisted decoding): "
@@ -80,6 +80,9 @@ def layer_state(layer: Any) -> States:
             t = getattr(layer, name)
             if t is not None:
                 tensors.append((name, t))
+    for name, t in tensors:
+        if str(t.dtype).replace("torch.", "") not in DTYPES:
+            raise InvalidParameterError(f"cannot save state {name!r} of dtype {t.dtype}; known: {list(DTYPES)}")
     return tensors, flags, counts
 
 
