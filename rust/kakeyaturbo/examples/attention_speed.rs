@@ -1,12 +1,16 @@
 // Profiling aid: one decode step of attention over the codes of a layer, repeated.
 //
-//     cargo run --release -p kakeyaturbo --example attention_speed -- [T] [HQ] [HKV] [D] [BITS] [ISA] [REPS]
+//     cargo run --release -p kakeyaturbo --example attention_speed -- [T] [HQ] [HKV] [D] [BITS] [ISA] [REPS] [ROPE]
+//
+// ISA: best, portable or avx2; ROPE: `rope` reads the keys as coded before RoPE (base 10000,
+// all channels, the bfloat16 synthesis: the shipped recipes' path), anything else after it.
 //
 // Calibrations: an orthonormal basis, spreads 0.93^j, bits given greedily to the component
 // with the largest remaining variance (water-filling) for BITS per element with the fp16
 // scale counted; blocks of 512 rows of the calibrations' own model.
 use kakeyaturbo::attention::{
-    attend_with, AttentionParams, Isa, LayerCodes, RawRows, StreamTables,
+    attend_with, AttentionParams, Isa, KeyRope, LayerCodes, RawRows, RopeStyle, StreamTables,
+    Synthesis,
 };
 use kakeyaturbo::calibrated::{CalibratedCodec, CalibratedParams};
 use kakeyaturbo::rng::SplitMix64;
@@ -76,12 +80,13 @@ fn main() {
     let hkv: usize = arg(3, "3").parse().unwrap();
     let d: usize = arg(4, "64").parse().unwrap();
     let bpe: f64 = arg(5, "4").parse().unwrap();
-    let isa = if arg(6, "best") == "portable" {
-        Isa::Portable
-    } else {
-        Isa::best()
+    let isa = match arg(6, "best").as_str() {
+        "portable" => Isa::Portable,
+        "avx2" => Isa::Avx2,
+        _ => Isa::best(),
     };
     let reps: usize = arg(7, "20").parse().unwrap();
+    let pre_rope = arg(8, "") == "rope";
     let cals: Vec<CalibratedCodec> = (0..2 * hkv)
         .map(|i| calibration(d, bpe, 11 + i as u64))
         .collect();
@@ -120,6 +125,25 @@ fn main() {
         window: None,
         latent: false,
     };
+    // cos and sin of positions 0 .. T, frequency-major; positions of the sealed rows per batch row.
+    let (half, n_pos) = (d / 2, t + 1);
+    let ang = |i: usize, p: usize| p as f64 * 10000f64.powf(-2.0 * i as f64 / d as f64);
+    let cos: Vec<f32> = (0..half * n_pos)
+        .map(|k| ang(k / n_pos, k % n_pos).cos() as f32)
+        .collect();
+    let sin: Vec<f32> = (0..half * n_pos)
+        .map(|k| ang(k / n_pos, k % n_pos).sin() as f32)
+        .collect();
+    let positions: Vec<u32> = (0..t as u32).collect();
+    let rope = KeyRope {
+        cos: &cos,
+        sin: &sin,
+        rot: d,
+        style: RopeStyle::Half,
+        positions: &positions,
+        synthesis: Synthesis::Bf16,
+    };
+    let rope = pre_rope.then_some(&rope);
     let run = || {
         attend_with(
             isa,
@@ -135,7 +159,7 @@ fn main() {
             },
             None,
             &p,
-            None,
+            rope,
         )
         .unwrap()
     };
@@ -167,7 +191,7 @@ fn main() {
     times.sort_by(f64::total_cmp);
     cpus.sort_by(f64::total_cmp);
     println!(
-        "T={t} Hq={hq} Hkv={hkv} D={d} bits={bpe} m={} isa={isa:?} threads={}: median {:.3} ms \
+        "T={t} Hq={hq} Hkv={hkv} D={d} bits={bpe} m={} isa={isa:?} pre-RoPE={pre_rope} threads={}: median {:.3} ms \
          (min {:.3}, cpu median {:.3}), {:.2} bits/elem held, {:.1} ns/row/kv-head",
         cals[0].m,
         rayon::current_num_threads(),

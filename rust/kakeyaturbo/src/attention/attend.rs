@@ -120,6 +120,8 @@ pub enum Isa {
     Portable,
     /// x86_64 with AVX-512 F, BW, VL and VBMI2.
     Avx512,
+    /// x86_64 with AVX2, FMA and F16C (the CPUs without that AVX-512).
+    Avx2,
 }
 
 impl Isa {
@@ -130,8 +132,24 @@ impl Isa {
             if super::avx512::available() {
                 return Isa::Avx512;
             }
+            if super::avx2::available() {
+                return Isa::Avx2;
+            }
         }
         Isa::Portable
+    }
+
+    /// Whether this CPU runs this instruction set's kernel.
+    pub fn runs_here(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => super::avx512::available(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::avx2::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
     }
 }
 
@@ -175,8 +193,8 @@ pub fn attend(
     )
 }
 
-/// [`attend`] on a given instruction set (which this CPU must run: [`Isa::best`] or
-/// [`Isa::Portable`]). Every instruction set computes the same bits.
+/// [`attend`] on a given instruction set (which this CPU must run: [`Isa::runs_here`]).
+/// Every instruction set computes the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_with(
     isa: Isa,
@@ -190,8 +208,8 @@ pub fn attend_with(
     p: &AttentionParams,
     rope: Option<&KeyRope<'_>>,
 ) -> Result<AttentionOutput> {
-    if isa == Isa::Avx512 && Isa::best() != Isa::Avx512 {
-        return param("this CPU does not run the AVX-512 kernel");
+    if !isa.runs_here() {
+        return param(format!("this CPU does not run the {isa:?} kernel"));
     }
     let cx = Ctx::new(codes, q, q_heads, n_q, sink, tail, mask, p, rope)?;
     // One thread (`threads::with_threads_inline`): the same pieces in the same order, on the
@@ -471,6 +489,9 @@ fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> P
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `attend_with` runs the AVX-512 kernel only where the CPU has its features.
         Isa::Avx512 => unsafe { run_task_avx512(cx, prep, t, s) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `attend_with` runs the AVX2 kernel only where the CPU has its features.
+        Isa::Avx2 => unsafe { run_task_avx2(cx, prep, t, s) },
         _ => run_task_portable(cx, prep, t, s),
     }
 }
@@ -479,6 +500,12 @@ fn run_task(isa: Isa, cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> P
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi2,avx2,fma,f16c,bmi2")]
 unsafe fn run_task_avx512(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
     run_task_generic(super::avx512::Avx512, cx, prep, t, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,bmi2")]
+unsafe fn run_task_avx2(cx: &Ctx<'_>, prep: &Prep, t: &Task, s: &mut Scratch) -> Part {
+    run_task_generic(super::avx2::Avx2, cx, prep, t, s)
 }
 
 #[multiversion::multiversion(targets("x86_64+avx2+fma+f16c"))]

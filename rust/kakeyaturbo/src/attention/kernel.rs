@@ -1,6 +1,7 @@
-//! The inner loops over one tile of 64 rows, in two implementations that compute the same
+//! The inner loops over one tile of 64 rows, in three implementations that compute the same
 //! bits: [`Portable`] (plain Rust, the definition) and, on x86_64 CPUs with AVX-512
-//! (F, BW, VL, VBMI2), [`super::avx512::Avx512`]. Both follow one fixed order of IEEE
+//! (F, BW, VL, VBMI2), [`super::avx512::Avx512`], or with AVX2, FMA and F16C only,
+//! [`super::avx2::Avx2`]. Both follow one fixed order of IEEE
 //! operations (`mod.rs`, "Arithmetic"), so results never depend on the instruction set.
 //!
 //! Layouts: per query row `r`, scores and weights are `[r * 64 + t]`; the lane-wise
@@ -238,17 +239,7 @@ impl Tile for Portable {
         s: &mut Scratch,
     ) {
         Self::decode(t, b, row0, rows, s);
-        let m = t.m;
-        for r in 0..qr {
-            let d = &mut dot[r * TILE..(r + 1) * TILE];
-            d.fill(0.0);
-            for j in 0..m {
-                let wj = w[r * m + j];
-                for (o, &v) in d.iter_mut().zip(&s.tile[j * TILE..(j + 1) * TILE]) {
-                    *o = wj.mul_add(v, *o);
-                }
-            }
-        }
+        dot_tile(t.m, &s.tile, w, qr, dot);
     }
 
     #[inline(always)]
@@ -264,16 +255,36 @@ impl Tile for Portable {
         s: &mut Scratch,
     ) {
         Self::decode(t, b, row0, rows, s);
-        let m = t.m;
-        for r in 0..qr {
-            let p = &pg[r * TILE..(r + 1) * TILE];
-            for j in 0..m {
-                let a = &mut acc[(r * m + j) * 16..(r * m + j + 1) * 16];
-                let v = &s.tile[j * TILE..(j + 1) * TILE];
-                for k in 0..4 {
-                    for l in 0..16 {
-                        a[l] = p[16 * k + l].mul_add(v[16 * k + l], a[l]);
-                    }
+        acc_tile(t.m, &s.tile, pg, qr, acc);
+    }
+}
+
+/// The definition of [`Tile::dot`] from the tile's centroids (`tile[j * 64 + t]`).
+#[inline(always)]
+pub(crate) fn dot_tile(m: usize, tile: &[f32], w: &[f32], qr: usize, dot: &mut [f32]) {
+    for r in 0..qr {
+        let d = &mut dot[r * TILE..(r + 1) * TILE];
+        d.fill(0.0);
+        for j in 0..m {
+            let wj = w[r * m + j];
+            for (o, &v) in d.iter_mut().zip(&tile[j * TILE..(j + 1) * TILE]) {
+                *o = wj.mul_add(v, *o);
+            }
+        }
+    }
+}
+
+/// The definition of [`Tile::accumulate`] from the tile's centroids (`tile[j * 64 + t]`).
+#[inline(always)]
+pub(crate) fn acc_tile(m: usize, tile: &[f32], pg: &[f32], qr: usize, acc: &mut [f32]) {
+    for r in 0..qr {
+        let p = &pg[r * TILE..(r + 1) * TILE];
+        for j in 0..m {
+            let a = &mut acc[(r * m + j) * 16..(r * m + j + 1) * 16];
+            let v = &tile[j * TILE..(j + 1) * TILE];
+            for k in 0..4 {
+                for l in 0..16 {
+                    a[l] = p[16 * k + l].mul_add(v[16 * k + l], a[l]);
                 }
             }
         }

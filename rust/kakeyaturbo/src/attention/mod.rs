@@ -18,7 +18,7 @@
 //! know which.
 //!
 //! Arrows run one way: [`tables`] (what one calibration gives attention) -> [`store`] (sealed
-//! blocks held as their container bytes, parsed once) -> [`kernel`] / `avx512` (the inner
+//! blocks held as their container bytes, parsed once) -> [`kernel`] / `avx512` / `avx2` (the inner
 //! loops over a tile of 64 rows) -> `part` (one piece of work: its online softmax) -> [`attend`]
 //! (one step of one layer: checks, pieces of work on rayon, their combination in `combine`).
 //!
@@ -60,6 +60,8 @@
 //!   order), 0 when `l = 0`; `lse = M + ln l`.
 
 pub mod attend;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 mod checks;

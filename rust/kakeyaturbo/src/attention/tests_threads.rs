@@ -120,9 +120,22 @@ fn thread_count_same(c: &Case) {
 #[test]
 fn the_fast_kernel_runs_where_the_cpu_has_it() {
     #[cfg(target_arch = "x86_64")]
-    assert_eq!(
-        Isa::best() == Isa::Avx512,
-        super::super::avx512::available()
-    );
+    {
+        let (a512, a2) = (
+            super::super::avx512::available(),
+            super::super::avx2::available(),
+        );
+        let want = if a512 {
+            Isa::Avx512
+        } else if a2 {
+            Isa::Avx2
+        } else {
+            Isa::Portable
+        };
+        assert_eq!(Isa::best(), want);
+        assert_eq!(Isa::Avx2.runs_here(), a2);
+        assert_eq!(Isa::Avx512.runs_here(), a512);
+    }
+    assert!(Isa::Portable.runs_here());
     eprintln!("attention kernel: {:?}", Isa::best());
 }

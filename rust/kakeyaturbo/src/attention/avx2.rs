@@ -1,0 +1,550 @@
+//! The tile operations for x86_64 CPUs with AVX2, FMA and F16C but without the AVX-512 of
+//! [`super::avx512`] (AMD Zen 2 and 3, Intel client cores; BMI2 for the look-up's shifts): the bits of
+//! [`super::kernel::Portable`], with the parts a profile of the portable build showed scalar
+//! or reloading written out.
+//!
+//! - The look-up: each component's index read from its row's bytes with one unaligned 64-bit
+//!   load, a shift and a mask (the portable definition first copies every row into words),
+//!   its centroid written straight where the tile operation reads it: a float32 tile, or for
+//!   keys coded before RoPE the bfloat16 table's word into its half of the packed pair (no
+//!   float32 tile, no rounding pass).
+//! - The bfloat16 synthesis: two channels by 32 rows per pass (8 accumulators of 8 lanes), each
+//!   packed word widened once for both channels, and for keys coded before RoPE the two channels
+//!   of one frequency, so that the scale, the mean and the rotation run in registers.
+//! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
+
+use super::kernel::{
+    acc_tile, dot_tile, rotate_tile, Portable, Rot, Scratch, Tile, BF16_FLOOR, TILE,
+};
+use super::store::SealedBlock;
+use super::tables::{Component, StreamTables};
+use std::arch::x86_64::*;
+
+/// Whether this CPU runs the AVX2 kernel.
+pub fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("bmi2")
+}
+
+/// The AVX2 tile operations. Only constructed where [`available`] holds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Avx2;
+
+/// The tile's rows: where they start in the block's bytes, and how many of them (`direct`)
+/// every 8-byte read at a component stays inside the blob for (a read may run past its row:
+/// the mask drops those bits). The rows after those are read from a zero-padded copy.
+struct Rows {
+    p: *const u8,
+    rb: usize,
+    rows: usize,
+    direct: usize,
+}
+
+impl Rows {
+    #[inline(always)]
+    fn new(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize) -> Self {
+        let (rb, blob) = (t.row_bytes, b.blob());
+        assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
+        let start = b.codes_at + row0 * rb;
+        let end = start + rows * rb;
+        assert!(end <= blob.len());
+        // Row `r` is direct when its last byte's 8-byte read ends inside the blob.
+        let direct = ((blob.len() - start).saturating_sub(7) / rb.max(1)).min(rows);
+        Rows {
+            p: blob[start..].as_ptr(),
+            rb,
+            rows,
+            direct,
+        }
+    }
+
+    /// Each component's index in rows `from .. rows`, `put(&tab, j, r, code)` (`tab =
+    /// table(j)`, taken once per component of the direct rows); the rows past `direct` copied
+    /// into `words` (`t.words + 1` of them) first.
+    #[inline(always)]
+    fn each<T>(
+        &self,
+        t: &StreamTables,
+        from: usize,
+        words: &mut [u32],
+        table: impl Fn(usize) -> T,
+        mut put: impl FnMut(&T, usize, usize, usize),
+    ) {
+        for (j, c) in t.comps.iter().enumerate() {
+            let tab = table(j);
+            for r in from..self.direct {
+                // SAFETY: row `r < direct` of the tile: its reads end inside the blob.
+                put(&tab, j, r, unsafe { index_at(self.p.add(r * self.rb), c) });
+            }
+        }
+        let words = &mut words[..t.words + 1];
+        for r in self.direct.max(from)..self.rows {
+            words.fill(0);
+            // SAFETY: row `r < rows`, inside the blob (checked in `new`); `words` holds at
+            // least `row_bytes + 4` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.p.add(r * self.rb),
+                    words.as_mut_ptr() as *mut u8,
+                    self.rb,
+                );
+            }
+            for (j, c) in t.comps.iter().enumerate() {
+                // SAFETY: `4 * c.word + 8 <= 4 * (t.words + 1)`.
+                put(&table(j), j, r, unsafe {
+                    index_at(words.as_ptr() as *const u8, c)
+                });
+            }
+        }
+    }
+}
+
+/// Component `c`'s index in the row at `p`.
+///
+/// # Safety
+/// `p + 4 * c.word + 8` is inside the row's buffer ([`Rows`]).
+#[inline(always)]
+unsafe fn index_at(p: *const u8, c: &Component) -> usize {
+    let w = (p.add(4 * c.word as usize) as *const u64).read_unaligned();
+    ((w >> c.shift) as u32 & c.mask) as usize
+}
+
+impl Avx2 {
+    /// [`Portable`]'s float32 tile of centroids (`s.tile[j * 64 + t]`), component by component.
+    #[inline(always)]
+    fn decode(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize, s: &mut Scratch) {
+        let tile = &mut s.tile[..t.m * TILE];
+        for (c, out) in t.comps.iter().zip(tile.chunks_exact_mut(TILE)) {
+            out[rows..].fill(t.lut[c.table as usize]);
+        }
+        let table = |j: usize| &t.lut[t.comps[j].table as usize..];
+        let rw = Rows::new(t, b, row0, rows);
+        let full = rw.direct / 8 * 8;
+        // SAFETY: as in `scales`; rows below `full` are direct, the tile holds `m` x 64.
+        unsafe { decode_rows(t, &rw, full, tile) };
+        rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
+            tile[j * TILE + r] = lut[code];
+        });
+    }
+}
+
+impl Tile for Avx2 {
+    #[inline(always)]
+    fn scales(self, b: &SealedBlock, row0: usize, rows: usize, g: &mut [f32; TILE]) {
+        let Some(at) = b.scales_at else {
+            return Portable.scales(b, row0, rows, g);
+        };
+        let mut h = [0u16; TILE];
+        let blob = &b.blob()[at + 2 * row0..at + 2 * (row0 + rows)];
+        for (x, c) in h.iter_mut().zip(blob.chunks_exact(2)) {
+            *x = u16::from_le_bytes([c[0], c[1]]);
+        }
+        // SAFETY: only reached through `attend::run_task_avx2`, which `available` guards.
+        unsafe { scales(&h, crate::f16::pow2(b.scale_exp as i32), g) }
+    }
+
+    #[inline(always)]
+    fn dot(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        w: &[f32],
+        qr: usize,
+        dot: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        dot_tile(t.m, &s.tile, w, qr, dot);
+    }
+
+    #[inline(always)]
+    fn centroids(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+    }
+
+    #[inline(always)]
+    fn centroids_bf16(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        let m = t.m;
+        let packed = &mut s.packed[..m.div_ceil(2) * TILE];
+        let put = |packed: &mut [u32], j: usize, r: usize, v: u16| {
+            // Pair `j / 2`'s low member first, which clears the high one (+0 without one).
+            let o = &mut packed[(j / 2) * TILE + r];
+            *o = if j % 2 == 1 {
+                (*o & 0xffff) | (v as u32) << 16
+            } else {
+                v as u32
+            };
+        };
+        for j in 0..m {
+            let c0 = t.table_bf16(j)[0];
+            for r in rows..TILE {
+                put(packed, j, r, c0);
+            }
+        }
+        let table = |j: usize| t.table_bf16(j);
+        let rw = Rows::new(t, b, row0, rows);
+        let full = rw.direct / 8 * 8;
+        // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
+        unsafe { decode_rows_bf16(t, &rw, full, packed) };
+        rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
+            put(packed, j, r, tab[code]);
+        });
+    }
+
+    #[inline(always)]
+    fn synthesize_bf16(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        keys: &mut [f32],
+    ) {
+        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
+        assert!(mean.len() >= d);
+        // SAFETY: as in `scales`; every channel is below `d` and every read inside the
+        // sizes checked.
+        unsafe { synthesize_from(d, 0, pairs, packed, mb, g, mean, keys) }
+    }
+
+    #[inline(always)]
+    fn synthesize_bf16_rotated(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        mb: &[u32],
+        g: &[f32; TILE],
+        mean: &[f32],
+        rot: &Rot<'_>,
+        keys: &mut [f32],
+    ) {
+        let h = rot.half;
+        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
+        assert!(mean.len() >= d && 2 * h <= d);
+        if h == 0 {
+            self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
+            return rotate_tile(rot, keys);
+        }
+        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
+        // SAFETY: as in `scales`; the sizes were checked: every channel is below `d`, every
+        // frequency's run inside the tables.
+        unsafe {
+            for i in 0..h {
+                for half in 0..2 {
+                    synthesize_rot(d, i, 32 * half, pairs, packed, mb, g, mean, rot, keys);
+                }
+            }
+            synthesize_from(d, 2 * h, pairs, packed, mb, g, mean, keys);
+        }
+    }
+
+    #[inline(always)]
+    fn lane_sums(self, acc: &[f32], sums: &mut [f32]) {
+        assert!(acc.len() >= 16 * sums.len());
+        // SAFETY: as in `scales`; every chunk read is inside `acc` (checked).
+        unsafe { lane_sums(acc, sums) }
+    }
+
+    #[inline(always)]
+    fn accumulate(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        pg: &[f32],
+        qr: usize,
+        acc: &mut [f32],
+        s: &mut Scratch,
+    ) {
+        Self::decode(t, b, row0, rows, s);
+        acc_tile(t.m, &s.tile, pg, qr, acc);
+    }
+}
+
+/// A component's float32 centroids for 8-lane look-ups: in one, two or four registers up to
+/// 5 bits (the tables are padded to 16 and 32 entries), gathered beyond.
+enum Table {
+    R1(__m256),
+    R2(__m256, __m256),
+    R4([__m256; 4]),
+    Gather(*const f32),
+}
+
+#[inline(always)]
+unsafe fn table(t: &StreamTables, c: &Component) -> Table {
+    let p = t.lut.as_ptr().add(c.table as usize);
+    let at = |k: usize| _mm256_loadu_ps(p.add(8 * k));
+    match c.mask + 1 {
+        0..=8 => Table::R1(at(0)),
+        16 => Table::R2(at(0), at(1)),
+        32 => Table::R4([at(0), at(1), at(2), at(3)]),
+        _ => Table::Gather(p),
+    }
+}
+
+/// The centroids of 8 rows' indices (`idx`, each below the table's size).
+#[inline(always)]
+unsafe fn look_up(tab: &Table, idx: __m256i) -> __m256 {
+    // Index bit 3 (and 4) moved to the sign bit, which selects the blend's second source.
+    let bit = |k: i32| _mm256_castsi256_ps(_mm256_sll_epi32(idx, _mm_cvtsi32_si128(31 - k)));
+    let perm = |v: __m256| _mm256_permutevar8x32_ps(v, idx);
+    match tab {
+        Table::R1(a) => perm(*a),
+        Table::R2(a, b) => _mm256_blendv_ps(perm(*a), perm(*b), bit(3)),
+        Table::R4(v) => {
+            let lo = _mm256_blendv_ps(perm(v[0]), perm(v[1]), bit(3));
+            let hi = _mm256_blendv_ps(perm(v[2]), perm(v[3]), bit(3));
+            _mm256_blendv_ps(lo, hi, bit(4))
+        }
+        Table::Gather(p) => _mm256_i32gather_ps::<4>(*p, idx),
+    }
+}
+
+/// Byte offsets of 8 consecutive rows.
+#[inline(always)]
+unsafe fn row_offsets(rb: usize) -> __m256i {
+    let rb = rb as i32;
+    _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
+}
+
+/// `f(j, r0, idx)`: component `j`'s indices in rows `r0 .. r0 + 8`, for every `r0 < full` (a
+/// multiple of 8, all direct) in steps of 8 and every component in order. Per 8 rows, one
+/// 32-bit gather from the byte holding a component's first bit serves it and the components
+/// after it whose bits end inside those 32 (an index of up to 8 bits starting in that byte
+/// always does); each index is then a shift and the mask.
+#[inline(always)]
+unsafe fn each_index(
+    t: &StreamTables,
+    rw: &Rows,
+    full: usize,
+    mut f: impl FnMut(usize, usize, __m256i),
+) {
+    assert!(full <= rw.direct && full.is_multiple_of(8));
+    let offs = row_offsets(rw.rb);
+    for r0 in (0..full).step_by(8) {
+        let p = rw.p.add(r0 * rw.rb);
+        let (mut at, mut w) = (usize::MAX, _mm256_setzero_si256());
+        for (j, c) in t.comps.iter().enumerate() {
+            let bit = 32 * c.word as usize + c.shift as usize;
+            let width = (c.mask + 1).trailing_zeros() as usize;
+            if at == usize::MAX || bit + width > 8 * at + 32 {
+                // SAFETY (the caller's): reads end at byte `4 word + 7` of a direct row.
+                at = bit / 8;
+                w = _mm256_i32gather_epi32::<1>(p.add(at) as *const i32, offs);
+            }
+            let sh = _mm_cvtsi32_si128((bit - 8 * at) as i32);
+            f(
+                j,
+                r0,
+                _mm256_and_si256(_mm256_srl_epi32(w, sh), _mm256_set1_epi32(c.mask as i32)),
+            );
+        }
+    }
+}
+
+/// Rows `0 .. full` (a multiple of 8, all direct) of the float32 tile, 8 at a time.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
+    assert!(tile.len() >= t.m * TILE);
+    let tp = tile.as_mut_ptr();
+    each_index(t, rw, full, |j, r0, idx| {
+        let v = look_up(&table(t, &t.comps[j]), idx);
+        _mm256_storeu_ps(tp.add(j * TILE + r0), v);
+    });
+}
+
+/// [`super::kernel::bf16_round`] of 8 lanes.
+#[inline(always)]
+unsafe fn round_bf16(x: __m256) -> __m256i {
+    let b = _mm256_castps_si256(x);
+    let tiny = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(BF16_FLOOR as i32),
+        _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)),
+    );
+    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+    let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    _mm256_andnot_si256(tiny, _mm256_srli_epi32::<16>(r))
+}
+
+/// Rows `0 .. full` (a multiple of 8, all direct) of the packed bfloat16 pairs, 8 at a time:
+/// a pair's low member stored alone (the high half +0), then the high one merged in.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_rows_bf16(t: &StreamTables, rw: &Rows, full: usize, packed: &mut [u32]) {
+    assert!(packed.len() >= t.m.div_ceil(2) * TILE);
+    let pp = packed.as_mut_ptr();
+    let mut low = _mm256_setzero_si256();
+    each_index(t, rw, full, |j, r0, idx| {
+        let v = round_bf16(look_up(&table(t, &t.comps[j]), idx));
+        let out = pp.add((j / 2) * TILE + r0) as *mut __m256i;
+        if j % 2 == 0 {
+            low = v;
+            _mm256_storeu_si256(out, v);
+        } else {
+            _mm256_storeu_si256(out, _mm256_or_si256(low, _mm256_slli_epi32::<16>(v)));
+        }
+    });
+}
+
+/// The `fma` chains of the bfloat16 synthesis for channels `dims`, rows `r0 .. r0 + 32` in
+/// lanes: per pair the high member's `fma`, then the low one's (the definition's order).
+#[inline(always)]
+unsafe fn sums<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+) -> [[__m256; 4]; N] {
+    let mut acc = [[_mm256_setzero_ps(); 4]; N];
+    let (tp, mp) = (packed.as_ptr().add(r0), mb.as_ptr());
+    let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
+    // A packed pair as float32: the high member in place, the low one moved up.
+    let hi = |v: __m256i| _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    let lo = |v: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+    for p in 0..pairs {
+        let w: [u32; N] = std::array::from_fn(|k| *mp.add(p * d + dims[k]));
+        let wh: [__m256; N] =
+            std::array::from_fn(|k| _mm256_set1_ps(f32::from_bits(w[k] & 0xffff_0000)));
+        let wl: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(f32::from_bits(w[k] << 16)));
+        for g in 0..4 {
+            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
+            let (ch, cl) = (hi(c), lo(c));
+            for (a, (&h, &l)) in acc.iter_mut().zip(wh.iter().zip(&wl)) {
+                a[g] = _mm256_fmadd_ps(h, ch, a[g]);
+                a[g] = _mm256_fmadd_ps(l, cl, a[g]);
+            }
+        }
+    }
+    acc
+}
+
+/// Channels `d0 .. d` of [`Tile::synthesize_bf16`]: two at a time, then one, each in two
+/// passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x, mean_dd)`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn synthesize_from(
+    d: usize,
+    d0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    g: &[f32; TILE],
+    mean: &[f32],
+    keys: &mut [f32],
+) {
+    let (gp, kp) = (g.as_ptr(), keys.as_mut_ptr());
+    let store = |dd: usize, r0: usize, acc: &[__m256; 4]| {
+        let mu = _mm256_set1_ps(mean[dd]);
+        for (k, &x) in acc.iter().enumerate() {
+            let gv = _mm256_loadu_ps(gp.add(r0 + 8 * k));
+            _mm256_storeu_ps(kp.add(dd * TILE + r0 + 8 * k), _mm256_fmadd_ps(gv, x, mu));
+        }
+    };
+    let mut dd = d0;
+    while dd + 2 <= d {
+        for r0 in [0, 32] {
+            let acc = sums::<2>(d, [dd, dd + 1], r0, pairs, packed, mb);
+            store(dd, r0, &acc[0]);
+            store(dd + 1, r0, &acc[1]);
+        }
+        dd += 2;
+    }
+    if dd < d {
+        for r0 in [0, 32] {
+            store(dd, r0, &sums::<1>(d, [dd], r0, pairs, packed, mb)[0]);
+        }
+    }
+}
+
+/// Frequency `i` of [`Tile::synthesize_bf16_rotated`], rows `r0 .. r0 + 32`: both channels
+/// synthesised, scaled, shifted and rotated in registers (the operations of [`rotate_tile`],
+/// in its order), then stored.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn synthesize_rot(
+    d: usize,
+    i: usize,
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    g: &[f32; TILE],
+    mean: &[f32],
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    let (a, b) = rot.pair(i);
+    let [xa, xb] = sums::<2>(d, [a, b], r0, pairs, packed, mb);
+    let (mua, mub) = (_mm256_set1_ps(mean[a]), _mm256_set1_ps(mean[b]));
+    let (cp, sp) = (
+        rot.cos.as_ptr().add(rot.at(i) + r0),
+        rot.sin.as_ptr().add(rot.at(i) + r0),
+    );
+    let (gp, kp) = (g.as_ptr().add(r0), keys.as_mut_ptr());
+    for k in 0..4 {
+        let gv = _mm256_loadu_ps(gp.add(8 * k));
+        let u = _mm256_fmadd_ps(gv, xa[k], mua);
+        let v = _mm256_fmadd_ps(gv, xb[k], mub);
+        let (c, sn) = (
+            _mm256_loadu_ps(cp.add(8 * k)),
+            _mm256_loadu_ps(sp.add(8 * k)),
+        );
+        let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
+        let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
+        _mm256_storeu_ps(kp.add(a * TILE + r0 + 8 * k), ya);
+        _mm256_storeu_ps(kp.add(b * TILE + r0 + 8 * k), yb);
+    }
+}
+
+/// `g = h * e` (`h` float16 bits: 0 past the tile's rows).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn scales(h: &[u16; TILE], e: f32, g: &mut [f32; TILE]) {
+    let e = _mm256_set1_ps(e);
+    for k in 0..TILE / 8 {
+        let v = _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().add(8 * k) as *const __m128i));
+        _mm256_storeu_ps(g.as_mut_ptr().add(8 * k), _mm256_mul_ps(v, e));
+    }
+}
+
+/// [`super::math::hsum16`] of each chunk of 16: lanes `l + 8`, `+ 4`, `+ 2`, `+ 1` added by
+/// halving registers (the same additions, in the same tree).
+#[target_feature(enable = "avx2")]
+unsafe fn lane_sums(acc: &[f32], sums: &mut [f32]) {
+    let ap = acc.as_ptr();
+    for (i, dst) in sums.iter_mut().enumerate() {
+        let a = _mm256_add_ps(
+            _mm256_loadu_ps(ap.add(16 * i)),
+            _mm256_loadu_ps(ap.add(16 * i + 8)),
+        );
+        let b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        *dst = _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+    }
+}
+
+#[cfg(test)]
+#[path = "avx2_tests.rs"]
+mod tests;
