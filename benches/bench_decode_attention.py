@@ -377,12 +377,14 @@ def environment() -> Dict[str, Any]:
         pass
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "kakeyaturbo": kt.__version__, "python": platform.python_version()}
+            "kakeyaturbo": kt.__version__, "python": platform.python_version(),
+            "attention_kernel": kt.attention_kernel()}
 
 
 def machine(env: Dict[str, Any]) -> str:
     """The date, CPU, cores and torch of :func:`environment`, as a table's first line begins."""
-    return f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']}"
+    return (f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
+            f"kernel {env['attention_kernel']}")
 
 
 def main() -> int:

@@ -119,6 +119,7 @@ class LayerCodes:
         latent: bool = False,
     ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
+def attention_kernel() -> str: ...
 def roundtrip_layer(
     array: npt.NDArray[np.float32],
     params: Dict[str, Any],

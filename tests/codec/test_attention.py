@@ -406,3 +406,27 @@ def test_key_synthesis_is_what_decodes_and_its_bf16_rounding() -> None:
     assert np.array_equal(m16.view(np.uint32), want.view(np.uint32))
     with pytest.raises(kt.InvalidParameterError, match="synthesis"):
         codec.key_synthesis("f16")
+
+
+def test_the_kernel_named_is_the_one_the_cpu_runs() -> None:
+    """`attention_kernel` names the fastest instruction set the CPU's flags allow (Linux)."""
+    name = kt.attention_kernel()
+    assert name in ("avx512", "avx2", "portable")
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not flags:
+        pytest.skip("no CPU flags listed (not x86)")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "fma", "f16c"} <= flags:
+        assert name == "avx512"
+    elif {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        assert name == "avx2"
+    else:
+        assert name == "portable"

@@ -3,7 +3,7 @@ fitted once per model) with `attention` over its codes, and the stages' `primiti
 oracle kernels are checked against).
 Each function checks its arguments once (`_checks`) and makes one call into the Rust core."""
 
-from .attention import LayerCodes, RopeTable, decode_attention
+from .attention import LayerCodes, RopeTable, attention_kernel, decode_attention
 from .calibrated import CalibratedCodec
 from .perblock import (
     DEFAULTS,
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULTS",
     "LayerCodes",
     "RopeTable",
+    "attention_kernel",
     "centroids_gaussian",
     "check_params",
     "decode_attention",

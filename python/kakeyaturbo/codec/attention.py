@@ -288,6 +288,13 @@ def with_sink_logits(out: Any, lse: Any, sink_logits: Any) -> Tuple[Any, Any]:
     return out * xp.exp(lse - new)[..., None], new
 
 
+def attention_kernel() -> str:
+    """The instruction set :func:`decode_attention` runs on this CPU: ``"avx512"`` (AVX-512 F,
+    BW, VL, VBMI; its BF16 dot product where the CPU has it), ``"avx2"`` (AVX2, FMA, F16C and
+    BMI2) or ``"portable"``. Every one computes the same bits; they differ in speed only."""
+    return str(_core.attention_kernel())
+
+
 def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
                      sink_k: Any = None, sink_v: Any = None, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window: Optional[int] = None,

@@ -363,3 +363,14 @@ impl PyLayerCodes {
         )
     }
 }
+
+/// The instruction set `decode_attention` runs on this CPU: "avx512", "avx2" or "portable"
+/// (every one computes the same bits).
+#[pyfunction]
+pub fn attention_kernel() -> &'static str {
+    match kakeyaturbo::attention::Isa::best() {
+        kakeyaturbo::attention::Isa::Avx512 => "avx512",
+        kakeyaturbo::attention::Isa::Avx2 => "avx2",
+        kakeyaturbo::attention::Isa::Portable => "portable",
+    }
+}

@@ -26,6 +26,18 @@ pub const SPLIT_TILES: usize = 8;
 /// 8k).
 pub const INLINE_WORK: usize = 1 << 19;
 
+/// [`INLINE_WORK`] for the kernel this CPU runs: as measured for the AVX-512 one; a quarter of
+/// it for the others, whose step costs 3 to 4x as much per element (AVX2 on a 2-core Zen 3 VM,
+/// 2026-12-06: at 2,053 tokens, 393,216 elements per call, two threads gave 0.77x and 0.84x of
+/// `DynamicCache`'s decode tokens/s where one gave 0.67x and 0.63x, `benches/bench_generate.py
+/// --kernel-threads 1,2`, docs/decode-attention.md).
+pub fn inline_work() -> usize {
+    match Isa::best() {
+        Isa::Avx512 => INLINE_WORK,
+        _ => INLINE_WORK / 4,
+    }
+}
+
 /// The most sealed work (as for [`INLINE_WORK`], query rows left out) that a call on a pool of
 /// two threads, from outside it, splits between the calling thread and one scoped thread
 /// instead of handing it to the pool (measured on a 2-core VM, 2026-12-04, README "Generation through the codes": in
@@ -55,7 +67,7 @@ pub const QUERY_ROWS_PER_UNIT: usize = 16;
 
 /// The thread count a call run through `threads::with_threads_inline` should use: `threads`
 /// as asked, except that `None` becomes `Some(1)` (the calling thread) for at most
-/// [`INLINE_WORK`] of sealed work, `q_heads` query heads of `n_q` tokens each. The result never
+/// [`inline_work`] of sealed work, `q_heads` query heads of `n_q` tokens each. The result never
 /// depends on it.
 pub fn auto_threads(
     codes: &LayerCodes,
@@ -72,7 +84,7 @@ pub fn auto_threads(
         query_rows,
     );
     match threads {
-        None if work <= INLINE_WORK => Some(1),
+        None if work <= inline_work() => Some(1),
         t => t,
     }
 }

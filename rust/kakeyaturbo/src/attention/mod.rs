@@ -74,8 +74,8 @@ pub mod store;
 pub mod tables;
 
 pub use attend::{
-    attend, attend_with, auto_threads, AttentionOutput, AttentionParams, Isa, INLINE_WORK,
-    QUERY_ROWS_PER_UNIT,
+    attend, attend_with, auto_threads, inline_work, AttentionOutput, AttentionParams, Isa,
+    INLINE_WORK, QUERY_ROWS_PER_UNIT,
 };
 pub use part::RawRows;
 pub use rope::{KeyRope, RopeStyle, Synthesis};

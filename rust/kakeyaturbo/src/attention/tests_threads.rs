@@ -18,7 +18,7 @@ fn small_calls_run_on_the_calling_thread() {
         ..Spec::default()
     });
     let work = c.codes.batch() * c.codes.kv_heads() * c.codes.k_dim() * 256;
-    assert!(work <= super::super::INLINE_WORK);
+    assert!(work <= super::super::inline_work());
     assert_eq!(super::super::auto_threads(&c.codes, 6, 1, None), Some(1));
     assert_eq!(super::super::auto_threads(&c.codes, 6, 1, Some(2)), Some(2));
     // Query rows count in units of `QUERY_ROWS_PER_UNIT` per kv-head (heads x tokens): up to
@@ -28,7 +28,7 @@ fn small_calls_run_on_the_calling_thread() {
         super::super::auto_threads(&c.codes, 2 * unit, 1, None),
         Some(1)
     );
-    let units = super::super::INLINE_WORK / work + 1;
+    let units = super::super::inline_work() / work + 1;
     assert_eq!(
         super::super::auto_threads(&c.codes, 2 * unit * units, 1, None),
         None
