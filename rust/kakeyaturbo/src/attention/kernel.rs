@@ -99,11 +99,13 @@ pub(crate) trait Tile: Copy + Send + Sync {
         s: &mut Scratch,
     );
     /// `keys[d * 64 + t]` = the `fma` chain over `j` from 0 of `msyn[j * D + d] * tile[j * 64 + t]`.
+    #[inline(always)]
     fn synthesize(self, d: usize, m: usize, tile: &[f32], msyn: &[f32], keys: &mut [f32]) {
         synthesize_tile(d, m, tile, msyn, keys)
     }
     /// [`Tile::centroids`], then [`pack_tile`] into `s.packed` (sized by the caller): the
     /// same bits, without the float32 tile where an implementation can round as it looks up.
+    #[inline(always)]
     fn centroids_bf16(
         self,
         t: &StreamTables,
@@ -118,6 +120,7 @@ pub(crate) trait Tile: Copy + Send + Sync {
     /// `keys[d * 64 + t] = fma(g_t, x_dt, mean_d)`, `x_dt` = over the pairs `p` in order,
     /// `fma(M_(2p+1)d, c_(2p+1)t, acc)` then `fma(M_(2p)d, c_(2p)t, acc)`, from 0 (`mb` =
     /// [`StreamTables::key_synthesis_bf16`]).
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn synthesize_bf16(
         self,
@@ -133,6 +136,7 @@ pub(crate) trait Tile: Copy + Send + Sync {
     }
     /// [`Tile::synthesize_bf16`], then [`rotate_tile`] with `rot`: the same bits, in one pass
     /// where an implementation can hold a pair's two channels at once.
+    #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     fn synthesize_bf16_rotated(
         self,
@@ -150,6 +154,7 @@ pub(crate) trait Tile: Copy + Send + Sync {
     }
     /// `sums[i]` = [`super::math::hsum16`] of `acc[16 i .. 16 i + 16]` (the same tree of
     /// additions).
+    #[inline(always)]
     fn lane_sums(self, acc: &[f32], sums: &mut [f32]) {
         for (dst, lanes) in sums.iter_mut().zip(acc.chunks_exact(16)) {
             *dst = super::math::hsum16(lanes.try_into().expect("16 lanes"));
