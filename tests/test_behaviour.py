@@ -57,11 +57,14 @@ def test_eval_figures_unchanged(tool) -> None:
     now = tool.eval_figures()
     assert sorted(now) == sorted(RECORDED["eval"])
     for name, want in RECORDED["eval"].items():
+        # The codec's own methods fit bases whose last bits depend on the CPU (tool.RTOL);
+        # every figure rests on a torch forward pass, which does too (tool.RTOL_FORWARD).
+        rel = tool.RTOL if name.startswith("kakeyaturbo:") else tool.RTOL_FORWARD
         for k, v in want.items():
-            if isinstance(v, str):
-                assert now[name][k] == v, (name, k)
+            got = now[name][k]
+            if isinstance(v, str) or k in ("top1", "bits_per_element"):
+                assert got == v, (name, k)
+            elif k == "dppl":
+                assert 1 + got == pytest.approx(1 + v, rel=rel, abs=0), (name, k)
             else:
-                # A calibrated method's codec is fitted with numpy's LAPACK (CPU-dependent in
-                # its last bits, see tool.RTOL); every other figure is exact to 1e-9.
-                rel = tool.RTOL if "calibrated" in name else 1e-9
-                assert now[name][k] == pytest.approx(v, rel=rel, abs=1e-12), (name, k)
+                assert got == pytest.approx(v, rel=rel, abs=1e-12), (name, k)

@@ -71,6 +71,13 @@ def synthetic_stats(layers: int, heads: int, d: int, seed: int = 3) -> Any:
 RTOL = 1e-3
 RTOL_HEAD = 2e-2
 RTOL_MEAN = 3e-3
+# The eval figures come from a torch forward pass, whose matrix products round differently on
+# CPUs with and without AVX-512 (seen: a Zen 3 EPYC against the AVX-512 EPYCs that recorded
+# them, every baseline's perplexity within 2e-8 relative, its KL within 7e-7, its dppl ratio
+# within 1e-8); the per-block recipe's fit (faer, dispatched by CPU) moved its figures by up to
+# 6e-6 relative there, and is held to RTOL as the calibrated ones are. dppl is compared as the
+# ratio `1 + dppl` (its own relative error is that of a difference of nearly equal numbers).
+RTOL_FORWARD = 1e-5
 
 
 def codec_bytes() -> Dict[str, Any]:
