@@ -13,12 +13,15 @@
 //!   of one frequency, so that the scale, the mean and the rotation run in registers.
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
-use super::kernel::{
-    acc_tile, dot_tile, rotate_tile, Portable, Rot, Scratch, Tile, BF16_FLOOR, TILE,
-};
+use super::kernel::{acc_tile, dot_tile, rotate_tile, Portable, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
-use super::tables::{Component, StreamTables};
+use super::tables::StreamTables;
 use std::arch::x86_64::*;
+
+#[path = "avx2_lookup.rs"]
+mod lookup;
+
+use lookup::{decode_rows, decode_rows_bf16, Rows};
 
 /// Whether this CPU runs the AVX2 kernel.
 pub fn available() -> bool {
@@ -31,85 +34,6 @@ pub fn available() -> bool {
 /// The AVX2 tile operations. Only constructed where [`available`] holds.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Avx2;
-
-/// The tile's rows: where they start in the block's bytes, and how many of them (`direct`)
-/// every 8-byte read at a component stays inside the blob for (a read may run past its row:
-/// the mask drops those bits). The rows after those are read from a zero-padded copy.
-struct Rows {
-    p: *const u8,
-    rb: usize,
-    rows: usize,
-    direct: usize,
-}
-
-impl Rows {
-    #[inline(always)]
-    fn new(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize) -> Self {
-        let (rb, blob) = (t.row_bytes, b.blob());
-        assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
-        let start = b.codes_at + row0 * rb;
-        let end = start + rows * rb;
-        assert!(end <= blob.len());
-        // Row `r` is direct when its last byte's 8-byte read ends inside the blob.
-        let direct = ((blob.len() - start).saturating_sub(7) / rb.max(1)).min(rows);
-        Rows {
-            p: blob[start..].as_ptr(),
-            rb,
-            rows,
-            direct,
-        }
-    }
-
-    /// Each component's index in rows `from .. rows`, `put(&tab, j, r, code)` (`tab =
-    /// table(j)`, taken once per component of the direct rows); the rows past `direct` copied
-    /// into `words` (`t.words + 1` of them) first.
-    #[inline(always)]
-    fn each<T>(
-        &self,
-        t: &StreamTables,
-        from: usize,
-        words: &mut [u32],
-        table: impl Fn(usize) -> T,
-        mut put: impl FnMut(&T, usize, usize, usize),
-    ) {
-        for (j, c) in t.comps.iter().enumerate() {
-            let tab = table(j);
-            for r in from..self.direct {
-                // SAFETY: row `r < direct` of the tile: its reads end inside the blob.
-                put(&tab, j, r, unsafe { index_at(self.p.add(r * self.rb), c) });
-            }
-        }
-        let words = &mut words[..t.words + 1];
-        for r in self.direct.max(from)..self.rows {
-            words.fill(0);
-            // SAFETY: row `r < rows`, inside the blob (checked in `new`); `words` holds at
-            // least `row_bytes + 4` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.p.add(r * self.rb),
-                    words.as_mut_ptr() as *mut u8,
-                    self.rb,
-                );
-            }
-            for (j, c) in t.comps.iter().enumerate() {
-                // SAFETY: `4 * c.word + 8 <= 4 * (t.words + 1)`.
-                put(&table(j), j, r, unsafe {
-                    index_at(words.as_ptr() as *const u8, c)
-                });
-            }
-        }
-    }
-}
-
-/// Component `c`'s index in the row at `p`.
-///
-/// # Safety
-/// `p + 4 * c.word + 8` is inside the row's buffer ([`Rows`]).
-#[inline(always)]
-unsafe fn index_at(p: *const u8, c: &Component) -> usize {
-    let w = (p.add(4 * c.word as usize) as *const u64).read_unaligned();
-    ((w >> c.shift) as u32 & c.mask) as usize
-}
 
 impl Avx2 {
     /// [`Portable`]'s float32 tile of centroids (`s.tile[j * 64 + t]`), component by component.
@@ -281,130 +205,6 @@ impl Tile for Avx2 {
         Self::decode(t, b, row0, rows, s);
         acc_tile(t.m, &s.tile, pg, qr, acc);
     }
-}
-
-/// A component's float32 centroids for 8-lane look-ups: in one, two or four registers up to
-/// 5 bits (the tables are padded to 16 and 32 entries), gathered beyond.
-enum Table {
-    R1(__m256),
-    R2(__m256, __m256),
-    R4([__m256; 4]),
-    Gather(*const f32),
-}
-
-#[inline(always)]
-unsafe fn table(t: &StreamTables, c: &Component) -> Table {
-    let p = t.lut.as_ptr().add(c.table as usize);
-    let at = |k: usize| _mm256_loadu_ps(p.add(8 * k));
-    match c.mask + 1 {
-        0..=8 => Table::R1(at(0)),
-        16 => Table::R2(at(0), at(1)),
-        32 => Table::R4([at(0), at(1), at(2), at(3)]),
-        _ => Table::Gather(p),
-    }
-}
-
-/// The centroids of 8 rows' indices (`idx`, each below the table's size).
-#[inline(always)]
-unsafe fn look_up(tab: &Table, idx: __m256i) -> __m256 {
-    // Index bit 3 (and 4) moved to the sign bit, which selects the blend's second source.
-    let bit = |k: i32| _mm256_castsi256_ps(_mm256_sll_epi32(idx, _mm_cvtsi32_si128(31 - k)));
-    let perm = |v: __m256| _mm256_permutevar8x32_ps(v, idx);
-    match tab {
-        Table::R1(a) => perm(*a),
-        Table::R2(a, b) => _mm256_blendv_ps(perm(*a), perm(*b), bit(3)),
-        Table::R4(v) => {
-            let lo = _mm256_blendv_ps(perm(v[0]), perm(v[1]), bit(3));
-            let hi = _mm256_blendv_ps(perm(v[2]), perm(v[3]), bit(3));
-            _mm256_blendv_ps(lo, hi, bit(4))
-        }
-        Table::Gather(p) => _mm256_i32gather_ps::<4>(*p, idx),
-    }
-}
-
-/// Byte offsets of 8 consecutive rows.
-#[inline(always)]
-unsafe fn row_offsets(rb: usize) -> __m256i {
-    let rb = rb as i32;
-    _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
-}
-
-/// `f(j, r0, idx)`: component `j`'s indices in rows `r0 .. r0 + 8`, for every `r0 < full` (a
-/// multiple of 8, all direct) in steps of 8 and every component in order. Per 8 rows, one
-/// 32-bit gather from the byte holding a component's first bit serves it and the components
-/// after it whose bits end inside those 32 (an index of up to 8 bits starting in that byte
-/// always does); each index is then a shift and the mask.
-#[inline(always)]
-unsafe fn each_index(
-    t: &StreamTables,
-    rw: &Rows,
-    full: usize,
-    mut f: impl FnMut(usize, usize, __m256i),
-) {
-    assert!(full <= rw.direct && full.is_multiple_of(8));
-    let offs = row_offsets(rw.rb);
-    for r0 in (0..full).step_by(8) {
-        let p = rw.p.add(r0 * rw.rb);
-        let (mut at, mut w) = (usize::MAX, _mm256_setzero_si256());
-        for (j, c) in t.comps.iter().enumerate() {
-            let bit = 32 * c.word as usize + c.shift as usize;
-            let width = (c.mask + 1).trailing_zeros() as usize;
-            if at == usize::MAX || bit + width > 8 * at + 32 {
-                // SAFETY (the caller's): reads end at byte `4 word + 7` of a direct row.
-                at = bit / 8;
-                w = _mm256_i32gather_epi32::<1>(p.add(at) as *const i32, offs);
-            }
-            let sh = _mm_cvtsi32_si128((bit - 8 * at) as i32);
-            f(
-                j,
-                r0,
-                _mm256_and_si256(_mm256_srl_epi32(w, sh), _mm256_set1_epi32(c.mask as i32)),
-            );
-        }
-    }
-}
-
-/// Rows `0 .. full` (a multiple of 8, all direct) of the float32 tile, 8 at a time.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
-    assert!(tile.len() >= t.m * TILE);
-    let tp = tile.as_mut_ptr();
-    each_index(t, rw, full, |j, r0, idx| {
-        let v = look_up(&table(t, &t.comps[j]), idx);
-        _mm256_storeu_ps(tp.add(j * TILE + r0), v);
-    });
-}
-
-/// [`super::kernel::bf16_round`] of 8 lanes.
-#[inline(always)]
-unsafe fn round_bf16(x: __m256) -> __m256i {
-    let b = _mm256_castps_si256(x);
-    let tiny = _mm256_cmpgt_epi32(
-        _mm256_set1_epi32(BF16_FLOOR as i32),
-        _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff)),
-    );
-    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-    let r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
-    _mm256_andnot_si256(tiny, _mm256_srli_epi32::<16>(r))
-}
-
-/// Rows `0 .. full` (a multiple of 8, all direct) of the packed bfloat16 pairs, 8 at a time:
-/// a pair's low member stored alone (the high half +0), then the high one merged in.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn decode_rows_bf16(t: &StreamTables, rw: &Rows, full: usize, packed: &mut [u32]) {
-    assert!(packed.len() >= t.m.div_ceil(2) * TILE);
-    let pp = packed.as_mut_ptr();
-    let mut low = _mm256_setzero_si256();
-    each_index(t, rw, full, |j, r0, idx| {
-        let v = round_bf16(look_up(&table(t, &t.comps[j]), idx));
-        let out = pp.add((j / 2) * TILE + r0) as *mut __m256i;
-        if j % 2 == 0 {
-            low = v;
-            _mm256_storeu_si256(out, v);
-        } else {
-            _mm256_storeu_si256(out, _mm256_or_si256(low, _mm256_slli_epi32::<16>(v)));
-        }
-    });
 }
 
 /// The `fma` chains of the bfloat16 synthesis for channels `dims`, rows `r0 .. r0 + 32` in
