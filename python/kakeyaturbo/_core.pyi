@@ -13,6 +13,7 @@ __all__ = [
     "CalibratedCodec",
     "FORMAT_VERSION",
     "LayerCodes",
+    "attention_kernel",
     "centroids_gaussian",
     "check_params",
     "decode_block_from_parts",
