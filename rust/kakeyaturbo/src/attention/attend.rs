@@ -132,23 +132,20 @@ pub enum Isa {
     Portable,
     /// x86_64 with AVX-512 F, BW, VL and VBMI2.
     Avx512,
-    /// x86_64 with AVX2, FMA and F16C (the CPUs without that AVX-512).
+    /// x86_64 with AVX2, FMA, F16C and BMI2 (the CPUs without that AVX-512).
     Avx2,
 }
 
 impl Isa {
-    /// The fastest one this CPU runs.
+    /// The fastest one this CPU runs (found once).
     pub fn best() -> Isa {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if super::avx512::available() {
-                return Isa::Avx512;
-            }
-            if super::avx2::available() {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Portable
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| {
+            [Isa::Avx512, Isa::Avx2]
+                .into_iter()
+                .find(|i| i.runs_here())
+                .unwrap_or(Isa::Portable)
+        })
     }
 
     /// Whether this CPU runs this instruction set's kernel.
