@@ -1,13 +1,12 @@
-//! The tile operations for x86_64 CPUs with AVX2, FMA and F16C but without the AVX-512 of
-//! [`super::avx512`] (AMD Zen 2 and 3, Intel client cores; BMI2 for the look-up's shifts): the bits of
-//! [`super::kernel::Portable`], with the parts a profile of the portable build showed scalar
-//! or reloading written out.
+//! The tile operations for x86_64 CPUs with AVX2, FMA, F16C and BMI2 but without the AVX-512
+//! of [`super::avx512`] (AMD Zen 2 and 3, Intel client cores): the bits of
+//! [`super::kernel::Portable`].
 //!
-//! - The look-up: each component's index read from its row's bytes with one unaligned 64-bit
-//!   load, a shift and a mask (the portable definition first copies every row into words),
-//!   its centroid written straight where the tile operation reads it: a float32 tile, or for
-//!   keys coded before RoPE the bfloat16 table's word into its half of the packed pair (no
-//!   float32 tile, no rounding pass).
+//! - The look-up (`avx2_lookup.rs`): 8 rows at a time, each component's indices by a 32-bit
+//!   gather shared with the components whose bits end in it, centroids by permutes of tables
+//!   held in registers (gathered past 5 bits); for keys coded before RoPE rounded to bfloat16
+//!   and packed in pairs in registers. The rows a read would take past the block's end come
+//!   from a zero-padded copy, one at a time.
 //! - The bfloat16 synthesis: two channels by 32 rows per pass (8 accumulators of 8 lanes), each
 //!   packed word widened once for both channels, and for keys coded before RoPE the two channels
 //!   of one frequency, so that the scale, the mean and the rotation run in registers.
