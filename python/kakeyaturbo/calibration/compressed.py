@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import InvalidParameterError
 from .checks import check_same_output
-from .moments import CacheMoments, cache_gradients, cache_meta, check_scored, dynamic_cache, no_logits
+from .moments import CacheMoments, SampledRows, cache_gradients, cache_meta, check_scored, dynamic_cache, no_logits
 from .stats import AttentionStats, Sensitivity
 
 #: Where the statistics of compressed attention are taken (recorded in their meta).
@@ -76,18 +76,13 @@ def entry_p2(module: Any, q: Any, kv: Any, mask: Any, kwargs: Dict[str, Any], en
     return wq, wk, torch.cat(out, dim=1).transpose(0, 1)[None].to(q.dtype)
 
 
-def _draws(counts: Sequence[Sequence[int]], samples: int, seed: int) -> List[List[List[int]]]:
-    """Per layer and window, the entries (counted from ``n_sink``) kept as samples: the same
-    number for every layer (the fewest any layer holds, at most ``samples``), drawn uniformly
-    without repeats (seeded) over each layer's entries of all windows."""
+def _draws(counts: Sequence[Sequence[int]], samples: int, seed: int) -> List[SampledRows]:
+    """Per layer, the entries (counted from ``n_sink``) kept as samples: the same number for
+    every layer (the fewest any layer holds, at most ``samples``), drawn uniformly without
+    repeats (one seeded generator, layer after layer) over each layer's entries of all windows."""
     n = min([samples] + [sum(c) for c in counts])
     rng = np.random.default_rng(seed)
-    out = []
-    for per_window in counts:
-        pick = np.sort(rng.choice(sum(per_window), size=n, replace=False)) if n else np.zeros(0, int)
-        lo = np.cumsum([0] + list(per_window))
-        out.append([[int(p - lo[w]) for p in pick if lo[w] <= p < lo[w + 1]] for w in range(len(per_window))])
-    return out
+    return [SampledRows.of_counts(per_window, n, rng) for per_window in counts]
 
 
 def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: int = 1, samples: int = 512,
@@ -150,9 +145,9 @@ def collect_compressed(model: Any, windows: Sequence[Sequence[int]], *, n_sink: 
                 first = False
             for i, j in row.items():
                 x = cache.layers[i].compressed_kv[COMPRESSOR][:, n_sink:].detach().double()  # [1, entries, d + dv]
-                acc.rows(j, x[..., :d], x[..., d:], weights[i], drawn[j][w_i])
+                acc.rows(j, x[..., :d], x[..., d:], weights[i], drawn[j].of(w_i))
     return acc.stats(cache_meta(meta, layers, hq, d, dv, windows, n_sink, rope, COMPRESSED_POINT,
-                                tokens=sum(len(w) for w in windows), samples=sum(len(x) for x in drawn[0]),
+                                tokens=sum(len(w) for w in windows), samples=len(drawn[0]),
                                 weighting=weighting))
 
 

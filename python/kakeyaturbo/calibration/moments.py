@@ -57,15 +57,30 @@ class SampledRows:
     repeats, from the positions ``>= n_sink`` of all windows (each ``len(windows[0])`` long)."""
 
     def __init__(self, windows: Sequence[Sequence[int]], n_sink: int, samples: int, seed: int) -> None:
-        self.per_window = max(0, len(windows[0]) - n_sink) if windows else 0
-        total = self.per_window * len(windows)
-        rng = np.random.default_rng(seed)
-        self.pick = np.sort(rng.choice(total, size=min(samples, total), replace=False)) if total else []
+        per_window = max(0, len(windows[0]) - n_sink) if windows else 0
+        self._draw([per_window] * len(windows), samples, np.random.default_rng(seed))
+
+    @classmethod
+    def of_counts(cls, counts: Sequence[int], samples: int, rng: Any) -> "SampledRows":
+        """``samples`` of the rows of windows holding ``counts`` rows each (counted from their
+        first kept row), drawn from ``rng`` (none drawn where ``samples`` is 0)."""
+        out = cls.__new__(cls)
+        out._draw(counts, samples, rng)
+        return out
+
+    def _draw(self, counts: Sequence[int], samples: int, rng: Any) -> None:
+        self.lo = np.cumsum([0] + list(counts))
+        total = int(self.lo[-1])
+        size = min(samples, total)
+        self.pick = np.sort(rng.choice(total, size=size, replace=False)) if total and size else []
 
     def of(self, window: int) -> List[int]:
         """The rows drawn in window ``window``, counted from its position ``n_sink``."""
-        lo = window * self.per_window
-        return [int(p) - lo for p in self.pick if lo <= p < lo + self.per_window]
+        lo, hi = self.lo[window], self.lo[window + 1]
+        return [int(p - lo) for p in self.pick if lo <= p < hi]
+
+    def __len__(self) -> int:
+        return len(self.pick)
 
 
 def layer_meta(layers: Sequence[int]) -> Dict[str, Any]:
