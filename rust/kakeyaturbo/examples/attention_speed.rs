@@ -1,9 +1,10 @@
 // Profiling aid: one decode step of attention over the codes of a layer, repeated.
 //
-//     cargo run --release -p kakeyaturbo --example attention_speed -- [T] [HQ] [HKV] [D] [BITS] [ISA] [REPS] [ROPE]
+//     cargo run --release -p kakeyaturbo --example attention_speed -- [T] [HQ] [HKV] [D] [BITS] [ISA] [REPS] [ROPE] [SYNTHESIS]
 //
 // ISA: best, portable or avx2; ROPE: `rope` reads the keys as coded before RoPE (base 10000,
-// all channels, the bfloat16 synthesis: the shipped recipes' path), anything else after it.
+// all channels: the shipped recipes' path), anything else after it; SYNTHESIS (of keys coded
+// before RoPE): bf16 (the default), f32 or i16.
 //
 // Calibrations: an orthonormal basis, spreads 0.93^j, bits given greedily to the component
 // with the largest remaining variance (water-filling) for BITS per element with the fp16
@@ -87,6 +88,11 @@ fn main() {
     };
     let reps: usize = arg(7, "20").parse().unwrap();
     let pre_rope = arg(8, "") == "rope";
+    let synthesis = match arg(9, "bf16").as_str() {
+        "f32" => Synthesis::F32,
+        "i16" => Synthesis::I16,
+        _ => Synthesis::Bf16,
+    };
     let cals: Vec<CalibratedCodec> = (0..2 * hkv)
         .map(|i| calibration(d, bpe, 11 + i as u64))
         .collect();
@@ -141,7 +147,7 @@ fn main() {
         rot: d,
         style: RopeStyle::Half,
         positions: &positions,
-        synthesis: Synthesis::Bf16,
+        synthesis,
     };
     let rope = pre_rope.then_some(&rope);
     let run = || {
@@ -191,7 +197,7 @@ fn main() {
     times.sort_by(f64::total_cmp);
     cpus.sort_by(f64::total_cmp);
     println!(
-        "T={t} Hq={hq} Hkv={hkv} D={d} bits={bpe} m={} isa={isa:?} pre-RoPE={pre_rope} threads={}: median {:.3} ms \
+        "T={t} Hq={hq} Hkv={hkv} D={d} bits={bpe} m={} isa={isa:?} pre-RoPE={pre_rope} synthesis={synthesis:?} threads={}: median {:.3} ms \
          (min {:.3}, cpu median {:.3}), {:.2} bits/elem held, {:.1} ns/row/kv-head",
         cals[0].m,
         rayon::current_num_threads(),

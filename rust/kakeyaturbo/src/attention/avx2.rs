@@ -12,7 +12,8 @@
 //!   of one frequency, so that the scale, the mean and the rotation run in registers.
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
-use super::kernel::{acc_tile, dot_tile, rotate_tile, Portable, Rot, Scratch, Tile, TILE};
+use super::fixed::{self, FixedSynthesis};
+use super::kernel::{acc_tile, dot_tile, Portable, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
 use super::tables::StreamTables;
 use std::arch::x86_64::*;
@@ -20,7 +21,7 @@ use std::arch::x86_64::*;
 #[path = "avx2_lookup.rs"]
 mod lookup;
 
-use lookup::{decode_rows, decode_rows_bf16, Rows};
+use lookup::{decode_rows, decode_rows_packed, Rows};
 
 /// Whether this CPU runs the AVX2 kernel.
 pub fn available() -> bool {
@@ -50,6 +51,58 @@ impl Avx2 {
         rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
             tile[j * TILE + r] = lut[code];
         });
+    }
+}
+
+impl Avx2 {
+    /// The tile's centroids as 16-bit values packed in pairs into `s.packed`: rounded to
+    /// bfloat16 or (`FIXED`) to 16-bit fixed point, as [`Tile::centroids_bf16`] and
+    /// [`Tile::centroids_i16`] define them.
+    #[inline(always)]
+    fn packed<const FIXED: bool>(
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        let m = t.m;
+        let packed = &mut s.packed[..m.div_ceil(2) * TILE];
+        let put = |packed: &mut [u32], j: usize, r: usize, v: u16| {
+            // Pair `j / 2`'s low member first, which clears the high one (+0 without one).
+            let o = &mut packed[(j / 2) * TILE + r];
+            *o = if j % 2 == 1 {
+                (*o & 0xffff) | (v as u32) << 16
+            } else {
+                v as u32
+            };
+        };
+        let value = |j: usize, code: usize| -> u16 {
+            if FIXED {
+                fixed::fixed16(t.centroid(j, code as u32)) as u16
+            } else {
+                t.table_bf16(j)[code]
+            }
+        };
+        for j in 0..m {
+            let c0 = value(j, 0);
+            for r in rows..TILE {
+                put(packed, j, r, c0);
+            }
+        }
+        let rw = Rows::new(t, b, row0, rows);
+        let full = rw.direct / 8 * 8;
+        // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
+        unsafe { decode_rows_packed::<FIXED>(t, &rw, full, packed) };
+        rw.each(
+            t,
+            full,
+            &mut s.words,
+            |j| j,
+            |&j, _, r, code| {
+                put(packed, j, r, value(j, code));
+            },
+        );
     }
 }
 
@@ -105,31 +158,19 @@ impl Tile for Avx2 {
         rows: usize,
         s: &mut Scratch,
     ) {
-        let m = t.m;
-        let packed = &mut s.packed[..m.div_ceil(2) * TILE];
-        let put = |packed: &mut [u32], j: usize, r: usize, v: u16| {
-            // Pair `j / 2`'s low member first, which clears the high one (+0 without one).
-            let o = &mut packed[(j / 2) * TILE + r];
-            *o = if j % 2 == 1 {
-                (*o & 0xffff) | (v as u32) << 16
-            } else {
-                v as u32
-            };
-        };
-        for j in 0..m {
-            let c0 = t.table_bf16(j)[0];
-            for r in rows..TILE {
-                put(packed, j, r, c0);
-            }
-        }
-        let table = |j: usize| t.table_bf16(j);
-        let rw = Rows::new(t, b, row0, rows);
-        let full = rw.direct / 8 * 8;
-        // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
-        unsafe { decode_rows_bf16(t, &rw, full, packed) };
-        rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
-            put(packed, j, r, tab[code]);
-        });
+        Self::packed::<false>(t, b, row0, rows, s);
+    }
+
+    #[inline(always)]
+    fn centroids_i16(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        Self::packed::<true>(t, b, row0, rows, s);
     }
 
     #[inline(always)]
@@ -147,7 +188,7 @@ impl Tile for Avx2 {
         assert!(mean.len() >= d);
         // SAFETY: as in `scales`; every channel is below `d` and every read inside the
         // sizes checked.
-        unsafe { synthesize_from(d, 0, pairs, packed, mb, g, mean, keys) }
+        unsafe { synthesize_from(d, 0, pairs, packed, Weights::Bf16(mb), g, mean, keys) }
     }
 
     #[inline(always)]
@@ -162,24 +203,26 @@ impl Tile for Avx2 {
         rot: &Rot<'_>,
         keys: &mut [f32],
     ) {
-        let h = rot.half;
-        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
-        assert!(mean.len() >= d && 2 * h <= d);
-        if h == 0 {
-            self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
-            return rotate_tile(rot, keys);
-        }
-        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
-        // SAFETY: as in `scales`; the sizes were checked: every channel is below `d`, every
-        // frequency's run inside the tables.
-        unsafe {
-            for i in 0..h {
-                for half in 0..2 {
-                    synthesize_rot(d, i, 32 * half, pairs, packed, mb, g, mean, rot, keys);
-                }
-            }
-            synthesize_from(d, 2 * h, pairs, packed, mb, g, mean, keys);
-        }
+        assert!(mb.len() >= pairs * d);
+        // SAFETY: as in `scales`; `rotated` checks the sizes.
+        unsafe { rotated(d, pairs, packed, Weights::Bf16(mb), g, mean, rot, keys) }
+    }
+
+    #[inline(always)]
+    fn synthesize_i16_rotated(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        f: &FixedSynthesis,
+        g: &[f32; TILE],
+        mean: &[f32],
+        rot: &Rot<'_>,
+        keys: &mut [f32],
+    ) {
+        assert!(f.words.len() >= pairs * d && f.unit.len() >= d);
+        // SAFETY: as in `scales`; `rotated` checks the sizes.
+        unsafe { rotated(d, pairs, packed, Weights::I16(f), g, mean, rot, keys) }
     }
 
     #[inline(always)]
@@ -206,10 +249,46 @@ impl Tile for Avx2 {
     }
 }
 
+/// What a synthesis multiplies the packed centroids by: bfloat16 pairs
+/// ([`StreamTables::key_synthesis_bf16`]) or 16-bit fixed-point ones
+/// ([`StreamTables::key_synthesis_i16`]).
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    Bf16(&'a [u32]),
+    I16(&'a FixedSynthesis),
+}
+
+/// `x` of channels `dims`, rows `r0 .. r0 + 32` in lanes, before the scale and the mean.
+#[inline(always)]
+unsafe fn sums<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    w: Weights<'_>,
+) -> [[__m256; 4]; N] {
+    match w {
+        Weights::Bf16(mb) => sums_bf16(d, dims, r0, pairs, packed, mb),
+        Weights::I16(f) => {
+            let acc = sums_i16(d, dims, r0, pairs, packed, &f.words);
+            // Plain loops: the intrinsics inline here, not through closures.
+            let mut x = [[_mm256_setzero_ps(); 4]; N];
+            for k in 0..N {
+                let s = _mm256_set1_ps(f.unit[dims[k]]);
+                for g in 0..4 {
+                    x[k][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[k][g]), s);
+                }
+            }
+            x
+        }
+    }
+}
+
 /// The `fma` chains of the bfloat16 synthesis for channels `dims`, rows `r0 .. r0 + 32` in
 /// lanes: per pair the high member's `fma`, then the low one's (the definition's order).
 #[inline(always)]
-unsafe fn sums<const N: usize>(
+unsafe fn sums_bf16<const N: usize>(
     d: usize,
     dims: [usize; N],
     r0: usize,
@@ -240,6 +319,63 @@ unsafe fn sums<const N: usize>(
     acc
 }
 
+/// The exact 32-bit sums of the fixed-point synthesis ([`super::fixed::synthesize_tile`]) for
+/// channels `dims`, rows `r0 .. r0 + 32` in lanes: one `vpmaddwd` per pair of components and
+/// 8 rows (both members' products, added), then `vpaddd`.
+#[inline(always)]
+unsafe fn sums_i16<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    words: &[u32],
+) -> [[__m256i; 4]; N] {
+    let mut acc = [[_mm256_setzero_si256(); 4]; N];
+    let (tp, wp) = (packed.as_ptr().add(r0), words.as_ptr());
+    for p in 0..pairs {
+        let mut w = [_mm256_setzero_si256(); N];
+        for k in 0..N {
+            w[k] = _mm256_set1_epi32(*wp.add(p * d + dims[k]) as i32);
+        }
+        for g in 0..4 {
+            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
+            for (a, &wk) in acc.iter_mut().zip(&w) {
+                a[g] = _mm256_add_epi32(a[g], _mm256_madd_epi16(c, wk));
+            }
+        }
+    }
+    acc
+}
+
+/// [`Tile::synthesize_bf16_rotated`] or [`Tile::synthesize_i16_rotated`] after their checks:
+/// the rotated frequencies in registers ([`synthesize_rot`]), then the channels past them.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rotated(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    w: Weights<'_>,
+    g: &[f32; TILE],
+    mean: &[f32],
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    let h = rot.half;
+    assert!(packed.len() >= pairs * TILE && keys.len() >= d * TILE);
+    assert!(mean.len() >= d && 2 * h <= d);
+    if h > 0 {
+        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
+    }
+    for i in 0..h {
+        for half in 0..2 {
+            synthesize_rot(d, i, 32 * half, pairs, packed, w, g, mean, rot, keys);
+        }
+    }
+    synthesize_from(d, 2 * h, pairs, packed, w, g, mean, keys);
+}
+
 /// Channels `d0 .. d` of [`Tile::synthesize_bf16`]: two at a time, then one, each in two
 /// passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x, mean_dd)`.
 #[allow(clippy::too_many_arguments)]
@@ -249,7 +385,7 @@ unsafe fn synthesize_from(
     d0: usize,
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
+    w: Weights<'_>,
     g: &[f32; TILE],
     mean: &[f32],
     keys: &mut [f32],
@@ -265,7 +401,7 @@ unsafe fn synthesize_from(
     let mut dd = d0;
     while dd + 2 <= d {
         for r0 in [0, 32] {
-            let acc = sums::<2>(d, [dd, dd + 1], r0, pairs, packed, mb);
+            let acc = sums::<2>(d, [dd, dd + 1], r0, pairs, packed, w);
             store(dd, r0, &acc[0]);
             store(dd + 1, r0, &acc[1]);
         }
@@ -273,7 +409,7 @@ unsafe fn synthesize_from(
     }
     if dd < d {
         for r0 in [0, 32] {
-            store(dd, r0, &sums::<1>(d, [dd], r0, pairs, packed, mb)[0]);
+            store(dd, r0, &sums::<1>(d, [dd], r0, pairs, packed, w)[0]);
         }
     }
 }
@@ -289,14 +425,14 @@ unsafe fn synthesize_rot(
     r0: usize,
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
+    w: Weights<'_>,
     g: &[f32; TILE],
     mean: &[f32],
     rot: &Rot<'_>,
     keys: &mut [f32],
 ) {
     let (a, b) = rot.pair(i);
-    let [xa, xb] = sums::<2>(d, [a, b], r0, pairs, packed, mb);
+    let [xa, xb] = sums::<2>(d, [a, b], r0, pairs, packed, w);
     let (mua, mub) = (_mm256_set1_ps(mean[a]), _mm256_set1_ps(mean[b]));
     let (cp, sp) = (
         rot.cos.as_ptr().add(rot.at(i) + r0),

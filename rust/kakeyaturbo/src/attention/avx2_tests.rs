@@ -1,6 +1,7 @@
-//! Tests of `avx2.rs`: the bfloat16 synthesis against its definition.
+//! Tests of `avx2.rs`: the bfloat16 and fixed-point syntheses against their definitions.
 
-use super::super::kernel::{bits, synthesize_bf16_tile, SynthCase};
+use super::super::kernel::testutil::{bits, SynthCase};
+use super::super::kernel::{rotate_tile, synthesize_bf16_tile};
 use super::super::rope::RopeStyle;
 use super::*;
 use crate::rng::SplitMix64;
@@ -41,6 +42,65 @@ fn bf16_synthesis_matches_the_definition() {
             Avx2.synthesize_bf16_rotated(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, &rot, &mut got);
             assert_eq!(bits(&got), bits(&want), "rotated {style:?}, m {m} d {d}");
             synthesize_bf16_tile(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, &mut want);
+        }
+    }
+}
+
+/// The fixed-point synthesis, rotated (both pairings, and no rotated frequency), against the
+/// definition: weights from a random `M` spread over the exponent range, centroids of every
+/// 16-bit value including both limits.
+#[test]
+fn i16_synthesis_matches_the_definition() {
+    use super::super::fixed;
+    if !available() {
+        return;
+    }
+    let mut g = SplitMix64::new(11);
+    for (m, d, half) in [
+        (1, 1, 0),
+        (7, 5, 2),
+        (56, 64, 32),
+        (33, 128, 16),
+        (20, 40, 0),
+    ] {
+        let msyn: Vec<f32> = (0..m * d).map(|_| SynthCase::value(&mut g)).collect();
+        let f = fixed::FixedSynthesis::new(&msyn, m, d);
+        let pairs = m.div_ceil(2);
+        let packed: Vec<u32> = (0..pairs * TILE)
+            .map(|i| match i % 5 {
+                0 => fixed::pair(32767, -32767),
+                _ => {
+                    let v = |g: &mut SplitMix64| (g.next_u64() % 65535) as i32 - 32767;
+                    let lo = v(&mut g);
+                    fixed::pair(lo, if 2 * (i / TILE) + 1 < m { v(&mut g) } else { 0 })
+                }
+            })
+            .collect();
+        let gs: [f32; TILE] = std::array::from_fn(|t| 0.5 + t as f32 / 64.0);
+        let mean: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
+        let trig: Vec<f32> = (0..2 * half * TILE)
+            .map(|_| SynthCase::value(&mut g))
+            .collect();
+        let (cos, sin) = trig.split_at(half * TILE);
+        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+            let rot = Rot {
+                cos,
+                sin,
+                stride: TILE,
+                offset: 0,
+                half,
+                style,
+            };
+            let mut want = vec![0f32; d * TILE];
+            fixed::synthesize_tile(d, pairs, &packed, &f.words, &f.unit, &gs, &mean, &mut want);
+            rotate_tile(&rot, &mut want);
+            let mut got = vec![0f32; d * TILE];
+            Avx2.synthesize_i16_rotated(d, pairs, &packed, &f, &gs, &mean, &rot, &mut got);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{style:?}, m {m} d {d} half {half}"
+            );
         }
     }
 }

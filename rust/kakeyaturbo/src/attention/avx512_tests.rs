@@ -1,6 +1,6 @@
 //! Tests of `avx512.rs`: the bfloat16 syntheses against their definition.
 
-use super::super::kernel::{bits, SynthCase};
+use super::super::kernel::testutil::{bits, SynthCase};
 use super::*;
 use crate::rng::SplitMix64;
 

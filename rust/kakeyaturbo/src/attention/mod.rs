@@ -36,7 +36,10 @@
 //!   of `M_jd c_j` (outliers' values in place of their centroids), `y_d = fma(g, x_d, mean_d)`,
 //!   per pair `(a, b)` of the rotation `y_a' = y_a cos + (-y_b) sin`, `y_b' = y_b cos + y_a sin`
 //!   (each product rounded, then the sum, as transformers rotates), then the score
-//!   `s` = `fma` chain over `d` from 0 of `q_d y'_d`.
+//!   `s` = `fma` chain over `d` from 0 of `q_d y'_d`. [`Synthesis::Bf16`] rounds `M` and the
+//!   centroids to bfloat16 first and takes the chain pair by pair (the higher component, then
+//!   the lower); [`Synthesis::I16`] takes `x_d = (sum_j W_jd C_j) as f32 * unit_d` with `W`
+//!   and `C` 16-bit integers and the sum exact in 32 bits ([`fixed`]).
 //! - Latent attention ([`AttentionParams::latent`]): a sealed row's score is the K stream's
 //!   `s` above plus, added last, the V stream's `fma(g_v, dot_v, q_v . mean_v)` (its own
 //!   `fma` chain and outliers, the query's last `D_v` entries); a raw row's score is the K
@@ -66,6 +69,7 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod checks;
 mod combine;
+pub mod fixed;
 pub mod kernel;
 pub mod math;
 mod part;

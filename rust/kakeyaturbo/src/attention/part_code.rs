@@ -2,6 +2,7 @@
 //! synthesised and rotated per tile for keys coded before RoPE), the online softmax, and the
 //! value sums in the code domain, each outlier's difference from its centroid added on the way.
 
+use super::super::fixed::fixed16;
 use super::super::kernel::{
     bf16_round, centroid_at, rotate_tile, zeroed, Rot, Scratch, Tile, TILE,
 };
@@ -90,27 +91,35 @@ pub(in crate::attention) fn code_part<K: Tile>(
             k.scales(vb, row0, rows, &mut gv);
         }
         if let Some(kr) = &cx.rope {
-            // The rows' centroids (rounded to bfloat16 pairs for that synthesis), each
-            // outlier's value in its place.
-            let bf16 = kr.synthesis == Synthesis::Bf16;
-            if bf16 {
+            // The rows' centroids (as the synthesis multiplies them: bfloat16 or 16-bit
+            // fixed-point pairs, or float32), each outlier's value in its place.
+            let syn = kr.synthesis;
+            if syn == Synthesis::F32 {
+                k.centroids(kt, kb, row0, rows, scratch);
+            } else {
                 // Every word is written before it is read.
                 scratch.packed.resize(mk.div_ceil(2) * TILE, 0);
-                k.centroids_bf16(kt, kb, row0, rows, scratch);
-            } else {
-                k.centroids(kt, kb, row0, rows, scratch);
+                if syn == Synthesis::Bf16 {
+                    k.centroids_bf16(kt, kb, row0, rows, scratch);
+                } else {
+                    k.centroids_i16(kt, kb, row0, rows, scratch);
+                }
             }
             kcur.each(kb, bi, row0, rows, mk, |row, j, val| {
-                if bf16 {
-                    let w = &mut scratch.packed[(j / 2) * TILE + row - row0];
-                    *w = if j % 2 == 0 {
-                        (*w & 0xffff_0000) | bf16_round(val)
-                    } else {
-                        (*w & 0xffff) | bf16_round(val) << 16
-                    };
+                let v = match syn {
+                    Synthesis::F32 => {
+                        scratch.tile[j * TILE + row - row0] = val;
+                        return;
+                    }
+                    Synthesis::Bf16 => bf16_round(val),
+                    Synthesis::I16 => fixed16(val) as u32 & 0xffff,
+                };
+                let w = &mut scratch.packed[(j / 2) * TILE + row - row0];
+                *w = if j % 2 == 0 {
+                    (*w & 0xffff_0000) | v
                 } else {
-                    scratch.tile[j * TILE + row - row0] = val;
-                }
+                    (*w & 0xffff) | v << 16
+                };
             });
             let first = b * cx.sealed + pos0 - cx.sink.rows;
             rope_scores(k, cx, prep, kt, kr, first, rows, &gk, &mut s, scratch);
@@ -308,6 +317,12 @@ fn rope_scores<K: Tile>(
             let packed = &packed[..pairs * TILE];
             let mb = kt.key_synthesis_bf16();
             k.synthesize_bf16_rotated(d, pairs, packed, mb, g, &kt.mean, &rot, keys);
+        }
+        Synthesis::I16 => {
+            let pairs = kt.m.div_ceil(2);
+            let packed = &packed[..pairs * TILE];
+            let f = kt.key_synthesis_i16();
+            k.synthesize_i16_rotated(d, pairs, packed, f, g, &kt.mean, &rot, keys);
         }
     }
     let keys = &*keys;

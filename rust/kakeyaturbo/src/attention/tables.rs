@@ -76,6 +76,8 @@ pub struct StreamTables {
     key_synth: std::sync::OnceLock<Vec<f32>>,
     /// `M` rounded to bfloat16, pairs of components packed ([`Self::key_synthesis_bf16`]).
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
+    /// `M` in 16-bit fixed point ([`Self::key_synthesis_i16`]).
+    key_synth_i16: std::sync::OnceLock<super::fixed::FixedSynthesis>,
     /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]).
     lut_bf16: std::sync::OnceLock<Vec<u16>>,
 }
@@ -188,6 +190,7 @@ impl StreamTables {
             mean: codec.mean.clone(),
             key_synth: std::sync::OnceLock::new(),
             key_synth_bf16: std::sync::OnceLock::new(),
+            key_synth_i16: std::sync::OnceLock::new(),
             lut_bf16: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
@@ -285,6 +288,7 @@ impl StreamTables {
                 .iter()
                 .map(|&x| f32::from_bits(super::kernel::bf16_round(x) << 16))
                 .collect(),
+            super::Synthesis::I16 => self.key_synthesis_i16().values(self.m, self.d),
         }
     }
 
@@ -302,6 +306,13 @@ impl StreamTables {
                 })
                 .collect()
         })
+    }
+
+    /// [`Self::key_synthesis`] in 16-bit fixed point ([`super::fixed::FixedSynthesis`]),
+    /// derived on first use.
+    pub fn key_synthesis_i16(&self) -> &super::fixed::FixedSynthesis {
+        self.key_synth_i16
+            .get_or_init(|| super::fixed::FixedSynthesis::new(self.key_synthesis(), self.m, self.d))
     }
 
     /// The centroid table of component `j` rounded to bfloat16 ([`super::kernel::bf16_round`])

@@ -127,14 +127,14 @@ proptest! {
         extra in 0usize..70, nq in 1usize..5, norm in any::<bool>(), ip in any::<bool>(),
         outliers in any::<bool>(), bmax in 1u8..=8, cap in any::<bool>(),
         window in proptest::option::of(1usize..400), mask in any::<bool>(),
-        rope in proptest::option::of((2usize..80, any::<bool>())), f32_synthesis in any::<bool>(),
+        rope in proptest::option::of((2usize..80, any::<bool>())), synthesis in 0u8..3,
         latent in any::<bool>(),
     ) {
         check(&Spec {
             seed, batch, kv_heads, group, dk, dv, blocks, sink, tail: nq + extra, nq, norm, ip,
             outliers, bmax, softcap: cap.then_some(3.0), window, mask,
             rope: rope.filter(|_| dk >= 2 && !latent),
-            synthesis: if f32_synthesis { Synthesis::F32 } else { Synthesis::Bf16 },
+            synthesis: [Synthesis::Bf16, Synthesis::F32, Synthesis::I16][synthesis as usize],
             latent,
         });
     }

@@ -27,9 +27,9 @@ fn reference(c: &Case) -> (Vec<f64>, Vec<f64>, f64, f64) {
             }
             // Keys coded before RoPE: rotated here as the model would (in f64).
             let mut k64: Vec<f64> = k.iter().map(|&x| x as f64).collect();
-            if let Some(r) = c.rope.as_ref().filter(|r| r.synthesis == Synthesis::Bf16) {
-                let _ = r;
-                bf16_keys(ks, &mut k64[sealed0 * dk..sealed0 * dk + ks.rows() * dk]);
+            if let Some(r) = c.rope.as_ref().filter(|r| r.synthesis != Synthesis::F32) {
+                let rows = sealed0 * dk..sealed0 * dk + ks.rows() * dk;
+                synthesis_keys(ks, r.synthesis, &mut k64[rows]);
             }
             if let Some(r) = &c.rope {
                 let sealed = k.len() / dk - sealed0;
@@ -140,15 +140,24 @@ fn errors(c: &Case, got: &AttentionOutput) -> (f64, f64, usize) {
     (worst.0, le, worst.1)
 }
 
-/// The sealed keys of `store` as [`Synthesis::Bf16`] defines them, in f64: `mean + g *
-/// sum_j bf16(M_jd) bf16(c_j)` (outliers' values in place of their centroids). Checks on the
-/// way that they lie within bfloat16 rounding of the decoded keys in `keys` (`rows x D`),
-/// which they replace: `M` and the centroids are the decode's factors.
-fn bf16_keys(store: &CodeStore, keys: &mut [f64]) {
+/// The sealed keys of `store` as `synthesis` (bfloat16 or 16-bit fixed point) defines them,
+/// in f64: `mean + g * sum_j M'_jd c'_j` with `M'` and `c'` the factors as that synthesis
+/// rounds them (outliers' values in place of their centroids). Checks on the way that they lie
+/// within those roundings' error of the decoded keys in `keys` (`rows x D`), which they
+/// replace: `M` and the centroids are the decode's factors.
+fn synthesis_keys(store: &CodeStore, synthesis: Synthesis, keys: &mut [f64]) {
     let t = store.tables();
     let (m, d) = (t.m, t.d);
     let ms = t.key_synthesis();
-    let r16 = |x: f32| kernel::bf16_half(kernel::bf16_round(x), false) as f64;
+    let wq: Vec<f64> = t
+        .key_synthesis_values(synthesis)
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    let cq = |x: f32| match synthesis {
+        Synthesis::I16 => fixed::fixed16(x) as f64 / fixed::ONE as f64,
+        _ => kernel::bf16_half(kernel::bf16_round(x), false) as f64,
+    };
     let mut row0 = 0;
     for blk in store.blocks() {
         let mut outl = vec![None; blk.n * m];
@@ -163,15 +172,19 @@ fn bf16_keys(store: &CodeStore, keys: &mut [f64]) {
                 .collect();
             let out = &mut keys[(row0 + r) * d..(row0 + r + 1) * d];
             for (i, o) in out.iter_mut().enumerate() {
-                let x: f64 = (0..m).map(|j| r16(ms[j * d + i]) * r16(c[j])).sum();
-                let mag: f64 = (0..m)
-                    .map(|j| (ms[j * d + i] as f64 * c[j] as f64).abs())
-                    .sum();
+                let x: f64 = (0..m).map(|j| wq[j * d + i] * cq(c[j])).sum();
+                // |M c - M' c'| <= |M - M'| |c| + |M'| |c - c'|, and the decode's f32 rounding.
+                let (mut err, mut mag) = (0f64, 0f64);
+                for (j, &cj) in c.iter().enumerate() {
+                    let (mj, c64, w) = (ms[j * d + i] as f64, cj as f64, wq[j * d + i]);
+                    err += (mj - w).abs() * c64.abs() + w.abs() * (c64 - cq(cj)).abs();
+                    mag += (mj * c64).abs();
+                }
                 let want = t.mean[i] as f64 + g * x;
-                let bound = g.abs() * mag * 2f64.powi(-7) + 1e-5 * (1.0 + o.abs());
+                let bound = g.abs() * (err * (1.0 + 1e-6) + mag * 1e-5) + 1e-5 * (1.0 + o.abs());
                 assert!(
                     (want - *o).abs() <= bound,
-                    "bf16 key {want} vs decoded {o} (row {}, dim {i})",
+                    "{synthesis:?} key {want} vs decoded {o} (row {}, dim {i})",
                     row0 + r
                 );
                 *o = want;
