@@ -13,7 +13,8 @@ method after an untimed one) so that every method sees the same machine:
   (scores from look-up tables);
 - ``codes pre-RoPE``: the same codes read as keys coded before RoPE (a ``RopeTable`` of base
   10000 for positions ``0 .. T-1``): each tile of keys synthesised, rotated and dotted inside
-  the kernel, as the shipped recipes need;
+  the kernel, as the shipped recipes need (``--synthesis``: how, as ``decode_attention``'s
+  argument; bf16 by default);
 - ``SDPA fp32``: ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` over the float32
   cache a CPU ``DynamicCache`` holds (``torch.set_num_threads`` 1 and 2); ``SDPA bf16`` the
   same over a bfloat16 cache, timed in a pass of its own after the others;
@@ -41,7 +42,7 @@ no model with more than a couple of layers sees at 8k.
 
     .venv/bin/python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
         [--bits 3,4] [--reps 15] [--pause-ms 5] [--layers 1] [--recipes ''] [--first-layer 0]
-        [--out bench-out]
+        [--synthesis bf16] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibration  # noqa: E402
+from kakeyaturbo.codec.calibrated import SYNTHESES  # noqa: E402
 
 SHAPES = ((9, 3, 64), (32, 8, 128))
 BLOCK = 512
@@ -207,8 +209,8 @@ def sources(bits: List[float], model_recipes: List[str]
 
 
 def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] = None,
-        layers_mb: float = 6000.0, model_recipes: List[str] = (), first_layer: int = 0
-        ) -> List[Dict[str, Any]]:
+        layers_mb: float = 6000.0, model_recipes: List[str] = (), first_layer: int = 0,
+        synthesis: str = "bf16") -> List[Dict[str, Any]]:
     rows = []
     for hq, hkv, d, b, build, all_layers in sources(bits, list(model_recipes)):
         for t in tokens:
@@ -238,7 +240,8 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
 
             def rope_fn(threads: int) -> Callable[[], Any]:
                 return cycle([lambda c=c: kt.decode_attention(c[0], q, tail_k, tail_v, threads=threads,
-                                                              rope=table, positions=positions)
+                                                              rope=table, positions=positions,
+                                                              synthesis=synthesis)
                               for c in cache])
 
             def sdpa(qq: torch.Tensor, at: int) -> Callable[[], Any]:
@@ -279,7 +282,7 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
             ours = kt.decode_attention(codes, q, tail_k, tail_v)
             dec = decode_then_sdpa().numpy()
             ours_r = kt.decode_attention(codes, q, tail_k, tail_v, threads=2, rope=table,
-                                         positions=positions)
+                                         positions=positions, synthesis=synthesis)
             ks = np.stack([np.concatenate([codes.k_codecs[h].decode(codes.blob(0, h, "k", i))
                                            for i in range(codes.num_blocks(0, h))]) for h in range(hkv)])
             kr = torch.from_numpy(np.concatenate([rotate(ks, table), tail_k[0]], axis=1)[None])
@@ -339,7 +342,7 @@ def markdown(res: Dict[str, Any]) -> str:
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
         "time at the same thread count (> 1: the codes are faster); pre-RoPE: keys coded before "
-        "RoPE, synthesised and rotated per tile in the kernel (the shipped recipes)."
+        f"RoPE, synthesised ({res['synthesis']}) and rotated per tile in the kernel (the shipped recipes)."
         + (f" Each call attends the next of up to {res['layers']} copies of the layer (`--layers`; the "
            "column says how many), so that, as in a model's decode step, its cache is not the one the "
            "previous call read; `decode + SDPA` uses the first copy only." if res["layers"] > 1 else ""),
@@ -409,18 +412,20 @@ def main() -> int:
                     help="with --recipes: the model's layer the first copy is coded with (copy i "
                          "with layer first + i); e.g. --layers 1 --first-layer 15 times one layer "
                          "whose keys get a typical number of components")
+    ap.add_argument("--synthesis", default="bf16", choices=SYNTHESES,
+                    help="how the pre-RoPE columns synthesise the keys (kakeyaturbo.decode_attention)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     global PAUSE_S
     PAUSE_S = args.pause_ms / 1e3
     rows = run([int(t) for t in args.tokens.split(",")], [float(b) for b in args.bits.split(",")],
                args.reps, args.layers, args.layers_mb,
-               [r for r in args.recipes.split(",") if r], args.first_layer)
+               [r for r in args.recipes.split(",") if r], args.first_layer, args.synthesis)
     loads = [x for r in rows for x in (r["load_before"][0], r["load_after"][0])]
     res = {
         "environment": environment(),
         "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows),
-        "first_layer": args.first_layer,
+        "first_layer": args.first_layer, "synthesis": args.synthesis,
         "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }

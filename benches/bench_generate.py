@@ -157,9 +157,10 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", default="2000,8000", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
-    ap.add_argument("--synthesis", default="bf16",
+    ap.add_argument("--synthesis", default="auto",
                     help="comma-separated syntheses of keys coded before RoPE for the codes path, each "
-                         "as its own KakeyaCache row: bf16 (the default), f32")
+                         "as its own KakeyaCache row: auto (the cache's default, the default here), "
+                         "bf16, i16, f32")
     ap.add_argument("--kernel-threads", default="",
                     help="comma-separated thread counts of the codes' attention kernel to run, each "
                          "as its own KakeyaCache row (default: the cache's default, all cores)")
@@ -247,8 +248,9 @@ def main() -> int:
                 extra = mem.get("positions", 0) + mem.get("rope_table", 0)
                 how = "codes" if cache.fast else "decode-then-attend"
                 how += f", {threads} thread{'s' if threads != 1 else ''}" if threads is not None else ""
-                how += f", {syn} synthesis" if cache.fast and syn != "bf16" else ""
-                r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads, synthesis=syn,
+                used = cache.synthesis  # "auto" resolved
+                how += f", {used} synthesis" if cache.fast and used != "bf16" else ""
+                r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads, synthesis=used,
                          fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
                          prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
                          raw_elements=raw_elems, bits_per_element=bits / elems,
@@ -257,7 +259,7 @@ def main() -> int:
                          speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
                          wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
                 key = mode if threads is None else f"{mode}-{threads}t"
-                runs[key if syn == "bf16" or mode == "slow" else f"{key}-{syn}"] = r
+                runs[key if syn == "auto" or mode == "slow" else f"{key}-{syn}"] = r
             slow = runs.get("slow")
             for mode, r in runs.items():
                 toks, logp = r["tokens"], r["logp"]

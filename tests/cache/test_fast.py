@@ -13,15 +13,18 @@ llama and qwen2 models below, 1.2e-6 on Gemma 2 with its softcap, logits up to 0
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kakeyaturbo import InvalidParameterError, UnsupportedModelError, recipes  # noqa: E402
+from kakeyaturbo import InvalidParameterError, UnsupportedModelError, attention_kernel, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, codec_for  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
+from kakeyaturbo.cache.generation import _auto_synthesis  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 
 from . import families  # noqa: E402
@@ -75,15 +78,20 @@ def _pair(model, codec, synthesis="f32", **kw):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_bf16_synthesis_generates_within_its_rounding(name, ropebefore, no_decode) -> None:
-    """The default synthesis of keys coded before RoPE (bfloat16 factors, float32 sums): the
-    same greedy tokens as decode-then-attend, logits within ``BF16_LOGIT_ATOL`` (the keys move
-    by about 2**-8 of the terms that make them; measured up to 1.1e-5 here), and not the
-    float32 synthesis's logits (it ran)."""
+@pytest.mark.parametrize("synthesis", ["bf16", "i16"])
+def test_rounded_synthesis_generates_within_its_rounding(name, synthesis, ropebefore, no_decode) -> None:
+    """The default synthesis of keys coded before RoPE (bfloat16 factors, float32 sums) and the
+    fixed-point one (16-bit factors, exact integer sums): the same greedy tokens as
+    decode-then-attend, logits within ``BF16_LOGIT_ATOL`` (the keys move by about 2**-8 of the
+    terms that make them; measured up to 1.1e-5 here with bf16), and not the float32
+    synthesis's logits (it ran)."""
     model = build(name)
     codec = fast_codec(model, ropebefore, "before")
-    fast, slow = _pair(model, codec, synthesis="bf16")
-    assert fast.synthesis == "bf16" and KakeyaCache(codec, model=model).synthesis == "bf16"
+    fast, slow = _pair(model, codec, synthesis=synthesis)
+    assert fast.synthesis == synthesis
+    # The default picks the fixed-point synthesis where the Rust kernel runs its AVX2 build.
+    auto = "i16" if attention_kernel() == "avx2" else "bf16"
+    assert KakeyaCache(codec, model=model).synthesis == auto == _auto_synthesis(model, "auto")
     with pytest.raises(InvalidParameterError):
         KakeyaCache(codec, model=model, synthesis="fp16")
     ids = _ids()
@@ -97,6 +105,16 @@ def test_bf16_synthesis_generates_within_its_rounding(name, ropebefore, no_decod
     f32, _ = _pair(model, codec, synthesis="f32")
     _, log_32 = generate(model, ids, f32, n=12)
     assert not torch.equal(log_32, log_f)
+
+
+def test_auto_synthesis_is_fixed_point_only_for_the_avx2_build_on_the_cpu() -> None:
+    """``synthesis="auto"``: ``"i16"`` for a model on the CPU (or none) where the Rust kernel runs
+    its AVX2 build; ``"bf16"`` on a GPU, for the Triton kernel, and with AVX-512 or the portable
+    build."""
+    cpu = "i16" if attention_kernel() == "avx2" else "bf16"
+    assert _auto_synthesis(None, "auto") == _auto_synthesis(build("llama"), "rust") == cpu
+    assert _auto_synthesis(SimpleNamespace(device=torch.device("cuda")), "auto") == "bf16"
+    assert _auto_synthesis(SimpleNamespace(device="cpu"), "triton") == "bf16"
 
 
 def test_fast_generates_as_decode_then_attend(setup, no_decode) -> None:

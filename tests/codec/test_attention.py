@@ -296,22 +296,25 @@ def test_keys_before_rope_match_the_rotated_decode(spec: Spec, style: str, rot: 
     assert not np.allclose(plain, got[0])  # the rotation took part
 
 
-def test_bf16_synthesis_stays_within_its_rounding() -> None:
+@pytest.mark.parametrize("synthesis", ["bf16", "i16"])
+def test_rounded_synthesis_stays_within_its_rounding(synthesis) -> None:
     """The default synthesis of keys coded before RoPE rounds ``M`` and the centroids to
-    bfloat16 (the Rust tests check its bits against a float64 reference of that definition):
-    here, it moves the output off the float32 synthesis by about the rounding's share of the
-    scores, not more, and it runs (the outputs differ)."""
+    bfloat16, the fixed-point one to 16-bit integers in steps of their own (the Rust tests check
+    both against a float64 reference of their definitions): here each moves the output off the
+    float32 synthesis by about the rounding's share of the scores, not more, and it runs (the
+    outputs differ)."""
     c = build(GRID[1])
     tc = c.codes.rows()
     positions = np.arange(tc)[None] + GRID[1].sink
     table = _table(int(positions.max()) + 9, 64, "half", scale=1.1)
     kw = dict(rope=table, positions=positions, return_lse=True, **c.call())
-    bf = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **kw)
+    got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis=synthesis, **kw)
     f32 = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="f32", **kw)
-    assert np.array_equal(bf[0], kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, synthesis="bf16", **kw)[0])
+    if synthesis == "bf16":  # the default
+        assert np.array_equal(got[0], kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **kw)[0])
     s_mag, v_mag = magnitudes(c)
-    d_out = np.abs(bf[0] - f32[0]).max()
-    d_lse = np.abs(bf[1] - f32[1]).max()
+    d_out = np.abs(got[0] - f32[0]).max()
+    d_lse = np.abs(got[1] - f32[1]).max()
     assert 0 < d_out <= 2.0 ** -6 * v_mag * (1 + 1.21 * s_mag), (d_out, s_mag, v_mag)
     assert d_lse <= 2.0 ** -6 * (1 + 1.21 * s_mag), d_lse
     with pytest.raises(kt.InvalidParameterError):
@@ -406,6 +409,26 @@ def test_key_synthesis_is_what_decodes_and_its_bf16_rounding() -> None:
     assert np.array_equal(m16.view(np.uint32), want.view(np.uint32))
     with pytest.raises(kt.InvalidParameterError, match="synthesis"):
         codec.key_synthesis("f16")
+
+
+def test_key_synthesis_i16_is_integer_steps_that_keep_sums_exact() -> None:
+    """``key_synthesis("i16")``: each channel's column is integers times one step, within half
+    a step of ``"f32"``, the integers at most 32767 and their magnitudes summing to at most 65535
+    (so that with centroids of at most 32767 steps every 32-bit sum is exact), the largest
+    reaching one of those limits (the step is the smallest that keeps both)."""
+    c = build(GRID[1])
+    codec = c.codes.k_codecs[0]
+    m32, m16 = codec.key_synthesis("f32").astype(np.float64), codec.key_synthesis("i16").astype(np.float64)
+    for i in range(codec.d):
+        col = m16[:, i]
+        # The definition's step: the smallest with every integer at most 32767 and their
+        # magnitudes summing to at most 65535 - m (room for the rounding's m / 2).
+        step = max(np.abs(m32[:, i]).sum() / (65535 - codec.m), np.abs(m32[:, i]).max() / 32767)
+        w = col / step
+        assert np.all(np.abs(w - np.round(w)) <= 1e-6 * np.abs(w) + 1e-6), i
+        assert np.abs(np.round(w)).max() <= 32767 and np.abs(np.round(w)).sum() <= 65535
+        assert np.isclose(np.abs(np.round(w)).max(), 32767) or np.abs(np.round(w)).sum() >= 65535 - 1.5 * codec.m
+        assert np.abs(col - m32[:, i]).max() <= 0.5 * step * (1 + 1e-5)
 
 
 def test_the_kernel_named_is_the_one_the_cpu_runs() -> None:

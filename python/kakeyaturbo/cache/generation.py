@@ -15,7 +15,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAt
 from .._extras import require
 from ..calibration import ModelCodec
 from ..codec import _checks
-from ..codec.attention import SYNTHESES
+from ..codec.attention import SYNTHESES, attention_kernel
 from ..errors import InvalidInputError, InvalidParameterError
 from ..families import describe
 from ..families.layout import text_config
@@ -75,8 +75,12 @@ class KakeyaCache(Cache):
     cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
     (None: all cores, a layer of little sealed work on the calling thread; see
     :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
-    before RoPE, ``"bf16"`` (default, twice the speed) or ``"f32"`` (the decoded keys to float32
-    rounding); see :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
+    before RoPE, ``"bf16"`` (twice the speed of ``"f32"``), ``"i16"`` (16-bit fixed point, as
+    close to the decoded keys; faster than ``"bf16"`` on AVX2 without AVX-512), ``"f32"`` (the
+    decoded keys to float32 rounding) or ``"auto"`` (the default: ``"i16"`` where the Rust kernel
+    runs its AVX2 build, :func:`kakeyaturbo.attention_kernel`, for a model on the CPU;
+    ``"bf16"`` elsewhere); :attr:`synthesis` holds the one chosen. See
+    :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
     the codes, ``"auto"`` (the Rust one for a model on the CPU, the Triton one,
     :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a CUDA GPU
     where triton is installed; else the slow path), ``"rust"`` (off the CPU: the slow path) or
@@ -95,7 +99,7 @@ class KakeyaCache(Cache):
                  block_size: int = 512, n_sink: int = 0, boundary: Sequence[int] = (),
                  streams: Sequence[str] = STREAMS, rope: Any = None,
                  keep_decoded: bool = False, fast: Optional[bool] = None,
-                 threads: Optional[int] = None, synthesis: str = "bf16", kernel: str = "auto") -> None:
+                 threads: Optional[int] = None, synthesis: str = "auto", kernel: str = "auto") -> None:
         block_size = _checks.integer(block_size, "block_size", 1)
         n_sink = _checks.integer(n_sink, "n_sink", 0)
         if num_layers is not None:
@@ -140,8 +144,10 @@ class KakeyaCache(Cache):
             self._positions = Positions()
         self.rope = rope
         self.threads = _checks.threads(threads)
-        self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES)
         self.kernel = _checks.choice(kernel, "kernel", KERNELS)
+        self.synthesis = _checks.choice(synthesis, "synthesis", SYNTHESES + ("auto",))
+        if self.synthesis == "auto":
+            self.synthesis = _auto_synthesis(model, self.kernel)
         if self.kernel == "triton":
             require("kernel='triton'", ("torch", "triton"), "pip install triton")
             if (model is not None and not self._latent and getattr(model, "device", None) == torch.device("cpu")
@@ -406,6 +412,15 @@ def _layer_memory(layer: Any) -> Dict[str, int]:
     out = dict(layer.memory() if isinstance(layer, _OWN) else {})
     out["state"] = out.get("state", 0) + _state_bytes(layer)
     return out
+
+
+def _auto_synthesis(model: Any, kernel: str) -> str:
+    """``synthesis="auto"``: the fixed-point synthesis where the Rust kernel runs its AVX2 build
+    for a model on the CPU (1.2 to 1.4x the bfloat16 one's speed there, docs/decode-attention.md);
+    bfloat16 elsewhere (AVX-512 BF16's dot product; the Triton kernel's tensor cores)."""
+    device = getattr(model, "device", None)
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    return "i16" if on_cpu and kernel != "triton" and attention_kernel() == "avx2" else "bf16"
 
 
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,

@@ -11,7 +11,7 @@ from ..errors import InvalidParameterError
 from . import _checks
 
 #: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
-SYNTHESES = ("bf16", "f32")
+SYNTHESES = ("bf16", "f32", "i16")
 
 DEFAULT_ROTATION_SEED = 0xCAFEBABE
 METRICS = ("mse", "inner_product", "ip", "linf")
@@ -112,7 +112,9 @@ class CalibratedCodec:
         place) decodes as ``mean + g * c M`` (row ``j``: the synthesis of the unit vector ``e_j``,
         the sub-band rotation folded in), as :func:`kakeyaturbo.decode_attention` multiplies it
         for keys coded before RoPE: ``"bf16"`` each entry rounded to bfloat16 (the default
-        synthesis), ``"f32"`` as it is. For mirrors of that kernel (the Triton one). Raises
+        synthesis), ``"f32"`` as it is, ``"i16"`` as the fixed-point synthesis's weight times its
+        channel's step (it multiplies centroids rounded to steps of 1/256, saturating at
+        ±128). For mirrors of that kernel (the Triton one). Raises
         InvalidParameterError for another ``synthesis``."""
         return self._c.key_synthesis(_checks.choice(synthesis, "synthesis", SYNTHESES))
 

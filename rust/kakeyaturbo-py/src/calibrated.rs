@@ -123,7 +123,8 @@ impl PyCalibratedCodec {
     /// decodes as `mean + g * c M` (row `j`: the synthesis of the unit vector `e_j`, band
     /// rotation folded in), as the attention kernel multiplies it for keys coded before RoPE:
     /// `synthesis="bf16"` each entry rounded to bfloat16 (the default kernel's factors),
-    /// `"f32"` as it is. For mirrors of the kernel (the Triton one).
+    /// `"f32"` as it is, `"i16"` as its fixed-point weight times the channel's step (which
+    /// multiplies the centroids in steps of 1/256). For mirrors of the kernel (the Triton one).
     #[pyo3(signature = (synthesis="bf16"))]
     fn key_synthesis<'py>(
         &self,

@@ -55,16 +55,17 @@ pub fn metric(py: Python<'_>, m: &str) -> PyResult<Metric> {
     })
 }
 
-/// How keys coded before RoPE are synthesised, by name (`bf16`, `f32`).
+/// How keys coded before RoPE are synthesised, by name (`bf16`, `f32`, `i16`).
 pub fn synthesis(py: Python<'_>, s: &str) -> PyResult<kakeyaturbo::attention::Synthesis> {
     use kakeyaturbo::attention::Synthesis;
     Ok(match s {
         "bf16" => Synthesis::Bf16,
         "f32" => Synthesis::F32,
+        "i16" => Synthesis::I16,
         _ => {
             return Err(invalid_parameter(
                 py,
-                format!("synthesis must be 'bf16' or 'f32', got {s:?}"),
+                format!("synthesis must be 'bf16', 'f32' or 'i16', got {s:?}"),
             ))
         }
     })

@@ -5,7 +5,8 @@ subset, the full fuzz) and the comparison of one case, under ``attention_triton`
 Keys coded before RoPE (:class:`RopeSpec`: a case of the shared builder read as pre-RoPE codes,
 with a rotary table and each sealed row's position) are compared with the Rust kernel's
 ``rope=..., positions=...`` mode in the case's ``synthesis`` (``"bf16"``, the default: both
-kernels multiply the same bfloat16 factors, ``M`` rounded by Rust; ``"f32"``) under
+kernels multiply the same bfloat16 factors, ``M`` rounded by Rust; ``"f32"``; ``"i16"``, the
+Rust kernel's fixed-point factors, which the Triton one sums in float32) under
 ``attention_triton_rope``, ``S`` taken over the rotated keys."""
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ ROPE_SUBSET = (
              style="interleaved", pads=70, attention_scale=1.2, synthesis="f32"),
     RopeSpec(Spec(seed=203, blocks=(40, 1), kv_heads=3, group=3, n_q=1, dk=32, dv=16,
                   metric="inner_product", threshold=3.0, q_scale=6.0),
-             style="interleaved", rot=10, base=50.0),
+             style="interleaved", rot=10, base=50.0, synthesis="i16"),
 )
 
 
@@ -131,7 +132,7 @@ def make_rope_cases(full: bool) -> List[RopeSpec]:
                             pads=int(g.integers(0, sum(s.blocks) + 2)) if s.batch > 1 else 0,
                             base=float(10 ** g.uniform(3, 6)),
                             attention_scale=float(g.uniform(0.9, 1.3)) if g.random() < 0.3 else 1.0,
-                            synthesis=("bf16", "f32")[i % 2]))
+                            synthesis=("bf16", "f32", "i16")[i % 3]))
     return out
 
 
@@ -208,7 +209,7 @@ def covered_rope(cases: List[RopeSpec]) -> Tuple[bool, ...]:
     """What the brief asks of the pre-RoPE cases, each a bool: both pairings, partial and full
     rotation, a batch of 2 with a left-padded row, GQA, softcap, window, both masks,
     outliers, more than one block and a tile cut by a block's end, n_q > 1, D not a power of
-    two, a scaled table, both syntheses."""
+    two, a scaled table, every synthesis."""
     s = [r.spec for r in cases]
     return ({"half", "interleaved"} <= {r.style for r in cases},
             any(0 < r.rot < r.spec.dk for r in cases), any(r.rot in (0, r.spec.dk) for r in cases),
@@ -218,4 +219,4 @@ def covered_rope(cases: List[RopeSpec]) -> Tuple[bool, ...]:
             any(len(x.blocks) >= 2 for x in s), any(any(n % 64 for n in x.blocks) for x in s),
             any(x.n_q > 1 for x in s), any(x.dk & (x.dk - 1) for x in s),
             any(r.attention_scale != 1.0 for r in cases),
-            {"bf16", "f32"} <= {r.synthesis for r in cases})
+            {"bf16", "f32", "i16"} <= {r.synthesis for r in cases})

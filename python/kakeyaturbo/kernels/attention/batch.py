@@ -119,6 +119,16 @@ class LayerBatch:
         ``M`` a few ulps apart cannot round the other way), in the slot order and ``[H, MP, D]``
         layout of :attr:`key_synthesis`. Raises ValueError for a batch built without its K
         calibrations (``stack_layer`` keeps them)."""
+        return self._synthesis_as("bf16")
+
+    @functools.cached_property
+    def key_synthesis_i16(self) -> torch.Tensor:
+        """``M`` as the Rust kernel's fixed-point synthesis multiplies it
+        (``CalibratedCodec.key_synthesis("i16")``: each weight times its channel's step), laid
+        out as :attr:`key_synthesis_bf16`."""
+        return self._synthesis_as("i16")
+
+    def _synthesis_as(self, synthesis: str) -> torch.Tensor:
         if len(self.k_codecs) != self.kv_heads:
             raise ValueError("this LayerBatch was built without its K calibrations (use stack_layer)")
         cal = self.k.cal
@@ -126,7 +136,7 @@ class LayerBatch:
         col, bits = cal.col.cpu().numpy(), cal.bits.cpu().numpy()
         out = np.zeros((h, mp, d), np.float32)
         for i, codec in enumerate(self.k_codecs):
-            m = np.asarray(codec.key_synthesis("bf16"))
+            m = np.asarray(codec.key_synthesis(synthesis))
             used = bits[i] > 0
             out[i, used] = m[col[i, used]]
         return torch.from_numpy(out).to(cal.device)

@@ -45,7 +45,8 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
       synthesised, rotated to its position and dotted with the queries inside the kernel;
       ``q`` and the raw rows are after RoPE, as the model hands them over. ``synthesis``:
       ``"bf16"`` (the default, as the Rust kernel's) multiplies ``M`` and the centroids rounded
-      to bfloat16, ``"f32"`` the decoded keys' float32 factors.
+      to bfloat16, ``"f32"`` the decoded keys' float32 factors, ``"i16"`` the Rust kernel's
+      16-bit fixed-point factors (summed in float32 here, exactly in integers there).
     - ``sink_logits``: ``[H_q]`` or None, learnt sinks (GPT-OSS), applied to the result as
       :func:`kakeyaturbo.codec.attention.with_sink_logits` does (checked as
       :func:`kakeyaturbo.decode_attention` checks them; a tensor on a GPU only for its shape and
@@ -100,7 +101,7 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
             raise InvalidInputError(f"mask values must be finite or -inf; flat index {i} is "
                                     f"{'NaN' if math.isnan(float(m.reshape(-1)[i])) else 'inf'}")
     if synthesis not in SYNTHESES:
-        raise ValueError(f"synthesis must be 'bf16' or 'f32', got {synthesis!r}")
+        raise ValueError(f"synthesis must be one of {', '.join(map(repr, SYNTHESES))}, got {synthesis!r}")
     sinks = None
     if isinstance(sink_logits, torch.Tensor) and sink_logits.device.type != "cpu":
         # On a GPU, trusted as the positions are: shape and dtype checked, values not read.

@@ -97,7 +97,7 @@ def _rope_chunk(half: int, bdc: int, bn: int, mp: int) -> int:
 def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF, interleaved,
                 QP: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, BR: tl.constexpr,
-                BDC: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr):
+                BDC: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr, I16: tl.constexpr):
     """Scores ``[QP, BN]`` of a tile of keys coded before RoPE: centroids ``kq [BN, MP]`` and
     scales ``gk [BN]`` of rows ``rows`` (``stream_rows``) of batch row ``b``, kv-head ``h``.
 
@@ -112,11 +112,18 @@ def rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
     them, ``M`` (``ksm``) already rounded by Rust (:attr:`~.batch.LayerBatch.key_synthesis_bf16`);
     the products are then exact in float32 and only the order of the float32 sums differs;
     ``MMA`` (with ``BF16``) takes those dots in bfloat16 on the tensor cores, float32 sums (the
-    operands are bfloat16 values already, so the products are the same)."""
+    operands are bfloat16 values already, so the products are the same). ``I16``: the
+    centroids in steps of 1/256, clamped to ±32767 steps and rounded to nearest even (adding
+    and taking away 1.5 * 2**23), as the Rust kernel's fixed-point synthesis takes them, ``M``
+    its weights times their steps (:attr:`~.batch.LayerBatch.key_synthesis_i16`); float32 sums
+    of what Rust sums exactly in integers."""
     if BF16:  # round to nearest even on the bits (the cast's rounding is the backend's choice)
         kb = kq.to(tl.uint32, bitcast=True)
         kb = (kb + 0x7FFF + ((kb >> 16) & 1)) & 0xFFFF0000
         kq = tl.where(tl.abs(kq) < 1.3877787807814457e-17, 0.0, kb.to(tl.float32, bitcast=True))
+    if I16:
+        kv = tl.minimum(tl.maximum(kq * 256.0, -32767.0), 32767.0)
+        kq = ((kv + 12582912.0) - 12582912.0) * 0.00390625
     kq_mma = kq.to(tl.bfloat16)  # exact when BF16 (the low bits are 0); used only with MMA
     hk = h * MP + tl.arange(0, MP)
     pos = tl.load(posn_ptr + b * TC + rows, mask=rmask, other=0).to(tl.int64)
@@ -177,7 +184,7 @@ def _split_kernel(
     scale, softcap, window, has_mask, knorm, vnorm, kout, vout, NPOS, HALF, interleaved, SPLIT,
     QP: tl.constexpr, MPK: tl.constexpr, LOG_MPK: tl.constexpr, MPV: tl.constexpr,
     BN: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BDC: tl.constexpr,
-    ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr,
+    ROPE: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr, MMA: tl.constexpr, I16: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
@@ -226,7 +233,7 @@ def _split_kernel(
             if ROPE:
                 s = rope_scores(kq, gk, rows, rmask, b, h, qrow, rvalid, scale, q_ptr,
                                 ksm_ptr, kmean_ptr, cos_ptr, sin_ptr, posn_ptr, TC, DK, NPOS, HALF,
-                                interleaved, QP, BN, MPK, BR, BDC, BF16, MMA)
+                                interleaved, QP, BN, MPK, BR, BDC, BF16, MMA, I16)
             else:
                 s = gk[None, :] * tl.dot(w, tl.trans(kq), input_precision="ieee") + qm[:, None]
             s = finish_scores(s, SROWS + rows, rmask, rvalid, qpos, b, i, mask_ptr, NQ, T, softcap,
@@ -347,7 +354,8 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
                              f"{positions.dtype} {tuple(positions.shape)}")
         check_device("rope", rope.cos, dev)
         check_device("positions", positions, dev)
-        ksm = layer.key_synthesis_bf16 if synthesis == "bf16" else layer.key_synthesis
+        ksm = (layer.key_synthesis if synthesis == "f32" else
+               layer.key_synthesis_i16 if synthesis == "i16" else layer.key_synthesis_bf16)
         cos, sin, posn = rope.cos, rope.sin, positions
         half, npos = rope.rot_dim // 2, rope.n_positions
     qp = query_rows(group, nq)
@@ -377,6 +385,7 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
         npos, half, int(rope is not None and rope.interleaved), st["SPLIT"],
         BN=st["BN"], BDC=st["BDC"], num_warps=st["num_warps"], num_stages=st["num_stages"],
         ROPE=rope is not None, BR=_rope_chunk(half, st["BDC"], st["BN"], mpk),
-        BF16=rope is not None and synthesis == "bf16", MMA=st["MMA"], **shapes,
+        BF16=rope is not None and synthesis == "bf16", MMA=st["MMA"],
+        I16=rope is not None and synthesis == "i16", **shapes,
     )
     return pm, pl, pacc, ncode
