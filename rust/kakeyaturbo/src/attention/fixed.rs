@@ -1,8 +1,8 @@
 //! The 16-bit fixed-point synthesis of keys coded before RoPE ([`super::Synthesis::I16`]):
 //! centroids in steps of `2^-8`, each channel's column of `M` in integer multiples of its own
 //! step, products summed exactly in 32-bit integers. Integer sums do not depend on their order,
-//! and two 16-bit products per 32-bit lane is one `vpmaddwd` (AVX2: twice the multiply-adds
-//! per cycle of float32 `fma`, without widening bfloat16 halves first).
+//! and two 16-bit products per 32-bit lane is one `vpmaddwd` (AVX2: 16 multiply-adds per
+//! instruction where a float32 `fma` does 8, and no bfloat16 halves to widen first).
 //!
 //! The bound that keeps every sum exact: a channel's weights are scaled so that the sum of
 //! their magnitudes is at most `65535` (each at most `32767`), and every centroid is at most
