@@ -107,7 +107,11 @@ def test_gemma4_layers_of_two_head_sizes(tmp_path) -> None:
     cal = calibration.Calibration.for_model(model, stats, sens, groups=[(s0, z0)])
     cal = calibration.Calibration.load(cal.save(tmp_path / "g4.kkcal")).check_model(model)
     assert [st.layer_index for st, _ in cal.pairs()] == [(1, 2), (0,)]
-    both = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=4)
+    # The float32 synthesis computes the decoded keys, so the greedy tokens must equal
+    # decode-then-attend's; the rounding ones (bf16, i16) move this random model's logits by
+    # their rounding, which can flip one of its near ties.
+    both = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=4,
+                                       synthesis="f32")
     assert both.codec.layers == (0, 1, 2) and both.fast
     seq_b, _ = generate(model, ids, both, n=8)
     seq_bs, _ = generate(model, ids, KakeyaCache(both.codec, model=model, block_size=4, n_sink=1, fast=False), n=8)
