@@ -6,6 +6,22 @@ use super::super::rope::RopeStyle;
 use super::*;
 use crate::rng::SplitMix64;
 
+/// `f(rot)` for a random table of `half` frequencies in both pairings.
+fn each_rot(g: &mut SplitMix64, half: usize, mut f: impl FnMut(&Rot<'_>)) {
+    let trig: Vec<f32> = (0..2 * half * TILE).map(|_| SynthCase::value(g)).collect();
+    let (cos, sin) = trig.split_at(half * TILE);
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        f(&Rot {
+            cos,
+            sin,
+            stride: TILE,
+            offset: 0,
+            half,
+            style,
+        });
+    }
+}
+
 /// The synthesis, plain and rotated (both pairings), against the definition.
 #[test]
 fn bf16_synthesis_matches_the_definition() {
@@ -25,24 +41,17 @@ fn bf16_synthesis_matches_the_definition() {
         let mut got = vec![0f32; d * TILE];
         Avx2.synthesize_bf16(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, &mut got);
         assert_eq!(bits(&got), bits(&want), "m {m} d {d}");
-        let trig: Vec<f32> = (0..2 * half * TILE)
-            .map(|_| SynthCase::value(&mut g))
-            .collect();
-        let (cos, sin) = trig.split_at(half * TILE);
-        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
-            let rot = Rot {
-                cos,
-                sin,
-                stride: TILE,
-                offset: 0,
-                half,
-                style,
-            };
-            rotate_tile(&rot, &mut want);
-            Avx2.synthesize_bf16_rotated(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, &rot, &mut got);
-            assert_eq!(bits(&got), bits(&want), "rotated {style:?}, m {m} d {d}");
+        each_rot(&mut g, half, |rot| {
+            rotate_tile(rot, &mut want);
+            Avx2.synthesize_bf16_rotated(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, rot, &mut got);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "rotated {:?}, m {m} d {d}",
+                rot.style
+            );
             synthesize_bf16_tile(d, pairs, &c.packed, &c.mb, &c.g, &c.mean, &mut want);
-        }
+        });
     }
 }
 
@@ -78,29 +87,18 @@ fn i16_synthesis_matches_the_definition() {
             .collect();
         let gs: [f32; TILE] = std::array::from_fn(|t| 0.5 + t as f32 / 64.0);
         let mean: Vec<f32> = (0..d).map(|i| i as f32 - 2.5).collect();
-        let trig: Vec<f32> = (0..2 * half * TILE)
-            .map(|_| SynthCase::value(&mut g))
-            .collect();
-        let (cos, sin) = trig.split_at(half * TILE);
-        for style in [RopeStyle::Half, RopeStyle::Interleaved] {
-            let rot = Rot {
-                cos,
-                sin,
-                stride: TILE,
-                offset: 0,
-                half,
-                style,
-            };
+        each_rot(&mut g, half, |rot| {
             let mut want = vec![0f32; d * TILE];
             fixed::synthesize_tile(d, pairs, &packed, &f.words, &f.unit, &gs, &mean, &mut want);
-            rotate_tile(&rot, &mut want);
+            rotate_tile(rot, &mut want);
             let mut got = vec![0f32; d * TILE];
-            Avx2.synthesize_i16_rotated(d, pairs, &packed, &f, &gs, &mean, &rot, &mut got);
+            Avx2.synthesize_i16_rotated(d, pairs, &packed, &f, &gs, &mean, rot, &mut got);
+            let style = rot.style;
             assert_eq!(
                 bits(&got),
                 bits(&want),
                 "{style:?}, m {m} d {d} half {half}"
             );
-        }
+        });
     }
 }
