@@ -77,15 +77,12 @@ impl Avx2 {
                 v as u32
             };
         };
-        let value = |j: usize, code: usize| -> u16 {
-            if FIXED {
-                fixed::fixed16(t.centroid(j, code as u32)) as u16
-            } else {
-                t.table_bf16(j)[code]
-            }
-        };
         for j in 0..m {
-            let c0 = value(j, 0);
+            let c0 = if FIXED {
+                fixed::fixed16(t.centroid(j, 0)) as u16
+            } else {
+                t.table_bf16(j)[0]
+            };
             for r in rows..TILE {
                 put(packed, j, r, c0);
             }
@@ -94,15 +91,18 @@ impl Avx2 {
         let full = rw.direct / 8 * 8;
         // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
         unsafe { decode_rows_packed::<FIXED>(t, &rw, full, packed) };
-        rw.each(
-            t,
-            full,
-            &mut s.words,
-            |j| j,
-            |&j, _, r, code| {
-                put(packed, j, r, value(j, code));
-            },
-        );
+        // The rows after `full`, each component's table taken once.
+        if FIXED {
+            let table = |j: usize| &t.lut[t.comps[j].table as usize..];
+            rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
+                put(packed, j, r, fixed::fixed16(lut[code]) as u16);
+            });
+        } else {
+            let table = |j: usize| t.table_bf16(j);
+            rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
+                put(packed, j, r, tab[code]);
+            });
+        }
     }
 }
 
