@@ -167,9 +167,9 @@ def record_launches() -> List[Launch]:
         K.decode_attention_triton(layer, q, tail, tail, sink_k=tail[:, :, :1], sink_v=tail[:, :, :1],
                                   mask=mask, softcap=30.0 if spec.get("mask") else None)
         # The same layer read as keys coded before RoPE (the shipped recipes): both pairings,
-        # full and partial rotary, both syntheses.
+        # full and partial rotary, every synthesis.
         rot = d if d % 2 == 0 else d - 1
-        for style, r, syn in (("half", rot, "bf16"), ("interleaved", min(rot, 32), "f32")):
+        for style, r, syn in (("half", rot, "bf16"), ("interleaved", min(rot, 32), "f32"), ("half", rot, "i16")):
             table = kt.RopeTable(np.ones((400, r // 2), np.float32), np.zeros((400, r // 2), np.float32), style)
             K.decode_attention_triton(layer, q, tail, tail, rope=table, positions=np.arange(300)[None],
                                       synthesis=syn)
