@@ -5,11 +5,12 @@
 //! - The look-up (`avx2_lookup.rs`): 8 rows at a time, each component's indices by a 32-bit
 //!   gather shared with the components whose bits end in it, centroids by permutes of tables
 //!   held in registers (gathered past 5 bits); for keys coded before RoPE rounded to bfloat16
-//!   and packed in pairs in registers. The rows a read would take past the block's end come
-//!   from a zero-padded copy, one at a time.
-//! - The bfloat16 synthesis: two channels by 32 rows per pass (8 accumulators of 8 lanes), each
-//!   packed word widened once for both channels, and for keys coded before RoPE the two channels
-//!   of one frequency, so that the scale, the mean and the rotation run in registers.
+//!   or 16-bit fixed point and packed in pairs in registers. The rows a read would take past
+//!   the block's end come from a zero-padded copy, one at a time.
+//! - The synthesis of keys coded before RoPE: two channels by 32 rows per pass (8 accumulators
+//!   of 8 lanes), the two channels of one frequency, so that the scale, the mean and the
+//!   rotation run in registers; bfloat16 as two float32 `fma`s per packed word (widened once
+//!   for both channels), fixed point as one `vpmaddwd` per word (exact 32-bit sums).
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
 use super::fixed::{self, FixedSynthesis};
@@ -376,8 +377,9 @@ unsafe fn rotated(
     synthesize_from(d, 2 * h, pairs, packed, w, g, mean, keys);
 }
 
-/// Channels `d0 .. d` of [`Tile::synthesize_bf16`]: two at a time, then one, each in two
-/// passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x, mean_dd)`.
+/// Channels `d0 .. d` of [`Tile::synthesize_bf16`] (or the fixed-point synthesis, by `w`): two
+/// at a time, then one, each in two passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x,
+/// mean_dd)`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn synthesize_from(
@@ -414,9 +416,9 @@ unsafe fn synthesize_from(
     }
 }
 
-/// Frequency `i` of [`Tile::synthesize_bf16_rotated`], rows `r0 .. r0 + 32`: both channels
-/// synthesised, scaled, shifted and rotated in registers (the operations of [`rotate_tile`],
-/// in its order), then stored.
+/// Frequency `i` of [`Tile::synthesize_bf16_rotated`] (or [`Tile::synthesize_i16_rotated`], by
+/// `w`), rows `r0 .. r0 + 32`: both channels synthesised, scaled, shifted and rotated in
+/// registers (the operations of [`super::kernel::rotate_tile`], in its order), then stored.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn synthesize_rot(

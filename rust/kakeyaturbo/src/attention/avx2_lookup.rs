@@ -181,7 +181,7 @@ pub(super) unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile:
     });
 }
 
-/// [`super::kernel::bf16_round`] of 8 lanes.
+/// [`super::super::kernel::bf16_round`] of 8 lanes.
 #[inline(always)]
 unsafe fn round_bf16(x: __m256) -> __m256i {
     let b = _mm256_castps_si256(x);

@@ -311,18 +311,17 @@ fn rope_scores<K: Tile>(
             }
             rotate_tile(&rot, keys);
         }
-        Synthesis::Bf16 => {
+        Synthesis::Bf16 | Synthesis::I16 => {
             // `packed` holds the tile's centroids (`code_part`).
             let pairs = kt.m.div_ceil(2);
             let packed = &packed[..pairs * TILE];
-            let mb = kt.key_synthesis_bf16();
-            k.synthesize_bf16_rotated(d, pairs, packed, mb, g, &kt.mean, &rot, keys);
-        }
-        Synthesis::I16 => {
-            let pairs = kt.m.div_ceil(2);
-            let packed = &packed[..pairs * TILE];
-            let f = kt.key_synthesis_i16();
-            k.synthesize_i16_rotated(d, pairs, packed, f, g, &kt.mean, &rot, keys);
+            if kr.synthesis == Synthesis::Bf16 {
+                let mb = kt.key_synthesis_bf16();
+                k.synthesize_bf16_rotated(d, pairs, packed, mb, g, &kt.mean, &rot, keys);
+            } else {
+                let f = kt.key_synthesis_i16();
+                k.synthesize_i16_rotated(d, pairs, packed, f, g, &kt.mean, &rot, keys);
+            }
         }
     }
     let keys = &*keys;
