@@ -371,7 +371,7 @@ pub(crate) fn bf16_half(w: u32, hi: bool) -> f32 {
     f32::from_bits(if hi { w & 0xffff_0000 } else { w << 16 })
 }
 
-/// The definition of [`Tile::pack_bf16`].
+/// The definition of [`Tile::centroids_bf16`]'s packing (bfloat16 pairs, `[p * 64 + t]`).
 #[inline(always)]
 pub(crate) fn pack_tile(m: usize, tile: &[f32], packed: &mut [u32]) {
     for p in 0..m.div_ceil(2) {
