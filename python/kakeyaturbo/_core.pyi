@@ -14,6 +14,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LayerCodes",
     "attention_kernel",
+    "attention_team",
     "centroids_gaussian",
     "check_params",
     "decode_block_from_parts",
@@ -121,6 +122,7 @@ class LayerCodes:
     ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
 
 def attention_kernel() -> str: ...
+def attention_team() -> int: ...
 def roundtrip_layer(
     array: npt.NDArray[np.float32],
     params: Dict[str, Any],

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -74,6 +77,32 @@ def test_thread_counts_give_the_same_bits() -> None:
             for t in (1, 2, None)]
     for out, lse in runs[1:]:
         assert np.array_equal(out, runs[0][0]) and np.array_equal(lse, runs[0][1])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the OpenMP team is looked up on Unix only")
+def test_torchs_openmp_team_runs_the_calls_that_use_every_core() -> None:
+    """With torch loaded, calls on every core run on torch's OpenMP team (as many threads as
+    ``torch.get_num_threads()``), with the same bits as one thread; with torch held to one
+    thread, or the team turned off in the environment, on the kernel's own threads."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs one thread here: no team to lend")
+    assert kt.attention_team() == torch.get_num_threads()
+    c = build(Spec(seed=13, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=1))
+    one = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, threads=1, return_lse=True, **c.call())
+    team = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call())
+    assert all(np.array_equal(a, b) for a, b in zip(one, team))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kt.attention_team() == 0
+        own = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call())
+    finally:
+        torch.set_num_threads(n)
+    assert all(np.array_equal(a, b) for a, b in zip(one, own))
+    code = "import torch, kakeyaturbo as kt; print(kt.attention_team())"
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KAKEYATURBO_OPENMP_TEAM": "0"})
+    assert off.stdout.strip() == "0"
 
 
 def test_a_query_that_sees_nothing_gives_zero() -> None:

@@ -3,7 +3,7 @@ fitted once per model) with `attention` over its codes, and the stages' `primiti
 oracle kernels are checked against).
 Each function checks its arguments once (`_checks`) and makes one call into the Rust core."""
 
-from .attention import LayerCodes, RopeTable, attention_kernel, decode_attention
+from .attention import LayerCodes, RopeTable, attention_kernel, attention_team, decode_attention
 from .calibrated import CalibratedCodec
 from .perblock import (
     DEFAULTS,
@@ -32,6 +32,7 @@ __all__ = [
     "LayerCodes",
     "RopeTable",
     "attention_kernel",
+    "attention_team",
     "centroids_gaussian",
     "check_params",
     "decode_attention",

@@ -364,6 +364,13 @@ impl PyLayerCodes {
     }
 }
 
+/// The threads of the host's team (`kakeyaturbo::team`) a call on every core runs on now, 0
+/// where none.
+#[pyfunction]
+pub fn attention_team() -> usize {
+    kakeyaturbo::team::available().map_or(0, |(_, n)| n)
+}
+
 /// The instruction set `decode_attention` runs on this CPU: "avx512", "avx2" or "portable"
 /// (every one computes the same bits).
 #[pyfunction]

@@ -9,11 +9,15 @@ mod errors;
 mod layer;
 mod params;
 mod primitives;
+#[cfg(unix)]
+mod team;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    #[cfg(unix)]
+    team::install();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", kakeyaturbo::perblock::container::VERSION)?;
     m.add_function(wrap_pyfunction!(layer::roundtrip_layer, m)?)?;
@@ -25,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calibrated::PyCalibratedCodec>()?;
     m.add_class::<attention::PyLayerCodes>()?;
     m.add_function(wrap_pyfunction!(attention::attention_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::attention_team, m)?)?;
     m.add(
         "CALIBRATED_FORMAT_VERSION",
         kakeyaturbo::calibrated::VERSION,

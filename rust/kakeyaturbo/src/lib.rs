@@ -28,6 +28,7 @@ pub mod perblock;
 pub mod quant;
 mod quant_tables;
 pub mod rng;
+pub mod team;
 pub mod threads;
 pub mod wht;
 

@@ -127,13 +127,15 @@ pub fn halfway(rows: &[usize]) -> usize {
 }
 
 /// How a call's units of work run: all on the calling thread; split into two runs of about
-/// equal weight, the first on the calling thread and the second on one scoped thread; or on
-/// rayon's pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// equal weight, the first on the calling thread and the second on one scoped thread; on
+/// rayon's pool; or on the host's team of that many threads that the caller leads
+/// ([`crate::team`]).
+#[derive(Debug, Clone, Copy)]
 pub(crate) enum Mode {
     Serial,
     Pair,
     Pool,
+    Team(crate::team::Team, usize),
 }
 
 /// `f` over `items` (with a state per thread from `init`), the results in the items' order
@@ -151,6 +153,9 @@ where
 {
     // One item: nothing to share.
     let mode = if items.len() < 2 { Mode::Serial } else { mode };
+    if let Mode::Team(team, n) = mode {
+        return crate::team::run_all(team, n, items, weight, init, f);
+    }
     match mode {
         Mode::Serial => {
             let mut s = init();
@@ -180,7 +185,7 @@ where
                 done
             })
         }
-        Mode::Pool => {
+        Mode::Pool | Mode::Team(..) => {
             use rayon::prelude::*;
             items.par_iter().map_init(init, f).collect()
         }

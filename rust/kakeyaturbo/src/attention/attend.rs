@@ -30,11 +30,21 @@ pub const INLINE_WORK: usize = 1 << 19;
 /// it for the others, whose step costs 3 to 4x as much per element (AVX2 on a 2-core Zen 3 VM,
 /// 2026-12-06: at 2,053 tokens, 393,216 elements per call, two threads gave 0.77x and 0.84x of
 /// `DynamicCache`'s decode tokens/s where one gave 0.67x and 0.63x, `benches/bench_generate.py
-/// --kernel-threads 1,2`, docs/decode-attention.md).
+/// --kernel-threads 1,2`, docs/decode-attention.md). Half of that where the host's team would
+/// run the call ([`crate::team`]), whose threads need no wake-up between the host's operations
+/// (AVX2 on the Zen 3 VM, 2026-12-06, `benches/bench_decode_attention.py --recipes
+/// calibrated-3bit --layers 1 --first-layer 15 --tokens 128,512,2048 --pause-ms 0`: the team's
+/// two threads were no faster than one at 128 rows, 24,576 elements, and faster at 512,
+/// 98,304; docs/decode-attention.md, "Torch's OpenMP team").
 pub fn inline_work() -> usize {
-    match Isa::best() {
+    let own = match Isa::best() {
         Isa::Avx512 => INLINE_WORK,
         _ => INLINE_WORK / 4,
+    };
+    if crate::team::available().is_some() {
+        own / 2
+    } else {
+        own
     }
 }
 
@@ -228,6 +238,8 @@ pub fn attend_with(
     let work = sealed_work(cx.batch * cx.kv_heads, cx.dk, cx.sealed, 1);
     let mode = if crate::threads::inline() {
         Mode::Serial
+    } else if let Some((team, n)) = team_here() {
+        Mode::Team(team, n)
     } else if work <= PAIR_WORK && pair_here() {
         Mode::Pair
     } else {
@@ -478,6 +490,17 @@ fn task_spans(tasks: &[Task], pairs: usize) -> Vec<(usize, usize)> {
         start = end;
     }
     spans
+}
+
+/// The host's team ([`crate::team`]) where this call would otherwise use every core: the
+/// caller runs outside rayon's pools and that team has two threads or more now.
+fn team_here() -> Option<(crate::team::Team, usize)> {
+    if rayon::current_thread_index().is_some()
+        || rayon::current_num_threads() < crate::threads::max_threads()
+    {
+        return None;
+    }
+    crate::team::available()
 }
 
 /// Whether a call of at most [`PAIR_WORK`] splits its pieces between the calling thread and one
