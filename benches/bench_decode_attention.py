@@ -22,7 +22,9 @@ method after an untimed one) so that every method sees the same machine:
   Rust decoder, then SDPA fp32), fewer repetitions.
 
 torch's OpenMP threads are told to sleep when idle (``OMP_WAIT_POLICY=PASSIVE``), so that
-their spinning does not slow whichever method runs next. Reported: median ms over the
+their spinning does not slow whichever method runs next; ``--omp-default`` leaves torch's own
+policy (its threads spin a while after each parallel region, as in generation), under which the
+codes' two-thread calls run on those very threads (``kakeyaturbo.attention_team``). Reported: median ms over the
 repetitions, speed-up against SDPA fp32 at the same thread
 count, bytes held, and the machine's load average before and after (``os.getloadavg``; 2
 cores here, shared). Writes ``bench-out/decode_attention.json`` and ``.md``.
@@ -42,7 +44,7 @@ no model with more than a couple of layers sees at 8k.
 
     .venv/bin/python benches/bench_decode_attention.py [--tokens 2048,8192,32768]
         [--bits 3,4] [--reps 15] [--pause-ms 5] [--layers 1] [--recipes ''] [--first-layer 0]
-        [--synthesis bf16] [--out bench-out]
+        [--synthesis bf16] [--omp-default] [--out bench-out]
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # torch's OpenMP threads spin for a while after each parallel region; on 2 cores that took the
 # cores from whatever ran next (a 0.25 ms step measured 2 ms right after SDPA). They sleep
-# instead (set before torch loads its OpenMP runtime).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# instead (set before torch loads its OpenMP runtime), unless --omp-default.
+if "--omp-default" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -337,7 +340,8 @@ def markdown(res: Dict[str, Any]) -> str:
         "",
         f"{machine(env)} | "
         f"median of {res['reps']} repetitions (methods taking turns in runs of up to 5 calls after an "
-        f"untimed one, {res['pause_ms']:g} ms pause before each call) | load average (1 min) "
+        f"untimed one, {res['pause_ms']:g} ms pause before each call) | OMP_WAIT_POLICY "
+        f"{res['omp_wait_policy']} | load average (1 min) "
         f"{res['load_min']:.2f}..{res['load_max']:.2f}",
         "",
         "ms per step, one layer, all heads, one query token per head; x = SDPA fp32 time / codes "
@@ -381,13 +385,13 @@ def environment() -> Dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
             "kakeyaturbo": kt.__version__, "python": platform.python_version(),
-            "attention_kernel": kt.attention_kernel()}
+            "attention_kernel": kt.attention_kernel(), "openmp_team": kt.attention_team()}
 
 
 def machine(env: Dict[str, Any]) -> str:
     """The date, CPU, cores and torch of :func:`environment`, as a table's first line begins."""
     return (f"{env['date']} | {env['cpu']} | {env['cores']} cores | torch {env['torch']} | "
-            f"kernel {env['attention_kernel']}")
+            f"kernel {env['attention_kernel']} | OpenMP team {env['openmp_team'] or 'none'}")
 
 
 def main() -> int:
@@ -414,6 +418,9 @@ def main() -> int:
                          "whose keys get a typical number of components")
     ap.add_argument("--synthesis", default="bf16", choices=SYNTHESES,
                     help="how the pre-RoPE columns synthesise the keys (kakeyaturbo.decode_attention)")
+    ap.add_argument("--omp-default", action="store_true",
+                    help="leave torch's OpenMP wait policy as it is (default: OMP_WAIT_POLICY=PASSIVE, "
+                         "set before torch loads)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     global PAUSE_S
@@ -426,6 +433,7 @@ def main() -> int:
         "environment": environment(),
         "reps": args.reps, "pause_ms": args.pause_ms, "layers": max(r["layers"] for r in rows),
         "first_layer": args.first_layer, "synthesis": args.synthesis,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "torch's default"),
         "load_min": min(loads), "load_max": max(loads),
         "rows": rows,
     }

@@ -41,7 +41,7 @@ from kakeyaturbo import assets, calibration, recipes
 from kakeyaturbo.cache import KakeyaCache, codec_for
 from kakeyaturbo.cache import fast as fast_mod
 from kakeyaturbo.cache.layer import KakeyaLayer
-from kakeyaturbo.codec.attention import LayerCodes, attention_kernel
+from kakeyaturbo.codec.attention import LayerCodes, attention_kernel, attention_team
 from kakeyaturbo.calibration import corpus
 from kakeyaturbo.eval import model as model_mod
 
@@ -283,7 +283,7 @@ def main() -> int:
     load = os.getloadavg()
     print(f"{model_path.name} | {args.new_tokens} new tokens | block {args.block_size} | "
           f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f} | "
-          f"attention kernel {attention_kernel()}")
+          f"attention kernel {attention_kernel()} | OpenMP team {attention_team() or 'none'}")
     print("| prompt | cache | recipe | bits/elem held | prefill s | decode tok/s | vs DynamicCache "
           "| identical (vs DynamicCache) | identical (vs decode-then-attend) | KL vs DynamicCache "
           "| KL vs decode-then-attend | decode step ms: attention (kernel) / update / seal / rest |")
@@ -316,7 +316,7 @@ def main() -> int:
         "model": model_path.name, "new_tokens": args.new_tokens, "block_size": args.block_size,
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": load,
         "machine": platform.processor() or platform.machine(),
-        "attention_kernel": attention_kernel(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "attention_kernel": attention_kernel(), "openmp_team": attention_team(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "repeats": args.repeats, "rows": rows, "summary": shown, "texts": texts},
         indent=2, default=str) + "\n")
     print(f"\nwrote {path}")
