@@ -332,9 +332,11 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
     - ``mask``: additive float32 (finite or ``-inf``) or boolean (True: attend) ``[B, n_q, T]``
       or ``[B, 1, n_q, T]``, added after the softcap.
     - ``threads``: None (all cores, except that a call of little sealed work, batch x kv-heads x
-      sealed rows x ``D_k`` x ceil(query rows per kv-head / 16) <= 2**19, runs on the calling
-      thread: waking a second thread costs more than it saves there) or a count; the result is
-      the same for every count.
+      sealed rows x ``D_k`` x ceil(query rows per kv-head / 16) <= 2**19 on the AVX-512 kernel,
+      a quarter of that on the others, half again where torch's team runs the call, runs on the
+      calling thread: a second thread costs more than it saves there) or a count; a call on
+      every core runs on torch's OpenMP threads where torch is loaded (:func:`attention_team`).
+      The result is the same for every count.
     - ``rope`` and ``positions``: the keys were coded before RoPE. ``positions`` (integers
       ``[B, T_c]``) gives each sealed row's position, a row of ``rope``; each sealed key is
       synthesised and rotated inside the kernel. ``q`` and the raw rows are after RoPE, as the
