@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import select
+import signal
 import subprocess
 import sys
 
@@ -103,6 +105,33 @@ def test_torchs_openmp_team_runs_the_calls_that_use_every_core() -> None:
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "KAKEYATURBO_OPENMP_TEAM": "0"})
     assert off.stdout.strip() == "0"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_attends_on_threads_of_its_own() -> None:
+    """libgomp's team does not survive a fork (a parallel region in the child waits for threads
+    that are not there): a child forked after the team ran keeps the kernel's own threads, with
+    the same bits, and does not hang."""
+    c = build(Spec(seed=13, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=1))
+    want = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's exit handlers
+        code = 1
+        try:
+            got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+            code = 0 if np.array_equal(got, want) and kt.attention_team() == 0 else 2
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], 60)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert ready, "the forked child hung"
+    assert os.read(r, 1) == b"\x00", "the child's result or team differs"
+    os.close(r)
 
 
 def test_a_query_that_sees_nothing_gives_zero() -> None:

@@ -300,8 +300,9 @@ def attention_team() -> int:
     on when a call uses every core (``threads=None``, except the small calls that run on the
     calling thread, or ``threads`` at least the core count): ``torch.get_num_threads()`` where
     torch is loaded and runs 2 or more; 0 where the kernel starts threads of its own instead
-    (no OpenMP runtime loaded, torch held to one thread, Windows, or
-    ``KAKEYATURBO_OPENMP_TEAM=0`` in the environment when kakeyaturbo is imported). The same
+    (no OpenMP runtime loaded, torch held to one thread, Windows, the child of a ``fork``,
+    where libgomp's team does not survive, or ``KAKEYATURBO_OPENMP_TEAM=0`` in the
+    environment when kakeyaturbo is imported). The same
     bits either way; between torch operations the team's threads are awake, where threads of
     the kernel's own would wait for cores they hold."""
     return int(_core.attention_team())

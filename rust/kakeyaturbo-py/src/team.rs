@@ -2,10 +2,13 @@
 //! (`kakeyaturbo::team`): found at run time among the symbols the process has loaded
 //! (`GOMP_parallel`, which libgomp and LLVM's OpenMP both export), so nothing is linked and a
 //! process without torch keeps the kernel's own threads. `KAKEYATURBO_OPENMP_TEAM=0` in the
-//! environment (read at import) turns it off.
+//! environment (read at import) turns it off, and so does a `fork`: libgomp's team does not
+//! survive into the child (a parallel region there waits for threads that are not there), so a
+//! child keeps the kernel's own threads.
 
 use kakeyaturbo::team::{register, Team};
 use std::ffi::{c_int, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 type Parallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
@@ -18,6 +21,13 @@ struct Omp {
 }
 
 static OMP: OnceLock<Omp> = OnceLock::new();
+
+/// Set in the child of a `fork` (a `pthread_atfork` handler registered at import).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn in_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
 
 /// The runtime's entry points, once a loaded library exports both (looked up again on each
 /// call until then: torch may be imported after this module).
@@ -68,6 +78,9 @@ fn run(job: &(dyn Fn() + Sync)) {
 }
 
 fn size() -> usize {
+    if FORKED.load(Ordering::Relaxed) {
+        return 0;
+    }
     // SAFETY: `omp_get_max_threads` takes nothing and returns an int.
     omp().map_or(0, |o| unsafe { (o.max_threads)() }.max(0) as usize)
 }
@@ -75,6 +88,11 @@ fn size() -> usize {
 /// Registers the team unless the environment turns it off.
 pub fn install() {
     if std::env::var_os("KAKEYATURBO_OPENMP_TEAM").is_some_and(|v| v == "0") {
+        return;
+    }
+    // SAFETY: registers a handler that only stores to an atomic; a failure (no memory for the
+    // handler) leaves the team off rather than unsafe in a child.
+    if unsafe { libc::pthread_atfork(None, None, Some(in_child)) } != 0 {
         return;
     }
     register(Team { run, size });
