@@ -8,7 +8,7 @@
 //! ours woken right after a torch operation finds its core taken and the call waits for it.
 //! Handing the work to the team instead starts it on those very threads.
 //!
-//! Work is split as in [`crate::threads`]: each member owns a contiguous run of the items (of
+//! Work is split as in [`crate::threads::halfway`]: each member owns a contiguous run of the items (of
 //! about equal weight) and takes them from the front; a member whose run is done takes items
 //! from the back of the others' runs. So a member that starts late (or never) costs no more
 //! than its items run elsewhere, and every item runs exactly once; the results go back in the
@@ -77,24 +77,6 @@ impl Run {
     }
 }
 
-/// The bounds of `n` contiguous runs of about equal total weight (`n + 1` of them, from 0 to
-/// `weights.len()`): an item joins the run that holds more than half of it.
-fn runs(weights: &[usize], n: usize) -> Vec<usize> {
-    let total: u128 = weights.iter().map(|&w| w as u128).sum();
-    let mut bounds = vec![0];
-    let (mut acc, mut i) = (0u128, 0usize);
-    for k in 1..n {
-        let target = total * k as u128 / n as u128;
-        while i < weights.len() && acc + weights[i] as u128 / 2 < target {
-            acc += weights[i] as u128;
-            i += 1;
-        }
-        bounds.push(i);
-    }
-    bounds.push(weights.len());
-    bounds
-}
-
 /// `f` over `items` on `team` (`n` threads), a state per thread from `init` (made when it
 /// takes its first item); the results in the items' order.
 pub(crate) fn run_all<X, S, T>(
@@ -111,7 +93,7 @@ where
 {
     assert!(items.len() < u32::MAX as usize);
     let weights: Vec<usize> = items.iter().map(weight).collect();
-    let bounds = runs(&weights, n);
+    let bounds = crate::threads::runs(&weights, n);
     let runs: Vec<Run> = bounds.windows(2).map(|w| Run::new(w[0], w[1])).collect();
     let out: Vec<Mutex<Option<T>>> = items.iter().map(|_| Mutex::new(None)).collect();
     let arrived = AtomicUsize::new(0);
@@ -179,23 +161,6 @@ mod tests {
 
     fn size() -> usize {
         THREADS
-    }
-
-    #[test]
-    fn runs_cover_the_items_once_in_order() {
-        for (w, n) in [
-            (vec![1usize; 10], 3),
-            (vec![5, 1, 1, 1, 1, 1], 2),
-            (vec![], 2),
-            (vec![1], 4),
-            (vec![0, 0, 7], 2),
-        ] {
-            let b = runs(&w, n);
-            assert_eq!(b.len(), n + 1, "{w:?}");
-            assert_eq!((b[0], b[n]), (0, w.len()), "{w:?}");
-            assert!(b.windows(2).all(|p| p[0] <= p[1]), "{w:?} {b:?}");
-        }
-        assert_eq!(runs(&[1; 10], 2), vec![0, 5, 10]);
     }
 
     #[test]

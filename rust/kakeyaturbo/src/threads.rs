@@ -110,20 +110,26 @@ pub fn with_threads_inline<R: Send>(
 /// thread three of a single kv-head's four pieces of 512 rows and the other the fourth and a
 /// one-row tail.
 pub fn halfway(rows: &[usize]) -> usize {
-    let total: usize = rows.iter().sum();
-    let mut best = (usize::MAX, 0);
-    let mut acc = 0usize;
-    for k in 0..=rows.len() {
-        // |first - second| = |2 acc - total|, the first run being `rows[..k]`.
-        let gap = (2 * acc).abs_diff(total);
-        if gap < best.0 || (gap == best.0 && 2 * acc > total) {
-            best = (gap, k);
+    runs(rows, 2)[1]
+}
+
+/// The bounds of `n >= 1` contiguous runs of the pieces of about equal total weight (`n + 1`
+/// of them, from 0 to `weights.len()`): a piece joins a run if at least half of its weight lies
+/// before the run's share ends (`k / n` of the total for run `k`).
+pub(crate) fn runs(weights: &[usize], n: usize) -> Vec<usize> {
+    let total: u128 = weights.iter().map(|&w| w as u128).sum();
+    let mut bounds = vec![0];
+    let (mut acc, mut i) = (0u128, 0usize);
+    for k in 1..n as u128 {
+        // The piece's middle, acc + w / 2, at or before k / n of the total (doubled).
+        while i < weights.len() && n as u128 * (2 * acc + weights[i] as u128) <= 2 * total * k {
+            acc += weights[i] as u128;
+            i += 1;
         }
-        if let Some(r) = rows.get(k) {
-            acc += r;
-        }
+        bounds.push(i);
     }
-    best.1
+    bounds.push(weights.len());
+    bounds
 }
 
 /// How a call's units of work run: all on the calling thread; split into two runs of about
@@ -153,9 +159,6 @@ where
 {
     // One item: nothing to share.
     let mode = if items.len() < 2 { Mode::Serial } else { mode };
-    if let Mode::Team(team, n) = mode {
-        return crate::team::run_all(team, n, items, weight, init, f);
-    }
     match mode {
         Mode::Serial => {
             let mut s = init();
@@ -185,16 +188,37 @@ where
                 done
             })
         }
-        Mode::Pool | Mode::Team(..) => {
+        Mode::Pool => {
             use rayon::prelude::*;
             items.par_iter().map_init(init, f).collect()
         }
+        Mode::Team(team, n) => crate::team::run_all(team, n, items, weight, init, f),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_cover_the_pieces_once_in_order() {
+        for (w, n) in [
+            (vec![1usize; 10], 3),
+            (vec![5, 1, 1, 1, 1, 1], 2),
+            (vec![], 2),
+            (vec![1], 4),
+            (vec![0, 0, 7], 2),
+            (vec![3, 3], 1),
+        ] {
+            let b = runs(&w, n);
+            assert_eq!(b.len(), n + 1, "{w:?}");
+            assert_eq!((b[0], b[n]), (0, w.len()), "{w:?}");
+            assert!(b.windows(2).all(|p| p[0] <= p[1]), "{w:?} {b:?}");
+        }
+        assert_eq!(runs(&[1; 10], 2), vec![0, 5, 10]);
+        assert_eq!(runs(&[1; 9], 3), vec![0, 3, 6, 9]);
+        assert_eq!(runs(&[5, 1, 1, 1, 1, 1], 2), vec![0, 1, 6]);
+    }
 
     #[test]
     fn one_thread_runs_inline() {
