@@ -74,15 +74,14 @@ pub mod kernel;
 pub mod math;
 mod part;
 pub mod rope;
+mod split;
 pub mod store;
 pub mod tables;
 
-pub use attend::{
-    attend, attend_with, auto_threads, inline_work, AttentionOutput, AttentionParams, Isa,
-    INLINE_WORK, QUERY_ROWS_PER_UNIT,
-};
+pub use attend::{attend, attend_with, AttentionOutput, AttentionParams, Isa};
 pub use part::RawRows;
 pub use rope::{KeyRope, RopeStyle, Synthesis};
+pub use split::{auto_threads, inline_work, INLINE_WORK, QUERY_ROWS_PER_UNIT};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
 

@@ -62,9 +62,9 @@ fn many_query_rows_split_by_rows_without_changing_the_bits() {
     check(&s);
     let c = build(&s);
     let (mk, mv) = (c.codes.k_store(0).tables().m, c.codes.v_store(0).tables().m);
-    assert!(96 * (c.dk + c.dv) * (mk + mv) >= super::super::attend::ROWS_WORK);
-    assert!(96 * mk * c.dk >= super::super::attend::ROWS_WORK);
-    const { assert!(96 > 2 * super::super::attend::ROW_CHUNK) };
+    assert!(96 * (c.dk + c.dv) * (mk + mv) >= super::super::split::ROWS_WORK);
+    assert!(96 * mk * c.dk >= super::super::split::ROWS_WORK);
+    const { assert!(96 > 2 * super::super::split::ROW_CHUNK) };
     thread_count_same(&c);
     // Several query tokens: the units of 16 rows cut across a head's tokens (row = g * n_q + i),
     // and a grouped-query layer with a causal mask over its tokens.
