@@ -8,9 +8,9 @@
 //! ours woken right after a torch operation finds its core taken and the call waits for it.
 //! Handing the work to the team instead starts it on those very threads.
 //!
-//! Work is split as in [`crate::threads::halfway`]: each member owns a contiguous run of the items (of
-//! about equal weight) and takes them from the front; a member whose run is done takes items
-//! from the back of the others' runs. So a member that starts late (or never) costs no more
+//! Work is split by weight, as [`crate::threads::halfway`] splits it in two: each member owns
+//! a contiguous run of the items (of about equal weight) and takes them from the front; a
+//! member whose run is done takes items from the back of the others' runs. So a member that starts late (or never) costs no more
 //! than its items run elsewhere, and every item runs exactly once; the results go back in the
 //! items' order, so they never depend on which thread ran what.
 
