@@ -73,6 +73,11 @@ def test_failures_name_the_error_and_the_index() -> None:
         compare("x", (out, lse), (want[0].numpy(), want[1].numpy()), 1.0, 1.0, 1e-6, 1e-6)
 
 
+#: A layer whose sealed work is past every kernel's one-thread threshold: ``threads=None``
+#: leaves the calling thread (on torch's team where torch runs two threads or more).
+EVERY_CORE = Spec(seed=13, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=1)
+
+
 def test_thread_counts_give_the_same_bits() -> None:
     c = build(Spec(seed=11, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=2))
     runs = [kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, threads=t, return_lse=True, **c.call())
@@ -89,7 +94,7 @@ def test_torchs_openmp_team_runs_the_calls_that_use_every_core() -> None:
     if torch.get_num_threads() < 2:
         pytest.skip("torch runs one thread here: no team to lend")
     assert kt.attention_team() == torch.get_num_threads()
-    c = build(Spec(seed=13, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=1))
+    c = build(EVERY_CORE)
     one = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, threads=1, return_lse=True, **c.call())
     team = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, return_lse=True, **c.call())
     assert all(np.array_equal(a, b) for a, b in zip(one, team))
@@ -112,7 +117,7 @@ def test_a_forked_child_attends_on_threads_of_its_own() -> None:
     """libgomp's team does not survive a fork (a parallel region in the child waits for threads
     that are not there): a child forked after the team ran keeps the kernel's own threads, with
     the same bits, and does not hang."""
-    c = build(Spec(seed=13, blocks=(2048, 2048, 700), kv_heads=3, group=3, n_q=1))
+    c = build(EVERY_CORE)
     want = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
     r, w = os.pipe()
     pid = os.fork()
