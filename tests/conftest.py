@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
 
 # Triton reads TRITON_INTERPRET when a kernel module is first imported, and not only the kernel
 # tests import Triton (transformers' quantized caches import hqq, which imports triton): set it
@@ -52,6 +53,33 @@ def kv_like(n: int, d: int, seed: int = 0, decay: float = 0.85) -> np.ndarray:
 @pytest.fixture
 def kv() -> np.ndarray:
     return kv_like(600, 32)
+
+
+def in_forked_child(job: Callable[[], bool], timeout: float = 60.0) -> Optional[bool]:
+    """Forks; the child runs `job` and reports whether it returned True (False if it raised),
+    then leaves without running the parent's exit handlers. None if the child reported nothing
+    within `timeout` seconds: it hung, and is killed."""
+    import select
+    import signal
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = False
+        try:
+            ok = bool(job())
+        finally:
+            os.write(w, bytes([ok]))
+            os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], timeout)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return os.read(r, 1) == b"\x01" if ready else None
+    finally:
+        os.close(r)
 
 
 def _tiny_text(paragraphs: int = 400, seed: int = 0) -> str:

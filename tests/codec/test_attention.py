@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import select
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from hypothesis import given
+from conftest import in_forked_child
 from hypothesis import strategies as st
 
 import kakeyaturbo as kt
@@ -119,24 +118,14 @@ def test_a_forked_child_attends_on_threads_of_its_own() -> None:
     the same bits, and does not hang."""
     c = build(EVERY_CORE)
     want = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave without running the parent's exit handlers
-        code = 1
-        try:
-            got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
-            code = 0 if np.array_equal(got, want) and kt.attention_team() == 0 else 2
-        finally:
-            os.write(w, bytes([code]))
-            os._exit(0)
-    os.close(w)
-    ready, _, _ = select.select([r], [], [], 60)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    assert ready, "the forked child hung"
-    assert os.read(r, 1) == b"\x00", "the child's result or team differs"
-    os.close(r)
+
+    def child() -> bool:
+        got = kt.decode_attention(c.codes, c.q, c.tail_k, c.tail_v, **c.call())
+        return np.array_equal(got, want) and kt.attention_team() == 0
+
+    ok = in_forked_child(child)
+    assert ok is not None, "the forked child hung"
+    assert ok, "the child's result or team differs"
 
 
 def test_a_query_that_sees_nothing_gives_zero() -> None:

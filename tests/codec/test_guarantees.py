@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Type
 
 import numpy as np
 import pytest
-from conftest import kv_like
+from conftest import in_forked_child, kv_like
 
 import kakeyaturbo as kt
 from kakeyaturbo import _core
@@ -315,6 +315,27 @@ def test_thread_counts_do_not_pile_up_os_threads() -> None:
     before, after, cores = map(int, r.stdout.split())
     # The global pool plus at most four cached pools smaller than the core count.
     assert after - before <= 4 * cores, (before, after, cores)
+
+
+def test_a_forked_child_codes_on_threads_of_its_own() -> None:
+    """rayon's pools keep their state across a fork but not their threads: a child forked after
+    the parent coded on the global pool and on a pool of one thread waited forever for them (the
+    build before the fix hung here). It codes the parent's bytes on pools of its own."""
+    x = kv_like(4096, 64)
+    want = {t: kt.encode_layer(x, threads=t) for t in (None, 1)}
+    codec = kt.CalibratedCodec(M, A, S, SP, B)
+    y = np.random.default_rng(3).standard_normal((3000, 16)).astype(np.float32)
+    want_cal = codec.encode(y)
+
+    def child() -> bool:
+        same = all(kt.encode_layer(x, threads=t) == b for t, b in want.items())
+        back = kt.decode_layer(want[None])
+        return same and np.array_equal(back, kt.decode_layer(want[1], threads=1)) and (
+            codec.encode(y) == want_cal)
+
+    ok = in_forked_child(child)
+    assert ok is not None, "the forked child hung"
+    assert ok, "the child's bytes differ from the parent's"
 
 
 # ---- 7. messages that name the parameter and the expected value ----------------------------

@@ -4,11 +4,12 @@
 //! process without torch keeps the kernel's own threads. `KAKEYATURBO_OPENMP_TEAM=0` in the
 //! environment (read at import) turns it off, and so does a `fork`: libgomp's team does not
 //! survive into the child (a parallel region there waits for threads that are not there), so a
-//! child keeps the kernel's own threads.
+//! child keeps the kernel's own threads (`kakeyaturbo::threads::forked`, set by the handler
+//! [`install`] registers).
 
 use kakeyaturbo::team::{register, Team};
+use kakeyaturbo::threads::{after_fork, forked};
 use std::ffi::{c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 type Parallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
@@ -22,11 +23,10 @@ struct Omp {
 
 static OMP: OnceLock<Omp> = OnceLock::new();
 
-/// Set in the child of a `fork` (a `pthread_atfork` handler registered at import).
-static FORKED: AtomicBool = AtomicBool::new(false);
-
+/// The `pthread_atfork` child handler: tells the core it runs in a forked child, where rayon's
+/// pools and this team are then left alone.
 extern "C" fn in_child() {
-    FORKED.store(true, Ordering::Relaxed);
+    after_fork();
 }
 
 /// The runtime's entry points, once a loaded library exports both (looked up again on each
@@ -78,21 +78,21 @@ fn run(job: &(dyn Fn() + Sync)) {
 }
 
 fn size() -> usize {
-    if FORKED.load(Ordering::Relaxed) {
+    if forked() {
         return 0;
     }
     // SAFETY: `omp_get_max_threads` takes nothing and returns an int.
     omp().map_or(0, |o| unsafe { (o.max_threads)() }.max(0) as usize)
 }
 
-/// Registers the team unless the environment turns it off.
+/// Registers the fork handler (whether or not the team is on), then the team unless the
+/// environment turns it off.
 pub fn install() {
-    if std::env::var_os("KAKEYATURBO_OPENMP_TEAM").is_some_and(|v| v == "0") {
-        return;
-    }
-    // SAFETY: registers a handler that only stores to an atomic; a failure (no memory for the
-    // handler) leaves the team off rather than unsafe in a child.
-    if unsafe { libc::pthread_atfork(None, None, Some(in_child)) } != 0 {
+    // SAFETY: registers a handler that only adds to an atomic.
+    let handled = unsafe { libc::pthread_atfork(None, None, Some(in_child)) } == 0;
+    // Without the handler (no memory for it) a forked child could not tell it is one: the team
+    // stays off rather than unsafe there.
+    if !handled || std::env::var_os("KAKEYATURBO_OPENMP_TEAM").is_some_and(|v| v == "0") {
         return;
     }
     register(Team { run, size });

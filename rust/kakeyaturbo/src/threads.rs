@@ -7,9 +7,15 @@
 //! dropped; its threads end when its last job does), so the process never holds more than
 //! `max_threads() * (1 + MAX_CACHED_POOLS)` codec threads. The bytes never depend on the
 //! thread count.
+//!
+//! In the child of a `fork` ([`after_fork`]) rayon's pools, the global one and the cached ones,
+//! have their state but none of their threads, and a job handed to one would wait forever: there
+//! the calls run on pools built in the child, the global pool's share on a cached pool of its
+//! size.
 
 use crate::error::{param, Result};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Pools of distinct sizes kept alive besides the global pool.
@@ -25,18 +31,43 @@ pub fn max_threads() -> usize {
     })
 }
 
-type Pools = Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>;
+/// The `fork`s this process is a child of since the library was loaded ([`after_fork`]).
+static FORKS: AtomicUsize = AtomicUsize::new(0);
 
-/// A pool of `threads` threads (`1 <= threads < max_threads()`), from the cache if it holds
-/// one; `None` if the operating system refuses the threads (the caller then uses the global
-/// pool).
+/// To be called in the child of a `fork`, for instance from a `pthread_atfork` child handler
+/// (it only adds to an atomic): from then on no call hands work to a rayon pool built before the
+/// fork (see the module docs). The Python extension registers it at import.
+pub fn after_fork() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Whether this process is the child of a `fork` ([`after_fork`]).
+pub fn forked() -> bool {
+    FORKS.load(Ordering::Relaxed) > 0
+}
+
+/// Cached pools: the `fork` count they were built under, their size, the pool.
+type Pools = Mutex<Vec<(usize, usize, Arc<rayon::ThreadPool>)>>;
+
+/// A pool of `threads` threads (`1 <= threads < max_threads()`, or in a forked child the
+/// global pool's size), from the cache if it holds one built since the last `fork`; `None` if
+/// the operating system refuses the threads (the caller then runs on the global pool, or in a
+/// forked child on the calling thread).
 fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
     static POOLS: OnceLock<Pools> = OnceLock::new();
     let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
+    let forks = FORKS.load(Ordering::Relaxed);
     let mut g = pools.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = g.iter().position(|(t, _)| *t == threads) {
+    if g.iter().any(|e| e.0 != forks) {
+        // Pools from before a fork have no threads here: forgotten, not dropped (a drop wakes
+        // their threads through state a parent's thread may have held at the fork).
+        let (now, before): (Vec<_>, Vec<_>) = g.drain(..).partition(|e| e.0 == forks);
+        *g = now;
+        std::mem::forget(before);
+    }
+    if let Some(i) = g.iter().position(|e| e.1 == threads) {
         let hit = g.remove(i);
-        let p = hit.1.clone();
+        let p = hit.2.clone();
         g.push(hit);
         return Some(p);
     }
@@ -47,7 +78,7 @@ fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
             .build()
             .ok()?,
     );
-    g.push((threads, p.clone()));
+    g.push((forks, threads, p.clone()));
     let evicted = if g.len() > MAX_CACHED_POOLS {
         Some(g.remove(0))
     } else {
@@ -58,16 +89,31 @@ fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
     Some(p)
 }
 
+/// `f` on the global pool's threads: called from outside rayon's pools, the global pool itself
+/// (its jobs go there), except in a forked child, where a pool of its size built in the child
+/// runs `f`, or one of a single thread where the system refuses that many (where it refuses
+/// even one, `f` runs on the calling thread and a job it hands to rayon waits: not seen).
+fn on_global<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    // A pool thread in a forked child belongs to a pool built there.
+    if !forked() || rayon::current_thread_index().is_some() {
+        return f();
+    }
+    match cached_pool(rayon::current_num_threads()).or_else(|| cached_pool(1)) {
+        Some(p) => p.install(f),
+        None => f(),
+    }
+}
+
 /// Runs `f` on `threads` threads (`None`: rayon's global pool; see the module docs for the
-/// cap). `Some(0)` is an error.
+/// cap and for a forked child). `Some(0)` is an error.
 pub fn with_threads<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Send) -> Result<R> {
     match threads {
-        None => Ok(f()),
+        None => Ok(on_global(f)),
         Some(0) => param("threads must be >= 1"),
-        Some(t) if t >= max_threads() => Ok(f()),
+        Some(t) if t >= max_threads() => Ok(on_global(f)),
         Some(t) => match cached_pool(t) {
             Some(p) => Ok(p.install(f)),
-            None => Ok(f()),
+            None => Ok(on_global(f)),
         },
     }
 }
