@@ -236,7 +236,7 @@ where
         }
         Mode::Pool => {
             use rayon::prelude::*;
-            items.par_iter().map_init(init, f).collect()
+            on_global(|| items.par_iter().map_init(init, f).collect())
         }
         Mode::Team(team, n) => crate::team::run_all(team, n, items, weight, init, f),
     }
