@@ -5,13 +5,26 @@ call is rolled back to."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
 from ..codec import _checks
 from ..errors import InvalidParameterError
 from .codecs import STREAMS
+
+
+def copy_sharing(obj: Any, memo: Dict[int, Any], shared: Iterable[Any]) -> Any:
+    """A deep copy of ``obj`` (``copy.deepcopy``'s ``memo``) in which each of ``shared``, where
+    ``obj`` reaches it, is the object itself."""
+    for s in shared:
+        memo[id(s)] = s
+    new = obj.__class__.__new__(obj.__class__)
+    memo[id(obj)] = new
+    for k, v in obj.__dict__.items():
+        new.__dict__[k] = copy.deepcopy(v, memo)
+    return new
 
 
 def crop_count(tokens_to_remove: Any) -> int:

@@ -77,6 +77,18 @@ impl PyLayerCodes {
         Ok(Self { inner })
     }
 
+    /// An independent copy: appending to or selecting rows of one leaves the other as it was.
+    /// The sealed containers (never changed once appended) and the calibrations' tables are
+    /// shared, not copied.
+    fn __copy__(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+    fn __deepcopy__(&self, _memo: &Bound<'_, PyAny>) -> Self {
+        self.__copy__()
+    }
+
     #[getter]
     fn batch(&self) -> usize {
         self.inner.batch()

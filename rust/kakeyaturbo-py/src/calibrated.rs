@@ -84,6 +84,15 @@ impl PyCalibratedCodec {
         Ok(Self { inner: c })
     }
 
+    /// The codec itself: it never changes after construction, so a copy may share it (as a
+    /// tuple's copy is the tuple), and `copy.deepcopy` of what holds it (a cache) works.
+    fn __copy__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    fn __deepcopy__(slf: Py<Self>, _memo: &Bound<'_, PyAny>) -> Py<Self> {
+        slf
+    }
+
     #[getter]
     fn d(&self) -> usize {
         self.inner.d
