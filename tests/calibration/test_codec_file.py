@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from dataclasses import replace
@@ -73,6 +74,28 @@ def test_the_same_codecs_come_back(fitted, tmp_path) -> None:
     # A codec rebuilt from what it was made from is the same codec.
     c = next(iter(fitted.codecs.values()))
     assert CalibratedCodec(**c.as_dict()).fingerprint == c.fingerprint
+
+
+_UNPICKLE = """
+import json, pickle, sys
+mc = pickle.load(sys.stdin.buffer)
+print(json.dumps({f"{s}.{l}.{h}": c.fingerprint for (s, l, h), c in mc.codecs.items()}))
+"""
+
+
+def test_a_pickled_model_codec_codes_as_the_original(fitted) -> None:
+    """What a ``spawn`` or ``forkserver`` process pool does with a codec it hands its workers:
+    pickled, then unpickled here and in a fresh interpreter, the same codecs (before 2026-12-06 a
+    TypeError: the codec's Rust object could not be pickled)."""
+    data = pickle.dumps(fitted)
+    back = pickle.loads(data)
+    assert _fps(back) == _fps(fitted) and back.recipe == fitted.recipe
+    x = np.random.default_rng(2).standard_normal((70, D)).astype(np.float32)
+    for key in fitted.codecs:
+        assert back.encode(*key, x) == fitted.encode(*key, x)
+    r = subprocess.run([sys.executable, "-c", _UNPICKLE], input=data, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert json.loads(r.stdout) == {f"{s}.{l}.{h}": fp for (s, l, h), fp in _fps(fitted).items()}
 
 
 _CHILD = """

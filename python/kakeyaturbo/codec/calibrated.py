@@ -73,6 +73,12 @@ class CalibratedCodec:
         return {**d, "rotation_seed": self.rotation_seed, "metric": self.metric, "norm": self.norm,
                 "outlier_threshold": self.outlier_threshold, "centroids": d["centroids"] or None}
 
+    def __reduce__(self) -> Tuple[Any, Tuple[Dict[str, Any]]]:
+        """Pickled as what it was made from (:meth:`as_dict`), so that a codec, or a
+        :class:`~kakeyaturbo.calibration.ModelCodec` holding codecs, reaches the workers of a
+        ``spawn`` or ``forkserver`` process pool; unpickling makes it again, with its checks."""
+        return _from_dict, (self.as_dict(),)
+
     @property
     def d(self) -> int:
         return self._c.d
@@ -154,3 +160,8 @@ class CalibratedCodec:
     def __repr__(self) -> str:
         return (f"CalibratedCodec(d={self.d}, m={self.m}, row_bits={self.row_bits}, "
                 f"fingerprint={self.fingerprint:016x})")
+
+
+def _from_dict(d: Dict[str, Any]) -> CalibratedCodec:
+    """:meth:`CalibratedCodec.__reduce__`'s inverse."""
+    return CalibratedCodec(**d)
