@@ -8,11 +8,12 @@
 //! ours woken right after a torch operation finds its core taken and the call waits for it.
 //! Handing the work to the team instead starts it on those very threads.
 //!
-//! Work is split by weight, as [`crate::threads::halfway`] splits it in two: each member owns
-//! a contiguous run of the items (of about equal weight) and takes them from the front; a
-//! member whose run is done takes items from the back of the others' runs. So a member that starts late (or never) costs no more
-//! than its items run elsewhere, and every item runs exactly once; the results go back in the
-//! items' order, so they never depend on which thread ran what.
+//! Work is split by weight (`threads::runs`): each member owns a contiguous run of the items
+//! (of about equal weight) and takes them from the front; a member whose run is done takes
+//! items from the back of the others' runs. So a member that starts late (or never) costs no
+//! more than its items run elsewhere, and every item runs exactly once; the results go back in
+//! the items' order, so they never depend on which thread ran what. The kernel's own pair of
+//! threads (`threads::Mode::Pair`: the caller and one scoped thread) runs the same way.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};

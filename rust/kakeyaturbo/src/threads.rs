@@ -150,18 +150,11 @@ pub fn with_threads_inline<R: Send>(
     Ok(f())
 }
 
-/// Where pieces of work, `rows[i]` rows each and taken in this order, split into two runs of
-/// rows as near equal as the pieces allow (the first the longer on a tie): the pieces
-/// `..k` for one thread and `k..` for the other. Halving the count of pieces instead gave one
-/// thread three of a single kv-head's four pieces of 512 rows and the other the fourth and a
-/// one-row tail.
-pub fn halfway(rows: &[usize]) -> usize {
-    runs(rows, 2)[1]
-}
-
 /// The bounds of `n >= 1` contiguous runs of the pieces of about equal total weight (`n + 1`
 /// of them, from 0 to `weights.len()`): a piece joins a run if at least half of its weight lies
-/// before the run's share ends (`k / n` of the total for run `k`).
+/// before the run's share ends (`k / n` of the total for run `k`). Halving the count of pieces
+/// instead gave one thread three of a single kv-head's four pieces of 512 rows and the other
+/// the fourth and a one-row tail.
 pub(crate) fn runs(weights: &[usize], n: usize) -> Vec<usize> {
     let total: u128 = weights.iter().map(|&w| w as u128).sum();
     let mut bounds = vec![0];
@@ -178,16 +171,32 @@ pub(crate) fn runs(weights: &[usize], n: usize) -> Vec<usize> {
     bounds
 }
 
-/// How a call's units of work run: all on the calling thread; split into two runs of about
-/// equal weight, the first on the calling thread and the second on one scoped thread; on
-/// rayon's pool; or on the host's team of that many threads that the caller leads
-/// ([`crate::team`]).
+/// How a call's units of work run: all on the calling thread; on the calling thread and one
+/// scoped thread, as a team of two ([`PAIR`]); on rayon's pool; or on the host's team of that
+/// many threads that the caller leads ([`crate::team`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Mode {
     Serial,
     Pair,
     Pool,
     Team(crate::team::Team, usize),
+}
+
+/// The calling thread and one scoped thread as a team ([`crate::team::run_all`]): each owns
+/// about half of the pieces by weight and takes the other's from the back once its own are
+/// done, so a helper that starts late (its core busy) or not at all (no thread to be had)
+/// leaves its pieces to the caller instead of keeping it waiting.
+const PAIR: crate::team::Team = crate::team::Team {
+    run: run_pair,
+    size: || 2,
+};
+
+fn run_pair(job: &(dyn Fn() + Sync)) {
+    std::thread::scope(|s| {
+        // A refused thread leaves every piece to the caller; `job` never unwinds.
+        let _ = std::thread::Builder::new().spawn_scoped(s, job);
+        job();
+    });
 }
 
 /// `f` over `items` (with a state per thread from `init`), the results in the items' order
@@ -210,30 +219,10 @@ where
             let mut s = init();
             items.iter().map(|x| f(&mut s, x)).collect()
         }
-        // Two threads asked of a pool of two, from outside it: the caller runs the first run
-        // and one scoped thread the second, instead of handing every piece to the pool's two
-        // workers and sleeping until they finish (one wake-up, not two).
-        Mode::Pair => {
-            let weights: Vec<usize> = items.iter().map(weight).collect();
-            let (a, b) = items.split_at(halfway(&weights));
-            std::thread::scope(|sc| {
-                let helper = std::thread::Builder::new().spawn_scoped(sc, || {
-                    let mut s = init();
-                    b.iter().map(|x| f(&mut s, x)).collect::<Vec<T>>()
-                });
-                let mut s = init();
-                let mut done: Vec<T> = a.iter().map(|x| f(&mut s, x)).collect();
-                match helper {
-                    Ok(h) => match h.join() {
-                        Ok(rest) => done.extend(rest),
-                        Err(e) => std::panic::resume_unwind(e),
-                    },
-                    // No thread to be had: the caller runs the rest too.
-                    Err(_) => done.extend(b.iter().map(|x| f(&mut s, x))),
-                }
-                done
-            })
-        }
+        // Two threads asked of a pool of two, from outside it: the caller and one scoped
+        // thread, instead of handing every piece to the pool's two workers and sleeping until
+        // they finish (one wake-up, not two).
+        Mode::Pair => crate::team::run_all(PAIR, 2, items, weight, init, f),
         Mode::Pool => {
             use rayon::prelude::*;
             on_global(|| items.par_iter().map_init(init, f).collect())
@@ -290,17 +279,26 @@ mod tests {
                 assert_eq!(got, want, "{mode:?} {n}");
             }
         }
-        // Two items or more in pairs: the second run is on another thread.
-        let here = std::thread::current().id();
+        // Two items in pairs: each waits (up to 10 s) until the other has started, so the
+        // helper takes one of them while the caller runs the other.
+        let started = AtomicUsize::new(0);
         let ids = run_all(
             Mode::Pair,
             &[1, 1],
             |_| 1,
             || (),
-            |_, _| std::thread::current().id(),
+            |_, _| {
+                started.fetch_add(1, Ordering::SeqCst);
+                let t0 = std::time::Instant::now();
+                while started.load(Ordering::SeqCst) < 2 && t0.elapsed().as_secs() < 10 {
+                    std::thread::yield_now();
+                }
+                std::thread::current().id()
+            },
         );
-        assert_eq!(ids[0], here);
-        assert_ne!(ids[1], here);
+        assert_ne!(ids[0], ids[1]);
+        assert!(ids.contains(&std::thread::current().id()));
+        let here = std::thread::current().id();
         let one = run_all(
             Mode::Pair,
             &[1],
@@ -334,16 +332,17 @@ mod tests {
 
     #[test]
     fn the_two_runs_hold_about_half_the_rows_each() {
+        let half = |w: &[usize]| runs(w, 2)[1];
         // One kv-head: four pieces of 512 rows and a one-row tail, 1,024 + 1,025 rows (half
         // the count of pieces gave 1,536 + 513); with a sink row first, still two pieces each.
-        assert_eq!(halfway(&[512, 512, 512, 512, 1]), 2);
-        assert_eq!(halfway(&[1, 512, 512, 512, 512, 1]), 3);
+        assert_eq!(half(&[512, 512, 512, 512, 1]), 2);
+        assert_eq!(half(&[1, 512, 512, 512, 512, 1]), 3);
         // Uneven pieces: the split nearest the middle of the rows.
-        assert_eq!(halfway(&[100, 100, 100, 700]), 3);
-        assert_eq!(halfway(&[700, 100, 100, 100]), 1);
+        assert_eq!(half(&[100, 100, 100, 700]), 3);
+        assert_eq!(half(&[700, 100, 100, 100]), 1);
         // A tie goes to the first run; one piece: the caller takes it; none: nothing to split.
-        assert_eq!(halfway(&[64, 64]), 1);
-        assert_eq!(halfway(&[64]), 1);
-        assert_eq!(halfway(&[]), 0);
+        assert_eq!(half(&[64, 64]), 1);
+        assert_eq!(half(&[64]), 1);
+        assert_eq!(half(&[]), 0);
     }
 }
