@@ -297,7 +297,7 @@ unsafe fn sums_bf16<const N: usize>(
 
 /// [`Tile::synthesize_bf16_rotated`] or [`Tile::synthesize_i16_rotated`] after their checks:
 /// the rotated frequencies (bfloat16 in registers, [`synthesize_rot`]; fixed point a channel
-/// at a time, [`synthesize_rot_i16`]), then the channels past them.
+/// at a time, then [`rotate_stored`]), then the channels past them.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rotated(
@@ -319,7 +319,11 @@ unsafe fn rotated(
     match w {
         Weights::I16(f) => {
             for i in 0..h {
-                synthesize_rot_i16(d, i, pairs, packed, f, g, mean, rot, keys);
+                let (a, b) = rot.pair(i);
+                for dd in [a, b] {
+                    store_i16(dd, &sums_i16_column(d, dd, pairs, packed, f), g, mean, keys);
+                }
+                rotate_stored(rot, i, keys);
             }
             for dd in 2 * h..d {
                 store_i16(dd, &sums_i16_column(d, dd, pairs, packed, f), g, mean, keys);
@@ -376,25 +380,11 @@ unsafe fn store_i16(dd: usize, x: &[__m256; 8], g: &[f32; TILE], mean: &[f32], k
     }
 }
 
-/// Frequency `i` of [`Tile::synthesize_i16_rotated`], all 64 rows: each channel synthesised,
-/// scaled and shifted by [`sums_i16_column`] and [`store_i16`], then the pair rotated in place
-/// (the operations of [`super::kernel::rotate_tile`], in its order).
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn synthesize_rot_i16(
-    d: usize,
-    i: usize,
-    pairs: usize,
-    packed: &[u32],
-    f: &FixedSynthesis,
-    g: &[f32; TILE],
-    mean: &[f32],
-    rot: &Rot<'_>,
-    keys: &mut [f32],
-) {
+/// Frequency `i`'s two channels of `keys`, all 64 rows, rotated in place ([`turn`]): the
+/// fixed-point synthesis stores both channels first ([`sums_i16_column`], [`store_i16`]).
+#[inline(always)]
+unsafe fn rotate_stored(rot: &Rot<'_>, i: usize, keys: &mut [f32]) {
     let (a, b) = rot.pair(i);
-    store_i16(a, &sums_i16_column(d, a, pairs, packed, f), g, mean, keys);
-    store_i16(b, &sums_i16_column(d, b, pairs, packed, f), g, mean, keys);
     let (cp, sp) = (
         rot.cos.as_ptr().add(rot.at(i)),
         rot.sin.as_ptr().add(rot.at(i)),
@@ -408,15 +398,20 @@ unsafe fn synthesize_rot_i16(
             _mm256_loadu_ps(ka.add(8 * k)),
             _mm256_loadu_ps(kb.add(8 * k)),
         );
-        let (c, sn) = (
-            _mm256_loadu_ps(cp.add(8 * k)),
-            _mm256_loadu_ps(sp.add(8 * k)),
-        );
-        let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
-        let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
+        let (ya, yb) = turn(u, v, cp.add(8 * k), sp.add(8 * k));
         _mm256_storeu_ps(ka.add(8 * k), ya);
         _mm256_storeu_ps(kb.add(8 * k), yb);
     }
+}
+
+/// 8 rows of one frequency's channels `u`, `v` turned by the cos and sin at `cp`, `sp` (the
+/// operations of [`super::kernel::rotate_tile`], in its order).
+#[inline(always)]
+unsafe fn turn(u: __m256, v: __m256, cp: *const f32, sp: *const f32) -> (__m256, __m256) {
+    let (c, sn) = (_mm256_loadu_ps(cp), _mm256_loadu_ps(sp));
+    let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
+    let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
+    (ya, yb)
 }
 
 /// Channels `d0 .. d` of [`Tile::synthesize_bf16`]: two at a time, then one, each in two
@@ -485,12 +480,7 @@ unsafe fn synthesize_rot(
         let gv = _mm256_loadu_ps(gp.add(8 * k));
         let u = _mm256_fmadd_ps(gv, xa[k], mua);
         let v = _mm256_fmadd_ps(gv, xb[k], mub);
-        let (c, sn) = (
-            _mm256_loadu_ps(cp.add(8 * k)),
-            _mm256_loadu_ps(sp.add(8 * k)),
-        );
-        let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
-        let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
+        let (ya, yb) = turn(u, v, cp.add(8 * k), sp.add(8 * k));
         _mm256_storeu_ps(kp.add(a * TILE + r0 + 8 * k), ya);
         _mm256_storeu_ps(kp.add(b * TILE + r0 + 8 * k), yb);
     }
