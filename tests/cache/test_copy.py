@@ -30,7 +30,9 @@ def _codec(name: str, model):
     return IdentityCodec(pre_rope_keys=name == "identity-before-rope")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_next"])  # full; full and sliding; hybrid
+# Full attention; full and sliding layers; a hybrid; latent attention (MLA), and MLA with an indexer
+# (DeepSeek V4's compressed layers: tests/cache/test_deepseek_v4.py).
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_next", "deepseek_v3", "deepseek_v32"])
 @pytest.mark.parametrize("codec", ["calibrated", "identity-before-rope", "identity"])
 def test_a_deep_copy_continues_as_the_original_and_apart_from_it(family, codec) -> None:
     """The copy continues with the original's logits, and what either takes after the copy

@@ -367,3 +367,21 @@ def test_a_saved_cache_continues_as_the_one_saved(v4, fitted, tokens, tmp_path) 
         except KakeyaError:
             pass
 
+
+
+def test_a_deep_copy_continues_as_the_original(v4, fitted) -> None:
+    """``copy.deepcopy`` (tests/cache/test_copy.py for the other kinds of layer): the compressor's
+    entries, raw and sealed, its window, buffers, overlap state and the indexer's entries copied;
+    the copy continues with the original's logits, and what it takes leaves the original as it
+    was (which then continues with the same logits)."""
+    import copy
+
+    _, stats, sens = fitted
+    ids, nxt = _ids(batch=2, n=37, seed=13), torch.tensor([[5, 6, 7], [8, 9, 10]])
+    for cache in (KakeyaCache(IdentityCodec(), model=v4, block_size=4, n_sink=1),
+                  KakeyaCache.from_pretrained(v4, "calibrated-4bit", block_size=4,
+                                              calibration=Calibration.for_model(v4, stats, sens))):
+        with torch.no_grad():
+            v4(input_ids=ids, cache=cache)
+            twin = copy.deepcopy(cache)
+            assert torch.equal(v4(input_ids=nxt, cache=twin).logits, v4(input_ids=nxt, cache=cache).logits)
