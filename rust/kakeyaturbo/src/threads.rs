@@ -52,40 +52,51 @@ type Pools = Mutex<Vec<(usize, usize, Arc<rayon::ThreadPool>)>>;
 /// A pool of `threads` threads (`1 <= threads < max_threads()`, or in a forked child the
 /// global pool's size), from the cache if it holds one built since the last `fork`; `None` if
 /// the operating system refuses the threads (the caller then runs on the global pool, or in a
-/// forked child on the calling thread).
+/// forked child on the calling thread). The cache's lock is never held while threads start:
+/// a `fork` from another thread meanwhile would leave it held in the child for good.
 fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
     static POOLS: OnceLock<Pools> = OnceLock::new();
     let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
+    let lock = || pools.lock().unwrap_or_else(|e| e.into_inner());
     let forks = FORKS.load(Ordering::Relaxed);
-    let mut g = pools.lock().unwrap_or_else(|e| e.into_inner());
-    if g.iter().any(|e| e.0 != forks) {
-        // Pools from before a fork have no threads here: forgotten, not dropped (a drop wakes
-        // their threads through state a parent's thread may have held at the fork).
-        let (now, before): (Vec<_>, Vec<_>) = g.drain(..).partition(|e| e.0 == forks);
-        *g = now;
-        std::mem::forget(before);
-    }
-    if let Some(i) = g.iter().position(|e| e.1 == threads) {
-        let hit = g.remove(i);
-        let p = hit.2.clone();
-        g.push(hit);
+    if let Some(p) = take_cached(&mut lock(), forks, threads) {
         return Some(p);
     }
-    let p = Arc::new(
+    let built = Arc::new(
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("kakeyaturbo-{i}"))
             .build()
             .ok()?,
     );
-    g.push((forks, threads, p.clone()));
-    let evicted = if g.len() > MAX_CACHED_POOLS {
-        Some(g.remove(0))
-    } else {
-        None
-    };
+    let mut g = lock();
+    // Another caller built one meanwhile: the first stays (this one ends unused).
+    if let Some(p) = take_cached(&mut g, forks, threads) {
+        return Some(p);
+    }
+    g.push((forks, threads, built.clone()));
+    let evicted = (g.len() > MAX_CACHED_POOLS).then(|| g.remove(0));
     drop(g);
     drop(evicted);
+    Some(built)
+}
+
+/// The cached pool of `threads` threads built since fork `forks`, now the most recently used;
+/// pools from before a fork are forgotten, not dropped (they have no threads here, and a drop
+/// wakes them through state a parent's thread may have held at the fork).
+fn take_cached(
+    g: &mut Vec<(usize, usize, Arc<rayon::ThreadPool>)>,
+    forks: usize,
+    threads: usize,
+) -> Option<Arc<rayon::ThreadPool>> {
+    if g.iter().any(|e| e.0 != forks) {
+        let (now, before): (Vec<_>, Vec<_>) = g.drain(..).partition(|e| e.0 == forks);
+        *g = now;
+        std::mem::forget(before);
+    }
+    let hit = g.remove(g.iter().position(|e| e.1 == threads)?);
+    let p = hit.2.clone();
+    g.push(hit);
     Some(p)
 }
 
