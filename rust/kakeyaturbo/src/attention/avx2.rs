@@ -7,12 +7,10 @@
 //!   held in registers (gathered past 5 bits); for keys coded before RoPE rounded to bfloat16
 //!   or 16-bit fixed point and packed in pairs in registers. The rows a read would take past
 //!   the block's end come from a zero-padded copy, one at a time.
-//! - The synthesis of keys coded before RoPE: bfloat16 two channels by 32 rows per pass (8
-//!   accumulators of 8 lanes), the two channels of one frequency, so that the scale, the mean
-//!   and the rotation run in registers, as two float32 `fma`s per packed word (widened once for
-//!   both channels); fixed point one channel by 64 rows per pass, one `vpmaddwd` per word
-//!   (exact 32-bit sums) and one broadcast weight per 8 of them, the rotation after both
-//!   channels of a frequency are stored.
+//! - The synthesis of keys coded before RoPE: two channels by 32 rows per pass (8 accumulators
+//!   of 8 lanes), the two channels of one frequency, so that the scale, the mean and the
+//!   rotation run in registers; bfloat16 as two float32 `fma`s per packed word (widened once
+//!   for both channels), fixed point as one `vpmaddwd` per word (exact 32-bit sums).
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
 use super::fixed::{self, FixedSynthesis};
@@ -96,9 +94,9 @@ impl Avx2 {
         unsafe { decode_rows_packed::<FIXED>(t, &rw, full, packed) };
         // The rows after `full`, each component's table taken once.
         if FIXED {
-            let table = |j: usize| &t.lut_fixed()[t.comps[j].table as usize..];
+            let table = |j: usize| &t.lut[t.comps[j].table as usize..];
             rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
-                put(packed, j, r, lut[code] as u16);
+                put(packed, j, r, fixed::fixed16(lut[code]) as u16);
             });
         } else {
             let table = |j: usize| t.table_bf16(j);
@@ -191,7 +189,7 @@ impl Tile for Avx2 {
         assert!(mean.len() >= d);
         // SAFETY: as in `scales`; every channel is below `d` and every read inside the
         // sizes checked.
-        unsafe { synthesize_from(d, 0, pairs, packed, mb, g, mean, keys) }
+        unsafe { synthesize_from(d, 0, pairs, packed, Weights::Bf16(mb), g, mean, keys) }
     }
 
     #[inline(always)]
@@ -261,6 +259,33 @@ enum Weights<'a> {
     I16(&'a FixedSynthesis),
 }
 
+/// `x` of channels `dims`, rows `r0 .. r0 + 32` in lanes, before the scale and the mean.
+#[inline(always)]
+unsafe fn sums<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    w: Weights<'_>,
+) -> [[__m256; 4]; N] {
+    match w {
+        Weights::Bf16(mb) => sums_bf16(d, dims, r0, pairs, packed, mb),
+        Weights::I16(f) => {
+            let acc = sums_i16(d, dims, r0, pairs, packed, &f.words);
+            // Plain loops: the intrinsics inline here, not through closures.
+            let mut x = [[_mm256_setzero_ps(); 4]; N];
+            for k in 0..N {
+                let s = _mm256_set1_ps(f.unit[dims[k]]);
+                for g in 0..4 {
+                    x[k][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[k][g]), s);
+                }
+            }
+            x
+        }
+    }
+}
+
 /// The `fma` chains of the bfloat16 synthesis for channels `dims`, rows `r0 .. r0 + 32` in
 /// lanes: per pair the high member's `fma`, then the low one's (the definition's order).
 #[inline(always)]
@@ -295,9 +320,37 @@ unsafe fn sums_bf16<const N: usize>(
     acc
 }
 
+/// The exact 32-bit sums of the fixed-point synthesis ([`super::fixed::synthesize_tile`]) for
+/// channels `dims`, rows `r0 .. r0 + 32` in lanes: one `vpmaddwd` per pair of components and
+/// 8 rows (both members' products, added), then `vpaddd`.
+#[inline(always)]
+unsafe fn sums_i16<const N: usize>(
+    d: usize,
+    dims: [usize; N],
+    r0: usize,
+    pairs: usize,
+    packed: &[u32],
+    words: &[u32],
+) -> [[__m256i; 4]; N] {
+    let mut acc = [[_mm256_setzero_si256(); 4]; N];
+    let (tp, wp) = (packed.as_ptr().add(r0), words.as_ptr());
+    for p in 0..pairs {
+        let mut w = [_mm256_setzero_si256(); N];
+        for k in 0..N {
+            w[k] = _mm256_set1_epi32(*wp.add(p * d + dims[k]) as i32);
+        }
+        for g in 0..4 {
+            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
+            for (a, &wk) in acc.iter_mut().zip(&w) {
+                a[g] = _mm256_add_epi32(a[g], _mm256_madd_epi16(c, wk));
+            }
+        }
+    }
+    acc
+}
+
 /// [`Tile::synthesize_bf16_rotated`] or [`Tile::synthesize_i16_rotated`] after their checks:
-/// the rotated frequencies (bfloat16 in registers, [`synthesize_rot`]; fixed point a channel
-/// at a time, then [`rotate_stored`]), then the channels past them.
+/// the rotated frequencies in registers ([`synthesize_rot`]), then the channels past them.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rotated(
@@ -316,106 +369,17 @@ unsafe fn rotated(
     if h > 0 {
         assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
     }
-    match w {
-        Weights::I16(f) => {
-            for i in 0..h {
-                let (a, b) = rot.pair(i);
-                for dd in [a, b] {
-                    store_i16(dd, &sums_i16_column(d, dd, pairs, packed, f), g, mean, keys);
-                }
-                rotate_stored(rot, i, keys);
-            }
-            for dd in 2 * h..d {
-                store_i16(dd, &sums_i16_column(d, dd, pairs, packed, f), g, mean, keys);
-            }
-        }
-        Weights::Bf16(mb) => {
-            for i in 0..h {
-                for half in 0..2 {
-                    synthesize_rot(d, i, 32 * half, pairs, packed, mb, g, mean, rot, keys);
-                }
-            }
-            synthesize_from(d, 2 * h, pairs, packed, mb, g, mean, keys);
+    for i in 0..h {
+        for half in 0..2 {
+            synthesize_rot(d, i, 32 * half, pairs, packed, w, g, mean, rot, keys);
         }
     }
+    synthesize_from(d, 2 * h, pairs, packed, w, g, mean, keys);
 }
 
-/// The exact 32-bit sums of the fixed-point synthesis for channel `dd`, all 64 rows in lanes:
-/// one broadcast weight per pair of components serves 8 `vpmaddwd`s (a two-channel pass of 32
-/// rows needs two broadcasts per 8; one channel by 64 rows is faster on Zen 3, measured with
-/// the `attention_speed` example).
-#[inline(always)]
-unsafe fn sums_i16_column(
-    d: usize,
-    dd: usize,
-    pairs: usize,
-    packed: &[u32],
-    f: &FixedSynthesis,
-) -> [__m256; 8] {
-    let mut acc = [_mm256_setzero_si256(); 8];
-    let (tp, wp) = (packed.as_ptr(), f.words.as_ptr());
-    for p in 0..pairs {
-        let w = _mm256_set1_epi32(*wp.add(p * d + dd) as i32);
-        for (g, a) in acc.iter_mut().enumerate() {
-            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
-            *a = _mm256_add_epi32(*a, _mm256_madd_epi16(c, w));
-        }
-    }
-    let s = _mm256_set1_ps(f.unit[dd]);
-    let mut x = [_mm256_setzero_ps(); 8];
-    for (x, a) in x.iter_mut().zip(&acc) {
-        *x = _mm256_mul_ps(_mm256_cvtepi32_ps(*a), s);
-    }
-    x
-}
-
-/// Channel `dd`'s 64 rows `fma(g_t, x, mean_dd)` into `keys` (`x` the scaled sums).
-#[inline(always)]
-unsafe fn store_i16(dd: usize, x: &[__m256; 8], g: &[f32; TILE], mean: &[f32], keys: &mut [f32]) {
-    let mu = _mm256_set1_ps(mean[dd]);
-    let (gp, kp) = (g.as_ptr(), keys.as_mut_ptr().add(dd * TILE));
-    for (k, &x) in x.iter().enumerate() {
-        let gv = _mm256_loadu_ps(gp.add(8 * k));
-        _mm256_storeu_ps(kp.add(8 * k), _mm256_fmadd_ps(gv, x, mu));
-    }
-}
-
-/// Frequency `i`'s two channels of `keys`, all 64 rows, rotated in place ([`turn`]): the
-/// fixed-point synthesis stores both channels first ([`sums_i16_column`], [`store_i16`]).
-#[inline(always)]
-unsafe fn rotate_stored(rot: &Rot<'_>, i: usize, keys: &mut [f32]) {
-    let (a, b) = rot.pair(i);
-    let (cp, sp) = (
-        rot.cos.as_ptr().add(rot.at(i)),
-        rot.sin.as_ptr().add(rot.at(i)),
-    );
-    let (ka, kb) = (
-        keys.as_mut_ptr().add(a * TILE),
-        keys.as_mut_ptr().add(b * TILE),
-    );
-    for k in 0..8 {
-        let (u, v) = (
-            _mm256_loadu_ps(ka.add(8 * k)),
-            _mm256_loadu_ps(kb.add(8 * k)),
-        );
-        let (ya, yb) = turn(u, v, cp.add(8 * k), sp.add(8 * k));
-        _mm256_storeu_ps(ka.add(8 * k), ya);
-        _mm256_storeu_ps(kb.add(8 * k), yb);
-    }
-}
-
-/// 8 rows of one frequency's channels `u`, `v` turned by the cos and sin at `cp`, `sp` (the
-/// operations of [`super::kernel::rotate_tile`], in its order).
-#[inline(always)]
-unsafe fn turn(u: __m256, v: __m256, cp: *const f32, sp: *const f32) -> (__m256, __m256) {
-    let (c, sn) = (_mm256_loadu_ps(cp), _mm256_loadu_ps(sp));
-    let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
-    let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
-    (ya, yb)
-}
-
-/// Channels `d0 .. d` of [`Tile::synthesize_bf16`]: two at a time, then one, each in two
-/// passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x, mean_dd)`.
+/// Channels `d0 .. d` of [`Tile::synthesize_bf16`] (or the fixed-point synthesis, by `w`): two
+/// at a time, then one, each in two passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x,
+/// mean_dd)`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn synthesize_from(
@@ -423,7 +387,7 @@ unsafe fn synthesize_from(
     d0: usize,
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
+    w: Weights<'_>,
     g: &[f32; TILE],
     mean: &[f32],
     keys: &mut [f32],
@@ -439,7 +403,7 @@ unsafe fn synthesize_from(
     let mut dd = d0;
     while dd + 2 <= d {
         for r0 in [0, 32] {
-            let acc = sums_bf16::<2>(d, [dd, dd + 1], r0, pairs, packed, mb);
+            let acc = sums::<2>(d, [dd, dd + 1], r0, pairs, packed, w);
             store(dd, r0, &acc[0]);
             store(dd + 1, r0, &acc[1]);
         }
@@ -447,12 +411,13 @@ unsafe fn synthesize_from(
     }
     if dd < d {
         for r0 in [0, 32] {
-            store(dd, r0, &sums_bf16::<1>(d, [dd], r0, pairs, packed, mb)[0]);
+            store(dd, r0, &sums::<1>(d, [dd], r0, pairs, packed, w)[0]);
         }
     }
 }
 
-/// Frequency `i` of [`Tile::synthesize_bf16_rotated`], rows `r0 .. r0 + 32`: both channels synthesised, scaled, shifted and rotated in
+/// Frequency `i` of [`Tile::synthesize_bf16_rotated`] (or [`Tile::synthesize_i16_rotated`], by
+/// `w`), rows `r0 .. r0 + 32`: both channels synthesised, scaled, shifted and rotated in
 /// registers (the operations of [`super::kernel::rotate_tile`], in its order), then stored.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
@@ -462,14 +427,14 @@ unsafe fn synthesize_rot(
     r0: usize,
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
+    w: Weights<'_>,
     g: &[f32; TILE],
     mean: &[f32],
     rot: &Rot<'_>,
     keys: &mut [f32],
 ) {
     let (a, b) = rot.pair(i);
-    let [xa, xb] = sums_bf16::<2>(d, [a, b], r0, pairs, packed, mb);
+    let [xa, xb] = sums::<2>(d, [a, b], r0, pairs, packed, w);
     let (mua, mub) = (_mm256_set1_ps(mean[a]), _mm256_set1_ps(mean[b]));
     let (cp, sp) = (
         rot.cos.as_ptr().add(rot.at(i) + r0),
@@ -480,7 +445,12 @@ unsafe fn synthesize_rot(
         let gv = _mm256_loadu_ps(gp.add(8 * k));
         let u = _mm256_fmadd_ps(gv, xa[k], mua);
         let v = _mm256_fmadd_ps(gv, xb[k], mub);
-        let (ya, yb) = turn(u, v, cp.add(8 * k), sp.add(8 * k));
+        let (c, sn) = (
+            _mm256_loadu_ps(cp.add(8 * k)),
+            _mm256_loadu_ps(sp.add(8 * k)),
+        );
+        let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
+        let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
         _mm256_storeu_ps(kp.add(a * TILE + r0 + 8 * k), ya);
         _mm256_storeu_ps(kp.add(b * TILE + r0 + 8 * k), yb);
     }

@@ -2,9 +2,9 @@
 //! read stays inside the block, from a zero-padded copy where not), each component's indices of
 //! 8 rows by one 32-bit gather shared by the components whose bits end in it, and the centroids
 //! by `vpermps` from tables in registers (up to 5 bits) or a gather: into a float32 tile, or
-//! for keys coded before RoPE rounded to bfloat16 or looked up in 16-bit fixed point, and
-//! packed in pairs.
+//! for keys coded before RoPE rounded to bfloat16 or 16-bit fixed point and packed in pairs.
 
+use super::super::fixed;
 use super::super::kernel::{BF16_FLOOR, TILE};
 use super::super::store::SealedBlock;
 use super::super::tables::{Component, StreamTables};
@@ -99,8 +99,8 @@ enum Table {
 }
 
 #[inline(always)]
-unsafe fn table(lut: *const f32, c: &Component) -> Table {
-    let p = lut.add(c.table as usize);
+unsafe fn table(t: &StreamTables, c: &Component) -> Table {
+    let p = t.lut.as_ptr().add(c.table as usize);
     let at = |k: usize| _mm256_loadu_ps(p.add(8 * k));
     match c.mask + 1 {
         0..=8 => Table::R1(at(0)),
@@ -175,9 +175,8 @@ unsafe fn each_index(
 pub(super) unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
     assert!(tile.len() >= t.m * TILE);
     let tp = tile.as_mut_ptr();
-    let lut = t.lut.as_ptr();
     each_index(t, rw, full, |j, r0, idx| {
-        let v = look_up(&table(lut, &t.comps[j]), idx);
+        let v = look_up(&table(t, &t.comps[j]), idx);
         _mm256_storeu_ps(tp.add(j * TILE + r0), v);
     });
 }
@@ -195,10 +194,18 @@ unsafe fn round_bf16(x: __m256) -> __m256i {
     _mm256_andnot_si256(tiny, _mm256_srli_epi32::<16>(r))
 }
 
+/// [`super::super::fixed::fixed16`] of 8 lanes (`vmaxps` takes its second operand for a NaN,
+/// as the definition does).
+#[inline(always)]
+unsafe fn round_fixed16(x: __m256) -> __m256i {
+    let v = _mm256_mul_ps(x, _mm256_set1_ps(fixed::ONE));
+    let v = _mm256_max_ps(v, _mm256_set1_ps(-fixed::LIMIT));
+    _mm256_cvtps_epi32(_mm256_min_ps(v, _mm256_set1_ps(fixed::LIMIT)))
+}
+
 /// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of 16-bit values, 8 at a
-/// time: bfloat16 ([`round_bf16`]) or 16-bit fixed point (`FIXED`: looked up in
-/// [`StreamTables::lut_fixed`], already rounded); a pair's low member stored alone (the high
-/// half 0), then the high one merged in.
+/// time: bfloat16 ([`round_bf16`]) or 16-bit fixed point (`FIXED`, [`round_fixed16`]); a
+/// pair's low member stored alone (the high half 0), then the high one merged in.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
     t: &StreamTables,
@@ -210,15 +217,10 @@ pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
     let pp = packed.as_mut_ptr();
     let mut low = _mm256_setzero_si256();
     let low16 = _mm256_set1_epi32(0xffff);
-    let lut = if FIXED {
-        t.lut_fixed().as_ptr() as *const f32
-    } else {
-        t.lut.as_ptr()
-    };
     each_index(t, rw, full, |j, r0, idx| {
-        let c = look_up(&table(lut, &t.comps[j]), idx);
+        let c = look_up(&table(t, &t.comps[j]), idx);
         let v = if FIXED {
-            _mm256_and_si256(_mm256_castps_si256(c), low16)
+            _mm256_and_si256(round_fixed16(c), low16)
         } else {
             round_bf16(c)
         };
