@@ -91,3 +91,19 @@ def test_layer_codes_copy_apart_and_codecs_copy_as_themselves() -> None:
     rust = _core.CalibratedCodec(np.zeros(4, np.float32), eye, eye, np.ones(4, np.float32),
                                  np.full(4, 3, np.uint8), 1, "mse", True)
     assert copy.deepcopy(rust) is rust and copy.copy(rust) is rust
+
+
+def test_a_cache_refuses_pickle_and_names_save() -> None:
+    """``pickle.dumps(cache)`` and ``torch.save(cache, f)`` are a TypeError naming ``cache.save``
+    (they were an AttributeError about a local function); ``copy.copy`` is a shallow copy."""
+    import io
+    import pickle
+
+    model = build("llama")
+    cache = KakeyaCache(_codec("calibrated", model), model=model, block_size=4, n_sink=1)
+    forward(model, family_prompt(), cache)
+    for dump in (pickle.dumps, lambda c: torch.save(c, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"cache\.save\(path\)"):
+            dump(cache)
+    shallow = copy.copy(cache)
+    assert shallow is not cache and shallow.layers is cache.layers

@@ -26,7 +26,7 @@ from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_co
 from .compressed import CompressedEntries, compressed_layer
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
-from .rollback import copy_sharing, crop_count
+from .rollback import NotPickled, copy_sharing, crop_count
 from .positions import Positions, watch_rotary
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
 from .rope import check_rope, layer_ropes, rope_of_layer
@@ -37,7 +37,7 @@ KERNELS = ("auto", "rust", "triton")
 MAX_LAYERS = 4096
 
 
-class KakeyaCache(Cache):
+class KakeyaCache(Cache, NotPickled):
     """A transformers ``Cache`` whose full blocks are held as codec bytes.
 
     ``model.generate(ids, cache=KakeyaCache(codec, model=model))`` (``past_key_values=`` before

@@ -27,6 +27,22 @@ def copy_sharing(obj: Any, memo: Dict[int, Any], shared: Iterable[Any]) -> Any:
     return new
 
 
+class NotPickled:
+    """A cache goes to disk with ``cache.save(path)``, not pickle: ``pickle.dumps(cache)`` and
+    ``torch.save(cache, f)`` raise TypeError saying so (they met the model's hooks and weak
+    references first: an AttributeError about a local function). ``copy.copy`` stays the
+    shallow copy it was (``copy.deepcopy`` gives an independent cache)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"a {type(self).__name__} is not pickled: cache.save(path) writes what it holds to one "
+                        "file and KakeyaCache.load(path, model) reads it back")
+
+    def __copy__(self) -> Any:
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        return new
+
+
 def crop_count(tokens_to_remove: Any) -> int:
     """The number of tokens ``crop(tokens_to_remove)`` removes: transformers passes a
     non-positive count (InvalidParameterError for another, TypeError for a non-integer)."""
