@@ -1,11 +1,13 @@
 """``copy.deepcopy`` of a cache, transformers' way to reuse a prompt's cache for several
 continuations: before 2026-12-06 it raised TypeError (the codec's Rust object could not be
-pickled)."""
+pickled). And a cache's refusal to be pickled, which names the way to disk."""
 
 from __future__ import annotations
 
 import copy
 import gc
+import io
+import pickle
 
 import numpy as np
 import pytest
@@ -96,9 +98,6 @@ def test_layer_codes_copy_apart_and_codecs_copy_as_themselves() -> None:
 def test_a_cache_refuses_pickle_and_names_save() -> None:
     """``pickle.dumps(cache)`` and ``torch.save(cache, f)`` are a TypeError naming ``cache.save``
     (they were an AttributeError about a local function); ``copy.copy`` is a shallow copy."""
-    import io
-    import pickle
-
     model = build("llama")
     cache = KakeyaCache(_codec("calibrated", model), model=model, block_size=4, n_sink=1)
     forward(model, family_prompt(), cache)

@@ -10,6 +10,8 @@ cannot work (crop)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -374,8 +376,6 @@ def test_a_deep_copy_continues_as_the_original(v4, fitted) -> None:
     entries, raw and sealed, its window, buffers, overlap state and the indexer's entries copied;
     the copy continues with the original's logits, and what it takes leaves the original as it
     was (which then continues with the same logits)."""
-    import copy
-
     _, stats, sens = fitted
     ids, nxt = _ids(batch=2, n=37, seed=13), torch.tensor([[5, 6, 7], [8, 9, 10]])
     for cache in (KakeyaCache(IdentityCodec(), model=v4, block_size=4, n_sink=1),
