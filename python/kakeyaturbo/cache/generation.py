@@ -26,7 +26,8 @@ from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_co
 from .compressed import CompressedEntries, compressed_layer
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
-from .rollback import NotPickled, copy_sharing, crop_count
+from .copying import NotPickled, copy_sharing
+from .rollback import crop_count
 from .positions import Positions, watch_rotary
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
 from .rope import check_rope, layer_ropes, rope_of_layer
@@ -219,8 +220,7 @@ class KakeyaCache(Cache, NotPickled):
         """``copy.deepcopy(cache)`` (transformers copies a prompt's cache to continue it several
         ways): an independent cache of the same tokens, watching the model's calls as this one
         does. Shared: the codec and sealed blobs (never changed), the model's RoPE, config, specs."""
-        new = copy_sharing(self, memo, (self.codec, self.rope, self._config, self._specs,
-                                         *layer_ropes(self.rope)))
+        new = copy_sharing(self, memo, (self.codec, self.rope, self._config, self._specs, *layer_ropes(self.rope)))
         new._undo = None
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
