@@ -14,7 +14,7 @@
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
 use super::fixed::{self, FixedSynthesis};
-use super::kernel::{acc_tile, dot_tile, Portable, Rot, Scratch, Tile, TILE};
+use super::kernel::{Portable, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
 use super::tables::StreamTables;
 use std::arch::x86_64::*;
@@ -23,6 +23,9 @@ use std::arch::x86_64::*;
 mod lookup;
 
 use lookup::{decode_rows, decode_rows_packed, Rows};
+
+#[path = "avx2_sums.rs"]
+mod float_sums;
 
 /// Whether this CPU runs the AVX2 kernel.
 pub fn available() -> bool {
@@ -135,7 +138,8 @@ impl Tile for Avx2 {
         s: &mut Scratch,
     ) {
         Self::decode(t, b, row0, rows, s);
-        dot_tile(t.m, &s.tile, w, qr, dot);
+        // SAFETY: as in `scales`; `dots` checks the sizes.
+        unsafe { float_sums::dots(w, t.m, qr, &s.tile, dot) }
     }
 
     #[inline(always)]
@@ -246,7 +250,14 @@ impl Tile for Avx2 {
         s: &mut Scratch,
     ) {
         Self::decode(t, b, row0, rows, s);
-        acc_tile(t.m, &s.tile, pg, qr, acc);
+        // SAFETY: as in `scales`; `accumulate` checks the sizes.
+        unsafe { float_sums::accumulate(t.m, &s.tile, pg, qr, acc) }
+    }
+
+    #[inline(always)]
+    fn dots(self, qs: &[f32], d: usize, qr: usize, keys: &[f32], s: &mut [f32]) {
+        // SAFETY: as in `scales`; `dots` checks the sizes.
+        unsafe { float_sums::dots(qs, d, qr, keys, s) }
     }
 }
 

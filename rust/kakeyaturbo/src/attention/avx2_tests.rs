@@ -102,3 +102,31 @@ fn i16_synthesis_matches_the_definition() {
         });
     }
 }
+
+/// The scores of a synthesised tile and the code-domain value sums, against their definitions,
+/// bit for bit: every query-row count from 1 to 9 (one to three passes of up to 3 rows).
+#[test]
+fn float_sums_match_their_definitions() {
+    use super::super::kernel::{acc_tile, dots_tile};
+    if !available() {
+        return;
+    }
+    let mut g = SplitMix64::new(13);
+    let mut draw = |n: usize| -> Vec<f32> { (0..n).map(|_| SynthCase::value(&mut g)).collect() };
+    for (m, d) in [(1, 1), (7, 5), (56, 64), (33, 128)] {
+        for qr in 1..=9 {
+            let (qs, keys) = (draw(qr * d), draw(d * TILE));
+            let (mut want, mut got) = (vec![0f32; qr * TILE], vec![1f32; qr * TILE]);
+            dots_tile(&qs, d, qr, &keys, &mut want);
+            // SAFETY: `available` holds.
+            unsafe { float_sums::dots(&qs, d, qr, &keys, &mut got) };
+            assert_eq!(bits(&got), bits(&want), "dots: m {m} d {d} rows {qr}");
+            let (tile, pg, acc) = (draw(m * TILE), draw(qr * TILE), draw(qr * m * 16));
+            let (mut want, mut got) = (acc.clone(), acc);
+            acc_tile(m, &tile, &pg, qr, &mut want);
+            // SAFETY: `available` holds.
+            unsafe { float_sums::accumulate(m, &tile, &pg, qr, &mut got) };
+            assert_eq!(bits(&got), bits(&want), "accumulate: m {m} rows {qr}");
+        }
+    }
+}

@@ -184,6 +184,12 @@ pub(crate) trait Tile: Copy + Send + Sync {
         super::fixed::synthesize_tile(d, pairs, packed, &f.words, &f.unit, g, mean, keys);
         rotate_tile(rot, keys);
     }
+    /// `s[r * 64 + t]` = the `fma` chain over `d` from 0 of `qs[r * D + d] * keys[d * 64 + t]`
+    /// for the `qr` query rows ([`dots_tile`]).
+    #[inline(always)]
+    fn dots(self, qs: &[f32], d: usize, qr: usize, keys: &[f32], s: &mut [f32]) {
+        dots_tile(qs, d, qr, keys, s)
+    }
     /// `sums[i]` = [`super::math::hsum16`] of `acc[16 i .. 16 i + 16]` (the same tree of
     /// additions).
     #[inline(always)]
@@ -276,7 +282,7 @@ impl Tile for Portable {
         s: &mut Scratch,
     ) {
         Self::decode(t, b, row0, rows, s);
-        dot_tile(t.m, &s.tile, w, qr, dot);
+        dots_tile(w, t.m, qr, &s.tile, dot);
     }
 
     #[inline(always)]
@@ -296,18 +302,38 @@ impl Tile for Portable {
     }
 }
 
-/// The definition of [`Tile::dot`] from the tile's centroids (`tile[j * 64 + t]`).
+/// The definition of [`Tile::dots`], and of [`Tile::dot`] from the tile's centroids (`qs` the
+/// weights `w`, `d` the components, `keys` the tile): up to 4 query rows at a time.
 #[inline(always)]
-pub(crate) fn dot_tile(m: usize, tile: &[f32], w: &[f32], qr: usize, dot: &mut [f32]) {
-    for r in 0..qr {
-        let d = &mut dot[r * TILE..(r + 1) * TILE];
-        d.fill(0.0);
-        for j in 0..m {
-            let wj = w[r * m + j];
-            for (o, &v) in d.iter_mut().zip(&tile[j * TILE..(j + 1) * TILE]) {
-                *o = wj.mul_add(v, *o);
+pub(crate) fn dots_tile(qs: &[f32], d: usize, qr: usize, keys: &[f32], s: &mut [f32]) {
+    let mut r0 = 0;
+    while r0 < qr {
+        match qr - r0 {
+            1 => dots_rows::<1>(qs, d, r0, keys, s),
+            2 => dots_rows::<2>(qs, d, r0, keys, s),
+            3 => dots_rows::<3>(qs, d, r0, keys, s),
+            _ => dots_rows::<4>(qs, d, r0, keys, s),
+        }
+        r0 += (qr - r0).min(4);
+    }
+}
+
+/// [`dots_tile`] of query rows `r0 .. r0 + R`.
+#[inline(always)]
+fn dots_rows<const R: usize>(qs: &[f32], d: usize, r0: usize, keys: &[f32], s: &mut [f32]) {
+    let mut acc = [[0f32; TILE]; R];
+    let qrows: [&[f32]; R] = std::array::from_fn(|r| &qs[(r0 + r) * d..(r0 + r + 1) * d]);
+    for (dd, x) in keys[..d * TILE].chunks_exact(TILE).enumerate() {
+        let x: &[f32; TILE] = x.try_into().expect("a tile");
+        for (a, q) in acc.iter_mut().zip(&qrows) {
+            let q = q[dd];
+            for t in 0..TILE {
+                a[t] = q.mul_add(x[t], a[t]);
             }
         }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        s[(r0 + r) * TILE..(r0 + r + 1) * TILE].copy_from_slice(a);
     }
 }
 

@@ -324,35 +324,5 @@ fn rope_scores<K: Tile>(
             }
         }
     }
-    let keys = &*keys;
-    let mut r0 = 0;
-    while r0 < qr {
-        match qr - r0 {
-            1 => tile_dots::<1>(&prep.qs, d, r0, keys, s),
-            2 => tile_dots::<2>(&prep.qs, d, r0, keys, s),
-            3 => tile_dots::<3>(&prep.qs, d, r0, keys, s),
-            _ => tile_dots::<4>(&prep.qs, d, r0, keys, s),
-        }
-        r0 += (qr - r0).min(4);
-    }
-}
-
-/// `s[(r0 + r) * 64 + t]` = the `fma` chain over `d` from 0 of `qs[(r0 + r) * D + d] *
-/// keys[d * 64 + t]`, `R` query rows at a time (their sums held in registers).
-#[inline(always)]
-fn tile_dots<const R: usize>(qs: &[f32], d: usize, r0: usize, keys: &[f32], s: &mut [f32]) {
-    let mut acc = [[0f32; TILE]; R];
-    let qrows: [&[f32]; R] = std::array::from_fn(|r| &qs[(r0 + r) * d..(r0 + r + 1) * d]);
-    for (dd, x) in keys[..d * TILE].chunks_exact(TILE).enumerate() {
-        let x: &[f32; TILE] = x.try_into().expect("a tile");
-        for (a, q) in acc.iter_mut().zip(&qrows) {
-            let q = q[dd];
-            for t in 0..TILE {
-                a[t] = q.mul_add(x[t], a[t]);
-            }
-        }
-    }
-    for (r, a) in acc.iter().enumerate() {
-        s[(r0 + r) * TILE..(r0 + r + 1) * TILE].copy_from_slice(a);
-    }
+    k.dots(&prep.qs, d, qr, keys, s);
 }
