@@ -135,36 +135,46 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
     _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
 }
 
-/// `f(j, r0, idx)`: component `j`'s indices in rows `r0 .. r0 + 8`, for every `r0 < full` (a
-/// multiple of 8, all direct) in steps of 8 and every component in order. Per 8 rows, one
-/// 32-bit gather from the byte holding a component's first bit serves it and the components
-/// after it whose bits end inside those 32 (an index of up to 8 bits starting in that byte
-/// always does); each index is then a shift and the mask.
+/// `f(&setup(j), j, r0, idx)`: component `j`'s indices in rows `r0 .. r0 + 8`, for every
+/// component in order and, per component, every `r0 < full` (a multiple of 8, all direct) in
+/// steps of 8 (`setup(j)` once per component: its table in registers). One 32-bit gather per
+/// 8 rows from the byte holding a component's first bit serves it and the components after it
+/// whose bits end inside those 32 (an index of up to 8 bits starting in that byte always
+/// does): the tile's gathers for such a run of components are taken first, then each index
+/// is a shift and the mask.
 #[inline(always)]
-unsafe fn each_index(
+unsafe fn each_index<T>(
     t: &StreamTables,
     rw: &Rows,
     full: usize,
-    mut f: impl FnMut(usize, usize, __m256i),
+    setup: impl Fn(usize) -> T,
+    mut f: impl FnMut(&T, usize, usize, __m256i),
 ) {
-    assert!(full <= rw.direct && full.is_multiple_of(8));
+    assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
     let offs = row_offsets(rw.rb);
-    for r0 in (0..full).step_by(8) {
-        let p = rw.p.add(r0 * rw.rb);
-        let (mut at, mut w) = (usize::MAX, _mm256_setzero_si256());
-        for (j, c) in t.comps.iter().enumerate() {
-            let bit = 32 * c.word as usize + c.shift as usize;
-            let width = (c.mask + 1).trailing_zeros() as usize;
-            if at == usize::MAX || bit + width > 8 * at + 32 {
+    let groups = full / 8;
+    let mut w = [_mm256_setzero_si256(); TILE / 8];
+    let mut at = usize::MAX;
+    for (j, c) in t.comps.iter().enumerate() {
+        let bit = 32 * c.word as usize + c.shift as usize;
+        let width = (c.mask + 1).trailing_zeros() as usize;
+        if at == usize::MAX || bit + width > 8 * at + 32 {
+            at = bit / 8;
+            for (g, w) in w[..groups].iter_mut().enumerate() {
                 // SAFETY (the caller's): reads end at byte `4 word + 7` of a direct row.
-                at = bit / 8;
-                w = _mm256_i32gather_epi32::<1>(p.add(at) as *const i32, offs);
+                let p = rw.p.add(8 * g * rw.rb + at);
+                *w = _mm256_i32gather_epi32::<1>(p as *const i32, offs);
             }
-            let sh = _mm_cvtsi32_si128((bit - 8 * at) as i32);
+        }
+        let sh = _mm_cvtsi32_si128((bit - 8 * at) as i32);
+        let mask = _mm256_set1_epi32(c.mask as i32);
+        let tab = setup(j);
+        for (g, &w) in w[..groups].iter().enumerate() {
             f(
+                &tab,
                 j,
-                r0,
-                _mm256_and_si256(_mm256_srl_epi32(w, sh), _mm256_set1_epi32(c.mask as i32)),
+                8 * g,
+                _mm256_and_si256(_mm256_srl_epi32(w, sh), mask),
             );
         }
     }
@@ -175,9 +185,9 @@ unsafe fn each_index(
 pub(super) unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
     assert!(tile.len() >= t.m * TILE);
     let tp = tile.as_mut_ptr();
-    each_index(t, rw, full, |j, r0, idx| {
-        let v = look_up(&table(t, &t.comps[j]), idx);
-        _mm256_storeu_ps(tp.add(j * TILE + r0), v);
+    let setup = |j: usize| table(t, &t.comps[j]);
+    each_index(t, rw, full, setup, |tab, j, r0, idx| {
+        _mm256_storeu_ps(tp.add(j * TILE + r0), look_up(tab, idx));
     });
 }
 
@@ -205,7 +215,7 @@ unsafe fn round_fixed16(x: __m256) -> __m256i {
 
 /// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of 16-bit values, 8 at a
 /// time: bfloat16 ([`round_bf16`]) or 16-bit fixed point (`FIXED`, [`round_fixed16`]); a
-/// pair's low member stored alone (the high half 0), then the high one merged in.
+/// pair's low member stored alone (the high half 0), then the high one merged into it.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
     t: &StreamTables,
@@ -215,10 +225,10 @@ pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
 ) {
     assert!(packed.len() >= t.m.div_ceil(2) * TILE);
     let pp = packed.as_mut_ptr();
-    let mut low = _mm256_setzero_si256();
     let low16 = _mm256_set1_epi32(0xffff);
-    each_index(t, rw, full, |j, r0, idx| {
-        let c = look_up(&table(t, &t.comps[j]), idx);
+    let setup = |j: usize| table(t, &t.comps[j]);
+    each_index(t, rw, full, setup, |tab, j, r0, idx| {
+        let c = look_up(tab, idx);
         let v = if FIXED {
             _mm256_and_si256(round_fixed16(c), low16)
         } else {
@@ -226,9 +236,9 @@ pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
         };
         let out = pp.add((j / 2) * TILE + r0) as *mut __m256i;
         if j % 2 == 0 {
-            low = v;
             _mm256_storeu_si256(out, v);
         } else {
+            let low = _mm256_loadu_si256(out);
             _mm256_storeu_si256(out, _mm256_or_si256(low, _mm256_slli_epi32::<16>(v)));
         }
     });
