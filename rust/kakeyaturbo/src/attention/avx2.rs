@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 #[path = "avx2_lookup.rs"]
 mod lookup;
 
-use lookup::{decode_rows, decode_rows_packed, Rows};
+use lookup::{decode_rows, decode_rows_bf16, decode_rows_fixed, Rows};
 
 #[path = "avx2_sums.rs"]
 mod float_sums;
@@ -94,7 +94,13 @@ impl Avx2 {
         let rw = Rows::new(t, b, row0, rows);
         let full = rw.direct / 8 * 8;
         // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
-        unsafe { decode_rows_packed::<FIXED>(t, &rw, full, packed) };
+        unsafe {
+            if FIXED {
+                decode_rows_fixed(t, &rw, full, packed)
+            } else {
+                decode_rows_bf16(t, &rw, full, packed)
+            }
+        };
         // The rows after `full`, each component's table taken once.
         if FIXED {
             let table = |j: usize| &t.lut[t.comps[j].table as usize..];

@@ -4,7 +4,6 @@
 //! by `vpermps` from tables in registers (up to 5 bits) or a gather: into a float32 tile, or
 //! for keys coded before RoPE rounded to bfloat16 or 16-bit fixed point and packed in pairs.
 
-use super::super::fixed;
 use super::super::kernel::{BF16_FLOOR, TILE};
 use super::super::store::SealedBlock;
 use super::super::tables::{Component, StreamTables};
@@ -98,9 +97,11 @@ enum Table {
     Gather(*const f32),
 }
 
+/// Component `c`'s table in `lut` ([`StreamTables::lut`], or its fixed-point twin
+/// [`StreamTables::lut_fixed`] read as bits).
 #[inline(always)]
-unsafe fn table(t: &StreamTables, c: &Component) -> Table {
-    let p = t.lut.as_ptr().add(c.table as usize);
+unsafe fn table(lut: *const f32, c: &Component) -> Table {
+    let p = lut.add(c.table as usize);
     let at = |k: usize| _mm256_loadu_ps(p.add(8 * k));
     match c.mask + 1 {
         0..=8 => Table::R1(at(0)),
@@ -135,25 +136,28 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
     _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
 }
 
-/// `f(&setup(j), j, r0, idx)`: component `j`'s indices in rows `r0 .. r0 + 8`, for every
-/// component in order and, per component, every `r0 < full` (a multiple of 8, all direct) in
-/// steps of 8 (`setup(j)` once per component: its table in registers). One 32-bit gather per
-/// 8 rows from the byte holding a component's first bit serves it and the components after it
-/// whose bits end inside those 32 (an index of up to 8 bits starting in that byte always
-/// does): the tile's gathers for such a run of components are taken first, then each index
-/// is a shift and the mask.
+/// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
+/// direct), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
+/// once per component: its table in registers). One 32-bit gather per 8 rows from the byte
+/// holding a component's first bit serves it and the components after it whose bits end
+/// inside those 32 (an index of up to 8 bits starting in that byte always does): the tile's
+/// gathers for such a run of components are taken first, then each index is a shift and the
+/// mask.
 #[inline(always)]
 unsafe fn each_index<T>(
     t: &StreamTables,
     rw: &Rows,
     full: usize,
     setup: impl Fn(usize) -> T,
-    mut f: impl FnMut(&T, usize, usize, __m256i),
+    mut f: impl FnMut(&T, usize, &[__m256i]),
 ) {
     assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
     let offs = row_offsets(rw.rb);
     let groups = full / 8;
-    let mut w = [_mm256_setzero_si256(); TILE / 8];
+    let (mut w, mut idx) = (
+        [_mm256_setzero_si256(); TILE / 8],
+        [_mm256_setzero_si256(); TILE / 8],
+    );
     let mut at = usize::MAX;
     for (j, c) in t.comps.iter().enumerate() {
         let bit = 32 * c.word as usize + c.shift as usize;
@@ -168,15 +172,10 @@ unsafe fn each_index<T>(
         }
         let sh = _mm_cvtsi32_si128((bit - 8 * at) as i32);
         let mask = _mm256_set1_epi32(c.mask as i32);
-        let tab = setup(j);
-        for (g, &w) in w[..groups].iter().enumerate() {
-            f(
-                &tab,
-                j,
-                8 * g,
-                _mm256_and_si256(_mm256_srl_epi32(w, sh), mask),
-            );
+        for (i, &w) in idx[..groups].iter_mut().zip(&w[..groups]) {
+            *i = _mm256_and_si256(_mm256_srl_epi32(w, sh), mask);
         }
+        f(&setup(j), j, &idx[..groups]);
     }
 }
 
@@ -185,9 +184,11 @@ unsafe fn each_index<T>(
 pub(super) unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
     assert!(tile.len() >= t.m * TILE);
     let tp = tile.as_mut_ptr();
-    let setup = |j: usize| table(t, &t.comps[j]);
-    each_index(t, rw, full, setup, |tab, j, r0, idx| {
-        _mm256_storeu_ps(tp.add(j * TILE + r0), look_up(tab, idx));
+    let setup = |j: usize| table(t.lut.as_ptr(), &t.comps[j]);
+    each_index(t, rw, full, setup, |tab, j, idx| {
+        for (g, &i) in idx.iter().enumerate() {
+            _mm256_storeu_ps(tp.add(j * TILE + 8 * g), look_up(tab, i));
+        }
     });
 }
 
@@ -204,20 +205,11 @@ unsafe fn round_bf16(x: __m256) -> __m256i {
     _mm256_andnot_si256(tiny, _mm256_srli_epi32::<16>(r))
 }
 
-/// [`super::super::fixed::fixed16`] of 8 lanes (`vmaxps` takes its second operand for a NaN,
-/// as the definition does).
-#[inline(always)]
-unsafe fn round_fixed16(x: __m256) -> __m256i {
-    let v = _mm256_mul_ps(x, _mm256_set1_ps(fixed::ONE));
-    let v = _mm256_max_ps(v, _mm256_set1_ps(-fixed::LIMIT));
-    _mm256_cvtps_epi32(_mm256_min_ps(v, _mm256_set1_ps(fixed::LIMIT)))
-}
-
-/// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of 16-bit values, 8 at a
-/// time: bfloat16 ([`round_bf16`]) or 16-bit fixed point (`FIXED`, [`round_fixed16`]); a
-/// pair's low member stored alone (the high half 0), then the high one merged into it.
+/// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of bfloat16 values
+/// ([`round_bf16`]), 8 at a time: a pair's low member stored alone (the high half 0), then
+/// the high one merged into it.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
+pub(super) unsafe fn decode_rows_bf16(
     t: &StreamTables,
     rw: &Rows,
     full: usize,
@@ -225,21 +217,108 @@ pub(super) unsafe fn decode_rows_packed<const FIXED: bool>(
 ) {
     assert!(packed.len() >= t.m.div_ceil(2) * TILE);
     let pp = packed.as_mut_ptr();
-    let low16 = _mm256_set1_epi32(0xffff);
-    let setup = |j: usize| table(t, &t.comps[j]);
-    each_index(t, rw, full, setup, |tab, j, r0, idx| {
-        let c = look_up(tab, idx);
-        let v = if FIXED {
-            _mm256_and_si256(round_fixed16(c), low16)
-        } else {
-            round_bf16(c)
+    let setup = |j: usize| table(t.lut.as_ptr(), &t.comps[j]);
+    each_index(t, rw, full, setup, |tab, j, idx| {
+        for (g, &i) in idx.iter().enumerate() {
+            let v = round_bf16(look_up(tab, i));
+            let out = pp.add((j / 2) * TILE + 8 * g) as *mut __m256i;
+            if j % 2 == 0 {
+                _mm256_storeu_si256(out, v);
+            } else {
+                let low = _mm256_loadu_si256(out);
+                _mm256_storeu_si256(out, _mm256_or_si256(low, _mm256_slli_epi32::<16>(v)));
+            }
+        }
+    });
+}
+
+/// A component's 16-bit fixed-point centroids for 16-lane look-ups: up to 4 bits, the low and
+/// the high bytes of its 16 entries (each in both 128-bit lanes) for byte shuffles; wider, its
+/// table of [`StreamTables::lut_fixed`] for [`look_up`].
+enum Fixed {
+    Bytes(__m256i, __m256i),
+    Wide(Table),
+}
+
+#[inline(always)]
+unsafe fn fixed_table(lut: &[i32], c: &Component) -> Fixed {
+    if c.mask >= 16 {
+        return Fixed::Wide(table(lut.as_ptr() as *const f32, c));
+    }
+    // Entries 0 .. 16 (every table holds at least 16) as 16-bit values in order, then each
+    // 128-bit lane's low bytes before its high bytes, then the low and the high bytes of all
+    // 16 entries gathered into both lanes.
+    let p = lut[c.table as usize..c.table as usize + 16].as_ptr() as *const __m256i;
+    let w = _mm256_packs_epi32(_mm256_loadu_si256(p), _mm256_loadu_si256(p.add(1)));
+    let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(w);
+    let split = _mm256_setr_epi8(
+        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5,
+        7, 9, 11, 13, 15,
+    );
+    let b = _mm256_shuffle_epi8(w, split);
+    Fixed::Bytes(
+        _mm256_permute4x64_epi64::<0b10_00_10_00>(b),
+        _mm256_permute4x64_epi64::<0b11_01_11_01>(b),
+    )
+}
+
+/// The 16-bit centroids of 16 rows, rows `0 .. 8` from `lo`'s indices and `8 .. 16` from
+/// `hi`'s, in the order `vpackssdw` leaves them (per 128-bit lane, 4 rows of `lo`, then 4 of
+/// `hi`), which `vpunpck*wd` undoes.
+#[inline(always)]
+unsafe fn look_up16(tab: &Fixed, lo: __m256i, hi: __m256i) -> __m256i {
+    match tab {
+        Fixed::Bytes(l, h) => {
+            // Each 16-bit index (below 16) in both of its bytes: the low byte's shuffle
+            // takes the value's low byte, the high one's its high byte.
+            let i = _mm256_packus_epi32(lo, hi);
+            let i = _mm256_or_si256(i, _mm256_slli_epi16::<8>(i));
+            let odd = _mm256_set1_epi16(0xff00u16 as i16);
+            _mm256_blendv_epi8(_mm256_shuffle_epi8(*l, i), _mm256_shuffle_epi8(*h, i), odd)
+        }
+        Fixed::Wide(t) => _mm256_packs_epi32(
+            _mm256_castps_si256(look_up(t, lo)),
+            _mm256_castps_si256(look_up(t, hi)),
+        ),
+    }
+}
+
+/// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of 16-bit fixed-point
+/// values ([`super::super::fixed::fixed16`], looked up in [`StreamTables::lut_fixed`]), 16
+/// rows at a time: a pair's two members' values interleaved into words (the high half 0 for
+/// the last component of an odd count).
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn decode_rows_fixed(
+    t: &StreamTables,
+    rw: &Rows,
+    full: usize,
+    packed: &mut [u32],
+) {
+    assert!(packed.len() >= t.m.div_ceil(2) * TILE);
+    let (pp, m, lut) = (packed.as_mut_ptr(), t.m, t.lut_fixed());
+    let zero = _mm256_setzero_si256();
+    // The low member's values per 16 rows, held until its pair's high member comes.
+    let mut low = [zero; TILE / 16];
+    let setup = |j: usize| fixed_table(lut, &t.comps[j]);
+    each_index(t, rw, full, setup, |tab, j, idx| {
+        let mut v = [zero; TILE / 16];
+        for (u, pair) in v.iter_mut().zip(idx.chunks(2)) {
+            *u = look_up16(tab, pair[0], *pair.get(1).unwrap_or(&zero));
+        }
+        let (lo, hi) = match j % 2 {
+            0 if j + 1 < m => {
+                low = v;
+                return;
+            }
+            0 => (v, [zero; TILE / 16]),
+            _ => (low, v),
         };
-        let out = pp.add((j / 2) * TILE + r0) as *mut __m256i;
-        if j % 2 == 0 {
-            _mm256_storeu_si256(out, v);
-        } else {
-            let low = _mm256_loadu_si256(out);
-            _mm256_storeu_si256(out, _mm256_or_si256(low, _mm256_slli_epi32::<16>(v)));
+        let out = pp.add((j / 2) * TILE) as *mut __m256i;
+        for (u, g) in (0..idx.len()).step_by(2).enumerate() {
+            _mm256_storeu_si256(out.add(g), _mm256_unpacklo_epi16(lo[u], hi[u]));
+            if g + 1 < idx.len() {
+                _mm256_storeu_si256(out.add(g + 1), _mm256_unpackhi_epi16(lo[u], hi[u]));
+            }
         }
     });
 }

@@ -130,3 +130,69 @@ fn float_sums_match_their_definitions() {
         }
     }
 }
+
+/// A tile's look-ups (the float32 tile, the bfloat16 and the fixed-point packed pairs) against
+/// the portable kernel's, bit for bit: every width from 1 to 8 bits, alone and mixed, odd and
+/// even component counts, tiles of 1 to 64 rows at several offsets (8-row groups whole, half
+/// of a 16-row pair, and the rows read one by one at a block's end).
+#[test]
+fn look_ups_match_the_portable_ones() {
+    use super::super::store::SealedBlock;
+    use crate::calibrated::testutil::{codec, rows};
+    use crate::metric::Metric;
+    if !available() {
+        return;
+    }
+    let mut cases: Vec<Vec<u8>> = (1..=8).map(|b| vec![b; 9]).collect();
+    cases.push((0..40).map(|j| 8 - (j / 5) as u8).collect());
+    cases.push(vec![4, 3, 4, 3, 2, 4, 1, 4, 5, 4, 3]);
+    cases.push(vec![4; 64]);
+    for widths in cases {
+        let c = codec(64, widths.clone(), true, Metric::Mse, None);
+        let t = StreamTables::new(&c);
+        let n = 150;
+        let codes = c.encode(&rows(&c, n, 3), n).unwrap();
+        let b = SealedBlock::parse(&t, c.to_bytes(&codes).0).unwrap();
+        let scratch = || Scratch {
+            tile: vec![0f32; t.m * TILE],
+            words: vec![0u32; t.words + 1],
+            bytes: vec![0u8; 8 * t.groups.len() * TILE],
+            scores: Vec::new(),
+            scores2: Vec::new(),
+            add: Vec::new(),
+            acc: Vec::new(),
+            keys: Vec::new(),
+            trig: Vec::new(),
+            trig_at: None,
+            packed: vec![0u32; t.m.div_ceil(2) * TILE],
+        };
+        for (row0, rows) in [
+            (0, 64),
+            (64, 64),
+            (0, 8),
+            (0, 24),
+            (8, 40),
+            (3, 57),
+            (100, 50),
+            (149, 1),
+            (90, 1),
+            (130, 20),
+        ] {
+            let (mut a, mut p) = (scratch(), scratch());
+            Avx2.centroids(&t, &b, row0, rows, &mut a);
+            Portable.centroids(&t, &b, row0, rows, &mut p);
+            assert_eq!(bits(&a.tile), bits(&p.tile), "{widths:?} {row0}+{rows}");
+            for fixed in [false, true] {
+                let (mut a, mut p) = (scratch(), scratch());
+                if fixed {
+                    Avx2.centroids_i16(&t, &b, row0, rows, &mut a);
+                    Portable.centroids_i16(&t, &b, row0, rows, &mut p);
+                } else {
+                    Avx2.centroids_bf16(&t, &b, row0, rows, &mut a);
+                    Portable.centroids_bf16(&t, &b, row0, rows, &mut p);
+                }
+                assert_eq!(a.packed, p.packed, "{widths:?} {row0}+{rows} fixed {fixed}");
+            }
+        }
+    }
+}

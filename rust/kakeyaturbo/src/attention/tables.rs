@@ -80,6 +80,8 @@ pub struct StreamTables {
     key_synth_i16: std::sync::OnceLock<super::fixed::FixedSynthesis>,
     /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]).
     lut_bf16: std::sync::OnceLock<Vec<u16>>,
+    /// `lut` in 16-bit fixed point ([`Self::lut_fixed`]).
+    lut_fixed: std::sync::OnceLock<Vec<i32>>,
 }
 
 impl StreamTables {
@@ -192,6 +194,7 @@ impl StreamTables {
             key_synth_bf16: std::sync::OnceLock::new(),
             key_synth_i16: std::sync::OnceLock::new(),
             lut_bf16: std::sync::OnceLock::new(),
+            lut_fixed: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
     }
@@ -338,6 +341,15 @@ impl StreamTables {
             all
         });
         &all[at(self.comps[j].mask as usize + 1)]
+    }
+
+    /// `lut` in 16-bit fixed point, entry by entry ([`super::fixed::fixed16`]; a component's
+    /// table at the same `table` offset): what the packed look-up of
+    /// [`super::Synthesis::I16`] reads, so that no centroid is rounded per row. Derived once,
+    /// on first use.
+    pub(crate) fn lut_fixed(&self) -> &[i32] {
+        self.lut_fixed
+            .get_or_init(|| self.lut.iter().map(|&c| super::fixed::fixed16(c)).collect())
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
