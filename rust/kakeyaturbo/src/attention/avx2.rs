@@ -2,15 +2,19 @@
 //! of [`super::avx512`] (AMD Zen 2 and 3, Intel client cores): the bits of
 //! [`super::kernel::Portable`].
 //!
-//! - The look-up (`avx2_lookup.rs`): 8 rows at a time, each component's indices by a 32-bit
-//!   gather shared with the components whose bits end in it, centroids by permutes of tables
-//!   held in registers (gathered past 5 bits); for keys coded before RoPE rounded to bfloat16
-//!   or 16-bit fixed point and packed in pairs in registers. The rows a read would take past
-//!   the block's end come from a zero-padded copy, one at a time.
+//! - The look-up (`avx2_lookup.rs`): a component at a time over the tile, its indices of 8
+//!   rows from the rows' words (rows of up to 32 bytes loaded whole and transposed, longer
+//!   ones gathered), centroids by permutes of tables held in registers (gathered past 5
+//!   bits); for keys coded before RoPE rounded to bfloat16, or 16 rows at a time in 16-bit
+//!   fixed point (byte shuffles of the table's low and high bytes up to 4 bits), packed in
+//!   pairs. The rows a read would take past the block's end come from a zero-padded copy, one
+//!   at a time.
 //! - The synthesis of keys coded before RoPE: two channels by 32 rows per pass (8 accumulators
 //!   of 8 lanes), the two channels of one frequency, so that the scale, the mean and the
 //!   rotation run in registers; bfloat16 as two float32 `fma`s per packed word (widened once
 //!   for both channels), fixed point as one `vpmaddwd` per word (exact 32-bit sums).
+//! - The float32 sums of a tile (`avx2_sums.rs`): the scores of synthesised keys or of the
+//!   centroids, and the values' code-domain sums, their accumulators held in registers.
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
 use super::fixed::{self, FixedSynthesis};

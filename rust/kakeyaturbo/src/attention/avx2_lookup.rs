@@ -1,8 +1,10 @@
 //! The look-up of the AVX2 kernel: a tile's rows ([`Rows`]: read in place where every 8-byte
 //! read stays inside the block, from a zero-padded copy where not), each component's indices of
-//! 8 rows by one 32-bit gather shared by the components whose bits end in it, and the centroids
-//! by `vpermps` from tables in registers (up to 5 bits) or a gather: into a float32 tile, or
-//! for keys coded before RoPE rounded to bfloat16 or 16-bit fixed point and packed in pairs.
+//! 8 rows from the rows' 32-bit words (rows of up to 32 bytes: one load each and a transpose;
+//! longer ones: a 32-bit gather shared by the components whose bits end in it), and the
+//! centroids by `vpermps` from tables in registers (up to 5 bits) or a gather: into a float32
+//! tile, or for keys coded before RoPE rounded to bfloat16, or in 16-bit fixed point (byte
+//! shuffles up to 4 bits), packed in pairs.
 
 use super::super::kernel::{BF16_FLOOR, TILE};
 use super::super::store::SealedBlock;
@@ -17,6 +19,9 @@ pub(super) struct Rows {
     rb: usize,
     rows: usize,
     pub(super) direct: usize,
+    /// Rows (from the first) whose 32 bytes from their start lie inside the blob: where a
+    /// row's bits fit in 32 bytes, a tile whose rows all are read whole by one load each.
+    whole: usize,
 }
 
 impl Rows {
@@ -29,11 +34,16 @@ impl Rows {
         assert!(end <= blob.len());
         // Row `r` is direct when its last byte's 8-byte read ends inside the blob.
         let direct = ((blob.len() - start).saturating_sub(7) / rb.max(1)).min(rows);
+        let whole = match (blob.len() - start).checked_sub(32) {
+            Some(room) if rb <= 32 => (room / rb.max(1) + 1).min(rows),
+            _ => 0,
+        };
         Rows {
             p: blob[start..].as_ptr(),
             rb,
             rows,
             direct,
+            whole,
         }
     }
 
@@ -138,20 +148,108 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
 
 /// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
 /// direct), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
-/// once per component: its table in registers). One 32-bit gather per 8 rows from the byte
-/// holding a component's first bit serves it and the components after it whose bits end
-/// inside those 32 (an index of up to 8 bits starting in that byte always does): the tile's
-/// gathers for such a run of components are taken first, then each index is a shift and the
-/// mask.
+/// once per component: its table in registers). Where every row's bits fit in 32 bytes and
+/// each of the rows can be read whole ([`words_whole`]), each 32-bit word of 8 rows comes
+/// from one load per row and an 8 x 8 transpose; otherwise from gathers ([`words_gathered`]).
+/// Each index is then a shift (two and an `or` where it spans two words) and the mask.
 #[inline(always)]
 unsafe fn each_index<T>(
     t: &StreamTables,
     rw: &Rows,
     full: usize,
     setup: impl Fn(usize) -> T,
-    mut f: impl FnMut(&T, usize, &[__m256i]),
+    f: impl FnMut(&T, usize, &[__m256i]),
 ) {
     assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
+    if rw.rb <= 32 && full <= rw.whole {
+        words_whole(t, rw, full, setup, f)
+    } else {
+        words_gathered(t, rw, full, setup, f)
+    }
+}
+
+/// [`each_index`] from whole rows: per 8 rows, 8 loads of 32 bytes transposed into the rows'
+/// 8 words (`w[g][k]`: word `k` of rows `8 g .. 8 g + 8`).
+#[inline(always)]
+unsafe fn words_whole<T>(
+    t: &StreamTables,
+    rw: &Rows,
+    full: usize,
+    setup: impl Fn(usize) -> T,
+    mut f: impl FnMut(&T, usize, &[__m256i]),
+) {
+    let groups = full / 8;
+    let zero = _mm256_setzero_si256();
+    let mut w = [[zero; 8]; TILE / 8];
+    for (g, w) in w[..groups].iter_mut().enumerate() {
+        // SAFETY (the caller's): rows below `full <= whole` have 32 bytes inside the blob.
+        let r: [__m256i; 8] = std::array::from_fn(|i| {
+            _mm256_loadu_si256(rw.p.add((8 * g + i) * rw.rb) as *const __m256i)
+        });
+        let lo = |a, b| _mm256_unpacklo_epi32(a, b);
+        let hi = |a, b| _mm256_unpackhi_epi32(a, b);
+        let t = [
+            lo(r[0], r[1]),
+            hi(r[0], r[1]),
+            lo(r[2], r[3]),
+            hi(r[2], r[3]),
+            lo(r[4], r[5]),
+            hi(r[4], r[5]),
+            lo(r[6], r[7]),
+            hi(r[6], r[7]),
+        ];
+        let u = [
+            _mm256_unpacklo_epi64(t[0], t[2]),
+            _mm256_unpackhi_epi64(t[0], t[2]),
+            _mm256_unpacklo_epi64(t[1], t[3]),
+            _mm256_unpackhi_epi64(t[1], t[3]),
+            _mm256_unpacklo_epi64(t[4], t[6]),
+            _mm256_unpackhi_epi64(t[4], t[6]),
+            _mm256_unpacklo_epi64(t[5], t[7]),
+            _mm256_unpackhi_epi64(t[5], t[7]),
+        ];
+        for k in 0..4 {
+            w[k] = _mm256_permute2x128_si256::<0x20>(u[k], u[k + 4]);
+            w[k + 4] = _mm256_permute2x128_si256::<0x31>(u[k], u[k + 4]);
+        }
+    }
+    let mut idx = [zero; TILE / 8];
+    for (j, c) in t.comps.iter().enumerate() {
+        let (k, sh) = (c.word as usize, c.shift as i32);
+        let width = (c.mask + 1).trailing_zeros() as i32;
+        let mask = _mm256_set1_epi32(c.mask as i32);
+        let right = _mm_cvtsi32_si128(sh);
+        if sh + width <= 32 {
+            for (i, w) in idx[..groups].iter_mut().zip(&w[..groups]) {
+                *i = _mm256_and_si256(_mm256_srl_epi32(w[k], right), mask);
+            }
+        } else {
+            // Spans words `k` and `k + 1` (inside the 8: the row's bits end within 256).
+            let left = _mm_cvtsi32_si128(32 - sh);
+            for (i, w) in idx[..groups].iter_mut().zip(&w[..groups]) {
+                let v = _mm256_or_si256(
+                    _mm256_srl_epi32(w[k], right),
+                    _mm256_sll_epi32(w[k + 1], left),
+                );
+                *i = _mm256_and_si256(v, mask);
+            }
+        }
+        f(&setup(j), j, &idx[..groups]);
+    }
+}
+
+/// [`each_index`] by gathers: one 32-bit gather per 8 rows from the byte holding a
+/// component's first bit serves it and the components after it whose bits end inside those
+/// 32 (an index of up to 8 bits starting in that byte always does); the tile's gathers for
+/// such a run of components are taken first.
+#[inline(always)]
+unsafe fn words_gathered<T>(
+    t: &StreamTables,
+    rw: &Rows,
+    full: usize,
+    setup: impl Fn(usize) -> T,
+    mut f: impl FnMut(&T, usize, &[__m256i]),
+) {
     let offs = row_offsets(rw.rb);
     let groups = full / 8;
     let (mut w, mut idx) = (
