@@ -8,7 +8,7 @@
 
 use super::super::kernel::{BF16_FLOOR, TILE};
 use super::super::store::SealedBlock;
-use super::super::tables::{Component, StreamTables};
+use super::super::tables::{Component, FixedLut, StreamTables};
 use std::arch::x86_64::*;
 
 /// The tile's rows: where they start in the block's bytes, and how many of them (`direct`)
@@ -339,24 +339,14 @@ enum Fixed {
 }
 
 #[inline(always)]
-unsafe fn fixed_table(lut: &[i32], c: &Component) -> Fixed {
+unsafe fn fixed_table(lut: &FixedLut, j: usize, c: &Component) -> Fixed {
     if c.mask >= 16 {
-        return Fixed::Wide(table(lut.as_ptr() as *const f32, c));
+        return Fixed::Wide(table(lut.values.as_ptr() as *const f32, c));
     }
-    // Entries 0 .. 16 (every table holds at least 16) as 16-bit values in order, then each
-    // 128-bit lane's low bytes before its high bytes, then the low and the high bytes of all
-    // 16 entries gathered into both lanes.
-    let p = lut[c.table as usize..c.table as usize + 16].as_ptr() as *const __m256i;
-    let w = _mm256_packs_epi32(_mm256_loadu_si256(p), _mm256_loadu_si256(p.add(1)));
-    let w = _mm256_permute4x64_epi64::<0b11_01_10_00>(w);
-    let split = _mm256_setr_epi8(
-        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5,
-        7, 9, 11, 13, 15,
-    );
-    let b = _mm256_shuffle_epi8(w, split);
+    let b = lut.bytes[j].as_ptr() as *const __m128i;
     Fixed::Bytes(
-        _mm256_permute4x64_epi64::<0b10_00_10_00>(b),
-        _mm256_permute4x64_epi64::<0b11_01_11_01>(b),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(b)),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(1))),
     )
 }
 
@@ -397,7 +387,7 @@ pub(super) unsafe fn decode_rows_fixed(
     let zero = _mm256_setzero_si256();
     // The low member's values per 16 rows, held until its pair's high member comes.
     let mut low = [zero; TILE / 16];
-    let setup = |j: usize| fixed_table(lut, &t.comps[j]);
+    let setup = |j: usize| fixed_table(lut, j, &t.comps[j]);
     each_index(t, rw, full, setup, |tab, j, idx| {
         let mut v = [zero; TILE / 16];
         for (u, pair) in v.iter_mut().zip(idx.chunks(2)) {
