@@ -149,8 +149,9 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
 /// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
 /// direct), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
 /// once per component: its table in registers). Where every row's bits fit in 32 bytes and
-/// each of the rows can be read whole ([`words_whole`]), each 32-bit word of 8 rows comes
-/// from one load per row and an 8 x 8 transpose; otherwise from gathers ([`words_gathered`]).
+/// each of the rows can be read whole (`full <= whole`, [`words_whole`]), each 32-bit word of
+/// 8 rows comes from one load per row and an 8 x 8 transpose; otherwise from gathers
+/// ([`words_gathered`]).
 /// Each index is then a shift (two and an `or` where it spans two words) and the mask.
 #[inline(always)]
 unsafe fn each_index<T>(
@@ -161,7 +162,7 @@ unsafe fn each_index<T>(
     f: impl FnMut(&T, usize, &[__m256i]),
 ) {
     assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
-    if rw.rb <= 32 && full <= rw.whole {
+    if full <= rw.whole {
         words_whole(t, rw, full, setup, f)
     } else {
         words_gathered(t, rw, full, setup, f)

@@ -157,17 +157,8 @@ fn look_ups_match_the_portable_ones() {
         let codes = c.encode(&rows(&c, n, 3), n).unwrap();
         let b = SealedBlock::parse(&t, c.to_bytes(&codes).0).unwrap();
         let scratch = || Scratch {
-            tile: vec![0f32; t.m * TILE],
-            words: vec![0u32; t.words + 1],
-            bytes: vec![0u8; 8 * t.groups.len() * TILE],
-            scores: Vec::new(),
-            scores2: Vec::new(),
-            add: Vec::new(),
-            acc: Vec::new(),
-            keys: Vec::new(),
-            trig: Vec::new(),
-            trig_at: None,
             packed: vec![0u32; t.m.div_ceil(2) * TILE],
+            ..Scratch::for_tables([&t])
         };
         for (row0, rows) in [
             (0, 64),

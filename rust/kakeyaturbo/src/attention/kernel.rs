@@ -39,13 +39,19 @@ pub(crate) struct Scratch {
 impl Scratch {
     /// Scratch for every calibration of a layer (one per worker thread, reused by its pieces).
     pub fn for_layer(codes: &LayerCodes) -> Self {
+        Self::for_tables(
+            (0..codes.kv_heads())
+                .flat_map(|i| [&**codes.k_store(i).tables(), &**codes.v_store(i).tables()]),
+        )
+    }
+
+    /// Scratch for the calibrations `tables`.
+    pub fn for_tables<'a>(tables: impl IntoIterator<Item = &'a StreamTables>) -> Self {
         let (mut m, mut words, mut slots) = (0, 0, 0);
-        for i in 0..codes.kv_heads() {
-            for t in [codes.k_store(i).tables(), codes.v_store(i).tables()] {
-                m = m.max(t.m);
-                words = words.max(t.words + 1);
-                slots = slots.max(8 * t.groups.len());
-            }
+        for t in tables {
+            m = m.max(t.m);
+            words = words.max(t.words + 1);
+            slots = slots.max(8 * t.groups.len());
         }
         Self {
             tile: vec![0f32; m * TILE],
