@@ -6,9 +6,10 @@
 //! tile, or for keys coded before RoPE rounded to bfloat16, or in 16-bit fixed point (byte
 //! shuffles up to 4 bits), packed in pairs.
 
+use super::super::fixed::FixedLut;
 use super::super::kernel::{BF16_FLOOR, TILE};
 use super::super::store::SealedBlock;
-use super::super::tables::{Component, FixedLut, StreamTables};
+use super::super::tables::{Component, StreamTables};
 use std::arch::x86_64::*;
 
 /// The tile's rows: where they start in the block's bytes, and how many of them (`direct`)

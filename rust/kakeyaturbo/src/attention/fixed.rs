@@ -9,6 +9,7 @@
 //! `32767` in magnitude, so any partial sum stays below `65535 * 32767 < 2^31`.
 
 use super::kernel::TILE;
+use super::tables::Component;
 
 /// Fixed-point units per unit of a centroid (`2^8`).
 pub(crate) const ONE: f32 = 256.0;
@@ -96,6 +97,36 @@ impl FixedSynthesis {
             }
         }
         out
+    }
+}
+
+/// The centroid tables in 16-bit fixed point ([`fixed16`]): `values` entry by
+/// entry (a component's table at the same `table` offset as in `lut`), and per component the
+/// low bytes of its table's first 16 entries, then their high bytes (every table holds at
+/// least 16), for byte shuffles.
+#[derive(Debug, Clone)]
+pub(crate) struct FixedLut {
+    pub values: Vec<i32>,
+    pub bytes: Vec<[u8; 32]>,
+}
+
+impl FixedLut {
+    /// The tables of a calibration's float32 centroid tables `lut` (laid out as
+    /// `StreamTables::lut`) for its components `comps`.
+    pub(crate) fn new(lut: &[f32], comps: &[Component]) -> Self {
+        let values: Vec<i32> = lut.iter().map(|&c| fixed16(c)).collect();
+        let bytes = comps
+            .iter()
+            .map(|c| {
+                let mut b = [0u8; 32];
+                for e in 0..16 {
+                    let v = values[c.table as usize + e] as u16;
+                    (b[e], b[16 + e]) = (v as u8, (v >> 8) as u8);
+                }
+                b
+            })
+            .collect();
+        FixedLut { values, bytes }
     }
 }
 

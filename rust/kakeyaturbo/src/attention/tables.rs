@@ -50,16 +50,6 @@ pub(crate) struct Component {
     pub slot: u32,
 }
 
-/// The centroid tables in 16-bit fixed point ([`super::fixed::fixed16`]): `values` entry by
-/// entry (a component's table at the same `table` offset as in `lut`), and per component the
-/// low bytes of its table's first 16 entries, then their high bytes (every table holds at
-/// least 16), for byte shuffles.
-#[derive(Debug, Clone)]
-pub(crate) struct FixedLut {
-    pub values: Vec<i32>,
-    pub bytes: Vec<[u8; 32]>,
-}
-
 /// The tables of one calibration (one stream of one (layer, kv-head)) that attention reads.
 #[derive(Debug, Clone)]
 pub struct StreamTables {
@@ -91,7 +81,7 @@ pub struct StreamTables {
     /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]).
     lut_bf16: std::sync::OnceLock<Vec<u16>>,
     /// `lut` in 16-bit fixed point ([`Self::lut_fixed`]).
-    lut_fixed: std::sync::OnceLock<FixedLut>,
+    lut_fixed: std::sync::OnceLock<super::fixed::FixedLut>,
 }
 
 impl StreamTables {
@@ -353,26 +343,12 @@ impl StreamTables {
         &all[at(self.comps[j].mask as usize + 1)]
     }
 
-    /// `lut` in 16-bit fixed point ([`FixedLut`]): what the packed look-up of
+    /// `lut` in 16-bit fixed point ([`super::fixed::FixedLut`]): what the packed look-up of
     /// [`super::Synthesis::I16`] reads, so that no centroid is rounded per row. Derived once,
     /// on first use.
-    pub(crate) fn lut_fixed(&self) -> &FixedLut {
-        self.lut_fixed.get_or_init(|| {
-            let values: Vec<i32> = self.lut.iter().map(|&c| super::fixed::fixed16(c)).collect();
-            let bytes = self
-                .comps
-                .iter()
-                .map(|c| {
-                    let mut b = [0u8; 32];
-                    for e in 0..16 {
-                        let v = values[c.table as usize + e] as u16;
-                        (b[e], b[16 + e]) = (v as u8, (v >> 8) as u8);
-                    }
-                    b
-                })
-                .collect();
-            FixedLut { values, bytes }
-        })
+    pub(crate) fn lut_fixed(&self) -> &super::fixed::FixedLut {
+        self.lut_fixed
+            .get_or_init(|| super::fixed::FixedLut::new(&self.lut, &self.comps))
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
