@@ -20,8 +20,8 @@ pub(super) struct Rows {
     rb: usize,
     rows: usize,
     pub(super) direct: usize,
-    /// Rows (from the first) whose 32 bytes from their start lie inside the blob: where a
-    /// row's bits fit in 32 bytes, a tile whose rows all are read whole by one load each.
+    /// Rows (from the first) whose first 32 bytes lie inside the blob (every row of 32 bytes or
+    /// more): where they all do, a tile's rows are read by one 32-byte load each.
     whole: usize,
 }
 
@@ -36,8 +36,9 @@ impl Rows {
         // Row `r` is direct when its last byte's 8-byte read ends inside the blob.
         let direct = ((blob.len() - start).saturating_sub(7) / rb.max(1)).min(rows);
         let whole = match (blob.len() - start).checked_sub(32) {
-            Some(room) if rb <= 32 => (room / rb.max(1) + 1).min(rows),
-            _ => 0,
+            _ if rb >= 32 => rows,
+            Some(room) => (room / rb.max(1) + 1).min(rows),
+            None => 0,
         };
         Rows {
             p: blob[start..].as_ptr(),
@@ -149,10 +150,10 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
 
 /// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
 /// direct), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
-/// once per component: its table in registers). Where every row's bits fit in 32 bytes and
-/// each of the rows can be read whole (`full <= whole`, [`words_whole`]), each 32-bit word of
-/// 8 rows comes from one load per row and an 8 x 8 transpose; otherwise from gathers
-/// ([`words_gathered`]).
+/// once per component: its table in registers). Where a row's bits fit in 64 bytes and the
+/// rows' first 32 bytes can be read (`full <= whole`, [`words_whole`]), each of the first 8
+/// 32-bit words of 8 rows comes from one load per row and an 8 x 8 transpose, a word after
+/// those from a gather; otherwise every word from gathers ([`words_gathered`]).
 /// Each index is then a shift (two and an `or` where it spans two words) and the mask.
 #[inline(always)]
 unsafe fn each_index<T>(
@@ -163,7 +164,7 @@ unsafe fn each_index<T>(
     f: impl FnMut(&T, usize, &[__m256i]),
 ) {
     assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
-    if full <= rw.whole {
+    if t.words <= 16 && full <= rw.whole {
         words_whole(t, rw, full, setup, f)
     } else {
         words_gathered(t, rw, full, setup, f)
@@ -171,7 +172,8 @@ unsafe fn each_index<T>(
 }
 
 /// [`each_index`] from whole rows: per 8 rows, 8 loads of 32 bytes transposed into the rows'
-/// 8 words (`w[g][k]`: word `k` of rows `8 g .. 8 g + 8`).
+/// first 8 words, their words after those (up to 16) by gathers (`w[g][k]`: word `k` of rows
+/// `8 g .. 8 g + 8`).
 #[inline(always)]
 unsafe fn words_whole<T>(
     t: &StreamTables,
@@ -182,8 +184,15 @@ unsafe fn words_whole<T>(
 ) {
     let groups = full / 8;
     let zero = _mm256_setzero_si256();
-    let mut w = [[zero; 8]; TILE / 8];
+    let offs = row_offsets(rw.rb);
+    let mut w = [[zero; 16]; TILE / 8];
     for (g, w) in w[..groups].iter_mut().enumerate() {
+        for (k, w) in w.iter_mut().enumerate().take(t.words).skip(8) {
+            // SAFETY (the caller's): word `k < words` of a direct row: its 8-byte read at
+            // `4 k` ends inside the blob.
+            let p = rw.p.add(8 * g * rw.rb + 4 * k);
+            *w = _mm256_i32gather_epi32::<1>(p as *const i32, offs);
+        }
         // SAFETY (the caller's): rows below `full <= whole` have 32 bytes inside the blob.
         let r: [__m256i; 8] = std::array::from_fn(|i| {
             _mm256_loadu_si256(rw.p.add((8 * g + i) * rw.rb) as *const __m256i)
@@ -226,7 +235,7 @@ unsafe fn words_whole<T>(
                 *i = _mm256_and_si256(_mm256_srl_epi32(w[k], right), mask);
             }
         } else {
-            // Spans words `k` and `k + 1` (inside the 8: the row's bits end within 256).
+            // Spans words `k` and `k + 1` (`k + 1 < words`: the row's bits end in it).
             let left = _mm_cvtsi32_si128(32 - sh);
             for (i, w) in idx[..groups].iter_mut().zip(&w[..groups]) {
                 let v = _mm256_or_si256(

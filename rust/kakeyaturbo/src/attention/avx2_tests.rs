@@ -133,9 +133,9 @@ fn float_sums_match_their_definitions() {
 
 /// A tile's look-ups (the float32 tile, the bfloat16 and the fixed-point packed pairs) against
 /// the portable kernel's, bit for bit: every width from 1 to 8 bits, alone and mixed, odd and
-/// even component counts, rows of up to 32 bytes (read whole) and of 40 (gathered), tiles of 1
-/// to 64 rows at several offsets (8-row groups whole, half of a 16-row pair, and the rows read
-/// one by one at a block's end).
+/// even component counts, rows of up to 32 bytes (read whole), of 40 (the words past 32 bytes
+/// gathered) and of 72 (all gathered), tiles of 1 to 64 rows at several offsets (8-row groups
+/// whole, half of a 16-row pair, and the rows read one by one at a block's end).
 #[test]
 fn look_ups_match_the_portable_ones() {
     use super::super::store::SealedBlock;
@@ -148,10 +148,17 @@ fn look_ups_match_the_portable_ones() {
     cases.push((0..40).map(|j| 8 - (j / 5) as u8).collect());
     cases.push(vec![4, 3, 4, 3, 2, 4, 1, 4, 5, 4, 3]);
     cases.push(vec![4; 64]);
-    // Rows of 40 bytes: read by gathers, not whole.
+    // Rows of 40 bytes: the first 32 transposed, the rest gathered; of 72: all gathered.
     cases.push(vec![5; 64]);
+    cases.push(vec![8; 72]);
     for widths in cases {
-        let c = codec(64, widths.clone(), true, Metric::Mse, None);
+        let c = codec(
+            widths.len().max(64),
+            widths.clone(),
+            true,
+            Metric::Mse,
+            None,
+        );
         let t = StreamTables::new(&c);
         let n = 150;
         let codes = c.encode(&rows(&c, n, 3), n).unwrap();
