@@ -17,7 +17,7 @@
 //!   centroids, and the values' code-domain sums, their accumulators held in registers.
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
 
-use super::fixed::{self, FixedSynthesis};
+use super::fixed::FixedSynthesis;
 use super::kernel::{Portable, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
 use super::tables::StreamTables;
@@ -85,9 +85,12 @@ impl Avx2 {
                 v as u32
             };
         };
+        // The centroids already in fixed point (derived once per calibration).
+        let fixed = FIXED.then(|| &t.lut_fixed().values);
+        let at = |j: usize| t.comps[j].table as usize;
         for j in 0..m {
-            let c0 = if FIXED {
-                fixed::fixed16(t.centroid(j, 0)) as u16
+            let c0 = if let Some(f) = fixed {
+                f[at(j)] as u16
             } else {
                 t.table_bf16(j)[0]
             };
@@ -106,10 +109,10 @@ impl Avx2 {
             }
         };
         // The rows after `full`, each component's table taken once.
-        if FIXED {
-            let table = |j: usize| &t.lut[t.comps[j].table as usize..];
-            rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
-                put(packed, j, r, fixed::fixed16(lut[code]) as u16);
+        if let Some(f) = fixed {
+            let table = |j: usize| &f[at(j)..];
+            rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
+                put(packed, j, r, tab[code] as u16);
             });
         } else {
             let table = |j: usize| t.table_bf16(j);
