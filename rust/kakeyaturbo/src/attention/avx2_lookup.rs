@@ -350,11 +350,12 @@ enum Fixed {
 }
 
 #[inline(always)]
-unsafe fn fixed_table(lut: &FixedLut, j: usize, c: &Component) -> Fixed {
+unsafe fn fixed_table(lut: &FixedLut, c: &Component) -> Fixed {
     if c.mask >= 16 {
         return Fixed::Wide(table(lut.values.as_ptr() as *const f32, c));
     }
-    let b = lut.bytes[j].as_ptr() as *const __m128i;
+    // Tables start at multiples of 16 entries (`FixedLut::bytes`).
+    let b = lut.bytes[c.table as usize / 16].as_ptr() as *const __m128i;
     Fixed::Bytes(
         _mm256_broadcastsi128_si256(_mm_loadu_si128(b)),
         _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(1))),
@@ -398,7 +399,7 @@ pub(super) unsafe fn decode_rows_fixed(
     let zero = _mm256_setzero_si256();
     // The low member's values per 16 rows, held until its pair's high member comes.
     let mut low = [zero; TILE / 16];
-    let setup = |j: usize| fixed_table(lut, j, &t.comps[j]);
+    let setup = |j: usize| fixed_table(lut, &t.comps[j]);
     each_index(t, rw, full, setup, |tab, j, idx| {
         let mut v = [zero; TILE / 16];
         for (u, pair) in v.iter_mut().zip(idx.chunks(2)) {

@@ -9,7 +9,6 @@
 //! `32767` in magnitude, so any partial sum stays below `65535 * 32767 < 2^31`.
 
 use super::kernel::TILE;
-use super::tables::Component;
 
 /// Fixed-point units per unit of a centroid (`2^8`).
 pub(crate) const ONE: f32 = 256.0;
@@ -101,9 +100,10 @@ impl FixedSynthesis {
 }
 
 /// The centroid tables in 16-bit fixed point ([`fixed16`]): `values` entry by
-/// entry (a component's table at the same `table` offset as in `lut`), and per component the
-/// low bytes of its table's first 16 entries, then their high bytes (every table holds at
-/// least 16), for byte shuffles.
+/// entry (a component's table at the same `table` offset as in `lut`), and per 16 entries of
+/// `values` (every table starts at a multiple of 16 and holds at least 16) their low bytes,
+/// then their high bytes, for byte shuffles: a table of `2^b >= 16` entries is
+/// `bytes[table / 16 ..][.. 2^b / 16]`.
 #[derive(Debug, Clone)]
 pub(crate) struct FixedLut {
     pub values: Vec<i32>,
@@ -112,16 +112,15 @@ pub(crate) struct FixedLut {
 
 impl FixedLut {
     /// The tables of a calibration's float32 centroid tables `lut` (laid out as
-    /// `StreamTables::lut`) for its components `comps`.
-    pub(crate) fn new(lut: &[f32], comps: &[Component]) -> Self {
+    /// `StreamTables::lut`).
+    pub(crate) fn new(lut: &[f32]) -> Self {
         let values: Vec<i32> = lut.iter().map(|&c| fixed16(c)).collect();
-        let bytes = comps
-            .iter()
-            .map(|c| {
+        let bytes = values
+            .chunks(16)
+            .map(|chunk| {
                 let mut b = [0u8; 32];
-                for e in 0..16 {
-                    let v = values[c.table as usize + e] as u16;
-                    (b[e], b[16 + e]) = (v as u8, (v >> 8) as u8);
+                for (e, &v) in chunk.iter().enumerate() {
+                    (b[e], b[16 + e]) = (v as u16 as u8, (v as u16 >> 8) as u8);
                 }
                 b
             })

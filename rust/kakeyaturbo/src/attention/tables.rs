@@ -348,7 +348,7 @@ impl StreamTables {
     /// on first use.
     pub(crate) fn lut_fixed(&self) -> &super::fixed::FixedLut {
         self.lut_fixed
-            .get_or_init(|| super::fixed::FixedLut::new(&self.lut, &self.comps))
+            .get_or_init(|| super::fixed::FixedLut::new(&self.lut))
     }
 
     /// Moves a code-domain sum back out: with `a = sum_t p_t g_t c_t` (`m`, overwritten) and
