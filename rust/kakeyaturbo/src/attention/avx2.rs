@@ -7,8 +7,8 @@
 //!   ones gathered), centroids by permutes of tables held in registers (gathered past 5
 //!   bits); for keys coded before RoPE rounded to bfloat16, or 16 rows at a time in 16-bit
 //!   fixed point (byte shuffles of the table's low and high bytes up to 4 bits), packed in
-//!   pairs. The rows a read would take past the block's end come from a zero-padded copy, one
-//!   at a time.
+//!   pairs. A tile whose last row a read would take past the block's bytes is read from a
+//!   zero-padded copy of its rows.
 //! - The synthesis of keys coded before RoPE: the channels of whole frequencies per pass (8
 //!   accumulators of 8 lanes), so that the scale, the mean and the rotation run in registers;
 //!   fixed point as one `vpmaddwd` per word (exact 32-bit sums), two frequencies by 16 rows;
@@ -53,11 +53,11 @@ impl Avx2 {
             out[rows..].fill(t.lut[c.table as usize]);
         }
         let table = |j: usize| &t.lut[t.comps[j].table as usize..];
-        let rw = Rows::new(t, b, row0, rows);
-        let full = rw.direct / 8 * 8;
-        // SAFETY: as in `scales`; rows below `full` are direct, the tile holds `m` x 64.
+        let rw = Rows::new(t, b, row0, rows, &mut s.bytes);
+        let full = rows / 8 * 8;
+        // SAFETY: as in `scales`; the tile holds `m` x 64.
         unsafe { decode_rows(t, &rw, full, tile) };
-        rw.each(t, full, &mut s.words, table, |lut, j, r, code| {
+        rw.each(t, full, table, |lut, j, r, code| {
             tile[j * TILE + r] = lut[code];
         });
     }
@@ -99,9 +99,9 @@ impl Avx2 {
                 put(packed, j, r, c0);
             }
         }
-        let rw = Rows::new(t, b, row0, rows);
-        let full = rw.direct / 8 * 8;
-        // SAFETY: as in `scales`; rows below `full` are direct, `packed` holds the pairs x 64.
+        let rw = Rows::new(t, b, row0, rows, &mut s.bytes);
+        let full = rows / 8 * 8;
+        // SAFETY: as in `scales`; `packed` holds the pairs x 64.
         unsafe {
             if FIXED {
                 decode_rows_fixed(t, &rw, full, packed)
@@ -112,12 +112,12 @@ impl Avx2 {
         // The rows after `full`, each component's table taken once.
         if let Some(f) = fixed {
             let table = |j: usize| &f[at(j)..];
-            rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
+            rw.each(t, full, table, |tab, j, r, code| {
                 put(packed, j, r, tab[code] as u16);
             });
         } else {
             let table = |j: usize| t.table_bf16(j);
-            rw.each(t, full, &mut s.words, table, |tab, j, r, code| {
+            rw.each(t, full, table, |tab, j, r, code| {
                 put(packed, j, r, tab[code]);
             });
         }

@@ -12,29 +12,50 @@ use super::super::store::SealedBlock;
 use super::super::tables::{Component, StreamTables};
 use std::arch::x86_64::*;
 
-/// The tile's rows: where they start in the block's bytes, and how many of them (`direct`)
-/// every 8-byte read at a component stays inside the blob for (a read may run past its row:
-/// the mask drops those bits). The rows after those are read from a zero-padded copy.
-pub(super) struct Rows {
+/// The tile's rows, read in place where every read of every row stays inside the block's
+/// bytes (a component's 8 bytes, which may run past its row: the mask drops those bits), else
+/// from a zero-padded copy of them: the last tile of a block whose codes end its bytes (one
+/// without outliers), whose last row a read would take past them.
+pub(super) struct Rows<'a> {
     p: *const u8,
     rb: usize,
-    rows: usize,
-    pub(super) direct: usize,
-    /// Rows (from the first) whose first 32 bytes lie inside the blob (every row of 32 bytes or
-    /// more): where they all do, a tile's rows are read by one 32-byte load each.
+    pub(super) rows: usize,
+    /// Rows (from the first) whose first 32 bytes can be loaded (every row of 32 bytes or more,
+    /// and every row of a copy): where they all can, a tile's rows are read by one 32-byte load
+    /// each.
     whole: usize,
+    bytes: std::marker::PhantomData<&'a [u8]>,
 }
 
-impl Rows {
+impl<'a> Rows<'a> {
+    /// Rows `row0 .. row0 + rows` of block `b`; `copy` holds them where they are not read in
+    /// place.
     #[inline(always)]
-    pub(super) fn new(t: &StreamTables, b: &SealedBlock, row0: usize, rows: usize) -> Self {
+    pub(super) fn new(
+        t: &StreamTables,
+        b: &'a SealedBlock,
+        row0: usize,
+        rows: usize,
+        copy: &'a mut Vec<u8>,
+    ) -> Self {
         let (rb, blob) = (t.row_bytes, b.blob());
         assert!((1..=TILE).contains(&rows) && row0 + rows <= b.n);
         let start = b.codes_at + row0 * rb;
         let end = start + rows * rb;
         assert!(end <= blob.len());
-        // Row `r` is direct when its last byte's 8-byte read ends inside the blob.
-        let direct = ((blob.len() - start).saturating_sub(7) / rb.max(1)).min(rows);
+        // A row's last 8-byte read ends at most 7 bytes past it (`index_at`).
+        if end + 7 > blob.len() {
+            copy.clear();
+            copy.extend_from_slice(&blob[start..end]);
+            copy.resize(end - start + 32, 0);
+            return Rows {
+                p: copy.as_ptr(),
+                rb,
+                rows,
+                whole: rows,
+                bytes: std::marker::PhantomData,
+            };
+        }
         let whole = match (blob.len() - start).checked_sub(32) {
             _ if rb >= 32 => rows,
             Some(room) => (room / rb.max(1) + 1).min(rows),
@@ -44,47 +65,26 @@ impl Rows {
             p: blob[start..].as_ptr(),
             rb,
             rows,
-            direct,
             whole,
+            bytes: std::marker::PhantomData,
         }
     }
 
     /// Each component's index in rows `from .. rows`, `put(&tab, j, r, code)` (`tab =
-    /// table(j)`, taken once per component of the direct rows); the rows past `direct` copied
-    /// into `words` (`t.words + 1` of them) first.
+    /// table(j)`, taken once per component).
     #[inline(always)]
     pub(super) fn each<T>(
         &self,
         t: &StreamTables,
         from: usize,
-        words: &mut [u32],
         table: impl Fn(usize) -> T,
         mut put: impl FnMut(&T, usize, usize, usize),
     ) {
         for (j, c) in t.comps.iter().enumerate() {
             let tab = table(j);
-            for r in from..self.direct {
-                // SAFETY: row `r < direct` of the tile: its reads end inside the blob.
+            for r in from..self.rows {
+                // SAFETY: row `r < rows` of the tile: its reads end inside the bytes read.
                 put(&tab, j, r, unsafe { index_at(self.p.add(r * self.rb), c) });
-            }
-        }
-        let words = &mut words[..t.words + 1];
-        for r in self.direct.max(from)..self.rows {
-            words.fill(0);
-            // SAFETY: row `r < rows`, inside the blob (checked in `new`); `words` holds at
-            // least `row_bytes + 4` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    self.p.add(r * self.rb),
-                    words.as_mut_ptr() as *mut u8,
-                    self.rb,
-                );
-            }
-            for (j, c) in t.comps.iter().enumerate() {
-                // SAFETY: `4 * c.word + 8 <= 4 * (t.words + 1)`.
-                put(&table(j), j, r, unsafe {
-                    index_at(words.as_ptr() as *const u8, c)
-                });
             }
         }
     }
@@ -149,7 +149,7 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
 }
 
 /// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
-/// direct), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
+/// of the tile), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
 /// once per component: its table in registers). Where a row's bits fit in 64 bytes and the
 /// rows' first 32 bytes can be read (`full <= whole`, [`words_whole`]), each of the first 8
 /// 32-bit words of 8 rows comes from one load per row and an 8 x 8 transpose, a word after
@@ -163,7 +163,7 @@ unsafe fn each_index<T>(
     setup: impl Fn(usize) -> T,
     f: impl FnMut(&T, usize, &[__m256i]),
 ) {
-    assert!(full <= rw.direct && full.is_multiple_of(8) && full <= TILE);
+    assert!(full <= rw.rows && full.is_multiple_of(8) && full <= TILE);
     if t.words <= 16 && full <= rw.whole {
         words_whole(t, rw, full, setup, f)
     } else {
@@ -188,7 +188,7 @@ unsafe fn words_whole<T>(
     let mut w = [[zero; 16]; TILE / 8];
     for (g, w) in w[..groups].iter_mut().enumerate() {
         for (k, w) in w.iter_mut().enumerate().take(t.words).skip(8) {
-            // SAFETY (the caller's): word `k < words` of a direct row: its 8-byte read at
+            // SAFETY (the caller's): word `k < words` of a row of the tile: its 8-byte read at
             // `4 k` ends inside the blob.
             let p = rw.p.add(8 * g * rw.rb + 4 * k);
             *w = _mm256_i32gather_epi32::<1>(p as *const i32, offs);
@@ -274,7 +274,7 @@ unsafe fn words_gathered<T>(
         if at == usize::MAX || bit + width > 8 * at + 32 {
             at = bit / 8;
             for (g, w) in w[..groups].iter_mut().enumerate() {
-                // SAFETY (the caller's): reads end at byte `4 word + 7` of a direct row.
+                // SAFETY (the caller's): reads end at byte `4 word + 7` of a row of the tile.
                 let p = rw.p.add(8 * g * rw.rb + at);
                 *w = _mm256_i32gather_epi32::<1>(p as *const i32, offs);
             }
@@ -288,7 +288,7 @@ unsafe fn words_gathered<T>(
     }
 }
 
-/// Rows `0 .. full` (a multiple of 8, all direct) of the float32 tile, 8 at a time.
+/// Rows `0 .. full` (a multiple of 8) of the float32 tile, 8 at a time.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn decode_rows(t: &StreamTables, rw: &Rows, full: usize, tile: &mut [f32]) {
     assert!(tile.len() >= t.m * TILE);
@@ -314,7 +314,7 @@ unsafe fn round_bf16(x: __m256) -> __m256i {
     _mm256_andnot_si256(tiny, _mm256_srli_epi32::<16>(r))
 }
 
-/// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of bfloat16 values
+/// Rows `0 .. full` (a multiple of 8) of the packed pairs of bfloat16 values
 /// ([`round_bf16`]), 8 at a time: a pair's low member stored alone (the high half 0), then
 /// the high one merged into it.
 #[target_feature(enable = "avx2,fma")]
@@ -383,7 +383,7 @@ unsafe fn look_up16(tab: &Fixed, lo: __m256i, hi: __m256i) -> __m256i {
     }
 }
 
-/// Rows `0 .. full` (a multiple of 8, all direct) of the packed pairs of 16-bit fixed-point
+/// Rows `0 .. full` (a multiple of 8) of the packed pairs of 16-bit fixed-point
 /// values ([`super::super::fixed::fixed16`], looked up in [`StreamTables::lut_fixed`]), 16
 /// rows at a time: a pair's two members' values interleaved into words (the high half 0 for
 /// the last component of an odd count).
