@@ -394,7 +394,7 @@ unsafe fn rotated(
     if h > 0 {
         assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
     }
-    // Fixed point: two frequencies (four channels) by 16 rows per pass (12 registers; 0.97x
+    // Fixed point: two frequencies (four channels) by 16 rows per pass (12 registers; 0.99x
     // the time of one frequency by 32 rows, `benches/ab_builds.py`), then a last odd one by 32.
     // The bfloat16 sums need two weights per channel and stay at one frequency by 32 rows.
     let mut i = 0;

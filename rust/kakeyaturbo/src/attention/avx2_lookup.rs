@@ -148,8 +148,8 @@ unsafe fn row_offsets(rb: usize) -> __m256i {
     _mm256_setr_epi32(0, rb, 2 * rb, 3 * rb, 4 * rb, 5 * rb, 6 * rb, 7 * rb)
 }
 
-/// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8, all
-/// of the tile), `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
+/// `f(&setup(j), j, idx)`: component `j`'s indices in rows `0 .. full` (a multiple of 8),
+/// `idx[g]` those of rows `8 g .. 8 g + 8`, for every component in order (`setup(j)`
 /// once per component: its table in registers). Where a row's bits fit in 64 bytes and the
 /// rows' first 32 bytes can be read (`full <= whole`, [`words_whole`]), each of the first 8
 /// 32-bit words of 8 rows comes from one load per row and an 8 x 8 transpose, a word after
@@ -189,11 +189,11 @@ unsafe fn words_whole<T>(
     for (g, w) in w[..groups].iter_mut().enumerate() {
         for (k, w) in w.iter_mut().enumerate().take(t.words).skip(8) {
             // SAFETY (the caller's): word `k < words` of a row of the tile: its 8-byte read at
-            // `4 k` ends inside the blob.
+            // `4 k` ends inside the bytes read.
             let p = rw.p.add(8 * g * rw.rb + 4 * k);
             *w = _mm256_i32gather_epi32::<1>(p as *const i32, offs);
         }
-        // SAFETY (the caller's): rows below `full <= whole` have 32 bytes inside the blob.
+        // SAFETY (the caller's): rows below `full <= whole` have 32 bytes inside the bytes read.
         let r: [__m256i; 8] = std::array::from_fn(|i| {
             _mm256_loadu_si256(rw.p.add((8 * g + i) * rw.rb) as *const __m256i)
         });
