@@ -135,7 +135,8 @@ fn float_sums_match_their_definitions() {
 /// the portable kernel's, bit for bit: every width from 1 to 8 bits, alone and mixed, odd and
 /// even component counts, rows of up to 32 bytes (read whole), of 40 (the words past 32 bytes
 /// gathered) and of 72 (all gathered), tiles of 1 to 64 rows at several offsets (8-row groups
-/// whole, half of a 16-row pair, and the rows read one by one at a block's end).
+/// whole, half of a 16-row pair, and a block's last rows, read from a zero-padded copy: the
+/// test's codes have no outliers, so the codes end the block's bytes).
 #[test]
 fn look_ups_match_the_portable_ones() {
     use super::super::store::SealedBlock;

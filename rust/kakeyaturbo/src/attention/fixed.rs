@@ -102,8 +102,9 @@ impl FixedSynthesis {
 /// The centroid tables in 16-bit fixed point ([`fixed16`]): `values` entry by
 /// entry (a component's table at the same `table` offset as in `lut`), and per 16 entries of
 /// `values` (every table starts at a multiple of 16 and holds at least 16) their low bytes,
-/// then their high bytes, for byte shuffles: a table of `2^b >= 16` entries is
-/// `bytes[table / 16 ..][.. 2^b / 16]`.
+/// then their high bytes, for byte shuffles: the AVX2 look-up reads `bytes[table / 16]` for
+/// the tables of up to 4 bits (16 entries); wider tables' runs are derived with them but not
+/// read.
 #[derive(Debug, Clone)]
 pub(crate) struct FixedLut {
     pub values: Vec<i32>,
