@@ -17,30 +17,27 @@ def check_rows(layer: Any, key_states: Any, value_states: Any) -> None:
     ``[B, H, q, D]`` tensors, K and V of another ``B``, ``H`` or ``q`` than each other or than
     the rows held, NaN or infinity (the codecs refuse them when they seal; checked on the CPU for
     every update, on another device only when this update seals a block, as sealing reads the
-    rows back to the host anyway)."""
-    for what, x in (("key_states", key_states), ("value_states", value_states)):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{what} must be a floating-point torch tensor, got "
-                            f"{getattr(x, 'dtype', type(x).__name__)}")
-        if x.ndim != 4:
-            raise InvalidInputError(f"{what} must be [B, H, q, D], got shape {tuple(x.shape)}")
-    if key_states.shape[:3] != value_states.shape[:3]:
-        raise InvalidInputError(f"key_states {tuple(key_states.shape)} and value_states "
-                                f"{tuple(value_states.shape)} must share B, H and q")
-    q = key_states.shape[-2]
+    rows back to the host anyway). Called for every layer at every decode step: each tensor's
+    shape is read once."""
+    ks = _shape(key_states, "key_states")
+    vs = _shape(value_states, "value_states")
+    if ks[:3] != vs[:3]:
+        raise InvalidInputError(f"key_states {tuple(ks)} and value_states {tuple(vs)} must share B, H and q")
+    q = ks[2]
     if not layer.is_initialized:
         sealing = q >= layer.block_size
     else:
-        for name, x in (("k", key_states), ("v", value_states)):
-            held = layer._s[name].staging
-            if (x.shape[0], x.shape[1], x.shape[3]) != (held.shape[0], held.shape[1], held.shape[3]):
+        sealing = False
+        for name, s in (("k", ks), ("v", vs)):
+            held = layer._s[name].staging.shape
+            if s[0] != held[0] or s[1] != held[1] or s[3] != held[3]:
                 raise InvalidInputError(
-                    f"layer {layer.index}: {name} rows of shape {tuple(x.shape)} for a layer holding "
-                    f"[B={held.shape[0]}, H={held.shape[1]}, D={held.shape[3]}]")
-        sealing = any(layer._s[name].staging.shape[-2] + q >= layer.block_size for name in layer.streams)
-    if key_states.device.type == "cpu" or sealing:
+                    f"layer {layer.index}: {name} rows of shape {tuple(s)} for a layer holding "
+                    f"[B={held[0]}, H={held[1]}, D={held[3]}]")
+            sealing = sealing or (held[2] + q >= layer.block_size and name in layer.streams)
+    if sealing or key_states.is_cpu:
         rows = [key_states, value_states]
-        if sealing and layer.is_initialized and key_states.device.type != "cpu":
+        if sealing and layer.is_initialized and not key_states.is_cpu:
             rows += [layer._s[name].staging for name in STREAMS]
         # One sum per tensor (a NaN or an infinity makes it non-finite; a decode step's rows
         # cost microseconds); only a sum that overflowed is looked at element-wise.
@@ -48,6 +45,17 @@ def check_rows(layer: Any, key_states: Any, value_states: Any) -> None:
                 not all(bool(torch.isfinite(x).all()) for x in rows):
             raise InvalidInputError(f"layer {layer.index}: key or value rows hold NaN or infinite "
                                     "values; the cache is unchanged")
+
+
+def _shape(x: Any, what: str) -> Any:
+    """``x.shape``, once ``x`` is known to be a floating-point ``[B, H, q, D]`` tensor."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point torch tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    s = x.shape
+    if len(s) != 4:
+        raise InvalidInputError(f"{what} must be [B, H, q, D], got shape {tuple(s)}")
+    return s
 
 
 def batch_rows(idx: Any, batch: int, index: int) -> torch.Tensor:

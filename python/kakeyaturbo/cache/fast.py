@@ -244,6 +244,10 @@ def _bool_mask(mask: Any, n_q: int, total: int) -> Optional[torch.Tensor]:
 
 
 def _f32(x: torch.Tensor) -> np.ndarray:
+    """``x`` as a float32 C-contiguous array on the host: its own memory where it is one already
+    (a float32 model's rows on the CPU), else a copy."""
+    if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad and x.is_contiguous():
+        return x.numpy()
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
@@ -272,7 +276,7 @@ def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any
             return _delegate(module, base)(module, query, k, v, attention_mask, **kwargs)
         if layer.latent:
             return _attend_latent(layer, codes, module, query, attention_mask, kwargs)
-        if layer._kernel_for(query.device) == "triton":
+        if layer._kernel_of(query) == "triton":
             return _attend_triton(layer, module, query, attention_mask, kwargs, rot)
         return _attend(layer, codes, module, query, attention_mask, kwargs, rot)
     finally:
@@ -341,10 +345,13 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
 
 def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
             kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
-    o = torch.from_numpy(_kernel(layer, codes, module, query, _f32(query), mask, kwargs, rot))
-    if o.dtype != query.dtype or query.device.type != "cpu":
+    out = _kernel(layer, codes, module, query, _f32(query), mask, kwargs, rot)
+    # [B, n_q, H_q, D] as transformers' functions return it (numpy's transpose and copy cost less
+    # than torch's for a decode step's few rows; no copy at all for one query row)
+    o = torch.from_numpy(np.ascontiguousarray(out.transpose(0, 2, 1, 3)))
+    if o.dtype != query.dtype or not query.is_cpu:
         o = o.to(device=query.device, dtype=query.dtype)
-    return o.transpose(1, 2).contiguous(), None
+    return o, None
 
 
 def _attend_latent(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
@@ -431,6 +438,8 @@ class SealedCodes:
             self.starts = []
             self.epoch += 1
         cs = self.starts
+        if cs == k.starts and cs == v.starts:  # unchanged: every decode step but one per block
+            return self.codes
         while cs and (not k.starts or cs[0] < k.starts[0]):
             self.codes.pop_front_block()
             cs.pop(0)

@@ -157,7 +157,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         self._recorded += q if self.record_past else 0
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
-        if (self.fast and self._kernel_for(key_states.device) is not None
+        if (self.fast and self._kernel_of(key_states) is not None
                 and (self.fast_check is None or self.fast_check())):
             self.seen += q
             for name, x in (("k", key_states), ("v", value_states)):
@@ -189,6 +189,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         if self.kernel == "triton":
             return "triton"
         return "triton" if self.kernel == "auto" and device.type == "cuda" and _HAS_TRITON else None
+
+    def _kernel_of(self, x: torch.Tensor) -> Optional[str]:
+        """:meth:`_kernel_for` the device of ``x`` (for a CPU tensor without building its device
+        object: asked for every layer at every decode step)."""
+        if x.is_cpu and (self.kernel != "triton" or self.latent):
+            return "rust"
+        return self._kernel_for(x.device)
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
         """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
