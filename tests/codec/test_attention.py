@@ -4,9 +4,11 @@ the decoded cache in float64 (``kakeyaturbo.reference.attention``), under the li
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
+import pickle
 import subprocess
 import sys
 
@@ -505,3 +507,27 @@ def test_the_kernel_named_is_the_one_the_cpu_runs() -> None:
         assert name == "avx2"
     else:
         assert name == "portable"
+
+
+def test_layer_codes_pickle_and_copy_as_independent_stores() -> None:
+    c = build(Spec(seed=14, batch=2, blocks=(100, 30)))
+    codes = c.codes
+    codes.select([1, 0, 1])  # rows sharing their containers
+    q, tk, tv, sk, sv = (x[[1, 0, 1]] for x in (c.q, c.tail_k, c.tail_v, c.sink_k, c.sink_v))
+    out = kt.decode_attention(codes, q, tk, tv, sink_k=sk, sink_v=sv)
+    for other in (pickle.loads(pickle.dumps(codes)), copy.copy(codes), copy.deepcopy(codes)):
+        assert type(other) is kt.LayerCodes and other.batch == 3 and other.rows() == 130
+        assert all(other.blob(b, h, s, i) == codes.blob(b, h, s, i)
+                   for b, h, s, i in itertools.product(range(3), range(2), "kv", range(2)))
+        assert np.array_equal(kt.decode_attention(other, q, tk, tv, sink_k=sk, sink_v=sv), out)
+        other.pop_block()  # independent of the original
+        assert other.rows() == 100 and codes.rows() == 130
+    # A damaged pickle is a typed error, not a crash or a partial store.
+    fn, (kc, vc, batch, blocks) = codes.__reduce__()
+    k, v = blocks[2][1][1]
+    with pytest.raises(kt.CorruptDataError):
+        fn(kc, vc, batch, [*blocks[:2], [blocks[2][0], [blocks[2][1][0], (k[:-3], v)]]])
+    for bad in ([], blocks[:2], [*blocks[:2], [blocks[2][0]]], [*blocks[:2], [blocks[2][0], [(k,)]]],
+                [*blocks[:2], [blocks[2][0], "kv"]]):
+        with pytest.raises(kt.InvalidInputError, match="pickled LayerCodes"):
+            fn(kc, vc, batch, bad)

@@ -16,6 +16,7 @@ dotted with the (rotated) queries inside the kernel; the decoded keys never leav
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -191,6 +192,27 @@ class LayerCodes:
     def clear(self) -> None:
         self._c.clear()
 
+    def __copy__(self) -> "LayerCodes":
+        """Another LayerCodes of the same calibrations and blocks (their bytes shared: they never
+        change); appending to, popping from or selecting rows of one leaves the other as it was.
+        ``copy.deepcopy`` gives the same."""
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        new._c = copy.copy(self._c)
+        return new
+
+    def __deepcopy__(self, memo: Any) -> "LayerCodes":
+        return self.__copy__()
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        """Pickled as its calibrations, its batch rows and every block's K and V containers, so
+        that sealed codes reach another process (a ``spawn`` pool's worker); unpickling appends
+        the blocks again, with the checks :meth:`append` makes."""
+        blocks = [[[(self._c.blob(b, h, "k", i), self._c.blob(b, h, "v", i))
+                    for i in range(self._c.num_blocks(b, h))]
+                   for h in range(self.kv_heads)] for b in range(self.batch)]
+        return _unpickle, (self.k_codecs, self.v_codecs, self.batch, blocks)
+
     def attend(self, q: Any, tail_k: Any, tail_v: Any, **kwargs: Any
                ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
         """:func:`decode_attention` over these codes."""
@@ -210,6 +232,24 @@ class LayerCodes:
 
     def __repr__(self) -> str:
         return repr(self._c)
+
+
+def _unpickle(k_codecs: Any, v_codecs: Any, batch: Any, blocks: Any) -> LayerCodes:
+    """:meth:`LayerCodes.__reduce__`'s inverse: InvalidInputError where ``blocks`` is not
+    ``[batch][kv_heads]`` lists of (K, V) container pairs, and the errors of :meth:`LayerCodes.append`
+    for damaged containers."""
+    codes = LayerCodes(k_codecs, v_codecs, batch)
+    shape = f"[batch={codes.batch}][kv_heads={codes.kv_heads}] lists of (K, V) container pairs"
+    if not isinstance(blocks, list) or len(blocks) != codes.batch or any(
+            not isinstance(row, list) or len(row) != codes.kv_heads
+            or any(not isinstance(pairs, list) or any(not isinstance(p, tuple) or len(p) != 2 for p in pairs)
+                   for pairs in row) for row in blocks):
+        raise InvalidInputError(f"pickled LayerCodes: the blocks must be {shape}")
+    for b, row in enumerate(blocks):
+        for h, pairs in enumerate(row):
+            for k, v in pairs:
+                codes.append(b, h, k, v)
+    return codes
 
 
 def _array(v: Any, name: str, ndim: int, shape: Tuple[Optional[int], ...], layout: str = "") -> np.ndarray:
