@@ -15,7 +15,7 @@
 
 use crate::error::{param, Result};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Pools of distinct sizes kept alive besides the global pool.
@@ -46,20 +46,56 @@ pub fn forked() -> bool {
     FORKS.load(Ordering::Relaxed) > 0
 }
 
-/// Cached pools: the `fork` count they were built under, their size, the pool.
-type Pools = Mutex<Vec<(usize, usize, Arc<rayon::ThreadPool>)>>;
+/// The pools cached in one process: their size, the pool.
+type Pools = Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>>;
+
+/// The pool cache of the processes since fork `forks`: each `fork` starts a cache of its own,
+/// so that a child never waits for the lock of a cache another thread of its parent held at the
+/// `fork` (a thread the child does not have). The parent's pools have their state there but none
+/// of their threads: forgotten, not dropped (a drop wakes them through state a parent's thread
+/// may have held).
+struct Generation {
+    forks: usize,
+    pools: Pools,
+}
+
+/// The pool cache of this process ([`Generation`]), made on first use after each `fork`.
+fn generation() -> &'static Generation {
+    static CURRENT: AtomicPtr<Generation> = AtomicPtr::new(std::ptr::null_mut());
+    let forks = FORKS.load(Ordering::Relaxed);
+    let mut cur = CURRENT.load(Ordering::Acquire);
+    loop {
+        // SAFETY: a non-null pointer in CURRENT came from `Box::into_raw` below and is never
+        // freed (a cache replaced after a fork is leaked on purpose, see [`Generation`]).
+        if let Some(g) = unsafe { cur.as_ref() } {
+            if g.forks == forks {
+                return g;
+            }
+        }
+        let fresh = Box::into_raw(Box::new(Generation {
+            forks,
+            pools: Mutex::new(Vec::new()),
+        }));
+        match CURRENT.compare_exchange(cur, fresh, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: `fresh` is the live box just stored, never freed.
+            Ok(_) => return unsafe { &*fresh },
+            Err(now) => {
+                // SAFETY: `fresh` was never shared: this thread still owns it.
+                drop(unsafe { Box::from_raw(fresh) });
+                cur = now;
+            }
+        }
+    }
+}
 
 /// A pool of `threads` threads (`1 <= threads < max_threads()`, or in a forked child the
-/// global pool's size), from the cache if it holds one built since the last `fork`; `None` if
-/// the operating system refuses the threads (the caller then runs on the global pool, or in a
-/// forked child on the calling thread). The cache's lock is never held while threads start:
-/// a `fork` from another thread meanwhile would leave it held in the child for good.
+/// global pool's size), from this process's cache if it holds one; `None` if the operating
+/// system refuses the threads (the caller then runs on the global pool, or in a forked child on
+/// the calling thread). The cache's lock is never held while threads start.
 fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Pools> = OnceLock::new();
-    let pools = POOLS.get_or_init(|| Mutex::new(Vec::new()));
+    let pools = &generation().pools;
     let lock = || pools.lock().unwrap_or_else(|e| e.into_inner());
-    let forks = FORKS.load(Ordering::Relaxed);
-    if let Some(p) = take_cached(&mut lock(), forks, threads) {
+    if let Some(p) = take_cached(&mut lock(), threads) {
         return Some(p);
     }
     let built = Arc::new(
@@ -71,31 +107,23 @@ fn cached_pool(threads: usize) -> Option<Arc<rayon::ThreadPool>> {
     );
     let mut g = lock();
     // Another caller built one meanwhile: the first stays (this one ends unused).
-    if let Some(p) = take_cached(&mut g, forks, threads) {
+    if let Some(p) = take_cached(&mut g, threads) {
         return Some(p);
     }
-    g.push((forks, threads, built.clone()));
+    g.push((threads, built.clone()));
     let evicted = (g.len() > MAX_CACHED_POOLS).then(|| g.remove(0));
     drop(g);
     drop(evicted);
     Some(built)
 }
 
-/// The cached pool of `threads` threads built since fork `forks`, now the most recently used;
-/// pools from before a fork are forgotten, not dropped (they have no threads here, and a drop
-/// wakes them through state a parent's thread may have held at the fork).
+/// The cached pool of `threads` threads, now the most recently used.
 fn take_cached(
-    g: &mut Vec<(usize, usize, Arc<rayon::ThreadPool>)>,
-    forks: usize,
+    g: &mut Vec<(usize, Arc<rayon::ThreadPool>)>,
     threads: usize,
 ) -> Option<Arc<rayon::ThreadPool>> {
-    if g.iter().any(|e| e.0 != forks) {
-        let (now, before): (Vec<_>, Vec<_>) = g.drain(..).partition(|e| e.0 == forks);
-        *g = now;
-        std::mem::forget(before);
-    }
-    let hit = g.remove(g.iter().position(|e| e.1 == threads)?);
-    let p = hit.2.clone();
+    let hit = g.remove(g.iter().position(|e| e.0 == threads)?);
+    let p = hit.1.clone();
     g.push(hit);
     Some(p)
 }
@@ -339,6 +367,36 @@ mod tests {
                 "{t}: {got}"
             );
         }
+    }
+
+    /// A `fork` while a thread of the parent holds the pool cache's lock (here the test's own
+    /// thread, through the `fork`): the child builds its pool in a cache of its own instead of
+    /// waiting for that lock forever (before, it did: SIGALRM ended it).
+    #[cfg(unix)]
+    #[test]
+    fn a_forked_child_does_not_wait_for_its_parents_pool_lock() {
+        let held = generation().pools.lock().unwrap();
+        // SAFETY: the child builds one pool, runs one job on it and leaves by `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let ok = std::panic::catch_unwind(|| {
+                // SAFETY: a timer for this process only; a wait for the lock ends it.
+                unsafe { libc::alarm(30) };
+                after_fork();
+                with_threads(Some(1), || 7).ok() == Some(7)
+            });
+            // SAFETY: leaves the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(if matches!(ok, Ok(true)) { 0 } else { 1 }) };
+        }
+        drop(held);
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "child status {status:#x}"
+        );
     }
 
     #[test]
