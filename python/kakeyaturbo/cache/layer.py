@@ -22,6 +22,7 @@ from .positions import Positions, position_ids
 from .rollback import Rollback
 
 _HAS_TRITON = not missing(("triton",))
+_CPU = torch.device("cpu")
 
 
 class _Stream:
@@ -193,9 +194,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
     def _kernel_of(self, x: torch.Tensor) -> Optional[str]:
         """:meth:`_kernel_for` the device of ``x`` (for a CPU tensor without building its device
         object: asked for every layer at every decode step)."""
-        if x.is_cpu and (self.kernel != "triton" or self.latent):
-            return "rust"
-        return self._kernel_for(x.device)
+        return self._kernel_for(_CPU if x.is_cpu else x.device)
 
     def device_codes(self, positions: Optional[np.ndarray]) -> Tuple[Any, Optional[torch.Tensor]]:
         """The sealed codes on the layer's device for the Triton kernel and the sealed rows'
