@@ -13,6 +13,8 @@ __all__ = [
     "CalibratedCodec",
     "FORMAT_VERSION",
     "LayerCodes",
+    "MAX_DIM",
+    "MAX_ROWS",
     "attention_kernel",
     "attention_team",
     "centroids_gaussian",
@@ -34,6 +36,8 @@ __all__ = [
 __version__: str
 FORMAT_VERSION: int
 CALIBRATED_FORMAT_VERSION: int
+MAX_DIM: int
+MAX_ROWS: int
 
 @final
 class CalibratedCodec:

@@ -111,6 +111,51 @@ def test_parts_sizes_are_checked() -> None:
         no_norm.decode_parts(dict(no_norm.encode_parts(X), n=2**32 - 1))
 
 
+@needs_rlimit
+def test_broadcast_views_are_counted_before_they_are_copied() -> None:
+    # A broadcast view holds one value and describes 2**34 or more: the parts entries were copied
+    # before their count was checked (an abort: Rust's allocation failure), the calibration's
+    # arrays, rows and rope tables copied or scanned by numpy first (MemoryError, a scan of
+    # 2**40 bits running for minutes). Past the limits each is refused by its shape; within
+    # them a copy too large for memory is an InvalidInputError.
+    r = _limited("""
+        import numpy as np, kakeyaturbo as kt
+        B = np.broadcast_to
+        d = 8
+        eye = np.eye(d, dtype=np.float32)
+        args = dict(mean=np.zeros(d, np.float32), analysis=eye, synthesis=eye,
+                    spread=np.ones(d, np.float32), bits=np.full(d, 3))
+        c = kt.CalibratedCodec(**args)
+        cp = c.encode_parts(np.ones((2, d), np.float32))
+        bp = kt.encode_block_codes(np.random.default_rng(0).standard_normal((64, d)).astype(np.float32))
+        calls = [
+            lambda: c.decode_parts(dict(cp, outlier_pos=B(np.int64(1), (2**34,)),
+                                        outlier_bits=B(np.uint16(0x3c00), (2**34,)))),
+            lambda: c.decode_parts(dict(cp, scale_bits=B(np.uint16(0x3c00), (2**34,)))),
+            lambda: kt.decode_block_from_parts(dict(bp, mean=B(np.float32(0), (2**34,)))),
+            lambda: kt.decode_block_from_parts(dict(bp, outlier_pos=B(np.int64(1), (2**34,)))),
+            lambda: kt.CalibratedCodec(**dict(args, mean=B(np.float32(0), (2**40,)))),
+            lambda: kt.CalibratedCodec(**dict(args, bits=B(np.uint8(3), (2**40,)))),
+            lambda: kt.CalibratedCodec(**dict(args, analysis=B(np.float32(0), (2**20, 2**20)))),
+            lambda: kt.CalibratedCodec(**args, centroids={3: B(np.float32(1), (2**31,))}),
+            lambda: c.encode(B(np.float32(0), (2**40, d))),
+            lambda: c.encode(B(np.float32(0), (2**32 - 1, d))),
+            lambda: kt.encode_layer(B(np.float32(0), (2**32 - 1, d))),
+            lambda: kt.RopeTable(B(np.float32(1), (2**20, 2**20)), B(np.float32(0), (2**20, 2**20))),
+            lambda: kt.RopeTable(B(np.float32(1), (2**31, 2048)), B(np.float32(0), (2**31, 2048))),
+            lambda: kt.RopeTable.from_full(B(np.float32(1), (2**31, 4096)), B(np.float32(0), (2**31, 4096))),
+        ]
+        for i, call in enumerate(calls):
+            try:
+                call()
+                print(i, "accepted")
+            except (kt.InvalidInputError, kt.InvalidParameterError):
+                print(i, "typed")
+    """, gib=4)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [w for i in range(14) for w in (str(i), "typed")], r.stdout
+
+
 # ---- 3. large finite inputs ----------------------------------------------------------------
 
 

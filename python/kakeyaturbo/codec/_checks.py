@@ -9,11 +9,13 @@ argument and no conversion (float to int, huge int to u64) happens silently.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .._core import MAX_DIM, MAX_ROWS
 from ..errors import InvalidInputError, InvalidParameterError
 
 #: Largest 64-bit seed.
@@ -24,15 +26,33 @@ def _type(v: Any) -> str:
     return type(v).__name__
 
 
-def matrix(array: Any, name: str = "array") -> np.ndarray:
-    """A C-contiguous float32 ``[N, D]`` view of ``array`` (copied once if not contiguous)."""
+@contextlib.contextmanager
+def held(name: str) -> Iterator[None]:
+    """Around numpy's copies and whole-array tests of caller arrays: a MemoryError (a broadcast
+    view describes more values than memory holds; the allocation is refused, nothing is taken)
+    as InvalidInputError naming the argument."""
+    try:
+        yield
+    except MemoryError:
+        raise InvalidInputError(f"{name} describes more values than this machine can hold") from None
+
+
+def matrix(array: Any, name: str = "array", cols: int = 0) -> np.ndarray:
+    """A C-contiguous float32 ``[N, D]`` view of ``array`` (copied once if not contiguous), ``N``
+    at most ``MAX_ROWS`` and, where ``cols`` is given (the codecs: ``MAX_DIM``), ``D`` at most
+    ``cols``, both checked before the copy."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of float32, got {_type(array)}")
     if array.dtype != np.float32:
         raise TypeError(f"{name} must have dtype float32, got {array.dtype}")
     if array.ndim != 2:
         raise InvalidInputError(f"{name} must be 2-D [N, D], got shape {array.shape}")
-    return np.ascontiguousarray(array)
+    if array.shape[0] > MAX_ROWS:
+        raise InvalidInputError(f"{name}: N = {array.shape[0]} rows exceeds the supported maximum {MAX_ROWS}")
+    if cols and array.shape[1] > cols:
+        raise InvalidInputError(f"{name}: D = {array.shape[1]} exceeds the supported maximum {cols}")
+    with held(name):
+        return np.ascontiguousarray(array)
 
 
 def weights(w: Any, n: int) -> Optional[np.ndarray]:
@@ -110,21 +130,22 @@ def buffer(data: Any) -> bytes:
     raise TypeError(f"data must be bytes-like, got {_type(data)}")
 
 
-def vector(v: Any, name: str, dtype: Any) -> np.ndarray:
-    """A numeric 1-D array, converted to ``dtype`` once."""
+def vector(v: Any, name: str, dtype: Any, most: int = MAX_DIM) -> np.ndarray:
+    """A numeric 1-D array of at most ``most`` values (a calibration's: one per channel or
+    component), converted to ``dtype`` once, after its length is checked."""
     a = np.asarray(v)
     if a.dtype.kind not in "fiu":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    if a.ndim != 1:
-        raise InvalidParameterError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.ndim != 1 or a.shape[0] > most:
+        raise InvalidParameterError(f"{name} must be 1-D with at most {most} values, got shape {a.shape}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 
 def table(v: Any, name: str) -> np.ndarray:
-    """A numeric 2-D ``[m, D]`` array as contiguous float32."""
+    """A numeric 2-D ``[m, D]`` array (both at most ``MAX_DIM``) as contiguous float32."""
     a = np.asarray(v)
     if a.dtype.kind not in "fiu":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    if a.ndim != 2:
-        raise InvalidParameterError(f"{name} must be 2-D [m, D], got shape {a.shape}")
+    if a.ndim != 2 or max(a.shape) > MAX_DIM:
+        raise InvalidParameterError(f"{name} must be 2-D [m, D], both at most {MAX_DIM}, got shape {a.shape}")
     return np.ascontiguousarray(a, dtype=np.float32)

@@ -46,11 +46,13 @@ class RopeTable:
 
     def __init__(self, cos: Any, sin: Any, style: str = "half") -> None:
         c, s = _array(cos, "cos", 2, (None, None)), _array(sin, "sin", 2, (None, None))
-        if c.shape != s.shape or c.shape[0] < 1 or c.shape[1] < 1:
-            raise InvalidInputError(f"cos and sin must both be [n >= 1, rot/2 >= 1], got {c.shape} and {s.shape}")
-        if not (np.isfinite(c).all() and np.isfinite(s).all()):
+        if c.shape != s.shape or c.shape[0] < 1 or not 1 <= c.shape[1] <= _checks.MAX_DIM // 2:
+            raise InvalidInputError(f"cos and sin must both be [n >= 1, rot/2 in 1..{_checks.MAX_DIM // 2}], "
+                                    f"got {c.shape} and {s.shape}")
+        with _checks.held("cos and sin"):
+            self._cos_t, self._sin_t = np.ascontiguousarray(c.T), np.ascontiguousarray(s.T)
+        if not (np.isfinite(self._cos_t).all() and np.isfinite(self._sin_t).all()):
             raise InvalidInputError("cos and sin must be finite")
-        self._cos_t, self._sin_t = np.ascontiguousarray(c.T), np.ascontiguousarray(s.T)
         self.style = _checks.choice(style, "style", ROPE_STYLES)
 
     @property
@@ -69,13 +71,15 @@ class RopeTable:
         copies of a frequency differ."""
         c, s = _array(cos, "cos", 2, (None, None)), _array(sin, "sin", 2, (None, None))
         _checks.choice(style, "style", ROPE_STYLES)
-        if c.shape != s.shape or c.shape[1] % 2:
-            raise InvalidInputError(f"cos and sin must both be [n, rot] with rot even, got {c.shape} and {s.shape}")
+        if c.shape != s.shape or c.shape[1] % 2 or c.shape[1] > _checks.MAX_DIM:
+            raise InvalidInputError(f"cos and sin must both be [n, rot] with rot even, at most {_checks.MAX_DIM}, "
+                                    f"got {c.shape} and {s.shape}")
         h = c.shape[1] // 2
         parts = ((c[:, :h], c[:, h:]), (s[:, :h], s[:, h:])) if style == "half" else \
             ((c[:, 0::2], c[:, 1::2]), (s[:, 0::2], s[:, 1::2]))
-        if any(not np.array_equal(a, b) for a, b in parts):
-            raise InvalidInputError(f"the tables do not repeat each frequency as the {style!r} pairing does")
+        with _checks.held("cos and sin"):
+            if any(not np.array_equal(a, b) for a, b in parts):
+                raise InvalidInputError(f"the tables do not repeat each frequency as the {style!r} pairing does")
         return cls(parts[0][0], parts[1][0], style)
 
     @property

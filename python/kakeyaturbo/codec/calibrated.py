@@ -37,11 +37,12 @@ class CalibratedCodec:
         b = np.asarray(bits)
         if b.dtype.kind not in "iu":
             raise TypeError(f"bits must be integers, got dtype {b.dtype}")
+        b = _checks.vector(b, "bits", np.int64 if b.dtype.kind == "i" else np.uint64)
         if b.size and (b.min() < 1 or b.max() > 8):
             raise InvalidParameterError("bits must be in 1..8 (leave 0-bit components out)")
         mean_ = _checks.vector(mean, "mean", np.float32)
         a_, s_ = _checks.table(analysis, "analysis"), _checks.table(synthesis, "synthesis")
-        spread_, bits_ = _checks.vector(spread, "spread", np.float32), _checks.vector(b, "bits", np.uint8)
+        spread_, bits_ = _checks.vector(spread, "spread", np.float32), b.astype(np.uint8)
         m, d = a_.shape
         for name, got, want in (("mean", mean_.shape, (d,)), ("synthesis", s_.shape, (m, d)),
                                 ("spread", spread_.shape, (m,)), ("bits", bits_.shape, (m,))):
@@ -56,7 +57,7 @@ class CalibratedCodec:
         tables = None
         if centroids is not None:
             tables = [(_checks.integer(k, "a centroids key (bit width)", 1, 8),
-                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64)])
+                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64, 256)])
                       for k, v in _checks.mapping(centroids, "centroids").items()]
         self._c = _core.CalibratedCodec(mean_, a_, s_, spread_, bits_, seed, metric, norm,
                                         threshold, tables)
@@ -130,7 +131,7 @@ class CalibratedCodec:
 
     def encode(self, array: np.ndarray, *, threads: Optional[int] = None) -> bytes:
         """Encodes float32 ``[n, D]`` rows into a calibrated container (bytes)."""
-        return self._c.encode(_checks.matrix(array), _checks.threads(threads))
+        return self._c.encode(_checks.matrix(array, cols=_checks.MAX_DIM), _checks.threads(threads))
 
     def decode(self, data: Any, *, threads: Optional[int] = None) -> np.ndarray:
         """Decodes a container of this calibration into float32 ``[n, D]``. Raises
@@ -140,14 +141,14 @@ class CalibratedCodec:
     def roundtrip(self, array: np.ndarray, *, threads: Optional[int] = None
                   ) -> Tuple[np.ndarray, Dict[str, Any]]:
         """Encode + decode; returns ``(decoded, report)`` (bytes by part, errors, timings)."""
-        return self._c.roundtrip(_checks.matrix(array), _checks.threads(threads))
+        return self._c.roundtrip(_checks.matrix(array, cols=_checks.MAX_DIM), _checks.threads(threads))
 
     def encode_parts(self, array: np.ndarray) -> Dict[str, Any]:
         """Every intermediate of an encode by name: ``z [n, m]`` (scaled rotated coordinates),
         ``g [n]`` (the scale divided by), ``indices [n, m] uint8``, ``codes`` (packed rows),
         ``scale``/``scale_exp``/``scale_bits`` (with ``norm``), ``outlier_pos [k] int64`` (flat
         ``row * m + j``), ``outlier_val``/``outlier_bits``."""
-        return self._c.encode_parts(_checks.matrix(array))
+        return self._c.encode_parts(_checks.matrix(array, cols=_checks.MAX_DIM))
 
     def decode_parts(self, parts: Dict[str, Any]) -> np.ndarray:
         """Decodes a parts dict as :meth:`encode_parts` returns it."""

@@ -126,7 +126,7 @@ def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[
     Raises TypeError (wrong dtype, unknown keyword), InvalidInputError, InvalidParameterError.
     """
     p = params("roundtrip_layer", kwargs)
-    x = _checks.matrix(array)
+    x = _checks.matrix(array, cols=_checks.MAX_DIM)
     return _core.roundtrip_layer(
         x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
     )
@@ -135,7 +135,7 @@ def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[
 def encode_layer(array: np.ndarray, **kwargs: Any) -> bytes:
     """Encodes a float32 ``[N, D]`` tensor into a self-describing container (bytes)."""
     p = params("encode_layer", kwargs)
-    x = _checks.matrix(array)
+    x = _checks.matrix(array, cols=_checks.MAX_DIM)
     return _core.encode_layer(
         x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
     )
@@ -163,7 +163,7 @@ def encode_block_codes(array: np.ndarray, **kwargs: Any) -> Dict[str, Any]:
     ``block_size`` and ``share_basis`` do not apply to a single block and are ignored.
     """
     p = params("encode_block_codes", kwargs, allowed_extra=("weights",))
-    x = _checks.matrix(array)
+    x = _checks.matrix(array, cols=_checks.MAX_DIM)
     return _core.encode_block_codes(x, p, _checks.weights(kwargs.get("weights"), x.shape[0]))
 
 

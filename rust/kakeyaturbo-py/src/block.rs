@@ -1,7 +1,7 @@
 //! `encode_block_codes` and `decode_block_from_parts`: one block as a dict of named parts,
 //! the oracle that GPU kernels are compared against.
 
-use crate::convert::{any_arr, arr, int_item, item, matrix, to_array2, to_array2_u8, vec1};
+use crate::convert::{arr, arr_up_to, int_item, item, matrix, to_array2, to_array2_u8, vec1};
 use crate::errors::{invalid_input, run, type_error};
 use crate::params;
 use kakeyaturbo::f16::{ScaledF16, MAX_EXP, MIN_EXP};
@@ -131,7 +131,7 @@ pub fn decode_block_from_parts<'py>(
     if seg.iter().any(|&s| s < 0) {
         return Err(invalid_input(py, "seg_id out of range"));
     }
-    let opos: Vec<i64> = any_arr(parts, "outlier_pos")?;
+    let opos: Vec<i64> = arr_up_to(py, parts, "outlier_pos", n * de, "n x d_eff")?;
     if opos.iter().any(|&p| p < 0 || p > u32::MAX as i64) {
         return Err(invalid_input(py, "outlier_pos out of range"));
     }

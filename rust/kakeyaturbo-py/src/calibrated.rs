@@ -1,6 +1,6 @@
 //! `CalibratedCodec`: the calibrated mode as a Python object holding a checked calibration.
 
-use crate::convert::{self, any_arr, arr, int_item, item, matrix, to_array2, to_array2_u8, vec1};
+use crate::convert::{self, arr, arr_up_to, int_item, item, matrix, to_array2, to_array2_u8, vec1};
 use crate::errors::{invalid_input, run, to_py, type_error};
 use crate::layer::{error_sums, set_errors};
 use crate::params;
@@ -318,7 +318,7 @@ impl PyCalibratedCodec {
         } else {
             None
         };
-        let pos: Vec<i64> = any_arr(parts, "outlier_pos")?;
+        let pos: Vec<i64> = arr_up_to(py, parts, "outlier_pos", n * c.m, "n x m")?;
         if pos.iter().any(|&p| p < 0 || p > u32::MAX as i64) {
             return Err(invalid_input(py, "outlier_pos out of range"));
         }

@@ -168,7 +168,8 @@ pub fn int_item<T: TryFrom<i128>>(
     int_in(py, &item(parts, key)?, &format!("parts[{key:?}]"), lo, hi)
 }
 
-/// An array entry of a parts dict with exactly `len` values of type `T` (any shape).
+/// An array entry of a parts dict with exactly `len` values of type `T` (any shape), counted
+/// before anything is copied (a broadcast view may describe far more values than it holds).
 pub fn arr<T: numpy::Element + Copy>(
     py: Python<'_>,
     parts: &Bound<'_, PyDict>,
@@ -176,29 +177,57 @@ pub fn arr<T: numpy::Element + Copy>(
     len: usize,
     expected: &str,
 ) -> PyResult<Vec<T>> {
-    let v = any_arr::<T>(parts, key)?;
-    if v.len() != len {
+    let a = typed_arr::<T>(parts, key)?;
+    if a.len() != len {
         return Err(invalid_input(
             py,
             format!(
                 "parts[{key:?}] has {} values, expected {expected} = {len}",
-                v.len()
+                a.len()
             ),
         ));
     }
-    Ok(v)
+    Ok(copied(&a))
 }
 
-/// An array entry of a parts dict, any length.
-pub fn any_arr<T: numpy::Element + Copy>(parts: &Bound<'_, PyDict>, key: &str) -> PyResult<Vec<T>> {
-    let a = item(parts, key)?;
-    let a = a.cast_into::<numpy::PyArrayDyn<T>>().map_err(|_| {
-        type_error(format!(
-            "parts[{key:?}] must be a numpy array of {}",
-            std::any::type_name::<T>()
-        ))
-    })?;
-    let ro = a.readonly();
-    let v: Vec<T> = ro.as_array().iter().copied().collect();
-    Ok(v)
+/// An array entry of a parts dict with at most `max` values (`expected` names the bound),
+/// counted before anything is copied.
+pub fn arr_up_to<T: numpy::Element + Copy>(
+    py: Python<'_>,
+    parts: &Bound<'_, PyDict>,
+    key: &str,
+    max: usize,
+    expected: &str,
+) -> PyResult<Vec<T>> {
+    let a = typed_arr::<T>(parts, key)?;
+    if a.len() > max {
+        return Err(invalid_input(
+            py,
+            format!(
+                "parts[{key:?}] has {} values, more than {expected} = {max}",
+                a.len()
+            ),
+        ));
+    }
+    Ok(copied(&a))
+}
+
+/// `parts[key]` as a numpy array of `T` (TypeError otherwise).
+fn typed_arr<'py, T: numpy::Element>(
+    parts: &Bound<'py, PyDict>,
+    key: &str,
+) -> PyResult<Bound<'py, numpy::PyArrayDyn<T>>> {
+    item(parts, key)?
+        .cast_into::<numpy::PyArrayDyn<T>>()
+        .map_err(|_| {
+            type_error(format!(
+                "parts[{key:?}] must be a numpy array of {}",
+                std::any::type_name::<T>()
+            ))
+        })
+}
+
+/// The values of an array whose count was checked, in C order.
+fn copied<T: numpy::Element + Copy>(a: &Bound<'_, numpy::PyArrayDyn<T>>) -> Vec<T> {
+    a.readonly().as_array().iter().copied().collect()
 }

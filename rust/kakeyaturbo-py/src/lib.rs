@@ -20,6 +20,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     team::install();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("FORMAT_VERSION", kakeyaturbo::perblock::container::VERSION)?;
+    m.add("MAX_DIM", kakeyaturbo::limits::MAX_DIM)?;
+    m.add("MAX_ROWS", kakeyaturbo::limits::MAX_ROWS)?;
     m.add_function(wrap_pyfunction!(layer::roundtrip_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::encode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::decode_layer, m)?)?;
