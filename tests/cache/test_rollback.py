@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
-from kakeyaturbo.errors import InvalidInputError  # noqa: E402
+from kakeyaturbo.errors import InvalidInputError, InvalidParameterError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe, forward, generate  # noqa: E402
 from .families import T_PROMPT, WINDOW, build, family_prompt  # noqa: E402
@@ -132,3 +132,36 @@ def test_a_loaded_prefix_is_guarded_until_a_call_goes_through(tmp_path) -> None:
     longer = torch.cat([ids, family_prompt(t=2, seed=5)], dim=1)  # the prefix's own ids, and on
     seq, _ = generate(model, longer, loaded, n=4)
     assert seq.shape[1] == 19
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])  # full attention; sliding everywhere
+def test_a_cache_reused_after_assisted_decoding_seals_again(name, tmp_path) -> None:
+    """transformers turns recording the past on for a generate that checks drafts and never off:
+    the cache ends it at the first call no crop answered, so that a second, ordinary generate
+    seals (and a sliding layer drops) as it goes; before, no block was sealed again. A save ends
+    it too (the file does not hold it), so that the saved cache and the loaded one go on alike;
+    a save while a draft's rows are unanswered is refused."""
+    model, ids = build(name), family_prompt()
+    codec = fast_codec(model, fast_recipe("before"), "before")
+    cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    seq, _ = generate(model, ids, cache, n=6, prompt_lookup_num_tokens=3)
+    assert all(layer.record_past for layer in cache.layers)
+    path = cache.save(tmp_path / "prefix.kkp")
+    assert not any(layer.record_past for layer in cache.layers)
+    loaded = KakeyaCache.load(path, model, codec)
+    more = torch.cat([seq, family_prompt(t=3, seed=7)], dim=1)
+    runs = [generate(model, more, c, n=16) for c in (cache, loaded)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    for c in (cache, loaded):
+        assert all(st.staging.shape[-2] < 4 for layer in c.layers for st in layer._s.values())
+    # Without a save, the recording ends at the second call of the next generate.
+    again = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    generate(model, ids, again, n=6, prompt_lookup_num_tokens=3)
+    generate(model, more, again, n=16)
+    assert not any(layer.record_past for layer in again.layers)
+    assert all(st.staging.shape[-2] < 4 for layer in again.layers for st in layer._s.values())
+    again.activate_past_recording()
+    forward(model, family_prompt(t=2, seed=8), again)
+    with pytest.raises(InvalidParameterError, match="checks a draft"):
+        again.save(tmp_path / "draft.kkp")

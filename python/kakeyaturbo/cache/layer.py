@@ -153,6 +153,8 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
                 f"layer {self.index}: the rows of the previous update were never attended through the "
                 "codes (the model's attention did not receive the key tensor the cache returned); "
                 "build the cache with fast=False for this model")
+        if self.draft_pending:  # no crop answered the last call: not checking drafts any more
+            self.end_past_recording()
         start = self.seen
         q = key_states.shape[-2]
         self._recorded += q if self.record_past else 0
@@ -297,6 +299,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         self.is_initialized = False
         self._codes.forget()
         self._pending = 0
+        self.record_past, self._recorded = False, 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:

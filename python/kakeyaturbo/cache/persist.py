@@ -129,6 +129,10 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
             layers.append({"seen": 0, "streams": {}, **held})
             chunks += [_raw_bytes(t) for _, t in tensors]
             continue
+        if rows.draft_pending:
+            raise InvalidParameterError("cannot save a cache while it checks a draft (assisted decoding): "
+                                        "save it once generate has returned")
+        rows.end_past_recording()  # the file does not record it: the saved cache goes on as the loaded one
         state = rows.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
         for name, part in state["streams"].items():

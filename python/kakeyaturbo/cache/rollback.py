@@ -49,6 +49,25 @@ class Rollback:
         self.record_past = True
         self._recorded = 0
 
+    @property
+    def draft_pending(self) -> bool:
+        """Whether rows were taken while recording the past and no crop has answered them yet
+        (inside a draft's check)."""
+        return self.record_past and self._recorded > 0
+
+    def end_past_recording(self) -> None:
+        """Stops recording the past: what is due is sealed or dropped now, later calls as they
+        come. transformers turns recording on for assisted and prompt-lookup decoding, crops
+        after every draft it checks and never turns it off (it does so only where it defers its
+        stop test, on "mps"): so :meth:`update` ends the recording when a call follows one that
+        no crop answered, as ordinary decoding does, and :meth:`reset` and a save end it too.
+        Without that a reused cache would never seal another block."""
+        self.record_past = False
+        self._recorded = 0
+        if self.is_initialized and not self._pending:
+            for name in STREAMS:
+                self._settle(name)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last ``-tokens_to_remove`` tokens (a non-positive count, as in transformers).
 
