@@ -51,11 +51,29 @@ def check_spec(spec: "os.PathLike[str] | str", *, allow_mixture: bool = True) ->
                                         f"on one of {', '.join(DOMAINS)} or a file")
         parse(spec)
         return spec
-    if not Path(spec).expanduser().is_file():
+    p = expand(spec, "text")
+    try:
+        there = p.is_file()
+    except OSError as e:  # a name the system refuses to look up (too long)
+        raise InvalidParameterError(f"text {spec[:200]!r}: {e.strerror or e}") from None
+    if not there:
         raise InvalidParameterError(
             f"text {spec!r} is neither a domain ({', '.join(DOMAINS)}), a mixture ('mixture', "
             f"'mixture:DOMAIN=WEIGHT,...') nor a file")
-    return str(Path(spec).expanduser())
+    return str(p)
+
+
+def expand(path: str, what: str) -> Path:
+    """``path`` with ``~`` and ``~user`` expanded. InvalidParameterError naming ``what`` when
+    it holds a NUL character (no file has such a name: the system would refuse it only when
+    the file is opened) or names a user (or, for ``~``, a home) the system does not know
+    (``Path.expanduser`` raises RuntimeError)."""
+    if "\0" in path:
+        raise InvalidParameterError(f"{what} {path[:200]!r} is not a path: it holds a NUL character")
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as e:
+        raise InvalidParameterError(f"{what} {path[:200]!r}: {e}") from None
 
 
 def describe(spec: str) -> str:

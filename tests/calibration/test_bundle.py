@@ -75,6 +75,33 @@ def test_statistics_of_no_layer_head_or_dimension_are_refused(tmp_path) -> None:
         AttentionStats.load(tmp_path / ("a" * 300))  # a name the system refuses to look up
 
 
+def test_names_the_system_refuses_to_look_up_are_refused(tmp_path) -> None:
+    from kakeyaturbo.calibration.model_codec import ModelCodec, is_codec_file
+
+    long = tmp_path / ("a" * 300)  # is_file raises OSError (ENAMETOOLONG), not False
+    for load in (Calibration.load, bundle.load, ModelCodec.load, AttentionStats.load, Sensitivity.load):
+        with pytest.raises(InvalidParameterError, match="file '.*aaaa"):
+            load(long)
+    assert not is_calibration_file(long) and not is_codec_file(long)
+
+
+def test_a_stored_meta_that_does_not_read_is_corrupt(tmp_path) -> None:
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    src = _cal().save(tmp_path / "c.safetensors")
+    with safe_open(str(src), framework="np") as f:  # no metadata checksum: each record is checked
+        meta = {k: v for k, v in f.metadata().items() if k != "meta_sha256"}
+    p = tmp_path / "x.safetensors"
+    for key, bad, match in (("stats_meta", '{"windows": "many"}', "'windows'"),
+                            ("sensitivity_meta", '{"windows": 1e400}', "'windows'"),
+                            ("stats_meta", '{"layer_index": [0, 1e400]}', "'layer_index'"),
+                            ("stats_meta", "[1]", "meta must be a dict")):
+        save_file(load_file(str(src)), str(p), metadata=dict(meta, **{key: bad}))
+        with pytest.raises(CorruptDataError, match=f"x.safetensors.*{match}"):
+            Calibration.load(p)
+
+
 def test_damage_is_a_typed_error_naming_the_file(tmp_path) -> None:
     good = _cal().save(tmp_path / "c.safetensors").read_bytes()
     p = tmp_path / "bad.safetensors"

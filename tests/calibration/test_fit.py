@@ -8,6 +8,8 @@ import pytest
 
 import kakeyaturbo as kt
 from kakeyaturbo import calibration, recipes
+from kakeyaturbo.calibration.mixture import pool_stats
+from kakeyaturbo.calibration.stats import MAX_LAYERS
 from synthetic_stats import synthetic_stats
 
 D = 32
@@ -150,6 +152,33 @@ def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
     side.write_text("{}")
     with pytest.raises(kt.CorruptDataError, match="o_gram"):
         calibration.AttentionStats.load(path)
+
+
+@pytest.mark.parametrize("side, field", [
+    ('{"windows": "many"}', "windows"), ('{"windows": NaN}', "windows"),
+    ('{"windows": Infinity}', "windows"), ('{"windows": [1]}', "windows"),
+    ('{"windows": true}', "windows"), ('{"windows": -1}', "windows"), ('{"windows": 2.0}', "windows"),
+    ('{"layer_index": [0, %d]}' % 10**400, "layer_index"),
+    ('{"layer_index": [0, %d]}' % MAX_LAYERS, "layer_index")])
+def test_a_sidecar_of_bad_meta_is_corrupt(tmp_path, side, field) -> None:
+    # Refused on load, not where pooling reads it (int("many"): a bare ValueError).
+    good = _stats()
+    sens = calibration.Sensitivity(meta={}, k=good.k_cov, v=good.v_cov)
+    for cls, stored in ((calibration.AttentionStats, good), (calibration.Sensitivity, sens)):
+        path, sidecar = stored.save(tmp_path / "s.safetensors")
+        sidecar.write_text(side)
+        with pytest.raises(kt.CorruptDataError, match=f"s.safetensors.*'{field}'"):
+            cls.load(path)
+    with pytest.raises(kt.InvalidParameterError, match="'windows'"):
+        _stats(meta={"windows": "many"})
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        calibration.Sensitivity(meta=[1], k=good.k_cov, v=good.v_cov)
+
+
+def test_pooling_sums_the_windows_loaded() -> None:
+    parts = [(_stats(meta={"windows": 3, "layer_index": [0, 4095]}), 1.0),
+             (_stats(meta={"windows": 2, "layer_index": [0, 4095]}), 1.0)]
+    assert pool_stats(parts).meta["windows"] == 5
 
 
 def test_statistics_that_cannot_be_factored_name_the_head() -> None:

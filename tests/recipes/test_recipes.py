@@ -162,6 +162,13 @@ def test_bad_sensitivity_is_refused() -> None:
     ('mode = "calibrated"\n[k]\nnorm = 1\n', "norm"),
     ('mode = "calibrated"\n[k]\noutlier_threshold = -1.0\n', "outlier_threshold"),
     ('mode = "calibrated"\n[calibration]\npath = 3\n', "path"),
+    # Paths the system cannot use: a user it does not know, a NUL character, a name too long.
+    ('mode = "calibrated"\n[calibration]\ncorpus = "~nosuchuser_zz/x.txt"\n', "corpus"),
+    ('mode = "calibrated"\n[calibration]\npath = "~nosuchuser_zz/s.st"\n', "path"),
+    ('mode = "calibrated"\n[calibration]\nsensitivity_path = "~nosuchuser_zz/s.st"\n', "sensitivity_path"),
+    ('mode = "calibrated"\n[calibration]\npath = "a\\u0000b"\n', "path 'a\\x00b'"),
+    ('mode = "calibrated"\n[calibration]\ncorpus = "a\\u0000b"\n', "corpus"),
+    ('mode = "calibrated"\n[calibration]\ncorpus = "' + "a" * 300 + '"\n', "corpus"),
     ('description = 5\n', "description"),
     ('streams = "kv"\n', "stream"),
 ])
@@ -180,6 +187,8 @@ def test_non_utf8_and_non_toml_recipes_are_refused(tmp_path) -> None:
         recipes.load(p)
     with pytest.raises(kt.InvalidParameterError, match="no recipe named"):
         recipes.load(tmp_path / "missing")
+    with pytest.raises(kt.InvalidParameterError, match="cannot read recipe"):
+        recipes.load("a\x00b.toml")  # a NUL character in the name
 
 
 def test_recipes_made_in_code_are_checked_too() -> None:
@@ -189,6 +198,9 @@ def test_recipes_made_in_code_are_checked_too() -> None:
         recipes.Recipe(name="x", mode="calibrated", v={"whiten": "query"})
     with pytest.raises(kt.InvalidParameterError, match="calibrated settings"):
         recipes.Recipe(name="x", k=recipes.CalibratedStream())
+    for key in ("path", "sensitivity_path"):  # refused when made, not when the file is opened
+        with pytest.raises(kt.InvalidParameterError, match=f"{key} .* NUL character"):
+            recipes.Recipe(name="x", mode="calibrated", calibration={key: "a\x00b"})
     r = recipes.Recipe(name="x", mode="calibrated", k=recipes.CalibratedStream(bits=3),
                        calibration={"windows": 2})
     assert r.k.bits == 3.0 and r.v == recipes.CalibratedStream() and r.calibration.windows == 2

@@ -14,6 +14,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAt
 
 from .._extras import require
 from ..calibration import ModelCodec
+from ..calibration.stats import MAX_LAYERS
 from ..codec import _checks
 from ..codec.attention import SYNTHESES, attention_kernel
 from ..errors import InvalidInputError, InvalidParameterError
@@ -34,8 +35,6 @@ from .rope import check_rope, layer_ropes, rope_of_layer
 
 #: The kernels that attend over the codes: ``auto`` (Rust on the CPU, Triton on a GPU), or one.
 KERNELS = ("auto", "rust", "triton")
-#: The most layers ``num_layers`` may give (every layer is built up front).
-MAX_LAYERS = 4096
 
 
 class KakeyaCache(Cache, NotPickled):

@@ -31,7 +31,7 @@ from .collect import weights_o_gram
 from .compressed import COMPRESSED_POINT
 from .latent import LATENT_POINT
 from .mixture import O_GRAM_TOLERANCE
-from .stats import AttentionStats, Sensitivity
+from .stats import AttentionStats, Sensitivity, require_file
 
 #: The ``format`` entry of the metadata, and the version this build writes and reads.
 FORMAT = "kakeyaturbo-calibration"
@@ -291,8 +291,7 @@ def read_file(p: Path, where: str, fmt: str, version: int, what: str, writer: st
     naming it (``where``) when it cannot be read or its ``format`` is not ``fmt`` (``what`` it
     should be, and ``writer``, what writes one), UnsupportedVersionError when its version is
     above ``version``."""
-    if not p.is_file():
-        raise InvalidParameterError(f"{where} is a directory, not a file" if p.is_dir() else f"{where} does not exist")
+    require_file(p, where)
     meta, arrays = _read(p, where)
     if meta.get("format") != fmt:
         raise CorruptDataError(f"{where} is not {what} (format {meta.get('format')!r}); "
@@ -321,9 +320,9 @@ def _read(p: Path, where: str) -> Tuple[Dict[str, str], Dict[str, np.ndarray]]:
 def file_format(path: "os.PathLike[str] | str") -> Optional[str]:
     """The ``format`` a safetensors file's metadata records (None: not such a file, or none)."""
     p = Path(path)
-    if not p.is_file():
-        return None
     try:
+        if not p.is_file():  # OSError, caught below, for a name too long to look up
+            return None
         from safetensors import safe_open
 
         with safe_open(str(p), framework="np") as f:

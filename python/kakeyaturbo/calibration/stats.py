@@ -51,13 +51,7 @@ class _Stored:
         p = Path(path)
         side = p.with_name(p.name + ".json")
         for f in (p, side):
-            try:
-                there = f.is_file()
-            except OSError as e:  # a name the system refuses to look up (too long)
-                raise InvalidParameterError(f"{cls.KIND} file {str(f)[:200]!r}: {e.strerror}") from None
-            if not there:
-                raise InvalidParameterError(f"{cls.KIND} file {str(f)!r} " +
-                                            ("is a directory" if f.is_dir() else "does not exist"))
+            require_file(f, f"{cls.KIND} file {str(f)!r}")
         try:
             arrays = load_file(str(p))
             meta = json.loads(side.read_text(encoding="utf-8"))
@@ -72,6 +66,21 @@ class _Stored:
             return cls(meta=meta, **{k: arrays[k] for k in cls.ARRAYS})  # type: ignore[call-arg]
         except (InvalidParameterError, InvalidInputError) as e:  # inconsistent, or no covariances
             raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
+
+
+def require_file(p: Path, where: str) -> None:
+    """InvalidParameterError naming the file (``where``: what it is and its name) unless ``p``
+    is a file: it does not exist, is a directory, or the system refuses to look it up (a name
+    too long, a folder not searchable: an OSError from ``is_file`` no caller of a loader
+    expects)."""
+    try:
+        if p.is_file():
+            return
+        why = "is a directory, not a file" if p.is_dir() else "does not exist"
+    except OSError as e:
+        short = where if len(where) <= 300 else where[:300] + " ..."
+        raise InvalidParameterError(f"{short}: {e.strerror or e}") from None
+    raise InvalidParameterError(f"{where} {why}")
 
 
 def _check(owner: str, name: str, a: Any, shape: Tuple[Optional[int], ...], dtype: Any) -> np.ndarray:
@@ -143,19 +152,35 @@ def _check_covariances(owner: str, name: str, a: np.ndarray, layers: Tuple[int, 
             f"({len(bad)} of {asym.size} matrices are not)")
 
 
+#: The most layers a model may have: a cache's ``num_layers`` (every layer is built up front)
+#: and the layer indices statistics record (one beyond is damage, not a model).
+MAX_LAYERS = 4096
+
+
 def _layer_index(owner: str, meta: Dict[str, Any], n: int) -> Tuple[int, ...]:
     """The model's layer index of each of the ``n`` rows: ``meta["layer_index"]`` (a hybrid
     model's K/V layers), else ``0 .. n-1``; InvalidParameterError unless it is ``n`` distinct
-    increasing non-negative integers."""
+    increasing integers in ``0 .. MAX_LAYERS - 1``."""
     got = meta.get("layer_index") if isinstance(meta, dict) else None
     if got is None:
         return tuple(range(n))
-    if not isinstance(got, list) or len(got) != n or not all(type(i) is int and i >= 0 for i in got) \
+    if not isinstance(got, list) or len(got) != n \
+            or not all(type(i) is int and 0 <= i < MAX_LAYERS for i in got) \
             or any(a >= b for a, b in zip(got, got[1:])):
         raise InvalidParameterError(
-            f"{owner} meta 'layer_index' must list {n} increasing layer indices (one per row of "
-            f"the arrays), got {got!r}")
+            f"{owner} meta 'layer_index' must list {n} increasing layer indices in 0..{MAX_LAYERS - 1} "
+            f"(one per row of the arrays), got {str(got)[:200]}")
     return tuple(got)
+
+
+def _check_meta(owner: str, meta: Any) -> None:
+    """TypeError unless ``meta`` is a dict; InvalidParameterError unless its ``windows`` (what
+    gathered it: a count, which pooling sums) is absent or an int >= 0, not a bool."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"{owner} meta must be a dict, got {type(meta).__name__}")
+    w = meta.get("windows", 0)
+    if type(w) is not int or w < 0:
+        raise InvalidParameterError(f"{owner} meta 'windows' must be an integer >= 0, got {str(w)[:200]}")
 
 
 @dataclass
@@ -183,7 +208,9 @@ class AttentionStats(_Stored):
         """Checks that every array agrees on (layers, kv-heads, head_dim) and is finite (else
         InvalidParameterError naming the array), and that ``q2``, ``k_cov``, ``v_cov`` and
         ``o_gram`` are symmetric with non-negative diagonals (else InvalidInputError naming the
-        array, layer and kv-head; see :func:`covariance_defect`)."""
+        array, layer and kv-head; see :func:`covariance_defect`), and the meta
+        (:func:`_check_meta`)."""
+        _check_meta("calibration", self.meta)
         q2, v_cov = np.asarray(self.q2), np.asarray(self.v_cov)
         if q2.ndim != 4 or v_cov.ndim != 4:
             raise InvalidParameterError(
@@ -236,7 +263,7 @@ class Sensitivity(_Stored):
     an error ``e_t`` in row ``t`` raises the loss by ``e_t^T F e_t / 2``, so ``F`` weighs every
     coded component by what it costs the model.
 
-    Construction checks the shapes, finiteness (InvalidParameterError) and, as for
+    Construction checks the shapes, finiteness, the meta (InvalidParameterError) and, as for
     :class:`AttentionStats`, that every matrix is symmetric with a non-negative diagonal
     (InvalidInputError naming the array, layer and kv-head: a damaged file is refused, not read
     through one triangle)."""
@@ -249,6 +276,7 @@ class Sensitivity(_Stored):
     KIND = "sensitivity"
 
     def __post_init__(self) -> None:
+        _check_meta("sensitivity", self.meta)
         k, v = np.asarray(self.k), np.asarray(self.v)
         for name, a in (("k", k), ("v", v)):
             if a.ndim != 4 or a.shape[2] != a.shape[3] or min(a.shape) < 1:

@@ -36,7 +36,7 @@ from ..codec import _checks
 from ..codec.calibrated import DEFAULT_ROTATION_SEED, METRICS
 from ..codec.perblock import check_params
 from ..errors import InvalidParameterError, KakeyaError
-from ..texts import DOMAINS, check_spec, is_mixture
+from ..texts import DOMAINS, check_spec, expand, is_mixture
 
 HERE = Path(__file__).parent
 STREAMS = ("k", "v")
@@ -195,12 +195,19 @@ class CalibrationSettings:
         def path(v: Any, name: str) -> Optional[str]:
             if v is not None and not isinstance(v, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (str), got {type(v).__name__}")
-            return None if v is None else os.fspath(v)
+            s = None if v is None else os.fspath(v)
+            if s is not None and "\0" in s:  # refused now: the system would refuse it only when opened
+                raise InvalidParameterError(f"{name} {s[:200]!r} is not a path: it holds a NUL character")
+            return s
 
 
         if not isinstance(self.corpus, (str, os.PathLike)):
             raise TypeError(f"corpus must be a domain, a mixture or a path (str), got "
                             f"{type(self.corpus).__name__}")
+        try:
+            corpus = check_spec(self.corpus)
+        except InvalidParameterError as e:
+            raise InvalidParameterError(f"corpus: {e}") from None
         window = _checks.integer(self.window, "window", 2)
         score = _checks.integer(self.score, "score", 1)
         if score + 2 > window:
@@ -213,7 +220,7 @@ class CalibrationSettings:
             sensitivity_windows=_checks.integer(self.sensitivity_windows, "sensitivity_windows", 1),
             score=score, labels=_checks.choice(self.labels, "labels", self.LABELS),
             sensitivity_path=path(self.sensitivity_path, "sensitivity_path"),
-            corpus=check_spec(self.corpus))
+            corpus=corpus)
 
 
 Stream = Union[BlockStream, CalibratedStream]
@@ -392,8 +399,9 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
             )
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    # RecursionError: tables or arrays nested past Python's recursion limit.
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+    # ValueError: not UTF-8, not TOML or a NUL character in the name; RecursionError: tables or
+    # arrays nested past Python's recursion limit.
+    except (OSError, ValueError, RecursionError) as e:
         raise InvalidParameterError(f"cannot read recipe {str(path)[:200]!r}: {str(e)[:200]}") from e
     known = {f.name for f in dataclasses.fields(Recipe)}
     extra = sorted(set(data) - known)
@@ -402,14 +410,13 @@ def load(name_or_path: "str | os.PathLike[str]") -> Recipe:
     calibration = data.get("calibration", {})
     if isinstance(calibration, dict):
         calibration = dict(calibration)
-
-        corpus = calibration.get("corpus")
-        if isinstance(corpus, str) and corpus not in DOMAINS and not is_mixture(corpus):
-            cp = Path(corpus).expanduser()
-            calibration["corpus"] = str(cp if cp.is_absolute() else path.parent / cp)
-        for key in ("path", "sensitivity_path"):
-            if isinstance(calibration.get(key), str):
-                cp = Path(calibration[key]).expanduser()
+        for key in ("corpus", "path", "sensitivity_path"):  # paths: relative to the recipe
+            v = calibration.get(key)
+            if isinstance(v, str) and not (key == "corpus" and (v in DOMAINS or is_mixture(v))):
+                try:
+                    cp = expand(v, key)
+                except InvalidParameterError as e:
+                    raise InvalidParameterError(f"recipe {str(path)!r}: [calibration] {e}") from None
                 calibration[key] = str(cp if cp.is_absolute() else path.parent / cp)
     try:
         return Recipe(
