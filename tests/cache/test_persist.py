@@ -374,6 +374,8 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path
         flipped[at] ^= 0x40
         bad.write_bytes(bytes(flipped))
         refused()
+    with pytest.raises(InvalidParameterError, match="prefix file"):  # OSError before
+        KakeyaCache.load(tmp_path / ("a" * 5000), llama)
     bad.write_bytes(b"PK\x03\x04" + data[4:])
     refused(match="not a kakeyaturbo prefix file")
     _rewrite(bad, data[:4] + struct.pack("<H", persist.VERSION + 1) + data[6:])
@@ -408,6 +410,7 @@ def test_damage_of_every_kind_is_typed_and_names_the_file(llama, saved, tmp_path
         refused(match=match)
 
     header_edit(lambda h: h["layers"][0].update(seen=h["layers"][0]["seen"] + 1))
+    header_edit(lambda h: h["layers"].__setitem__(0, 5))  # not an object (AttributeError before)
     header_edit(lambda h: h["layers"][1]["streams"]["v"].update(blocks=1 << 30))
     header_edit(lambda h: h["layers"][1]["streams"]["v"].update(heads=-1))
     header_edit(lambda h: h["layers"][1]["streams"]["v"].update(dim=1 << 20))

@@ -47,6 +47,7 @@ from .._core import __version__
 from .._files import write_atomically
 from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
+from ..calibration.stats import require_file
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
 from ..families import describe
 from .codecs import STREAMS, StreamCodec
@@ -212,8 +213,7 @@ class _Reader:
 def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
     p = Path(path)
     where = f"prefix file {str(p)!r}"
-    if not p.is_file():
-        raise InvalidParameterError(f"{where} does not exist")
+    require_file(p, where)
     data = memoryview(p.read_bytes())
     if len(data) < _HEAD.size + _CRC:
         raise CorruptDataError(f"{where} is truncated ({len(data)} bytes)")

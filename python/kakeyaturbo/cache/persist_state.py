@@ -211,7 +211,9 @@ def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool]
 
 def check_header(layer: Dict[str, Any], i: int, max_dim: int, max_elements: int) -> None:
     """Types and ranges of a layer's ``state`` and ``flags`` header fields (ValueError,
-    TypeError): names of a known kind, dtypes known, shapes of bounded integers."""
+    TypeError): an object, names of a known kind, dtypes known, shapes of bounded integers."""
+    if not isinstance(layer, dict):
+        raise TypeError(f"layer {i} is {type(layer).__name__}, not an object")
     state, flags, counts = layer.get("state", []), layer.get("flags", {}), layer.get("counts", {})
     if not isinstance(state, list) or not isinstance(flags, dict) or not isinstance(counts, dict):
         raise TypeError(f"layer {i} state, flags or counts")
