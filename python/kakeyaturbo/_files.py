@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -19,16 +20,30 @@ def write_atomically(files: Sequence[Tuple[Path, Callable[[Path], Any]]], what: 
     as the umask gives any new file), and once all are written they are renamed into place in the
     order given; on any failure or interrupt the temporary files are removed and the old files
     stay.
-    InvalidParameterError naming ``what`` when a path is a directory or its folder cannot be
-    made or written in."""
+    InvalidParameterError naming ``what`` when a path is a directory, exists but is not a regular
+    file (a device, pipe or socket: the rename would replace it, so that a save to /dev/null run
+    as root replaced the device by a file), is no name the system takes (a NUL, too long), or
+    its folder cannot be made or written in."""
     paths = [Path(p) for p, _ in files]
     for p in paths:
-        if p.is_dir():
-            raise InvalidParameterError(f"cannot write {what} to {str(p)!r}: it is a directory; name a file")
+        shown = str(p)[:200]
+        if "\0" in str(p):
+            raise InvalidParameterError(f"cannot write {what} to {shown!r}: the name holds a NUL character")
+        try:
+            kind = os.stat(p).st_mode  # a link's target: the rename replaces the link, not it
+        except (FileNotFoundError, NotADirectoryError):  # new, or under a file (the folder's error below)
+            kind = None
+        except OSError as e:  # a name too long, a folder not searchable, a link loop
+            raise InvalidParameterError(f"cannot write {what} to {shown!r}: {e.strerror or e}") from None
+        if kind is not None and stat.S_ISDIR(kind):
+            raise InvalidParameterError(f"cannot write {what} to {shown!r}: it is a directory; name a file")
+        if kind is not None and not stat.S_ISREG(kind):
+            raise InvalidParameterError(f"cannot write {what} to {shown!r}: it is not a regular file "
+                                        "(a device, pipe or socket), which the write would replace")
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise InvalidParameterError(f"cannot make the folder of {what} {str(p)!r}: {e.strerror or e}") from None
+            raise InvalidParameterError(f"cannot make the folder of {what} {shown!r}: {e.strerror or e}") from None
     mode = 0o666 & ~_umask()
     temps: List[Path] = []
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -302,6 +303,15 @@ def test_save_writes_only_its_file(llama, tmp_path, monkeypatch) -> None:
     (tmp_path / "dir.tmp").write_text("user data")
     with pytest.raises(InvalidParameterError, match="dir'.*is a directory"):
         cache.save(tmp_path / "dir")
+    # A pipe (or a device: /dev/null, as root) was replaced by the file; a NUL or an over-long
+    # name raised ValueError or OSError.
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(InvalidParameterError, match="pipe'.*not a regular file"):
+        cache.save(tmp_path / "pipe")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
+    for name in ("a\0b", "a" * 300):
+        with pytest.raises(InvalidParameterError, match="cannot write"):
+            cache.save(tmp_path / name)
     (tmp_path / "p.kkpfx.tmp").write_text("user data")
     path = cache.save(tmp_path / "p.kkpfx")
     assert (tmp_path / "dir.tmp").read_text() == (tmp_path / "p.kkpfx.tmp").read_text() == "user data"
@@ -316,6 +326,16 @@ def test_save_writes_only_its_file(llama, tmp_path, monkeypatch) -> None:
     with pytest.raises(OSError, match="disk full"):
         cache.save(path)
     assert sorted(tmp_path.iterdir()) == before and path.read_bytes() == good
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc and /dev")
+def test_unreadable_or_special_files_and_a_bad_verify_are_typed(llama, saved) -> None:
+    with pytest.raises(CorruptDataError, match="cannot be read"):  # EIO: OSError before
+        KakeyaCache.load("/proc/self/mem", llama)
+    with pytest.raises(InvalidParameterError, match="not a regular file"):  # "does not exist" before
+        KakeyaCache.load("/dev/zero", llama)
+    with pytest.raises(TypeError, match="verify"):  # taken as true before
+        KakeyaCache.load(saved, llama, verify="no")
 
 
 def test_ids_shorter_than_the_loaded_prefix_are_a_typed_error(llama, tmp_path) -> None:

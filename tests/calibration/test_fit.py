@@ -143,6 +143,11 @@ def test_statistics_are_checked_when_made_and_loaded(tmp_path) -> None:
     (tmp_path / "adir").mkdir()
     with pytest.raises(kt.InvalidParameterError, match="adir' is a directory"):
         calibration.AttentionStats.load(tmp_path / "adir")
+    for bad in ("", "/"):  # ValueError from the sidecar's name before
+        with pytest.raises(kt.InvalidParameterError, match="names no file"):
+            calibration.AttentionStats.load(bad)
+        with pytest.raises(kt.InvalidParameterError, match="names no file"):
+            good.save(bad)
     # Arrays that disagree on the number of layers, written by hand, are corrupt data.
     from safetensors.numpy import save_file
 

@@ -48,6 +48,7 @@ from .._files import write_atomically
 from ..calibration import ModelCodec
 from ..calibration.bundle import fingerprint
 from ..calibration.stats import require_file
+from ..codec import _checks
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
 from ..families import describe
 from .codecs import STREAMS, StreamCodec
@@ -214,7 +215,10 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
     p = Path(path)
     where = f"prefix file {str(p)!r}"
     require_file(p, where)
-    data = memoryview(p.read_bytes())
+    try:
+        data = memoryview(p.read_bytes())
+    except OSError as e:  # a read error (EIO), the file gone since
+        raise CorruptDataError(f"{where} cannot be read: {e.strerror or e}") from None
     if len(data) < _HEAD.size + _CRC:
         raise CorruptDataError(f"{where} is truncated ({len(data)} bytes)")
     magic, version, flags, hlen = _HEAD.unpack_from(data)
@@ -357,6 +361,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     from .generation import KakeyaCache
     from .pretrained import codec_for_model
 
+    verify = _checks.boolean(verify, "verify")
     header, data, at, where = _read_file(path)
     layout = describe(model)
     saved = header["model"]

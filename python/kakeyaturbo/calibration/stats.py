@@ -33,7 +33,7 @@ class _Stored:
         ``path`` is a directory or its folder cannot be made."""
         from safetensors.numpy import save_file
 
-        p = Path(path)
+        p = _named(path, self.KIND)
         side = p.with_name(p.name + ".json")
         arrays = {k: np.ascontiguousarray(getattr(self, k)) for k in self.ARRAYS}
         text = json.dumps(self.meta, indent=2, sort_keys=True) + "\n"
@@ -48,7 +48,7 @@ class _Stored:
         lacks an array or holds arrays of the wrong shape or non-finite values."""
         from safetensors.numpy import load_file
 
-        p = Path(path)
+        p = _named(path, cls.KIND)
         side = p.with_name(p.name + ".json")
         for f in (p, side):
             require_file(f, f"{cls.KIND} file {str(f)!r}")
@@ -68,6 +68,15 @@ class _Stored:
             raise CorruptDataError(f"{cls.KIND} {str(p)!r}: {e}") from None
 
 
+def _named(path: "os.PathLike[str] | str", kind: str) -> Path:
+    """``path``, which names a file (its sidecar is named after it): InvalidParameterError for
+    one with no name (``""``, a root or ``..``)."""
+    p = Path(path)
+    if not p.name or p.name == "..":
+        raise InvalidParameterError(f"{kind} file {str(path)!r} names no file")
+    return p
+
+
 def require_file(p: Path, where: str) -> None:
     """InvalidParameterError naming the file (``where``: what it is and its name) unless ``p``
     is a file: it does not exist, is a directory, or the system refuses to look it up (a name
@@ -76,7 +85,8 @@ def require_file(p: Path, where: str) -> None:
     try:
         if p.is_file():
             return
-        why = "is a directory, not a file" if p.is_dir() else "does not exist"
+        why = ("is a directory, not a file" if p.is_dir() else
+               "is not a regular file" if p.exists() else "does not exist")
     except OSError as e:
         short = where if len(where) <= 300 else where[:300] + " ..."
         raise InvalidParameterError(f"{short}: {e.strerror or e}") from None
