@@ -115,6 +115,38 @@ def test_a_path_the_system_refuses_is_one_line_and_status_2() -> None:
         assert "a path argument cannot be checked" in one_line(p)
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["eval", "--model", "~nosuchuser123/m.gguf"], "--model"),
+    (["eval", "--text", "~nosuchuser123/t.txt"], "--text"),
+    (["eval", "--out", "~nosuchuser123/o"], "--out"),
+    (["eval", "--calibration", "~nosuchuser123/c.safetensors"], "--calibration"),
+    (["eval", "--calibration-text", "~nosuchuser123/t.txt"], "--calibration-text"),
+    (["calibrate", "--out", "~nosuchuser123/c.safetensors"], "--out"),
+    (["calibrate", "--codec", "calibrated-4bit", "--codec-out", "~nosuchuser123/c.kkcodec"], "--codec-out"),
+])
+def test_an_unknown_user_in_a_path_is_a_bad_argument(args, flag) -> None:
+    """``~user`` of no user: ``Path.expanduser`` raises RuntimeError, once a traceback."""
+    p = run(args, blocked={"transformers"})
+    assert p.returncode == 2, p.stderr
+    line = one_line(p)
+    assert line.startswith(f"kakeyaturbo {args[0]}: error: argument {flag}: path '~nosuchuser123/"), line
+    assert "Could not determine home directory" in line
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/1"), reason="needs Linux's /proc")
+def test_an_output_folder_that_cannot_be_made_is_refused_before_loading(tmp_path) -> None:
+    """``/proc/1/x`` passed the checks and failed only when the results were written, after the
+    whole evaluation; the probe leaves nothing behind where the folder can be made."""
+    for args in (["eval", "--out", "/proc/1/x"], ["calibrate", "--out", "/proc/1/c.safetensors"]):
+        p = run(args, blocked={"transformers"})
+        assert p.returncode == 2, p.stderr
+        assert one_line(p).startswith(f"kakeyaturbo {args[0]}: error: argument --out: cannot write into "
+                                      "the directory '/proc/1'")
+    p = run(["eval", "--out", str(tmp_path / "a" / "b")], blocked={"transformers"})
+    assert p.returncode == 1 and "not installed" in one_line(p)  # past every check
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_version() -> None:
     import kakeyaturbo
 

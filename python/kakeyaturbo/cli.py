@@ -9,7 +9,9 @@ exit status 1; a Python traceback only with ``--debug``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, List, NoReturn, Optional, Sequence
@@ -61,6 +63,25 @@ def _names(s: str) -> List[str]:
     return [n.strip() for n in s.split(",") if n.strip()]
 
 
+def _path(flag: str, arg: str) -> Path:
+    """A path argument with ``~`` expanded: a NUL or a ``~user`` the system does not know is a
+    bad argument (``Path.expanduser`` raises RuntimeError; :func:`texts.expand`)."""
+    try:
+        return texts.expand(arg, "path")
+    except KakeyaError as e:
+        raise _Bad(flag, str(e)) from None
+
+
+def _writable(flag: str, folder: Path) -> None:
+    """An output's folder can be written into: one that cannot (read-only, or a system folder
+    such as /proc) would fail only when the results are written, after the whole run. Probed
+    by making and removing a folder in it."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kakeyaturbo-", dir=folder))
+    except OSError as e:
+        raise _Bad(flag, f"cannot write into the directory {str(folder)!r}: {e.strerror or e}") from None
+
+
 # --- checks, before anything is loaded ------------------------------------------------------
 
 
@@ -76,7 +97,7 @@ def _check_model(arg: Optional[str]) -> None:
             cmd = assets.install_command(*(p for p, _ in assets.HARD_PARTS))
             raise MissingDependencyError(f"the hard-case model is not installed: {cmd}", cmd)
         return
-    p = Path(arg).expanduser()
+    p = _path("--model", arg)
     if not p.exists():
         raise _Bad("--model", f"no such file or directory: {arg!r} (expected a GGUF file, a "
                               "checkpoint directory holding config.json, or 'hard-case')")
@@ -105,7 +126,7 @@ def _check_text(arg: Optional[str], flag: str = "--text", mixture: bool = False)
         except KakeyaError as e:
             raise _Bad(flag, str(e)) from None
         return
-    p = Path(arg).expanduser()
+    p = _path(flag, arg)
     if not p.is_file():
         what = "a mixture ('mixture', 'mixture:DOMAIN=WEIGHT,...'), " if mixture else ""
         raise _Bad(flag, f"no such file: {arg!r} (expected {what}a domain "
@@ -136,7 +157,7 @@ def _check_peers(arg: str) -> None:
 
 
 def _check_out_dir(arg: str) -> None:
-    p = Path(arg).expanduser()
+    p = _path("--out", arg)
     if p.exists() and not p.is_dir():
         raise _Bad("--out", f"{arg!r} is a file (expected a directory for results.json, .md and .png)")
     # A directory to be made under a file would fail only when the results are written.
@@ -145,10 +166,11 @@ def _check_out_dir(arg: str) -> None:
         up = up.parent
     if up.exists() and not up.is_dir():
         raise _Bad("--out", f"{arg!r} lies under the file {str(up)!r} (expected a directory to write into)")
+    _writable("--out", up)
 
 
 def _check_calibration_file(flag: str, arg: Optional[str]) -> None:
-    if arg is not None and not Path(arg).expanduser().is_file():
+    if arg is not None and not _path(flag, arg).is_file():
         raise _Bad(flag, f"no such file: {arg!r} (expected a calibration file written by "
                          "kakeyaturbo calibrate --out FILE, or a codec file by --codec-out FILE)")
 
@@ -170,9 +192,8 @@ def _check_eval_methods(args: argparse.Namespace, recs: List[Any]) -> None:
                                          "or codecs were made on the text it records): give one of the two")
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether the paths ``a`` and ``b`` name the same file (existing or not)."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+def _same_file(pa: Path, pb: Path) -> bool:
+    """Whether the (expanded) paths ``pa`` and ``pb`` name the same file (existing or not)."""
     if pa.exists() and pb.exists():
         return pa.samefile(pb)
     return pa.resolve() == pb.resolve()
@@ -211,12 +232,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
             continue
         for name, src in inputs:
             # The hard-case model is assembled at its cached path before anything is written.
-            read = src is not None and (Path(src).expanduser().is_file() or
+            read = src is not None and (_path(name, src).is_file() or
                                         (name == "--model" and args.model == "hard-case"))
-            if read and _same_file(out, src):
+            if read and _same_file(_path(flag, out), _path(name, src)):
                 raise _Bad(flag, f"{out!r} is the {name} input: it would be overwritten (expected "
                                  "another file to write)")
-    if args.out is not None and args.codec_out is not None and _same_file(args.codec_out, args.out):
+    if args.out is not None and args.codec_out is not None and \
+            _same_file(_path("--codec-out", args.codec_out), _path("--out", args.out)):
         raise _Bad("--codec-out", f"must differ from --out ({args.out!r}): the codec file would "
                                   "overwrite the calibration file")
 
@@ -245,11 +267,12 @@ def check(args: argparse.Namespace) -> None:
                                   f"sensitivity window holds the sink, one more cached token, the scored "
                                   f"tokens and their last target), got {args.score}")
         if args.out is not None:
-            p = Path(args.out).expanduser()
+            p = _path("--out", args.out)
             if p.is_dir():
                 raise _Bad("--out", f"{args.out!r} is a directory (expected the calibration file to write)")
             if not p.parent.is_dir():
                 raise _Bad("--out", f"directory {str(p.parent)!r} does not exist")
+            _writable("--out", p.parent)
         if (args.codec is None) != (args.codec_out is None):
             raise _Bad("--codec", "--codec RECIPE and --codec-out FILE go together")
         if args.codec is not None:
@@ -262,9 +285,10 @@ def check(args: argparse.Namespace) -> None:
             if rec.key_rope != args.rope:
                 raise _Bad("--codec", f"recipe {rec.name!r} codes keys {rec.key_rope} RoPE; "
                                       f"calibrate with --rope {rec.key_rope}")
-            p = Path(args.codec_out).expanduser()
+            p = _path("--codec-out", args.codec_out)
             if p.is_dir() or not p.parent.is_dir():
                 raise _Bad("--codec-out", f"{args.codec_out!r} is a directory or its directory does not exist")
+            _writable("--codec-out", p.parent)
         _check_outputs(args)
     require(f"kakeyaturbo {args.command}")
 
