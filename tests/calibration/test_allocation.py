@@ -4,9 +4,11 @@ the allocation pooled over heads."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import kakeyaturbo as kt
 from kakeyaturbo import calibration
 
 D = 32
@@ -69,3 +71,22 @@ def test_global_allocation_moves_bits_to_where_variance_is() -> None:
     # A head the pooled water-filling leaves empty still gets its byte, paid for by the others.
     tight = calibration.global_allocation([loud, 1e-12 * loud, quiet], [8, 8, 8])
     assert [int(b.sum()) for b in tight] == [8, 8, 8]
+
+
+def test_non_numeric_variances_are_a_type_error() -> None:
+    for bad in ("ab", ["a", "b"], [object()]):
+        with pytest.raises(TypeError, match="variances must be numeric"):
+            calibration.allocate_bits(bad, 2)
+
+
+def test_targets_past_64_bits_per_element_are_refused() -> None:
+    # A row costs at most 24 bits per element (D = 1: 8 bits and the 16-bit scale); a huge
+    # finite target overflowed the row's count (OverflowError).
+    for bpe in (64.5, 1e308, np.float64(1e300)):
+        with pytest.raises(kt.InvalidParameterError, match=r"bits_per_element must be in \[0, 64\]"):
+            calibration.row_budget(bpe, 64, False)
+        with pytest.raises(kt.InvalidParameterError, match="bits_per_element"):
+            calibration.fit_stream(np.zeros(4, np.float32), np.eye(4), bpe)
+    assert calibration.row_budget(24, 1, True) == 8
+    assert calibration.row_budget(16, 64, False) == 1024
+    assert calibration.row_budget(0, 64, False) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
 from kakeyaturbo import assets
 from kakeyaturbo.calibration import corpus as data
@@ -41,3 +42,20 @@ def test_shipped_text_split() -> None:
     calib, evalu = data.split(data.load_articles(assets.default_text()))
     assert len(calib) > 1000 and len(evalu) > 5000
     assert not set(calib) & set(evalu)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("mixture:code=1e308,prose=1e308", [("code", 8), ("prose", 8)]),
+    ("mixture:code=1.7e308,prose=1", [("code", 16)]),
+    ("mixture:code=1.7e308,prose=0.85e308", [("code", 11), ("prose", 5)]),
+])
+def test_huge_mixture_weights_apportion_relative_to_each_other(spec, expected) -> None:
+    # The sum of the weights (and n * w) overflowed to inf: NaN or inf to int.
+    assert data.apportion(data.parse(spec), 16) == expected
+
+
+def test_ordinary_weights_apportion_as_before() -> None:
+    assert data.apportion([("a", 3.0), ("b", 1.0), ("c", 0.1)], 16) == [("a", 12), ("b", 4)]
+    assert data.apportion([("a", 1), ("b", 1), ("c", 1)], 16) == [("a", 6), ("b", 5), ("c", 5)]
+    assert data.apportion([("a", 0.3), ("b", 0.7)], 10) == [("a", 3), ("b", 7)]
+    assert data.apportion([("a", 1e-300), ("b", 3e-300)], 8) == [("a", 2), ("b", 6)]

@@ -195,3 +195,13 @@ def test_statistics_that_cannot_be_factored_name_the_head() -> None:
                          v={"bits": 3}, streams=("k", "v"))
     with pytest.raises(kt.NumericalError, match="layer 1, kv-head 0"):
         calibration.ModelCodec(stats, rec)
+
+
+def test_lloyd_max_checks_the_width_before_the_table_size() -> None:
+    """bits outside 1..8 (the widths of centroid tables) are refused at once: 2 ** bits of a
+    huge width took seconds (2**31) or ran out of memory (2**70) before the refusal."""
+    z = np.random.default_rng(0).standard_normal(600)
+    for bits in (0, 9, 2 ** 31, 2 ** 70):
+        with pytest.raises(kt.InvalidParameterError, match="bits must be in 1..8"):
+            calibration.lloyd_max(z, bits)
+    assert len(calibration.lloyd_max(z, 8, iters=0)) == 256

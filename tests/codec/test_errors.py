@@ -109,6 +109,26 @@ def test_bad_centroids_file(tmp_path) -> None:
     assert kt.load_centroids(tmp_path / "ok.npy").dtype == np.float64
 
 
+def test_centroids_file_is_read_within_bounds(tmp_path) -> None:
+    """A device (``/dev/zero``: endless) or a file far larger than any table is refused,
+    naming it, not read until the memory is full."""
+    for call in (lambda f: kt.load_centroids(f), lambda f: kt.roundtrip_layer(X, centroids_file=f),
+                 lambda f: kt.check_params({"centroids_file": f})):
+        with pytest.raises(kt.InvalidParameterError, match="'/dev/zero' is not a regular file"):
+            call("/dev/zero")
+    (tmp_path / "big.json").write_text("[" + "0, " * 400_000 + "0]")
+    with pytest.raises(kt.InvalidParameterError, match="big.json' is larger than 1048576 bytes"):
+        kt.load_centroids(tmp_path / "big.json")
+    (tmp_path / "ok.json").write_text('{"centroids": [-1, 0, 1]}')
+    assert kt.load_centroids(tmp_path / "ok.json").tolist() == [-1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs", [[], [("bit_width", 2)], "bit_width", None])
+def test_check_params_of_a_non_dict_is_a_type_error(kwargs) -> None:
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        kt.check_params(kwargs)
+
+
 DATA = kt.encode_layer(X, outlier_threshold=1.5, block_size=32)
 
 

@@ -16,6 +16,11 @@ from ..errors import InvalidInputError, InvalidParameterError
 LLOYD_MAX_MSE = (1.0, 0.36338, 0.11748, 0.034548, 0.0095010, 0.0025047, 0.00064424,
                  0.00016348, 0.000041185)
 
+#: The largest target of all-in bits per element: a row costs at most 8 bits per component and
+#: a 16-bit scale (24 bits per element at D = 1); a target far past that is no target, and one
+#: near float64's limit overflowed the row's bit count.
+MAX_BITS_PER_ELEMENT = 64.0
+
 
 def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
                   distortion: Sequence[float] = LLOYD_MAX_MSE,
@@ -47,7 +52,10 @@ def allocate_bits(variances: Sequence[float], budget: int, max_bits: int = 8,
     (attention over keys coded before RoPE synthesises each key at ``m x D`` multiply-adds).
     All zero: the allocation without costs.
     """
-    lam = np.asarray(variances, dtype=np.float64)
+    lam = np.asarray(variances)
+    if lam.dtype.kind not in "fiu":  # np.asarray(..., float64) of a str raises ValueError
+        raise TypeError(f"variances must be numeric, got dtype {lam.dtype}")
+    lam = lam.astype(np.float64)
     if lam.ndim != 1 or np.any(~np.isfinite(lam)) or np.any(lam < 0):
         raise InvalidParameterError("variances must be a 1-D array of finite values >= 0")
     dist = _checks.vector(distortion, "distortion", np.float64)
@@ -159,12 +167,21 @@ def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarra
     return np.maximum(0.0, 0.5 * np.log2(np.maximum(lam, 1e-300) / theta)), float(theta)
 
 
+def check_target(bits_per_element: float) -> float:
+    """A target of all-in bits per element in ``[0, MAX_BITS_PER_ELEMENT]`` as a float;
+    InvalidParameterError otherwise (TypeError: not a number)."""
+    b = _checks.real(bits_per_element, "bits_per_element")
+    if not 0 <= b <= MAX_BITS_PER_ELEMENT:
+        raise InvalidParameterError(f"bits_per_element must be in [0, {MAX_BITS_PER_ELEMENT:g}], got {b}")
+    return b
+
+
 def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
     """Index bits per row for a target of all-in bits per element: the target times D, less
     the 16-bit scale, rounded down to whole bytes (rows are byte-aligned). InvalidParameterError
-    for a target that is not finite and ``>= 0`` or ``d < 1`` (TypeError: wrong types)."""
-    if _checks.real(bits_per_element, "bits_per_element") < 0:
-        raise InvalidParameterError(f"bits_per_element must be >= 0, got {bits_per_element}")
+    for a target outside ``[0, 64]`` (:func:`check_target`) or ``d < 1`` (TypeError: wrong
+    types)."""
+    check_target(bits_per_element)
     _checks.integer(d, "d", 1)
     _checks.boolean(norm, "norm")
     b = int(np.floor(bits_per_element * d + 1e-9)) - (16 if norm else 0)

@@ -213,11 +213,17 @@ def apportion(weights: Sequence[Tuple[str, float]], n: int) -> List[Tuple[str, i
         raise InvalidParameterError(f"need an integer n >= 0 of windows, got {n!r}")
     bad = [(d, w) for d, w in weights
            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0]
-    total = sum(w for _, w in weights) if not bad else 0
-    if bad or total <= 0:
+    top = max((w for _, w in weights), default=0) if not bad else 0
+    if bad or top <= 0:
         raise InvalidParameterError(f"mixture weights must be finite numbers >= 0, not all 0; got "
                                     f"{[(d, w) for d, w in weights]!r}")
-    exact = [n * w / total for _, w in weights]
+    # Weights near float64's limit would sum (and n * w grow) to inf: scaled first by the power
+    # of two that brings the largest below 1, which is exact, so ordinary weights apportion
+    # exactly as they would unscaled.
+    shift = -math.frexp(top)[1]
+    scaled = [math.ldexp(w, shift) for _, w in weights]
+    total = sum(scaled)
+    exact = [n * w / total for w in scaled]
     counts = [int(x + 1e-9) for x in exact]
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
     for i in order[:n - sum(counts)]:

@@ -12,7 +12,7 @@ import numpy as np
 from ..codec import CalibratedCodec, _checks, centroids_gaussian
 from ..errors import InvalidInputError, InvalidParameterError, NumericalError
 from ..recipes import CalibratedStream
-from .allocation import LLOYD_MAX_MSE, allocate_bits, row_budget
+from .allocation import LLOYD_MAX_MSE, allocate_bits, check_target, row_budget
 from .stats import AttentionStats, Sensitivity, check_types, square
 
 #: Ridge added to the query covariance, relative to its mean diagonal (SPEC section 7).
@@ -22,11 +22,12 @@ RIDGE = 1e-3
 def lloyd_max(samples: np.ndarray, bits: int, iters: int = 100) -> np.ndarray:
     """A ``2**bits``-level Lloyd-Max table fitted to 1-D samples (1-D Lloyd iteration from the
     N(0, 1) table scaled to the samples' rms); strictly ascending float64. TypeError for
-    samples that are not numeric, InvalidInputError for NaN or inf among them."""
+    samples that are not numeric, InvalidInputError for NaN or inf among them,
+    InvalidParameterError for bits outside 1..8."""
     raw = np.asarray(samples)
     if raw.dtype.kind not in "fiu":
         raise TypeError(f"samples must be numeric, got dtype {raw.dtype}")
-    bits = _checks.integer(bits, "bits", 1)
+    bits = _checks.integer(bits, "bits", 1, 8)  # a table's widths, checked before 2 ** bits
     iters = _checks.integer(iters, "iters", 0)
     z = np.sort(np.asarray(samples, dtype=np.float64).ravel())
     if not np.all(np.isfinite(z)):
@@ -147,15 +148,14 @@ def fit_spectrum(sp: HeadSpectrum, bits_per_element: float, *, norm: bool = True
     (they decode as the mean). ``analysis = U^T L^T`` and ``synthesis = U^T L^-1`` (rows), so that
     ``x = mean + sum_j <x - mean, analysis_j> synthesis_j`` at full rank.
 
-    InvalidParameterError for a ``bits_per_element`` that is not finite and ``>= 0``, a
+    InvalidParameterError for a ``bits_per_element`` outside ``[0, 64]``, a
     ``max_bits`` outside ``0..8`` (TypeError where it is not an int), ``bits`` that are not one
     integer ``>= 0`` per component; InvalidInputError when the variances are all zero (or the
     target leaves no bits: InvalidParameterError).
     """
     d = len(sp.mean)
     lam, u = sp.variances, sp.vectors
-    if _checks.real(bits_per_element, "bits_per_element") < 0:
-        raise InvalidParameterError(f"bits_per_element must be >= 0, got {bits_per_element}")
+    check_target(bits_per_element)
     _checks.integer(max_bits, "max_bits", 0, len(LLOYD_MAX_MSE) - 1)
     if bits is not None:
         given = np.asarray(bits)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from typing import Any, Dict, Optional, Tuple
+import stat
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -43,7 +44,7 @@ DEFAULTS: Dict[str, Any] = {
 _EXTRA = ("weights", "threads")
 
 
-def params(fn: Optional[str], kwargs: Dict[str, Any],
+def params(fn: Optional[str], kwargs: Mapping[str, Any],
            allowed_extra: Tuple[str, ...] = _EXTRA) -> Dict[str, Any]:
     """Every codec parameter of a call to ``fn`` (None: not a call, e.g. a recipe table), with
     defaults filled in, aliases resolved, a ``centroids_file`` read. Unknown names raise
@@ -83,7 +84,7 @@ def check_params(kwargs: Dict[str, Any], fn: Optional[str] = "check_params") -> 
     """Checks codec keyword arguments without coding anything, exactly as :func:`encode_layer`
     would (names here, types and ranges in the core); returns them with the defaults filled in.
     Raises TypeError or InvalidParameterError."""
-    p = params(fn, kwargs, allowed_extra=())
+    p = params(fn, _checks.mapping(kwargs, "kwargs"), allowed_extra=())
     _core.check_params(p)
     return p
 
@@ -91,22 +92,35 @@ def check_params(kwargs: Dict[str, Any], fn: Optional[str] = "check_params") -> 
 #: The most centroids a table holds: one per code of the widest index (8 bits).
 MAX_CENTROIDS = 256
 
+#: The most bytes of a JSON centroid table read: 256 numbers are a few KB, so a larger file
+#: (or a device such as /dev/zero) is not a table and is refused before it fills the memory.
+MAX_CENTROIDS_JSON = 1 << 20
+
 
 def load_centroids(path: "os.PathLike[str] | str") -> np.ndarray:
     """Reads a centroid table: a ``.npy`` array, or JSON (a list, or an object whose
-    ``"centroids"`` entry is a list)."""
+    ``"centroids"`` entry is a list of at most :data:`MAX_CENTROIDS_JSON` bytes). A file
+    that is not a regular one (a device, a FIFO: unbounded, or never ending) is refused."""
     path = os.fspath(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise InvalidParameterError(f"centroids_file {path!r} is not a regular file")
         if path.endswith(".npy"):
             # Mapped, not read: a header that claims more than the file holds is refused
             # (ValueError) before anything is allocated, and the size checked before the copy.
             table = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CENTROIDS_JSON + 1)  # bounded: the file may grow after the stat
+            if len(raw) > MAX_CENTROIDS_JSON:
+                raise InvalidParameterError(f"centroids_file {path!r} is larger than {MAX_CENTROIDS_JSON} "
+                                            f"bytes: not a table of at most {MAX_CENTROIDS} centroids")
+            data = json.loads(raw.decode("utf-8"))
             if isinstance(data, dict):
                 data = data.get("centroids")
             table = np.asarray(data, dtype=np.float64)
+    except InvalidParameterError:  # a ValueError, already naming the file
+        raise
     except (OSError, ValueError, RecursionError) as e:  # JSON nested past the recursion limit
         raise InvalidParameterError(f"cannot read centroids_file {path!r}: {e}") from e
     if table.ndim != 1 or not 0 < table.size <= MAX_CENTROIDS:
