@@ -21,6 +21,9 @@ from ..errors import InvalidInputError, InvalidParameterError
 #: Largest 64-bit seed.
 MAX_SEED = 2**64 - 1
 
+#: The most centroids a table holds: one per code of the widest index (8 bits).
+MAX_CENTROIDS = 256
+
 
 def _type(v: Any) -> str:
     return type(v).__name__
@@ -37,10 +40,10 @@ def held(name: str) -> Iterator[None]:
         raise InvalidInputError(f"{name} describes more values than this machine can hold") from None
 
 
-def matrix(array: Any, name: str = "array", cols: int = 0) -> np.ndarray:
+def matrix(array: Any, name: str = "array", cols: int = MAX_DIM) -> np.ndarray:
     """A C-contiguous float32 ``[N, D]`` view of ``array`` (copied once if not contiguous), ``N``
-    at most ``MAX_ROWS`` and, where ``cols`` is given (the codecs: ``MAX_DIM``), ``D`` at most
-    ``cols``, both checked before the copy."""
+    at most ``MAX_ROWS`` and ``D`` at most ``cols`` (the codecs' ``MAX_DIM``; 0: any, for the
+    rotations of any power-of-two width), both checked before the copy."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray of float32, got {_type(array)}")
     if array.dtype != np.float32:

@@ -57,7 +57,7 @@ class CalibratedCodec:
         tables = None
         if centroids is not None:
             tables = [(_checks.integer(k, "a centroids key (bit width)", 1, 8),
-                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64, 256)])
+                       [float(x) for x in _checks.vector(v, f"centroids[{k}]", np.float64, _checks.MAX_CENTROIDS)])
                       for k, v in _checks.mapping(centroids, "centroids").items()]
         self._c = _core.CalibratedCodec(mean_, a_, s_, spread_, bits_, seed, metric, norm,
                                         threshold, tables)
@@ -131,7 +131,7 @@ class CalibratedCodec:
 
     def encode(self, array: np.ndarray, *, threads: Optional[int] = None) -> bytes:
         """Encodes float32 ``[n, D]`` rows into a calibrated container (bytes)."""
-        return self._c.encode(_checks.matrix(array, cols=_checks.MAX_DIM), _checks.threads(threads))
+        return self._c.encode(_checks.matrix(array), _checks.threads(threads))
 
     def decode(self, data: Any, *, threads: Optional[int] = None) -> np.ndarray:
         """Decodes a container of this calibration into float32 ``[n, D]``. Raises
@@ -141,14 +141,14 @@ class CalibratedCodec:
     def roundtrip(self, array: np.ndarray, *, threads: Optional[int] = None
                   ) -> Tuple[np.ndarray, Dict[str, Any]]:
         """Encode + decode; returns ``(decoded, report)`` (bytes by part, errors, timings)."""
-        return self._c.roundtrip(_checks.matrix(array, cols=_checks.MAX_DIM), _checks.threads(threads))
+        return self._c.roundtrip(_checks.matrix(array), _checks.threads(threads))
 
     def encode_parts(self, array: np.ndarray) -> Dict[str, Any]:
         """Every intermediate of an encode by name: ``z [n, m]`` (scaled rotated coordinates),
         ``g [n]`` (the scale divided by), ``indices [n, m] uint8``, ``codes`` (packed rows),
         ``scale``/``scale_exp``/``scale_bits`` (with ``norm``), ``outlier_pos [k] int64`` (flat
         ``row * m + j``), ``outlier_val``/``outlier_bits``."""
-        return self._c.encode_parts(_checks.matrix(array, cols=_checks.MAX_DIM))
+        return self._c.encode_parts(_checks.matrix(array))
 
     def decode_parts(self, parts: Dict[str, Any]) -> np.ndarray:
         """Decodes a parts dict as :meth:`encode_parts` returns it."""

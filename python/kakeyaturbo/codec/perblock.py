@@ -89,8 +89,8 @@ def check_params(kwargs: Dict[str, Any], fn: Optional[str] = "check_params") -> 
     return p
 
 
-#: The most centroids a table holds: one per code of the widest index (8 bits).
-MAX_CENTROIDS = 256
+#: The most centroids a table holds (:data:`_checks.MAX_CENTROIDS`).
+MAX_CENTROIDS = _checks.MAX_CENTROIDS
 
 #: The most bytes of a JSON centroid table read: 256 numbers are a few KB, so a larger file
 #: (or a device such as /dev/zero) is not a table and is refused before it fills the memory.
@@ -140,7 +140,7 @@ def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[
     Raises TypeError (wrong dtype, unknown keyword), InvalidInputError, InvalidParameterError.
     """
     p = params("roundtrip_layer", kwargs)
-    x = _checks.matrix(array, cols=_checks.MAX_DIM)
+    x = _checks.matrix(array)
     return _core.roundtrip_layer(
         x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
     )
@@ -149,7 +149,7 @@ def roundtrip_layer(array: np.ndarray, **kwargs: Any) -> Tuple[np.ndarray, Dict[
 def encode_layer(array: np.ndarray, **kwargs: Any) -> bytes:
     """Encodes a float32 ``[N, D]`` tensor into a self-describing container (bytes)."""
     p = params("encode_layer", kwargs)
-    x = _checks.matrix(array, cols=_checks.MAX_DIM)
+    x = _checks.matrix(array)
     return _core.encode_layer(
         x, p, _checks.weights(kwargs.get("weights"), x.shape[0]), _checks.threads(kwargs.get("threads"))
     )
@@ -177,7 +177,7 @@ def encode_block_codes(array: np.ndarray, **kwargs: Any) -> Dict[str, Any]:
     ``block_size`` and ``share_basis`` do not apply to a single block and are ignored.
     """
     p = params("encode_block_codes", kwargs, allowed_extra=("weights",))
-    x = _checks.matrix(array, cols=_checks.MAX_DIM)
+    x = _checks.matrix(array)
     return _core.encode_block_codes(x, p, _checks.weights(kwargs.get("weights"), x.shape[0]))
 
 

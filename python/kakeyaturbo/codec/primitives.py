@@ -19,7 +19,7 @@ def wht_sign_pattern(seed: int, n: int) -> np.ndarray:
 
 
 def _finite_in(x: Any, name: str) -> np.ndarray:
-    a = _checks.matrix(x, name)
+    a = _checks.matrix(x, name, cols=0)
     if not np.isfinite(a).all():
         raise InvalidInputError(f"{name} must be finite (it holds NaN or inf)")
     return a

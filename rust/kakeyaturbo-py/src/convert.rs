@@ -177,21 +177,10 @@ pub fn arr<T: numpy::Element + Copy>(
     len: usize,
     expected: &str,
 ) -> PyResult<Vec<T>> {
-    let a = typed_arr::<T>(parts, key)?;
-    if a.len() != len {
-        return Err(invalid_input(
-            py,
-            format!(
-                "parts[{key:?}] has {} values, expected {expected} = {len}",
-                a.len()
-            ),
-        ));
-    }
-    Ok(copied(&a))
+    counted(py, parts, key, len..=len, expected)
 }
 
-/// An array entry of a parts dict with at most `max` values (`expected` names the bound),
-/// counted before anything is copied.
+/// [`arr`] with at most `max` values (`expected` names the bound).
 pub fn arr_up_to<T: numpy::Element + Copy>(
     py: Python<'_>,
     parts: &Bound<'_, PyDict>,
@@ -199,17 +188,34 @@ pub fn arr_up_to<T: numpy::Element + Copy>(
     max: usize,
     expected: &str,
 ) -> PyResult<Vec<T>> {
+    counted(py, parts, key, 0..=max, expected)
+}
+
+/// The values of `parts[key]`, once their count is known to be in `range`.
+fn counted<T: numpy::Element + Copy>(
+    py: Python<'_>,
+    parts: &Bound<'_, PyDict>,
+    key: &str,
+    range: std::ops::RangeInclusive<usize>,
+    expected: &str,
+) -> PyResult<Vec<T>> {
     let a = typed_arr::<T>(parts, key)?;
-    if a.len() > max {
+    if !range.contains(&a.len()) {
+        let most = if range.start() == range.end() {
+            ""
+        } else {
+            "at most "
+        };
         return Err(invalid_input(
             py,
             format!(
-                "parts[{key:?}] has {} values, more than {expected} = {max}",
-                a.len()
+                "parts[{key:?}] has {} values, expected {most}{expected} = {}",
+                a.len(),
+                range.end()
             ),
         ));
     }
-    Ok(copied(&a))
+    Ok(a.readonly().as_array().iter().copied().collect())
 }
 
 /// `parts[key]` as a numpy array of `T` (TypeError otherwise).
@@ -225,9 +231,4 @@ fn typed_arr<'py, T: numpy::Element>(
                 std::any::type_name::<T>()
             ))
         })
-}
-
-/// The values of an array whose count was checked, in C order.
-fn copied<T: numpy::Element + Copy>(a: &Bound<'_, numpy::PyArrayDyn<T>>) -> Vec<T> {
-    a.readonly().as_array().iter().copied().collect()
 }
