@@ -117,6 +117,9 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     }
     if len(cache.layers) != layout.num_layers:
         raise InvalidParameterError(f"the cache has {len(cache.layers)} layers, the model {layout.num_layers}")
+    if any(isinstance(r, KakeyaLayer) and r.draft_pending for r in map(_rows, cache.layers)):
+        raise InvalidParameterError("cannot save a cache while it checks a draft (assisted decoding): "
+                                    "save it once generate has returned")
     chunks: List[bytes] = []
     layers = []
     dtype = batch = None
@@ -126,14 +129,11 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         held = {"state": [{"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
                           for n, t in tensors], "flags": flags, "counts": counts} if tensors or flags else {}
         states = states or bool(held)
-        rows = layer.entries if isinstance(layer, CompressedEntries) else layer  # DeepSeek V4: coded entries
+        rows = _rows(layer)
         if not isinstance(rows, KakeyaLayer):  # caches no K/V rows (a state layer, transformers' DummyLayer)
             layers.append({"seen": 0, "streams": {}, **held})
             chunks += [_raw_bytes(t) for _, t in tensors]
             continue
-        if rows.draft_pending:
-            raise InvalidParameterError("cannot save a cache while it checks a draft (assisted decoding): "
-                                        "save it once generate has returned")
         rows.end_past_recording()  # the file does not record it: the saved cache goes on as the loaded one
         state = rows.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
@@ -209,6 +209,11 @@ class _Reader:
         out = self.data[self.at:self.at + n]
         self.at += n
         return out
+
+
+def _rows(layer: Any) -> Any:
+    """What holds a cache layer's K/V rows: the layer, or DeepSeek V4's coded entries."""
+    return layer.entries if isinstance(layer, CompressedEntries) else layer
 
 
 def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
