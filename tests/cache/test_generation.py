@@ -287,6 +287,9 @@ def test_bad_settings_raise(llama) -> None:
         KakeyaCache(IdentityCodec(), model=llama, num_layers=5)
     with pytest.raises(TypeError, match="StreamCodec"):
         KakeyaCache(object())
+    with pytest.raises(TypeError, match="fast must be a bool"):
+        KakeyaCache(IdentityCodec(), model=llama, fast="yes")
+    assert not KakeyaCache(IdentityCodec(), model=llama, fast=np.False_).fast  # as keep_decoded takes it
     with pytest.raises(TypeError, match="recipe must be a Recipe"):
         KakeyaCache.from_recipe("balanced")
     with pytest.raises(kt.InvalidParameterError, match="twice"):

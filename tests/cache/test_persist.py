@@ -336,6 +336,8 @@ def test_unreadable_or_special_files_and_a_bad_verify_are_typed(llama, saved) ->
         KakeyaCache.load("/dev/zero", llama)
     with pytest.raises(TypeError, match="verify"):  # taken as true before
         KakeyaCache.load(saved, llama, verify="no")
+    with pytest.raises(TypeError, match="StreamCodec"):  # "cannot save a prefix coded by 1" before
+        KakeyaCache.load(saved, llama, codec=1)
 
 
 def test_ids_shorter_than_the_loaded_prefix_are_a_typed_error(llama, tmp_path) -> None:

@@ -158,8 +158,7 @@ class KakeyaCache(Cache, NotPickled):
         #: Why attention does not run over the codes (None when it does).
         self.fast_reason: Optional[str] = _fast_reason(codec, model, self.streams, self.keep_decoded,
                                                        rope, num_layers or 0)
-        if fast is not None and not isinstance(fast, bool):
-            raise TypeError(f"fast must be None or a bool, got {type(fast).__name__}")
+        fast = None if fast is None else _checks.boolean(fast, "fast")  # numpy's bools too, as keep_decoded
         if fast is False:
             self.fast_reason = "fast=False"
         elif self.fast_reason is None:

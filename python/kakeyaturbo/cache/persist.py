@@ -51,7 +51,7 @@ from ..calibration.stats import require_file
 from ..codec import _checks
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
 from ..families import describe
-from .codecs import STREAMS, StreamCodec
+from .codecs import STREAMS, StreamCodec, check_codec
 from .compressed import CompressedEntries
 from .layer import KakeyaLayer
 from . import persist_state
@@ -367,6 +367,8 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
     from .pretrained import codec_for_model
 
     verify = _checks.boolean(verify, "verify")
+    if codec is not None:
+        check_codec(codec)  # else refused as a codec it "cannot save"
     header, data, at, where = _read_file(path)
     layout = describe(model)
     saved = header["model"]
