@@ -430,6 +430,15 @@ def test_rope_tables_and_positions_are_checked() -> None:
     ]:
         with pytest.raises(err):
             kt.decode_attention(codes, q, tk, tv, **kw)
+    # The kernel's own call, as the cache makes it: a rope tuple of another length or kind is a
+    # TypeError (PyO3's ValueError before).
+    d = q.shape[3]
+    empty = np.zeros((1, codes.kv_heads, 0, d), np.float32)
+    args = table.kernel_args(pos.astype(np.int32).view(np.uint32), "bf16")
+    for rot in (args[:3], args + (1,), "rope"):
+        with pytest.raises(TypeError, match="rope must be"):
+            codes.kernel_attend(q[:, :, -1:], empty, empty, tk[:, :, -1:], tv[:, :, -1:], None,
+                                d ** -0.5, None, None, 1, rot, False)
     cos, sin = table.cos, table.sin
     for args, err in [
         ((cos, sin[:, :3]), kt.InvalidInputError),

@@ -49,6 +49,19 @@ type RopeArgs<'py> = (
     String,
 );
 
+/// `rope` as [`RopeArgs`] (None or `None`: keys coded after RoPE); anything else is a
+/// `TypeError` (PyO3's own extraction made a tuple of another length a `ValueError`).
+fn rope_args<'py>(rope: Option<&Bound<'py, PyAny>>) -> PyResult<Option<RopeArgs<'py>>> {
+    match rope {
+        Some(r) if !r.is_none() => r.extract().map(Some).map_err(|e| {
+            crate::errors::type_error(format!(
+                "rope must be a (cos, sin, positions, style, synthesis) tuple: {e}"
+            ))
+        }),
+        _ => Ok(None),
+    }
+}
+
 /// The sealed K and V codes of one attention layer, per (batch row, kv-head).
 #[pyclass(name = "LayerCodes", module = "kakeyaturbo._core")]
 pub struct PyLayerCodes {
@@ -236,9 +249,10 @@ impl PyLayerCodes {
         softcap: Option<&Bound<'py, PyAny>>,
         window: Option<&Bound<'py, PyAny>>,
         threads: Option<&Bound<'py, PyAny>>,
-        rope: Option<RopeArgs<'py>>,
+        rope: Option<&Bound<'py, PyAny>>,
         latent: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        let rope = rope_args(rope)?;
         let threads = convert::threads(py, threads)?;
         let scale = convert::float(py, scale, "scale")? as f32;
         let softcap = match softcap {
