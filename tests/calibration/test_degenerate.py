@@ -113,6 +113,23 @@ def test_water_fill_rates_refuses_non_finite_input() -> None:
             calibration.water_fill_rates(lam, rate)
     with pytest.raises(kt.InvalidParameterError, match="1-D"):
         calibration.water_fill_rates(np.ones((2, 2)), 2.0)
+    # Infinite rates or a negative variance taken as none, without an error, before.
+    with pytest.raises(kt.InvalidParameterError, match="rate"):
+        calibration.water_fill_rates(lam, 1e308)
+    with pytest.raises(kt.InvalidInputError, match="variances"):
+        calibration.water_fill_rates([4.0, -1.0], 2.0)
+    rates, _ = calibration.water_fill_rates(np.ones(4096), 4096 * 8.0)  # large, and fine
+    assert np.allclose(rates, 8.0)
+
+
+def test_covariances_near_the_float64_limit_do_not_overflow_silently() -> None:
+    # The symmetrised sum overflowed: NaN eigenvalues and an all-inf factor, without an error.
+    big = np.eye(3) * 1e308
+    lam, _ = calibration.spectrum(big)
+    assert np.isfinite(lam).all() and np.allclose(lam, 1e308)
+    assert np.isfinite(calibration.whitening_factor(big)).all()
+    with pytest.raises(kt.NumericalError, match="overflows"):
+        calibration.spectrum(big, whitening=np.eye(3) * 1e10)
 
 
 def test_global_allocation_checks_its_budgets() -> None:

@@ -149,12 +149,13 @@ def _segment_caps(n: int, max_components: "int | Sequence[Optional[int]] | None"
 def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarray, float]:
     """The closed form of reverse water-filling for Gaussian components: rates
     ``R_j = max(0, log2(var_j / theta) / 2)`` summing to ``rate``; returns (rates, theta).
-    InvalidInputError unless the variances are a 1-D array of finite values, InvalidParameterError
-    for a rate that is not finite (TypeError: not a number)."""
+    InvalidInputError unless the variances are a 1-D array of finite values >= 0,
+    InvalidParameterError for a rate that is not finite or so large that the water level
+    underflows float64 (TypeError: not a number)."""
     _checks.real(rate, "rate")
     lam = _checks.vector(variances, "variances", np.float64)
-    if not np.all(np.isfinite(lam)):
-        raise InvalidInputError("variances must be finite, got NaN or inf")
+    if not np.all(np.isfinite(lam)) or np.any(lam < 0):
+        raise InvalidInputError("variances must be finite and >= 0, got NaN, inf or a negative one")
     pos = lam[lam > 0]
     if rate <= 0 or len(pos) == 0:
         return np.zeros(len(lam)), float(lam.max(initial=0.0))
@@ -164,6 +165,8 @@ def water_fill_rates(variances: Sequence[float], rate: float) -> Tuple[np.ndarra
         r = np.maximum(0.0, 0.5 * (np.log2(np.maximum(lam, 1e-300)) - mid)).sum()
         lo, hi = (mid, hi) if r > rate else (lo, mid)
     theta = 2.0 ** ((lo + hi) / 2)
+    if not theta > 0:  # the water level underflowed float64: the rates came out infinite
+        raise InvalidParameterError(f"rate {rate} is beyond what water-filling these variances can give")
     return np.maximum(0.0, 0.5 * np.log2(np.maximum(lam, 1e-300) / theta)), float(theta)
 
 

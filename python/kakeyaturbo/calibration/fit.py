@@ -65,13 +65,16 @@ def whitening_factor(second_moment: np.ndarray, ridge: float = RIDGE) -> np.ndar
     if _checks.real(ridge, "ridge") < 0:
         raise InvalidParameterError(f"ridge must be >= 0, got {ridge}")
     s = np.asarray(second_moment, dtype=np.float64)
-    s = (s + s.T) / 2
-    s = s + ridge * max(float(np.mean(np.diag(s))), 1e-30) * np.eye(len(s))
+    s = s / 2 + s.T / 2  # halves first: a sum near float64's limit overflowed to an all-inf factor
+    s = s + ridge * max(float(np.sum(np.diag(s) / len(s))), 1e-30) * np.eye(len(s))
     try:
-        return np.linalg.cholesky(s)  # LinAlgError where S is not positive semi-definite
+        factor = np.linalg.cholesky(s)  # LinAlgError where S is not positive semi-definite
     except np.linalg.LinAlgError as e:
         raise NumericalError(f"the second moment is not positive definite with ridge {ridge} "
                              f"({e})") from e
+    if not np.isfinite(factor).all():  # S plus its ridge past float64's range
+        raise NumericalError(f"the second moment with ridge {ridge} overflows float64")
+    return factor
 
 
 @dataclass
@@ -102,9 +105,12 @@ def spectrum(cov: np.ndarray, whitening: Optional[np.ndarray] = None) -> Tuple[n
     c = np.asarray(cov, dtype=np.float64)
     if whitening is not None:
         w = np.asarray(whitening, dtype=np.float64)
-        c = w.T @ c @ w
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below
+            c = w.T @ c @ w
+    if not np.isfinite(c).all():  # whitened past float64's range
+        raise NumericalError("the whitened covariance overflows float64")
     try:
-        lam, u = np.linalg.eigh((c + c.T) / 2)
+        lam, u = np.linalg.eigh(c / 2 + c.T / 2)  # halves first: a sum near the limit overflowed to NaN
     except np.linalg.LinAlgError as e:
         raise NumericalError(f"the spectrum of cov cannot be computed ({e})") from e
     order = np.argsort(lam)[::-1]
