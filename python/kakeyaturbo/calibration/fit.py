@@ -66,7 +66,11 @@ def whitening_factor(second_moment: np.ndarray, ridge: float = RIDGE) -> np.ndar
         raise InvalidParameterError(f"ridge must be >= 0, got {ridge}")
     s = np.asarray(second_moment, dtype=np.float64)
     s = s / 2 + s.T / 2  # halves first: a sum near float64's limit overflowed to an all-inf factor
-    s = s + ridge * max(float(np.sum(np.diag(s) / len(s))), 1e-30) * np.eye(len(s))
+    with np.errstate(over="ignore"):
+        level = float(np.mean(np.diag(s)))
+    if not np.isfinite(level):  # the diagonal's sum past float64's range: its mean by parts
+        level = float(np.sum(np.diag(s) / len(s)))
+    s = s + ridge * max(level, 1e-30) * np.eye(len(s))
     try:
         factor = np.linalg.cholesky(s)  # LinAlgError where S is not positive semi-definite
     except np.linalg.LinAlgError as e:
