@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +97,16 @@ def test_stale_temporary_files_of_killed_assemblies_are_removed(tmp_path) -> Non
     os.utime(stale, (old, old))
     assets.assemble(out, parts, sha, "the model")
     assert not stale.exists() and live.exists()
+
+
+def test_the_cache_folder_setting_is_read_as_a_path(tmp_path) -> None:
+    # Empty was the current folder, "~/x" a folder named "~" in it.
+    code = "from kakeyaturbo import assets; print(assets.CACHE)"
+    home = Path.home()
+    for value, want in (("", home / ".cache" / "kakeyaturbo"), ("~/kk", home / "kk"), (str(tmp_path), tmp_path)):
+        env = dict(os.environ, KAKEYATURBO_CACHE=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert Path(out.stdout.strip()) == want
 
 
 def test_an_unusable_cache_folder_says_so(tmp_path, monkeypatch) -> None:

@@ -45,7 +45,9 @@ HARD_PART_DIGESTS = [
     (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
     (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 ]
-CACHE = Path(os.environ.get("KAKEYATURBO_CACHE", Path.home() / ".cache" / "kakeyaturbo"))
+#: Where statistics, corpora and models are cached: ``KAKEYATURBO_CACHE`` (``~`` expanded; empty
+#: is unset, not the current folder), else ``~/.cache/kakeyaturbo``.
+CACHE = Path(os.environ.get("KAKEYATURBO_CACHE") or Path.home() / ".cache" / "kakeyaturbo").expanduser()
 
 
 def package_file(package: str, relative: str, what: str = "") -> Path:

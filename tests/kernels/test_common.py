@@ -5,6 +5,10 @@ specialisation compiling for Hopper."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -113,6 +117,16 @@ def test_every_kernel_compiles_for_hopper() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernels_are_compiled_on_the_gpu() -> None:
     assert not K.is_interpreter()
+
+
+def test_the_interpreter_setting_is_read_as_triton_reads_it() -> None:
+    # "false" and "off" were taken for the interpreter (only "" and "0" were not), so the cache's
+    # CPU check let kernel="triton" through to Triton's "0 active drivers".
+    code = "from kakeyaturbo import kernels as K; print(K.is_interpreter())"
+    for value, want in (("false", "False"), ("on", "True")):
+        env = dict(os.environ, TRITON_INTERPRET=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
 
 
 # Robustness: host data checked before any launch, device data clamped in the kernels.

@@ -150,8 +150,9 @@ class KakeyaCache(Cache, NotPickled):
             self.synthesis = _auto_synthesis(model, self.kernel)
         if self.kernel == "triton":
             require("kernel='triton'", ("torch", "triton"), "pip install triton")
+            from ..kernels import is_interpreter  # triton, there (above)
             if (model is not None and not self._latent and getattr(model, "device", None) == torch.device("cpu")
-                    and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")):
+                    and not is_interpreter()):
                 raise InvalidParameterError(
                     "kernel='triton' for a model on the CPU needs Triton's interpreter (TRITON_INTERPRET=1 set "
                     "before kakeyaturbo.kernels is imported): use kernel='auto' or 'rust' on the CPU")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import numbers
-import os
 from typing import Any, Dict, Iterator, Mapping, Sequence, Union
 
 import numpy as np
@@ -33,9 +32,10 @@ def f16_nonfinite(bits: Any) -> Any:
 
 
 def is_interpreter() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), which
-    must be set before triton is first imported."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` as Triton
+    reads it (``1``, ``true``, ``on``; ``false`` or ``off`` is not the interpreter, which the
+    test of ``0`` alone took for it), set before triton is first imported."""
+    return bool(triton.knobs.runtime.interpret)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
-from kakeyaturbo.errors import InvalidInputError  # noqa: E402
+from kakeyaturbo.errors import InvalidInputError, InvalidParameterError  # noqa: E402
 from kakeyaturbo.kernels.attention import stack_rope  # noqa: E402
 from kakeyaturbo.reference.attention import reference_attention  # noqa: E402
 
@@ -157,6 +157,8 @@ def test_bad_inputs_are_refused_as_in_rust() -> None:
     both(InvalidInputError, r"query heads \(0\) must be a positive multiple", q=c.q[:, :0])
     for window in (1.5, True):
         both(TypeError, "window must be an int", window=window)
+    for window in (2**32, 2**70):  # Triton took 2**40 and raised OverflowError at 2**70
+        both(InvalidParameterError, r"window must be in 1\.\.=?4294967295", window=window)
     with pytest.raises(TypeError, match="softcap must be a number"):
         K.decode_attention_triton(layer, torch.from_numpy(c.q).to(DEVICE), c.tail_k, c.tail_v, softcap=True,
                                   sink_k=c.sink_k, sink_v=c.sink_v)

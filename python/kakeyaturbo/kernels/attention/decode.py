@@ -82,7 +82,7 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         _check_finite(name, t)
     scale = 1.0 / math.sqrt(dk) if scale is None else _checks.real(scale, "scale")
     softcap = None if softcap is None else _checks.real(softcap, "softcap", positive=True)
-    window = None if window is None else _checks.integer(window, "window", 1)
+    window = None if window is None else _checks.integer(window, "window", 1, 2**32 - 1)  # as the Rust kernel
     m = None
     if mask is not None:
         m = mask if isinstance(mask, torch.Tensor) else torch.from_numpy(np.asarray(mask))
