@@ -22,6 +22,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
+from kakeyaturbo import calibration  # noqa: E402
 from kakeyaturbo import kernels as K  # noqa: E402
 from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 from kakeyaturbo.kernels import _common  # noqa: E402
@@ -127,6 +128,22 @@ def test_the_interpreter_setting_is_read_as_triton_reads_it() -> None:
         env = dict(os.environ, TRITON_INTERPRET=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_the_wrappers_refusals_are_kakeya_errors() -> None:
+    # They raised ValueError (README, "Guarantees": everything but a wrong type is a KakeyaError);
+    # InvalidInputError is one, and a ValueError still.
+    d = 16
+    codec = calibration.fit_stream(np.zeros(d), np.eye(d), 4.0).codec()
+    codes = kt.LayerCodes([codec], [codec], batch=1)
+    codes.append_blocks([[codec.encode(np.ones((8, d), np.float32))]], [[codec.encode(np.ones((8, d), np.float32))]])
+    layer = K.stack_layer(codes, DEVICE)
+    t = np.ones((1, 1, 1, d), np.float32)
+    for call in (lambda: K.stack_calibrations([], DEVICE),
+                 lambda: K.decode_attention_triton(layer, torch.ones(1, 1, 1, d, dtype=torch.float64), t, t),
+                 lambda: K.decode_attention_triton(layer, torch.ones(1, 1, 1, d), t, t, sink_k=t)):
+        with pytest.raises(InvalidInputError):
+            call()
 
 
 # Robustness: host data checked before any launch, device data clamped in the kernels.

@@ -81,7 +81,7 @@ def ceil_log2(v: int) -> int:
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
+        raise InvalidInputError(f"{name} is on {t.device}, expected {device}")
 
 
 RowsLike = Union[None, Sequence[int], torch.Tensor]
@@ -102,7 +102,7 @@ def rows_tensor(rows: RowsLike, b: int, n: int, device: torch.device) -> torch.T
         return torch.full((b,), n, dtype=torch.int32, device=device)
     if isinstance(rows, torch.Tensor):
         if rows.shape != (b,) or rows.dtype != torch.int32:
-            raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
+            raise InvalidInputError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
         check_device("rows", rows, device)
         if on_host(rows) and b and not 1 <= int(rows.min()) <= int(rows.max()) <= n:
             raise InvalidInputError(f"rows must hold {b} counts in 1..{n}, got {rows.tolist()}")
@@ -140,7 +140,7 @@ def check_out(out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, devic
     (no zero stride over an axis of more than one element, as an ``expand``-ed view has:
     programs writing different rows would race on it). Raises ValueError."""
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(f"out must be {dtype} {list(shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise InvalidInputError(f"out must be {dtype} {list(shape)}, got {out.dtype} {tuple(out.shape)}")
     check_device("out", out, device)
     if any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
         raise InvalidInputError(f"out must not repeat elements (strides {out.stride()})")

@@ -42,7 +42,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     radix-2 butterfly ``h = 1, 2, 4, ...: (a, b) -> (a + b, a - b)`` of ``wht.rs``."""
     w = x.shape[-1]
     if w & (w - 1):
-        raise ValueError(f"fwht needs a power-of-two length, got {w}")
+        raise InvalidInputError(f"fwht needs a power-of-two length, got {w}")
     lead = x.shape[:-1]
     h = 1
     while h < w:

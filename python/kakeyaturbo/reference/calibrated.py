@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..codec import centroids_gaussian
-from ..errors import CorruptDataError, InvalidParameterError
+from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError
 from ._common import (
     as_tensor,
     bits_to_f32,
@@ -101,16 +101,16 @@ class Calibration:
         def take(size: int) -> bytes:
             nonlocal at
             if at + size > len(data):
-                raise ValueError("calibration bytes end early")
+                raise InvalidInputError("calibration bytes end early")
             out = data[at:at + size]
             at += size
             return out
 
         if take(4) != MAGIC:
-            raise ValueError("not calibration bytes (magic)")
+            raise InvalidInputError("not calibration bytes (magic)")
         version, d, m, seed, metric, norm, thr = struct.unpack("<HIIQBBf", take(2 + 4 + 4 + 8 + 1 + 1 + 4))
         if version != 1 or not 0 <= metric < len(METRICS) or norm > 1:
-            raise ValueError(f"unsupported calibration (version {version}, metric {metric}, norm {norm})")
+            raise InvalidInputError(f"unsupported calibration (version {version}, metric {metric}, norm {norm})")
 
         def f32(count: int) -> np.ndarray:
             return np.frombuffer(take(4 * count), dtype="<f4").astype(np.float32)
@@ -125,7 +125,7 @@ class Calibration:
             b = take(1)[0]
             tables[int(b)] = f32(1 << b)
         if at != len(data):
-            raise ValueError(f"{len(data) - at} bytes left over after the calibration")
+            raise InvalidInputError(f"{len(data) - at} bytes left over after the calibration")
         # The values, as CalibratedCodec checks them (InvalidParameterError).
         for name, v in (("mean", mean), ("analysis", analysis), ("synthesis", synthesis), ("spread", spread)):
             bad = np.flatnonzero(~np.isfinite(v))
@@ -170,7 +170,7 @@ def calibration_of(codec: Any) -> Calibration:
     canonical bytes; the fingerprint is checked against the codec's)."""
     cal = Calibration.from_bytes(codec.canonical_bytes())
     if cal.fingerprint != codec.fingerprint:
-        raise ValueError("the calibration's fingerprint disagrees with the codec's")
+        raise InvalidInputError("the calibration's fingerprint disagrees with the codec's")
     return cal
 
 
@@ -243,11 +243,11 @@ def encode(x: torch.Tensor, cal: Calibration) -> Dict[str, Any]:
     float32. Raises ValueError on a shape or dtype mismatch, InvalidInputError (a ValueError)
     on a non-finite value."""
     if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
+        raise InvalidInputError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
     check_finite("x", x)
     n, d = x.shape
     if d != cal.d or n == 0:
-        raise ValueError(f"x [{n}, {d}] does not fit a calibration of D = {cal.d}")
+        raise InvalidInputError(f"x [{n}, {d}] does not fit a calibration of D = {cal.d}")
     dev = x.device
     m = cal.m
     mean = torch.from_numpy(cal.mean).to(dev)

@@ -144,7 +144,7 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
     non-finite value.
     """
     if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
+        raise InvalidInputError(f"x must be float32 or bfloat16 [n, D], got {x.dtype} {tuple(x.shape)}")
     check_finite("x", x)
     dev = x.device
     n, d = x.shape
@@ -154,12 +154,12 @@ def encode_block(x: torch.Tensor, skeleton: Mapping[str, Any]) -> Dict[str, Any]
     centers = as_tensor(skeleton["centers"], dev, torch.float32)
     table = as_tensor(skeleton["centroids"], dev, torch.float32)
     if mean.shape != (d,) or basis.shape != (de, d) or centers.shape != (k, de):
-        raise ValueError(
+        raise InvalidInputError(
             f"skeleton shapes mean {tuple(mean.shape)}, basis {tuple(basis.shape)}, centers "
             f"{tuple(centers.shape)} do not fit x [n={n}, D={d}] with d_eff={de}, k={k}"
         )
     if n == 0 or table.shape != (1 << bw,):
-        raise ValueError(f"need n >= 1 and 2**bit_width centroids, got n={n}, {tuple(table.shape)}")
+        raise InvalidInputError(f"need n >= 1 and 2**bit_width centroids, got n={n}, {tuple(table.shape)}")
     signs = sign_pattern(int(skeleton["rotation_seed"]), de, dev)
     f = band_factors(de, dev)
 
@@ -230,7 +230,7 @@ def decode_block(parts: Mapping[str, Any], device: Any = None) -> torch.Tensor:
     centers = as_tensor(parts["centers"], device, torch.float32)
     table = as_tensor(parts["centroids"], device, torch.float32)
     if mean.shape != (d,) or basis.shape != (de, d) or centers.shape != (k, de):
-        raise ValueError("parts hold a skeleton of inconsistent shape")
+        raise InvalidInputError("parts hold a skeleton of inconsistent shape")
     packed = as_tensor(parts["residual_packed"], device, torch.uint8)
     if packed.numel() != (n * de * bw + 7) // 8:
         raise InvalidInputError(f"residual_packed has {packed.numel()} bytes, expected {(n * de * bw + 7) // 8}")

@@ -35,6 +35,7 @@ import torch
 from ...codec.attention import LayerCodes, RopeTable
 from .._common import ceil_log2, placeholder, row_starts
 from ..calibrated.batch import CalibrationBatch, stack_calibrations
+from ...errors import InvalidInputError
 
 #: Bytes of a calibrated container's header (FORMAT.md).
 HEADER = 40
@@ -47,7 +48,7 @@ def container_fields(blob: bytes) -> Dict[str, Any]:
     :class:`LayerCodes` accepted; raises ValueError on one that does not even parse."""
     b = bytes(blob)
     if len(b) < HEADER + 4 or b[:4] != b"KKYC":
-        raise ValueError("not a calibrated container")
+        raise InvalidInputError("not a calibrated container")
     flags, _metric, n, _d, m, rb, _fp, k = struct.unpack_from("<BBQIIIQI", b, 6)
     at = HEADER
     out: Dict[str, Any] = {"n": n, "m": m, "row_bytes": rb}
@@ -67,7 +68,7 @@ def container_fields(blob: bytes) -> Dict[str, Any]:
     out["outlier_pos"] = pos
     out["outlier_bits"] = np.frombuffer(b, np.uint16, k, at + packed).copy()
     if at + packed + 2 * k + 4 != len(b):
-        raise ValueError("the container's fields do not fill it")
+        raise InvalidInputError("the container's fields do not fill it")
     return out
 
 
@@ -130,7 +131,7 @@ class LayerBatch:
 
     def _synthesis_as(self, synthesis: str) -> torch.Tensor:
         if len(self.k_codecs) != self.kv_heads:
-            raise ValueError("this LayerBatch was built without its K calibrations (use stack_layer)")
+            raise InvalidInputError("this LayerBatch was built without its K calibrations (use stack_layer)")
         cal = self.k.cal
         h, mp, d = cal.synthesis.shape
         col, bits = cal.col.cpu().numpy(), cal.bits.cpu().numpy()
@@ -197,7 +198,7 @@ def stack_rope(table: RopeTable, device: Any = "cpu") -> RopeBatch:
     :func:`decode_attention_triton` instead of the table, which would be copied each call).
     Raises ValueError when ``table`` is not a :class:`kakeyaturbo.RopeTable`."""
     if not isinstance(table, RopeTable):
-        raise ValueError(f"rope must be a kakeyaturbo.RopeTable, got {type(table).__name__}")
+        raise InvalidInputError(f"rope must be a kakeyaturbo.RopeTable, got {type(table).__name__}")
     dev = torch.device(device)
     return RopeBatch(cos=torch.from_numpy(np.ascontiguousarray(table._cos_t)).to(dev),
                      sin=torch.from_numpy(np.ascontiguousarray(table._sin_t)).to(dev),
@@ -321,7 +322,7 @@ def extend_layer(old: LayerBatch, codes: LayerCodes, first_block: int) -> LayerB
     ``first_block`` on are parsed (the cache's step after a block is sealed). The same tensors as
     ``stack_layer(codes, old.device)`` (tested)."""
     if (old.batch, old.kv_heads) != (codes.batch, codes.kv_heads):
-        raise ValueError("extend_layer: the codes have another batch or kv-head count than the stacking")
+        raise InvalidInputError("extend_layer: the codes have another batch or kv-head count than the stacking")
     return LayerBatch(k=_extend(old.k, codes, "k", first_block), v=_extend(old.v, codes, "v", first_block),
                       batch=codes.batch, kv_heads=codes.kv_heads, k_codecs=old.k_codecs)
 
@@ -338,8 +339,8 @@ def raw_rows(sink: Any, tail: Any, batch: int, kv_heads: int, d: int, device: An
             continue
         a = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
         if a.ndim != 4 or tuple(a.shape[:2]) != (batch, kv_heads) or a.shape[3] != d:
-            raise ValueError(f"raw rows must be [B={batch}, H_kv={kv_heads}, rows, {d}], "
-                             f"got {tuple(a.shape)}")
+            raise InvalidInputError(f"raw rows must be [B={batch}, H_kv={kv_heads}, rows, {d}], "
+                                    f"got {tuple(a.shape)}")
         parts.append(a.to(device=device, dtype=torch.float32).reshape(batch * kv_heads, -1, d))
         rows.append(a.shape[2])
     return torch.cat(parts, dim=1).contiguous(), rows[0]

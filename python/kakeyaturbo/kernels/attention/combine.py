@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .._common import band_hadamard, empty, is_interpreter
 from .batch import LayerBatch
+from ...errors import InvalidInputError
 
 
 @triton.jit(do_not_specialize=["HKV", "G", "NQ", "DV", "NCODE", "NS", "WACC"])
@@ -85,8 +86,8 @@ def combine_attention(layer: LayerBatch, pm: torch.Tensor, pl: torch.Tensor, pac
     group = q_heads // hkv
     if bh != b * hkv or ns != ncode + 1 or q_heads % hkv or tuple(pl.shape) != tuple(pm.shape) \
             or pacc.shape[:3] != pm.shape or qp < group * n_q:
-        raise ValueError(f"partial softmaxes {tuple(pm.shape)}, {tuple(pacc.shape)} do not fit "
-                         f"B={b}, H_kv={hkv}, H_q={q_heads}, n_q={n_q}, {ncode} pieces")
+        raise InvalidInputError(f"partial softmaxes {tuple(pm.shape)}, {tuple(pacc.shape)} do not fit "
+                                f"B={b}, H_kv={hkv}, H_q={q_heads}, n_q={n_q}, {ncode} pieces")
     mpv = vc.slots
     out = empty((b, q_heads, n_q, dv), torch.float32, layer.device)
     lse = empty((b, q_heads, n_q), torch.float32, layer.device)

@@ -64,11 +64,11 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
     b, hkv = layer.batch, layer.kv_heads
     dk, dv = layer.k.cal.dim, layer.v.cal.dim
     if (sink_k is None) != (sink_v is None):
-        raise ValueError("pass both sink_k and sink_v, or neither")
+        raise InvalidInputError("pass both sink_k and sink_v, or neither")
     rk, s = raw_rows(sink_k, tail_k, b, hkv, dk, dev)
     rv, sv = raw_rows(sink_v, tail_v, b, hkv, dv, dev)
     if rk.shape[1] != rv.shape[1] or s != sv:
-        raise ValueError("keys and values must have the same raw rows")
+        raise InvalidInputError("keys and values must have the same raw rows")
     if not isinstance(q, torch.Tensor):
         q = torch.from_numpy(np.asarray(q))
     q = q.to(dev).contiguous()
@@ -88,7 +88,7 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
         m = mask if isinstance(mask, torch.Tensor) else torch.from_numpy(np.asarray(mask))
         if m.ndim == 4:
             if m.shape[1] != 1:
-                raise ValueError(f"a 4-D mask must be [B, 1, n_q, T], got {tuple(m.shape)}")
+                raise InvalidInputError(f"a 4-D mask must be [B, 1, n_q, T], got {tuple(m.shape)}")
             m = m[:, 0]
         if m.dtype == torch.bool:
             m = torch.where(m, 0.0, float("-inf"))
@@ -101,13 +101,13 @@ def decode_attention_triton(layer: LayerBatch, q: torch.Tensor, tail_k: Any, tai
             raise InvalidInputError(f"mask values must be finite or -inf; flat index {i} is "
                                     f"{'NaN' if math.isnan(float(m.reshape(-1)[i])) else 'inf'}")
     if synthesis not in SYNTHESES:
-        raise ValueError(f"synthesis must be one of {', '.join(map(repr, SYNTHESES))}, got {synthesis!r}")
+        raise InvalidInputError(f"synthesis must be one of {', '.join(map(repr, SYNTHESES))}, got {synthesis!r}")
     sinks = None
     if isinstance(sink_logits, torch.Tensor) and sink_logits.device.type != "cpu":
         # On a GPU, trusted as the positions are: shape and dtype checked, values not read.
         if tuple(sink_logits.shape) != (q.shape[1],) or not sink_logits.dtype.is_floating_point:
-            raise ValueError(f"sink_logits must be floating point [H_q={q.shape[1]}], got "
-                             f"{sink_logits.dtype} {tuple(sink_logits.shape)}")
+            raise InvalidInputError(f"sink_logits must be floating point [H_q={q.shape[1]}], got "
+                                    f"{sink_logits.dtype} {tuple(sink_logits.shape)}")
         sinks = sink_logits.detach().to(dev, torch.float32)
     elif sink_logits is not None:
         sinks = torch.from_numpy(sink_logits_array(sink_logits, q.shape[1])).to(dev)
@@ -137,19 +137,19 @@ def _rope(layer: LayerBatch, rope: Any, positions: Any
     a ``RopeBatch`` (or on another device), a rotary dimension over ``D_k``, positions that
     are not integers ``[B, T_c]`` or (host positions) lie outside the table."""
     if (rope is None) != (positions is None):
-        raise ValueError("pass both rope and positions, or neither")
+        raise InvalidInputError("pass both rope and positions, or neither")
     if rope is None:
         return None, None
     dev = layer.device
     if isinstance(rope, RopeTable):
         rope = stack_rope(rope, dev)
     elif not isinstance(rope, RopeBatch):
-        raise ValueError(f"rope must be a kakeyaturbo.RopeTable or a RopeBatch, got {type(rope).__name__}")
+        raise InvalidInputError(f"rope must be a kakeyaturbo.RopeTable or a RopeBatch, got {type(rope).__name__}")
     elif rope.device != dev:
-        raise ValueError(f"rope is on {rope.device}, expected {dev}")
+        raise InvalidInputError(f"rope is on {rope.device}, expected {dev}")
     dk, b, tc = layer.k.cal.dim, layer.batch, layer.k.rows
     if rope.rot_dim > dk:
-        raise ValueError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
+        raise InvalidInputError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
     if isinstance(positions, torch.Tensor):
         p = positions
         integer = not (p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool)
@@ -158,14 +158,14 @@ def _rope(layer: LayerBatch, rope: Any, positions: Any
         integer = a.dtype.kind in "iu"
         p = torch.from_numpy(a.astype(np.int64)) if integer else a
     if not integer:
-        raise ValueError(f"positions must be integers, got {p.dtype}")
+        raise InvalidInputError(f"positions must be integers, got {p.dtype}")
     if p.ndim != 2 or tuple(p.shape) != (b, tc):
-        raise ValueError(f"positions must be [B={b}, T_c={tc}], got shape {tuple(p.shape)}")
+        raise InvalidInputError(f"positions must be [B={b}, T_c={tc}], got shape {tuple(p.shape)}")
     # Host positions are range-checked; a tensor on a GPU is trusted (checking it would read
     # the device on every decode step), as _common.rows_tensor trusts one.
     if p.numel() and not (isinstance(p, torch.Tensor) and p.device.type != "cpu"):
         lo, hi = int(p.min()), int(p.max())
         if lo < 0 or hi >= rope.n_positions:
-            raise ValueError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
+            raise InvalidInputError(f"positions must lie in [0, {rope.n_positions}) (the table's rows), "
                              f"got {lo} .. {hi}")
     return rope, p.to(device=dev, dtype=torch.int32).contiguous()

@@ -32,6 +32,7 @@ import triton.language as tl
 from .._common import band_hadamard, check_device, empty, from_scaled_f16, is_interpreter, next_pow2, placeholder
 from ..calibrated.decode import row_centroids
 from .batch import LayerBatch, RopeBatch
+from ...errors import InvalidInputError
 
 
 @triton.jit
@@ -321,37 +322,37 @@ def split_attention(layer: LayerBatch, q: torch.Tensor, raw_k: torch.Tensor, raw
     kc, vc = layer.k, layer.v
     b, dk, dv = layer.batch, kc.cal.dim, vc.cal.dim
     if q.ndim != 4 or q.shape[0] != b or q.shape[1] % hkv or q.shape[3] != dk or q.dtype != torch.float32:
-        raise ValueError(f"q must be float32 [B={b}, H_q (a multiple of {hkv}), n_q, D_k={dk}], "
-                         f"got {q.dtype} {tuple(q.shape)}")
+        raise InvalidInputError(f"q must be float32 [B={b}, H_q (a multiple of {hkv}), n_q, D_k={dk}], "
+                                f"got {q.dtype} {tuple(q.shape)}")
     bh, nq = b * hkv, q.shape[2]
     group = q.shape[1] // hkv
     raw = raw_k.shape[1]
     for name, t, d in (("raw_k", raw_k, dk), ("raw_v", raw_v, dv)):
         if tuple(t.shape) != (bh, raw, d) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 [{bh}, {raw}, {d}], got "
-                             f"{t.dtype} {tuple(t.shape)}")
+            raise InvalidInputError(f"{name} must be contiguous float32 [{bh}, {raw}, {d}], got "
+                                    f"{t.dtype} {tuple(t.shape)}")
         check_device(name, t, dev)
     check_device("q", q, dev)
     tc = kc.rows
     total = sink_rows + tc + raw - sink_rows
     if not 0 <= sink_rows <= raw or raw - sink_rows < nq:
-        raise ValueError(f"{raw} raw rows cannot hold {sink_rows} sink rows and the {nq} query rows")
+        raise InvalidInputError(f"{raw} raw rows cannot hold {sink_rows} sink rows and the {nq} query rows")
     if mask is not None:
         if tuple(mask.shape) != (b, nq, total) or mask.dtype != torch.float32 or not mask.is_contiguous():
-            raise ValueError(f"mask must be contiguous float32 [{b}, {nq}, {total}], got "
-                             f"{mask.dtype} {tuple(mask.shape)}")
+            raise InvalidInputError(f"mask must be contiguous float32 [{b}, {nq}, {total}], got "
+                                    f"{mask.dtype} {tuple(mask.shape)}")
         check_device("mask", mask, dev)
     if (rope is None) != (positions is None):
-        raise ValueError("pass both rope and positions, or neither")
+        raise InvalidInputError("pass both rope and positions, or neither")
     f32 = placeholder(torch.float32, dev)
     ksm, cos, sin, posn, half, npos = f32, f32, f32, placeholder(torch.int32, dev), 0, 1
     if rope is not None:
         if rope.rot_dim > dk:
-            raise ValueError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
+            raise InvalidInputError(f"the rotary dimension {rope.rot_dim} exceeds D_k = {dk}")
         if tuple(positions.shape) != (b, kc.rows) or positions.dtype != torch.int32 \
                 or not positions.is_contiguous():
-            raise ValueError(f"positions must be contiguous int32 [{b}, {kc.rows}], got "
-                             f"{positions.dtype} {tuple(positions.shape)}")
+            raise InvalidInputError(f"positions must be contiguous int32 [{b}, {kc.rows}], got "
+                                    f"{positions.dtype} {tuple(positions.shape)}")
         check_device("rope", rope.cos, dev)
         check_device("positions", positions, dev)
         ksm = (layer.key_synthesis if synthesis == "f32" else

@@ -120,21 +120,21 @@ class CalibrationBatch:
         }
         for name, (t, shape, dtype) in want.items():
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+                raise InvalidInputError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
             if t.device != self.mean.device:
-                raise ValueError(f"{name} is on {t.device}, mean on {self.mean.device}")
+                raise InvalidInputError(f"{name} is on {t.device}, mean on {self.mean.device}")
             if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous")
+                raise InvalidInputError(f"{name} must be contiguous")
         if self.metric not in rc.METRICS:
-            raise ValueError(f"metric must be one of {rc.METRICS}, got {self.metric!r}")
+            raise InvalidInputError(f"metric must be one of {rc.METRICS}, got {self.metric!r}")
         if self.metric == "inner_product" and not self.norm:
-            raise ValueError("metric inner_product needs norm")
+            raise InvalidInputError("metric inner_product needs norm")
         if self.outlier_threshold is not None and not self.outlier_threshold > 0:
-            raise ValueError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
+            raise InvalidInputError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
         if not 1 <= self.max_bits <= 8 or len(self.bits_host) != h or len(self.fingerprints) != h:
-            raise ValueError("max_bits / bits_host / fingerprints do not fit the batch")
+            raise InvalidInputError("max_bits / bits_host / fingerprints do not fit the batch")
         if not 1 <= self.max_m <= mp or self.max_row_bytes < 1:
-            raise ValueError(f"max_m={self.max_m}, max_row_bytes={self.max_row_bytes} out of range")
+            raise InvalidInputError(f"max_m={self.max_m}, max_row_bytes={self.max_row_bytes} out of range")
         if on_host(self.bits) and h:
             self._check_host_values()
 
@@ -181,14 +181,14 @@ def stack_calibrations(calibrations: Sequence[Any], device: Any = "cpu") -> Cali
     ``device``. They must share ``D``, metric, ``norm`` and outlier threshold; raises ValueError
     otherwise."""
     if not calibrations:
-        raise ValueError("need at least one calibration")
+        raise InvalidInputError("need at least one calibration")
     cals = [c if isinstance(c, rc.Calibration) else rc.calibration_of(c) for c in calibrations]
     first = cals[0]
     for i, c in enumerate(cals):
         for key in SHARED_PARAMS:
             if getattr(c, key) != getattr(first, key):
-                raise ValueError(f"head {i}: {key}={getattr(c, key)!r} differs from head 0 "
-                                 f"({getattr(first, key)!r})")
+                raise InvalidInputError(f"head {i}: {key}={getattr(c, key)!r} differs from head 0 "
+                                        f"({getattr(first, key)!r})")
     h, d = len(cals), first.d
     max_m = max(c.m for c in cals)
     mp = max(16, next_pow2(max_m))
@@ -276,7 +276,7 @@ def stack_calibrated_parts(parts_list: Sequence[Mapping[str, Any]],
     outlier positions out of range or not ascending)."""
     h = batch.num_heads
     if len(parts_list) != h:
-        raise ValueError(f"{len(parts_list)} parts for a batch of {h} heads")
+        raise InvalidInputError(f"{len(parts_list)} parts for a batch of {h} heads")
     ns = [int(p["n"]) for p in parts_list]
     if min(ns) < 0:
         raise InvalidInputError(f"row counts must be >= 0, got n = {ns}")

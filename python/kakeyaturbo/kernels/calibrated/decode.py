@@ -163,8 +163,8 @@ def decode_calibrated(
     dev, h, d = batch.device, batch.num_heads, batch.dim
     packed = codes["codes"]
     if packed.ndim != 2 or packed.shape[0] != h or packed.dtype != torch.uint8 or not packed.is_contiguous():
-        raise ValueError(f"codes must be contiguous uint8 [{h}, PB], got {packed.dtype} "
-                         f"{tuple(packed.shape)}")
+        raise InvalidInputError(f"codes must be contiguous uint8 [{h}, PB], got {packed.dtype} "
+                                f"{tuple(packed.shape)}")
     check_device("codes", packed, dev)
     if n is None:
         if batch.norm:
@@ -178,21 +178,21 @@ def decode_calibrated(
                                         f"{batch.max_row_bytes} bytes: pass n")
     n = _checks.integer(n, "n", 1)
     if packed.shape[1] < n * batch.max_row_bytes:
-        raise ValueError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, "
-                         f"got {packed.shape[1]}")
+        raise InvalidInputError(f"codes must hold >= {n} x {batch.max_row_bytes} bytes per head, "
+                                f"got {packed.shape[1]}")
     want: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {"outlier_ptr": ((h + 1,), torch.int64)}
     if batch.norm:
         want.update(scale_bits=((h, n), torch.int16), scale_exp=((h,), torch.int32))
     for name, (shape, dtype) in want.items():
         t = codes[name]
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+            raise InvalidInputError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
         check_device(name, t, dev)
     opos, obits = codes["outlier_pos"], codes["outlier_bits"]
     if opos.ndim != 1 or opos.dtype != torch.int64 or obits.shape != opos.shape or obits.dtype != torch.int16:
-        raise ValueError("outlier_pos must be int64 [M] and outlier_bits int16 [M]")
+        raise InvalidInputError("outlier_pos must be int64 [M] and outlier_bits int16 [M]")
     if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+        raise InvalidInputError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:
         out = empty((h, n, d), out_dtype, dev)
     else:

@@ -72,14 +72,14 @@ def encode_calibrated(
     """
     batch.validate()
     if not isinstance(x, torch.Tensor) or x.ndim != 3:
-        raise ValueError(f"x must be a [H, N, D] tensor, got {getattr(x, 'shape', type(x))}")
+        raise InvalidInputError(f"x must be a [H, N, D] tensor, got {getattr(x, 'shape', type(x))}")
     if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+        raise InvalidInputError(f"x must be float32 or bfloat16, got {x.dtype}")
     h, n, d = x.shape
     if n < 1:
         raise InvalidInputError(f"x [{h}, {n}, {d}] needs at least one row per head")
     if h != batch.num_heads or d != batch.dim:
-        raise ValueError(f"x [{h}, {n}, {d}] does not fit a batch of {batch.num_heads} heads, D={batch.dim}")
+        raise InvalidInputError(f"x [{h}, {n}, {d}] does not fit a batch of {batch.num_heads} heads, D={batch.dim}")
     check_device("x", x, batch.device)
     cap = outlier_capacity(n, batch.max_m) if capacity is None else _checks.integer(capacity, "capacity", 1)
     rows_t = rows_tensor(rows, h, n, x.device)

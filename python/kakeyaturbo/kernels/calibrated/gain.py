@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .._common import block_absmax, empty, is_interpreter, next_pow2, shared_exponent, to_scaled_f16
+from ...errors import InvalidInputError
 
 
 @triton.jit(do_not_specialize=["N", "T"])
@@ -46,7 +47,7 @@ def round_gains(gain: torch.Tensor, gain_max: torch.Tensor,
     h, n = gain.shape
     if (gain.dtype != torch.float32 or gain_max.dtype != torch.float32 or gain_max.shape[0] != h
             or not gain.is_contiguous() or not gain_max.is_contiguous() or rows.shape != (h,)):
-        raise ValueError("gain [H, N], gain_max [H, T] (float32, contiguous) and rows int32 [H] expected")
+        raise InvalidInputError("gain [H, N], gain_max [H, T] (float32, contiguous) and rows int32 [H] expected")
     s = _settings(n)
     sbits = empty((h, n), torch.int16, gain.device)
     sexp = empty((h,), torch.int32, gain.device)

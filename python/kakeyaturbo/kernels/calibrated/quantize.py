@@ -47,6 +47,7 @@ from .batch import TABLE_LEN, TABLE_ROWS, CalibrationBatch
 _TLEN = tl.constexpr(TABLE_LEN)
 _TSIZE = tl.constexpr(TABLE_ROWS * _TLEN)
 from .rms import project_tile, settings as project_settings
+from ...errors import InvalidInputError
 
 
 # The codec settings (norm, metric, outliers, intermediates) and the sizes are runtime
@@ -184,10 +185,10 @@ def quantize(
     and ``g`` float32 ``[H, N]``. Raises ValueError on bad shapes."""
     h, n, d = x.shape
     if h != batch.num_heads or d != batch.dim or rows.shape != (h,) or rows.dtype != torch.int32:
-        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
-                         f"D={batch.dim}")
+        raise InvalidInputError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
+                                f"D={batch.dim}")
     if batch.norm and (g_raw is None or tile_max is None or g_raw.shape != (h, n)):
-        raise ValueError("norm needs launch 1's g [H, N] and tile maxima")
+        raise InvalidInputError("norm needs launch 1's g [H, N] and tile maxima")
     dev, mp = x.device, batch.slots
     capacity = max(int(capacity), 1)  # the kernel is told C: the buffers must hold C entries
     s = _settings(n, mp, d, batch.max_row_bytes)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .._common import empty, is_interpreter, next_pow2
 from .batch import CalibrationBatch
+from ...errors import InvalidInputError
 
 
 @triton.jit
@@ -87,8 +88,8 @@ def rms_scales(x: torch.Tensor, batch: CalibrationBatch,
     ``T = ceil(N / BN)`` with :func:`settings`' ``BN``. Raises ValueError on bad shapes."""
     h, n, d = x.shape
     if h != batch.num_heads or d != batch.dim or rows.shape != (h,) or rows.dtype != torch.int32:
-        raise ValueError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
-                         f"D={batch.dim}")
+        raise InvalidInputError(f"x [{h}, {n}, {d}] / rows do not fit a batch of {batch.num_heads} heads, "
+                                f"D={batch.dim}")
     s = settings(n, batch.slots, d)
     tiles = triton.cdiv(n, s["BN"])
     g = empty((h, n), torch.float32, x.device)

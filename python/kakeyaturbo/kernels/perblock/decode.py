@@ -172,7 +172,7 @@ def decode_blocks(
     dev = skel.device
     seg = codes["seg_id"]
     if seg.ndim != 2 or seg.shape[0] != skel.num_blocks:
-        raise ValueError(f"seg_id must be [{skel.num_blocks}, N], got {tuple(seg.shape)}")
+        raise InvalidInputError(f"seg_id must be [{skel.num_blocks}, N], got {tuple(seg.shape)}")
     b, n = seg.shape
     d = skel.dim
     want = {
@@ -186,21 +186,21 @@ def decode_blocks(
     for name, (shape, dtype) in want.items():
         t = codes[name]
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+            raise InvalidInputError(f"{name} must be contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
         check_device(name, t, dev)
     packed = codes["residual_packed"]
     need = packed_bytes(n, skel.max_d_eff, skel.bit_width)
     if packed.ndim != 2 or packed.shape[0] != b or packed.shape[1] < need or packed.dtype != torch.uint8:
-        raise ValueError(
+        raise InvalidInputError(
             f"residual_packed must be uint8 [{b}, >= {need}], got {packed.dtype} {tuple(packed.shape)}"
         )
     if not packed.is_contiguous():
-        raise ValueError("residual_packed must be contiguous")
+        raise InvalidInputError("residual_packed must be contiguous")
     opos, obits = codes["outlier_pos"], codes["outlier_bits"]
     if opos.ndim != 1 or opos.dtype != torch.int64 or obits.shape != opos.shape or obits.dtype != torch.int16:
-        raise ValueError("outlier_pos must be int64 [M] and outlier_bits int16 [M]")
+        raise InvalidInputError("outlier_pos must be int64 [M] and outlier_bits int16 [M]")
     if out_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+        raise InvalidInputError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:
         out = empty((b, n, d), out_dtype, dev)
     else:

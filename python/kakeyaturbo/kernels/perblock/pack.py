@@ -26,6 +26,7 @@ from .._common import (
     shared_exponent,
     to_scaled_f16,
 )
+from ...errors import InvalidInputError
 
 #: Indices that can touch one byte, rounded up to a power of two, per bit width.
 _PER_BYTE = {1: 8, 2: 4, 3: 4, 4: 2}
@@ -108,17 +109,17 @@ def pack(
     ``norm_bits`` int16 ``[B, N]``, ``norm_exp`` int32 ``[B]`` of the gain (None without it).
     Raises ValueError on bad shapes or bit widths."""
     if not 1 <= bits <= 4:
-        raise ValueError(f"bits must be in 1..4, got {bits}")
+        raise InvalidInputError(f"bits must be in 1..4, got {bits}")
     if codes.ndim != 3 or codes.dtype != torch.uint8 or not codes.is_contiguous():
-        raise ValueError(f"codes must be contiguous uint8 [B, N, W], got {codes.dtype} {tuple(codes.shape)}")
+        raise InvalidInputError(f"codes must be contiguous uint8 [B, N, W], got {codes.dtype} {tuple(codes.shape)}")
     b, n, w = codes.shape
     if not 1 <= max_d_eff <= w:
-        raise ValueError(f"max_d_eff={max_d_eff} out of range for W={w}")
+        raise InvalidInputError(f"max_d_eff={max_d_eff} out of range for W={w}")
     for name, t in (("d_eff", d_eff), ("rows", rows)):
         if t.shape != (b,) or t.dtype != torch.int32 or t.device != codes.device:
-            raise ValueError(f"{name} must be int32 [{b}] on {codes.device}")
+            raise InvalidInputError(f"{name} must be int32 [{b}] on {codes.device}")
     if gain is not None and (gain.shape != (b, n) or gain.dtype != torch.float32 or not gain.is_contiguous()):
-        raise ValueError(f"gain must be contiguous float32 [{b}, {n}]")
+        raise InvalidInputError(f"gain must be contiguous float32 [{b}, {n}]")
     dev = codes.device
     packed = empty((b, packed_bytes(n, max_d_eff, bits)), torch.uint8, dev)
     sbits = empty((b, n), torch.int16, dev) if gain is not None else None

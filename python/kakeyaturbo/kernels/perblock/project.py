@@ -110,7 +110,7 @@ def project_assign(
     if rows is None:
         rows = torch.full((b,), n, dtype=torch.int32, device=x.device)
     elif rows.shape != (b,) or rows.dtype != torch.int32:
-        raise ValueError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
+        raise InvalidInputError(f"rows must be int32 [{b}], got {rows.dtype} {tuple(rows.shape)}")
     check_device("rows", rows, x.device)
     c = empty((b, n, skel.width), torch.float32, x.device)
     seg = empty((b, n), torch.int32, x.device)
@@ -122,14 +122,14 @@ def project_assign(
 def check_input(x: torch.Tensor, skel: SkeletonBatch) -> Tuple[int, int, int]:
     """Checks ``x`` against the skeleton; returns ``(B, N, D)``. Raises ValueError."""
     if not isinstance(x, torch.Tensor) or x.ndim != 3:
-        raise ValueError(f"x must be a [B, N, D] tensor, got {getattr(x, 'shape', type(x))}")
+        raise InvalidInputError(f"x must be a [B, N, D] tensor, got {getattr(x, 'shape', type(x))}")
     if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+        raise InvalidInputError(f"x must be float32 or bfloat16, got {x.dtype}")
     b, n, d = x.shape
     if n < 1:
         raise InvalidInputError(f"x [{b}, {n}, {d}] needs at least one row per block")
     if b != skel.num_blocks or d != skel.dim:
-        raise ValueError(
+        raise InvalidInputError(
             f"x [{b}, {n}, {d}] does not fit a skeleton of {skel.num_blocks} blocks, D={skel.dim}"
         )
     check_device("x", x, skel.device)

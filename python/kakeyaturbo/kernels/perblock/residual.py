@@ -26,6 +26,7 @@ from .._common import (
     to_scaled_f16,
 )
 from .skeleton import SkeletonBatch
+from ...errors import InvalidInputError
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -90,9 +91,9 @@ def residuals(
     }
     for name, (t, shape, dtype) in want.items():
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous() or t.device != c.device:
-            raise ValueError(f"{name} must be contiguous {dtype} {shape} on {c.device}")
+            raise InvalidInputError(f"{name} must be contiguous {dtype} {shape} on {c.device}")
     if b != skel.num_blocks or w != skel.width:
-        raise ValueError(
+        raise InvalidInputError(
             f"c [{b}, {n}, {w}] does not fit the skeleton ({skel.num_blocks} blocks, W={skel.width})"
         )
     tbits = empty((b, n), torch.int16, c.device)

@@ -78,22 +78,22 @@ class SkeletonBatch:
             "thresholds": (self.thresholds, ((1 << self.bit_width) - 1,), torch.float32),
         }
         if not 1 <= self.bit_width <= 4:
-            raise ValueError(f"bit_width must be in 1..4, got {self.bit_width}")
+            raise InvalidInputError(f"bit_width must be in 1..4, got {self.bit_width}")
         for name, (t, shape, dtype) in want.items():
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+                raise InvalidInputError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
             if t.device != self.mean.device:
-                raise ValueError(f"{name} is on {t.device}, mean on {self.mean.device}")
+                raise InvalidInputError(f"{name} is on {t.device}, mean on {self.mean.device}")
             if t.stride(-1) != 1:
-                raise ValueError(f"{name} must be contiguous in its last axis")
+                raise InvalidInputError(f"{name} must be contiguous in its last axis")
         if self.basis.stride(1) != d or self.centers.stride(1) != w:
-            raise ValueError("basis and centers rows must be contiguous within a block")
+            raise InvalidInputError("basis and centers rows must be contiguous within a block")
         if self.metric not in METRICS:
-            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+            raise InvalidInputError(f"metric must be one of {METRICS}, got {self.metric!r}")
         if self.outlier_threshold is not None and not self.outlier_threshold > 0:
-            raise ValueError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
+            raise InvalidInputError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
         if not 1 <= self.max_d_eff <= d or self.max_k < 1:
-            raise ValueError(f"max_d_eff={self.max_d_eff}, max_k={self.max_k} out of range for D={d}")
+            raise InvalidInputError(f"max_d_eff={self.max_d_eff}, max_k={self.max_k} out of range for D={d}")
         # Host values are checked too (on a GPU, trusted: checking would read the device): the
         # kernels index the padded matrices with them.
         if on_host(self.d_eff) and b:
@@ -111,15 +111,15 @@ def stack_skeletons(parts_list: Sequence[Mapping[str, Any]], device: Any = "cpu"
     Every dict must share ``d``, ``bit_width``, ``metric``, ``rotation_seed``,
     ``outlier_threshold`` and the centroid table. Raises ValueError otherwise."""
     if not parts_list:
-        raise ValueError("need at least one block")
+        raise InvalidInputError("need at least one block")
     first = parts_list[0]
     table = np.asarray(first["centroids"], dtype=np.float32)
     for i, p in enumerate(parts_list):
         for key in SHARED_PARAMS:
             if p[key] != first[key]:
-                raise ValueError(f"block {i}: {key}={p[key]!r} differs from block 0 ({first[key]!r})")
+                raise InvalidInputError(f"block {i}: {key}={p[key]!r} differs from block 0 ({first[key]!r})")
         if not np.array_equal(np.asarray(p["centroids"], dtype=np.float32), table):
-            raise ValueError(f"block {i}: centroid table differs from block 0")
+            raise InvalidInputError(f"block {i}: centroid table differs from block 0")
     d, bw = int(first["d"]), int(first["bit_width"])
     des = [int(p["d_eff"]) for p in parts_list]
     ks = [int(p["k"]) for p in parts_list]
@@ -226,7 +226,7 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
     (a repeated position keeps its last value, as the Rust decoder applies them in order)."""
     b = skel.num_blocks
     if len(parts_list) != b:
-        raise ValueError(f"{len(parts_list)} parts for a skeleton of {b} blocks")
+        raise InvalidInputError(f"{len(parts_list)} parts for a skeleton of {b} blocks")
     ns = [int(p["n"]) for p in parts_list]
     if min(ns) < 1:
         raise InvalidInputError(f"every block needs at least one row, got n = {ns}")
@@ -244,7 +244,7 @@ def stack_codes(parts_list: Sequence[Mapping[str, Any]], skel: SkeletonBatch) ->
     for i, p in enumerate(parts_list):
         m, de = ns[i], int(p["d_eff"])
         if de != de_host[i] or int(p["bit_width"]) != bw:
-            raise ValueError(f"block {i}: d_eff/bit_width differ from the skeleton batch")
+            raise InvalidInputError(f"block {i}: d_eff/bit_width differ from the skeleton batch")
 
         def vec(key: str, size: int, what: str, dtype: Any = None) -> np.ndarray:
             a = np.asarray(p[key]).reshape(-1)
