@@ -144,6 +144,13 @@ def test_the_wrappers_refusals_are_kakeya_errors() -> None:
                  lambda: K.decode_attention_triton(layer, torch.ones(1, 1, 1, d), t, t, sink_k=t)):
         with pytest.raises(InvalidInputError):
             call()
+    # An AttributeError, a KeyError and torch's RuntimeError before.
+    with pytest.raises(TypeError, match="CalibratedCodec"):
+        K.stack_calibrations([1], DEVICE)
+    with pytest.raises(TypeError, match="dict of tensors"):
+        K.decode_calibrated({}, K.stack_calibrations([codec], DEVICE))
+    with pytest.raises(kt.InvalidParameterError, match="nodev"):
+        K.stack_calibrations([codec], "nodev")
 
 
 # Robustness: host data checked before any launch, device data clamped in the kernels.

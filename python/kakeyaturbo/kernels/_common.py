@@ -79,6 +79,15 @@ def ceil_log2(v: int) -> int:
     return max(int(v) - 1, 0).bit_length()
 
 
+def device_of(device: Any) -> torch.device:
+    """``device`` as a torch device: InvalidParameterError for a name torch does not know
+    (torch's RuntimeError before), TypeError for another kind of value."""
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise InvalidParameterError(f"device {device!r} is not a device torch knows ({e})") from None
+
+
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise InvalidInputError(f"{name} is on {t.device}, expected {device}")

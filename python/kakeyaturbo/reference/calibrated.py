@@ -167,7 +167,11 @@ class Calibration:
 
 def calibration_of(codec: Any) -> Calibration:
     """The :class:`Calibration` of a :class:`kakeyaturbo.CalibratedCodec` (read from its
-    canonical bytes; the fingerprint is checked against the codec's)."""
+    canonical bytes; the fingerprint is checked against the codec's). TypeError for anything
+    else (an AttributeError before)."""
+    if not callable(getattr(codec, "canonical_bytes", None)):
+        raise TypeError(f"a calibration must be a kakeyaturbo.CalibratedCodec or a Calibration, "
+                        f"got {type(codec).__name__}")
     cal = Calibration.from_bytes(codec.canonical_bytes())
     if cal.fingerprint != codec.fingerprint:
         raise InvalidInputError("the calibration's fingerprint disagrees with the codec's")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ...codec.attention import LayerCodes, RopeTable
-from .._common import ceil_log2, placeholder, row_starts
+from .._common import ceil_log2, device_of, placeholder, row_starts
 from ..calibrated.batch import CalibrationBatch, stack_calibrations
 from ...errors import InvalidInputError
 
@@ -199,7 +199,7 @@ def stack_rope(table: RopeTable, device: Any = "cpu") -> RopeBatch:
     Raises ValueError when ``table`` is not a :class:`kakeyaturbo.RopeTable`."""
     if not isinstance(table, RopeTable):
         raise InvalidInputError(f"rope must be a kakeyaturbo.RopeTable, got {type(table).__name__}")
-    dev = torch.device(device)
+    dev = device_of(device)
     return RopeBatch(cos=torch.from_numpy(np.ascontiguousarray(table._cos_t)).to(dev),
                      sin=torch.from_numpy(np.ascontiguousarray(table._sin_t)).to(dev),
                      style=table.style)

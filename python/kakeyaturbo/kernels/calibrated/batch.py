@@ -31,7 +31,8 @@ import torch
 
 from ...errors import CorruptDataError, InvalidInputError, InvalidParameterError
 from ...reference import calibrated as rc
-from .._common import check_exponents, f16_nonfinite, f16_values, next_pow2, on_host, outlier_parts, stack_outliers
+from .._common import (check_exponents, device_of, f16_nonfinite, f16_values, next_pow2, on_host, outlier_parts,
+                       stack_outliers)
 
 #: Codec parameters that must agree across the heads of one batch.
 SHARED_PARAMS = ("d", "metric", "norm", "threshold")
@@ -216,7 +217,7 @@ def stack_calibrations(calibrations: Sequence[Any], device: Any = "cpu") -> Cali
             rnorm[i, sl] = rc.band_norm(w)
             signs[i, sl] = sg[cl]
         thr[i], cen[i] = _tables(c)
-    dev = torch.device(device)
+    dev = device_of(device)
 
     def t(v: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(v)).to(dev)

@@ -161,6 +161,10 @@ def decode_calibrated(
     ascending); codes on a GPU are trusted (checking them would read the device)."""
     batch.validate()
     dev, h, d = batch.device, batch.num_heads, batch.dim
+    need = ("codes", "outlier_ptr", "outlier_pos", "outlier_bits") + (("scale_bits", "scale_exp") if batch.norm else ())
+    if not isinstance(codes, Mapping) or any(not isinstance(codes.get(k), torch.Tensor) for k in need):
+        raise TypeError(f"codes must be a dict of tensors {', '.join(need)} (as encode_calibrated returns it), "
+                        f"got {type(codes).__name__}")
     packed = codes["codes"]
     if packed.ndim != 2 or packed.shape[0] != h or packed.dtype != torch.uint8 or not packed.is_contiguous():
         raise InvalidInputError(f"codes must be contiguous uint8 [{h}, PB], got {packed.dtype} "
