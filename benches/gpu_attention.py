@@ -55,7 +55,7 @@ def run_attention(device: str, dry_run: bool, budget_s: float) -> Dict[str, Any]
     import torch.nn.functional as F
 
     from kakeyaturbo import kernels as K
-    from kernels.attention import parity as attention_parity
+    from tests.kernels.attention import parity as attention_parity
 
     t0 = time.perf_counter()
     # Up to 80 of the 300 random cases, as many as the budget allows (each is built and run

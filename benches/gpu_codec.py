@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # tests/kernels/, the parity harness, as the package "kernels"
+sys.path.insert(0, str(REPO))  # tests/kernels/, the parity harness, as the package "tests.kernels"
 
 
 
@@ -57,10 +57,10 @@ TINY = Layer(2, 1024, 64, 512)
 def fuzz_module(mode: str) -> Any:
     """The parity module of a mode: ``blocks`` (the per-block mode) or ``calibrated``."""
     if mode == "calibrated":
-        from kernels.calibrated import parity as calibrated_parity
+        from tests.kernels.calibrated import parity as calibrated_parity
 
         return calibrated_parity
-    from kernels.perblock import parity
+    from tests.kernels.perblock import parity
 
     return parity
 
@@ -69,7 +69,7 @@ def fuzz_worker(gids: Sequence[int], full: bool, device: str, threads: int,
                 mode: str = "blocks") -> List[Dict[str, Any]]:
     """Runs groups ``gids`` of a mode's fuzz through the reference and the kernels."""
     import torch
-    from kernels import harness
+    from tests.kernels import harness
 
     parity = fuzz_module(mode)
     torch.set_num_threads(threads)
@@ -203,8 +203,8 @@ def run_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str, Any]:
     import kakeyaturbo as kt
     from kakeyaturbo import kernels as K
     from kakeyaturbo.reference import perblock as ref
-    from kernels import harness
-    from kernels.perblock import parity
+    from tests.kernels import harness
+    from tests.kernels.perblock import parity
 
     bench = timer(dry_run)
     x = harness.kv_layer(layer.heads, layer.tokens, layer.dim)
@@ -303,8 +303,8 @@ def run_calibrated_timing(layer: Layer, device: str, dry_run: bool) -> Dict[str,
 
     from kakeyaturbo import kernels as K
     from kakeyaturbo.reference import calibrated as rc
-    from kernels import harness
-    from kernels.calibrated import parity as calibrated_parity
+    from tests.kernels import harness
+    from tests.kernels.calibrated import parity as calibrated_parity
 
     bench = timer(dry_run)
     x = harness.kv_layer(layer.heads, layer.tokens, layer.dim)

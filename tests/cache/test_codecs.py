@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 import kakeyaturbo as kt  # noqa: E402
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, codec_for  # noqa: E402
-from synthetic_stats import synthetic_stats  # noqa: E402
+from tests.synthetic_stats import synthetic_stats  # noqa: E402
 
 
 def _stats(layers: int = 2, heads: int = 1, d: int = 16):

@@ -10,7 +10,7 @@ import pytest
 
 import kakeyaturbo as kt
 from kakeyaturbo import calibrate, calibration, recipes
-from synthetic_stats import synthetic_stats
+from tests.synthetic_stats import synthetic_stats
 
 D = 8
 

@@ -10,7 +10,7 @@ import kakeyaturbo as kt
 from kakeyaturbo import calibration, recipes
 from kakeyaturbo.calibration.mixture import pool_stats
 from kakeyaturbo.calibration.stats import MAX_LAYERS
-from synthetic_stats import synthetic_stats
+from tests.synthetic_stats import synthetic_stats
 
 D = 32
 

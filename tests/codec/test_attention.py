@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from hypothesis import given
-from conftest import in_forked_child
+from tests.conftest import in_forked_child
 from hypothesis import strategies as st
 
 import kakeyaturbo as kt
@@ -23,7 +23,7 @@ import kakeyaturbo as kt
 torch = pytest.importorskip("torch")
 
 from kakeyaturbo.reference.attention import reference_attention  # noqa: E402
-from kernels.tolerances import TOLERANCES as TOL  # noqa: E402
+from tests.kernels.tolerances import TOLERANCES as TOL  # noqa: E402
 
 from .attention_cases import AttentionMismatch, Spec, build, compare, magnitudes, spec_from  # noqa: E402
 

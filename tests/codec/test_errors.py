@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import kv_like
+from tests.conftest import kv_like
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-from conftest import kv_like
+from tests.conftest import kv_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

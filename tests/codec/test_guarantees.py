@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Type
 
 import numpy as np
 import pytest
-from conftest import in_forked_child, kv_like
+from tests.conftest import in_forked_child, kv_like
 
 import kakeyaturbo as kt
 from kakeyaturbo import _core

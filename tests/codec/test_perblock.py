@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import kv_like
+from tests.conftest import kv_like
 from hypothesis import given
 from hypothesis import strategies as st
 

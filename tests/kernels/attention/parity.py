@@ -27,8 +27,8 @@ from kakeyaturbo.kernels.attention import stack_rope
 
 from ..tolerances import TOLERANCES as TOL
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the shared case builder
-from codec.attention_cases import Spec, build, compare, magnitudes, spec_from  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: tests/, the shared case builder
+from tests.codec.attention_cases import Spec, build, compare, magnitudes, spec_from  # noqa: E402
 
 #: The CI subset: what makes the kernel hard, each at least once, small enough for the
 #: interpreter (a few seconds).

@@ -25,11 +25,11 @@ from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
 from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 from kakeyaturbo.kernels import attention as kattn  # noqa: E402
 
-from cache import families  # noqa: E402
-from cache.conftest import fast_codec, fast_recipe, generate  # noqa: E402
-from cache.test_multimodal import _build as build_multimodal  # noqa: E402
-from cache.test_multimodal import _generate as generate_with  # noqa: E402
-from cache.test_multimodal import _inputs as multimodal_inputs  # noqa: E402
+from tests.cache import families  # noqa: E402
+from tests.cache.conftest import fast_codec, fast_recipe, generate  # noqa: E402
+from tests.cache.test_multimodal import _build as build_multimodal  # noqa: E402
+from tests.cache.test_multimodal import _generate as generate_with  # noqa: E402
+from tests.cache.test_multimodal import _inputs as multimodal_inputs  # noqa: E402
 
 LOGIT_ATOL = 1e-5
 
@@ -95,7 +95,7 @@ def test_extending_a_stacking_gives_the_stacking_of_all() -> None:
     stack_layer(all blocks): two batch rows, three kv-heads of their own bit layouts, outliers,
     blocks of uneven lengths."""
     import kakeyaturbo as kt
-    from codec.attention_cases import Spec, build
+    from tests.codec.attention_cases import Spec, build
 
     c = build(Spec(seed=5, batch=2, kv_heads=3, blocks=(129, 1, 63, 200), threshold=1.0))
     full = c.codes
