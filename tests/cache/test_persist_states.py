@@ -127,16 +127,21 @@ def test_a_state_holding_nan_is_refused(tmp_path) -> None:
         KakeyaCache.load(path, model)
 
 
-def test_a_cache_recording_the_past_is_not_saved(tmp_path) -> None:
+def test_a_cache_checking_a_draft_is_not_saved(tmp_path) -> None:
+    """A hybrid's cache with a draft's rows taken and no crop yet is refused; recording the past
+    with nothing taken since is no draft: the save ends the recording, the linear layers' too."""
     model = build("qwen3_next")
     cache = KakeyaCache(IdentityCodec(), model=model, block_size=4)
     with torch.no_grad():
         model(input_ids=family_prompt(t=12), cache=cache)
-    for layer in cache.layers:
-        layer.activate_past_recording()
-    with pytest.raises(InvalidParameterError, match="records the past"):
+        cache.activate_past_recording(recurrent_states_to_keep=2)
+        model(input_ids=family_prompt(t=2, seed=2), cache=cache)
+    with pytest.raises(InvalidParameterError, match="checks a draft"):
         cache.save(tmp_path / "p.kkpfx")
     assert not (tmp_path / "p.kkpfx").exists()
+    cache.crop(-1)
+    cache.save(tmp_path / "p.kkpfx")
+    assert not any(layer.record_past for layer in cache.layers)
 
 
 #: Every family of ``families.py`` / ``families_latent.py`` whose cache layers hold states beyond

@@ -165,3 +165,35 @@ def test_a_cache_reused_after_assisted_decoding_seals_again(name, tmp_path) -> N
     forward(model, family_prompt(t=2, seed=8), again)
     with pytest.raises(InvalidParameterError, match="checks a draft"):
         again.save(tmp_path / "draft.kkp")
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1"])  # transformers' linear layers; KakeyaStateLayer
+def test_assisted_decoding_of_a_hybrid_then_a_save(name, tmp_path) -> None:
+    """A hybrid's recurrent states are cropped too (transformers 5.25 keeps a copy of them per
+    call while it records the past): prompt lookup and an assistant model through the cache give
+    DynamicCache's tokens and logits. The linear layers never end their recording by themselves;
+    the cache ends it with its own layers' at the first call no crop answered and at a save (it
+    refused a save after assisted decoding before), and the histories go with it. The saved and
+    the loaded cache then go on alike, and a later generate keeps no history."""
+    model, ids = build(name), family_prompt()
+    for kw in (ASSISTED["prompt lookup"](name), ASSISTED["assistant model"](name)):
+        ref_seq, ref_logits = generate(model, ids, transformers.DynamicCache(config=model.config), n=8, **kw)
+        cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+        seq, logits = generate(model, ids, cache, n=8, **kw)
+        assert torch.equal(seq, ref_seq)
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+    assert linear and all(layer.record_past for layer in linear)
+    path = cache.save(tmp_path / "prefix.kkp")
+    assert not any(layer.record_past for layer in cache.layers)
+    assert not any(h for layer in linear for h in getattr(layer, "recurrent_states_history", {}).values())
+    loaded = KakeyaCache.load(path, model, IdentityCodec())
+    more = torch.cat([seq, family_prompt(t=3, seed=7)], dim=1)
+    runs = [generate(model, more, c, n=6) for c in (cache, loaded)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    again = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    generate(model, ids, again, n=6, prompt_lookup_num_tokens=3)
+    generate(model, more, again, n=6)
+    assert not any(getattr(layer, "record_past", False) for layer in again.layers)
+    assert not any(h for layer in again.layers for h in getattr(layer, "recurrent_states_history", {}).values())

@@ -186,6 +186,11 @@ class CompressedEntries:
                     d[name] = t.index_select(0, idx.to(t.device))
 
 
+def rows_of(layer: Any) -> Any:
+    """What holds a cache layer's K/V rows: the layer, or DeepSeek V4's coded entries."""
+    return layer.entries if isinstance(layer, CompressedEntries) else layer
+
+
 def _check_window_rows(layer: Any, key_states: Any, value_states: Any) -> None:
     """The rows of a compressed layer's window: floating-point ``[B, 1, q, D]``, the same tensor
     as keys and values (K=V), finite, of the batch and width held."""

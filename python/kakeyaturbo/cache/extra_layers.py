@@ -5,6 +5,7 @@ they add is held as transformers holds it, uncompressed."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, Optional
 
 import torch
@@ -37,11 +38,15 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
 
     @property
     def is_croppable(self) -> bool:
-        return KakeyaLayer.is_croppable.fget(self) and LinearAttentionLayer.is_croppable.fget(self)
+        # transformers 5.25 made the linear layer's a class attribute (its states keep a history
+        # while recording the past); 5.24's is a property.
+        linear = inspect.getattr_static(LinearAttentionLayer, "is_croppable")
+        return KakeyaLayer.is_croppable.fget(self) and bool(
+            linear.fget(self) if isinstance(linear, property) else linear)
 
-    def activate_past_recording(self) -> None:
-        KakeyaLayer.activate_past_recording(self)
-        LinearAttentionLayer.activate_past_recording(self)
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        KakeyaLayer.activate_past_recording(self, **kwargs)
+        LinearAttentionLayer.activate_past_recording(self, **kwargs)
 
     # The K/V rows first: their checks refuse bad arguments before either part changes.
     def crop(self, tokens_to_remove: int) -> None:

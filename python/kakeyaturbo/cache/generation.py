@@ -10,26 +10,28 @@ from functools import partial
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin,
+                                      LinearAttentionLayer)
 
 from .._extras import require
 from ..calibration import ModelCodec
 from ..calibration.stats import MAX_LAYERS
 from ..codec import _checks
 from ..codec.attention import SYNTHESES, attention_kernel
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidParameterError
 from ..families import describe
 from ..families.layout import text_config
 from ..recipes import Recipe
 from . import fast as fast_mod
 from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      wants_rope)
-from .compressed import CompressedEntries, compressed_layer
+from .compressed import CompressedEntries, compressed_layer, rows_of
 from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
 from .layer import KakeyaLayer
 from .copying import NotPickled, copy_sharing
 from .rollback import crop_count
-from .positions import Positions, watch_rotary
+from .calls import watch_calls
+from .positions import Positions
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
 from .rope import check_rope, layer_ropes, rope_of_layer
 
@@ -174,7 +176,7 @@ class KakeyaCache(Cache, NotPickled):
         self._undo: Any = None
         self._broken: Optional[str] = None
         if model is not None:
-            _watch_calls(model, self)
+            watch_calls(model, self)
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
         super().__init__(layers=layers)
 
@@ -223,7 +225,7 @@ class KakeyaCache(Cache, NotPickled):
         new._undo = None
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
-            _watch_calls(model, new)
+            watch_calls(model, new)
         return new
 
     def __iter__(self) -> Any:
@@ -340,6 +342,27 @@ class KakeyaCache(Cache, NotPickled):
         super().crop(tokens_to_remove)
         if self._positions is not None:
             self._positions.crop(self.get_seq_length())
+
+    @property
+    def draft_pending(self) -> bool:
+        """Whether a layer took rows while recording the past that no crop answered yet (inside
+        a draft's check: :meth:`KakeyaLayer.end_past_recording`)."""
+        return any(isinstance(r, KakeyaLayer) and r.draft_pending for r in map(rows_of, self.layers))
+
+    def end_past_recording(self) -> None:
+        """Ends past recording in every layer: the K/V layers' (what is due is sealed or dropped
+        now) and transformers' own linear layers', which never end it by themselves and from
+        transformers 5.25 keep a copy of their recurrent states per call while recording. Called
+        before a call that follows one no crop answered (no draft checked any more), and by save."""
+        for layer in self.layers:
+            if isinstance(layer, LinearAttentionCacheLayerMixin):  # KakeyaStateLayer's states too
+                layer.record_past = False
+                history = getattr(layer, "recurrent_states_history", None)
+                if isinstance(history, dict):
+                    layer.recurrent_states_history = {i: [] for i in history}
+            rows = rows_of(layer)
+            if isinstance(rows, KakeyaLayer):
+                rows.end_past_recording()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -465,85 +488,3 @@ def _impl_check(model: Any) -> Any:
         return cfg is not None and getattr(cfg, "_attn_implementation", None) in names
 
     return check
-
-
-def _watch_calls(model: Any, cache: KakeyaCache) -> None:
-    """Around every forward call of ``model`` through ``cache``. Before the layers run: refuses
-    (InvalidInputError) a call with no new token on a filled cache, a first call on a loaded
-    one whose positions start within the prefix (``generate`` given ids shorter than the prefix
-    the cache holds feeds none or their tail again, which would fail deep in the model or
-    silently continue from the wrong tokens), and a call on a cache a refused call left
-    unusable; hands the call's ``position_ids`` to the cache's position store (some families,
-    GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's
-    rotary modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a
-    snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is
-    rolled back, so that the cache is as it was; a loaded prefix is continued only once a call
-    went through. The hooks hold the cache weakly and go when the cache does."""
-    ref = weakref.ref(cache)
-
-    def ours(kwargs: Dict[str, Any]) -> Optional[KakeyaCache]:
-        c = ref()
-        return c if c is not None and (kwargs.get("cache") is c or kwargs.get("past_key_values") is c) else None
-
-    def before(_module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
-        c = ours(kwargs)
-        if c is None:
-            return
-        if c._broken is not None:
-            raise InvalidInputError(c._broken)
-        x = kwargs.get("input_ids", args[0] if args else None)
-        if x is None:
-            x = kwargs.get("inputs_embeds")
-        p = kwargs.get("position_ids")
-        p = p if isinstance(p, torch.Tensor) and p.ndim == 2 else None
-        empty = isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == 0
-        resume = getattr(c, "_resume", None)
-        if empty or (resume is not None and p is not None):
-            held = c.get_seq_length()
-            if held and (empty or _goes_back(p, held, *resume, kwargs.get("attention_mask"))):
-                raise InvalidInputError(
-                    f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
-                    f"file): give ids that begin with those {held} tokens and go on past them")
-        if c._positions is not None:
-            c._positions.expect(p)
-        c._undo = c._snapshot()
-
-    def after(_module: Any, _args: Any, kwargs: Dict[str, Any], result: Any) -> None:
-        c = ours(kwargs)
-        if c is None or c._undo is None:
-            return
-        undo, c._undo = c._undo, None
-        if result is None:  # the call raised (torch runs this hook then with no result)
-            c._roll_back(undo)
-        else:
-            c._resume = None
-
-    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
-               model.register_forward_hook(after, with_kwargs=True, always_call=True)]
-    weakref.finalize(cache, lambda: [h.remove() for h in handles])
-    if cache._positions is not None:  # inside a call of the cache's: its position store
-
-        def live() -> Optional[Positions]:
-            c = ref()
-            return c._positions if c is not None and c._undo is not None else None
-
-        watch_rotary([r.module for r in layer_ropes(cache.rope) if r.multimodal], live, cache)
-
-
-def _goes_back(p: torch.Tensor, held: int, seen: int, last: Optional[torch.Tensor],
-               mask: Any = None) -> bool:
-    """Whether the first call on a loaded cache (``seen`` tokens) starts at or before a position
-    it holds: ``generate`` given ids shorter than the prefix feeds their tail again. Each row's
-    last position is ``last`` where the file stored positions, else counted from the call's
-    ``[B, >= seen]`` attention ``mask`` as ``generate`` counts positions (a left-padded row's
-    padding takes none), else ``seen - 1``."""
-    if held != seen or not p.numel():
-        return False
-    first = p[:, 0].cpu()
-    if last is not None:
-        floor = last.to(first.dtype)
-    elif isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] > seen:
-        floor = mask[:, :seen].cpu().to(first.dtype).sum(dim=1) - 1
-    else:
-        floor = torch.full_like(first, seen - 1)
-    return floor.shape == first.shape and bool((first <= floor).any())

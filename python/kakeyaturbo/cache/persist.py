@@ -52,7 +52,7 @@ from ..codec import _checks
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError, UnsupportedVersionError
 from ..families import describe
 from .codecs import STREAMS, StreamCodec, check_codec
-from .compressed import CompressedEntries
+from .compressed import rows_of
 from .layer import KakeyaLayer
 from . import persist_state
 from .persist_codec import codec_from_file, codec_identity, recipe_json
@@ -117,9 +117,10 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     }
     if len(cache.layers) != layout.num_layers:
         raise InvalidParameterError(f"the cache has {len(cache.layers)} layers, the model {layout.num_layers}")
-    if any(isinstance(r, KakeyaLayer) and r.draft_pending for r in map(_rows, cache.layers)):
+    if cache.draft_pending:
         raise InvalidParameterError("cannot save a cache while it checks a draft (assisted decoding): "
                                     "save it once generate has returned")
+    cache.end_past_recording()  # the file does not record it: the saved cache goes on as the loaded one
     chunks: List[bytes] = []
     layers = []
     dtype = batch = None
@@ -129,12 +130,11 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
         held = {"state": [{"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
                           for n, t in tensors], "flags": flags, "counts": counts} if tensors or flags else {}
         states = states or bool(held)
-        rows = _rows(layer)
+        rows = rows_of(layer)
         if not isinstance(rows, KakeyaLayer):  # caches no K/V rows (a state layer, transformers' DummyLayer)
             layers.append({"seen": 0, "streams": {}, **held})
             chunks += [_raw_bytes(t) for _, t in tensors]
             continue
-        rows.end_past_recording()  # the file does not record it: the saved cache goes on as the loaded one
         state = rows.export_state()
         entry: Dict[str, Any] = {"seen": int(state["seen"]), "streams": {}}
         for name, part in state["streams"].items():
@@ -209,11 +209,6 @@ class _Reader:
         out = self.data[self.at:self.at + n]
         self.at += n
         return out
-
-
-def _rows(layer: Any) -> Any:
-    """What holds a cache layer's K/V rows: the layer, or DeepSeek V4's coded entries."""
-    return layer.entries if isinstance(layer, CompressedEntries) else layer
 
 
 def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
@@ -468,14 +463,14 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
     try:
         for i, (layer, state) in enumerate(zip(cache.layers, states)):
-            rows = layer.entries if isinstance(layer, CompressedEntries) else layer
+            rows = rows_of(layer)
             if not isinstance(rows, KakeyaLayer):
                 if state["seen"] or state["streams"]:
                     raise CorruptDataError(f"{where}: layer {i} caches nothing, the file holds rows for it")
-                persist_state.restore(layer, *state["extra"])
+                persist_state.restore(layer, *state["extra"], seen)
                 continue
             rows.import_state(state)
-            persist_state.restore(layer, *state["extra"])
+            persist_state.restore(layer, *state["extra"], seen)
             if verify and not keep_decoded:
                 for name in rows.streams if state["streams"] else ():
                     for j in range(len(state["streams"][name]["blocks"])):
@@ -484,7 +479,7 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
         raise CorruptDataError(f"{where}: a sealed block does not decode ({e})") from None
     if model is not None:
         cache._model_ref = weakref.ref(model)
-    # The first call must continue the prefix (kakeyaturbo.cache.generation._watch_calls).
+    # The first call must continue the prefix (kakeyaturbo.cache.calls.watch_calls).
     cache._resume = (seen, None if pos is None else pos.max(dim=1).values) if seen else None
     return cache
 

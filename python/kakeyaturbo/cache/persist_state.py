@@ -177,8 +177,10 @@ def _lengths(counts: Dict[str, int], want: Dict[str, Any], seen: int, spec: Any,
     return out
 
 
-def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool], counts: Dict[str, int]) -> None:
-    """Puts states :func:`layer_state` gave (read back from a file) into a fresh ``layer``."""
+def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool], counts: Dict[str, int],
+            tokens: int) -> None:
+    """Puts states :func:`layer_state` gave (read back from a file) into a fresh ``layer`` of a
+    cache that saw ``tokens`` tokens."""
     if isinstance(layer, CompressedEntries) and "window" in tensors:
         window = tensors["window"]
         layer.lazy_initialization(window, window)
@@ -203,6 +205,11 @@ def restore(layer: Any, tensors: Dict[str, torch.Tensor], flags: Dict[str, bool]
                 layer.recurrent_states[int(j)].copy_(t)
         for name, v in flags.items():
             layer.has_previous_state[int(name.partition(".")[2])] = bool(v)
+        # transformers 5.25: a linear layer counts the tokens it saw (its get_seq_length, which
+        # the model reads from the cache's first layer for the next positions).
+        held = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(held, torch.Tensor):
+            held.fill_(tokens)
     if isinstance(layer, KakeyaIndexedLayer):
         layer.indexer_keys = tensors.get("indexer_keys")
         layer.indexer_position_ids = tensors.get("indexer_position_ids")

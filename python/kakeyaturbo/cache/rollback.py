@@ -42,10 +42,12 @@ class Rollback:
         a sliding layer cannot get back what it dropped.)"""
         return self.record_past
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         """From now on (transformers calls it before assisted or prompt-lookup decoding) the rows
         of each call are sealed, and a sliding layer's rows that left its window dropped, only at
-        the next :meth:`crop`, which first removes the rejected draft rows exactly."""
+        the next :meth:`crop`, which first removes the rejected draft rows exactly. Keywords are
+        for other layers (transformers 5.25 passes its linear layers ``recurrent_states_to_keep``):
+        the raw rows kept until the crop are this layer's whole history."""
         self.record_past = True
         self._recorded = 0
 
