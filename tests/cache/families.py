@@ -19,6 +19,10 @@ from .family_base import (_DELTANET, _MAMBA2, LINEAR_FULL_LINEAR, SHARED_FIVE, S
                           VOCAB, WINDOW, _make, _with_dynamic_mask, _with_key_scale, _with_sinks)
 
 
+#: Kolibri 1.1's six layers: indexed-attention layers (an indexer picks each query's keys) around sliding ones.
+_KOLIBRI1_1_LAYERS = ["sliding_attention", "indexed_attention", "indexed_attention", "sliding_attention",
+                      "indexed_attention", "indexed_attention"]
+
 #: family -> (builder, what differs), the table of the README's "Model families".
 FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "llama": (lambda: _make(T.LlamaConfig, T.LlamaForCausalLM, num_key_value_heads=2, head_dim=16,
@@ -301,6 +305,33 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                            n_recurrent_loops=1),
              "nGPT-normalised q/k with learnt scales, a sigmoid gate and a sub-norm before the output "
              "projection, sliding and full layers; its recurrent section run once (more loops are refused)"),
+    "ergo": (lambda: _make(T.ErgoConfig, T.ErgoForCausalLM, drop=("intermediate_size",), num_key_value_heads=2,
+                           sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING, global_attention_scale=2.0,
+                           first_dense_intermediate_size=128, moe_intermediate_size=32, shared_intermediate_size=32,
+                           num_experts=4, num_experts_per_tok=2),
+             "fused qkv, q/k RMSNorm per head, interleaved RoPE (float64 angles) on sliding layers, full layers "
+             "without RoPE whose queries and keys are scaled by sqrt(global_attention_scale), gated residuals, "
+             "a dense first layer, then MoE with a norm per expert"),
+    "kolibri1_1": (lambda: _make(T.Kolibri1_1Config, T.Kolibri1_1ForCausalLM, num_hidden_layers=6,
+                                 num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                 layer_types=_KOLIBRI1_1_LAYERS,
+                                 index_layers=[1, 2], kv_source_layers=[0, 1, 2, 3, 2, 1], index_topk=4,
+                                 index_pool_size=8, index_compression=4, index_num_heads=2, index_num_local_tokens=4,
+                                 index_num_sink_tokens=1, mlp_only_layers=[0], mlp_only_intermediate_size=128,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                   "sliding layers with RoPE; indexed-attention layers without RoPE whose indexer picks the keys "
+                   "each query sees (a pool of 8, top 4, 1 sink and 4 local tokens, through the mask) and which "
+                   "attend over NVFP4-rounded keys and values; KV sharing by kv_source_layers (the last layer reads "
+                   "the first indexed layer's rows, not the last producer's), MoE MLP"),
+    "minicpm5_moe": (lambda: _make(T.MiniCPM5MoeConfig, T.MiniCPM5MoeForCausalLM, num_key_value_heads=2, head_dim=16,
+                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                     "Llama attention with a sigmoid gate per channel from a fused query and gate projection, "
+                     "a dense first layer, then DeepSeek-V3 routed and shared experts"),
+    "param2moe": (lambda: _make(T.Param2MoeConfig, T.Glm4MoeForCausalLM, num_key_value_heads=2, head_dim=16,
+                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                first_k_dense_replace=1),
+                  "GLM-4-MoE's modeling code with Param2's config: q/k RMSNorm per head, full rotary, a dense "
+                  "first layer, then routed and shared experts"),
     "falcon": (lambda: _make(T.FalconConfig, T.FalconForCausalLM, multi_query=True, parallel_attn=True),
                "MQA (Falcon-7B's multi_query), fused qkv, parallel attention and MLP"),
     "falcon_alibi": (lambda: _make(T.FalconConfig, T.FalconForCausalLM, alibi=True, multi_query=False),
@@ -404,7 +435,7 @@ QUERY_SCALE: Dict[str, Callable[[Any], torch.Tensor]] = {
 #: K/V heads tiled over the query heads (JetMoE: not the grouping the statistics assume); attention
 #: calls that cannot be told apart by layer (HRM's loops).
 NO_STATISTICS: Dict[str, str] = {
-    **dict.fromkeys(("falcon", "falcon_alibi", "bloom", "xglm", "gpt_neo"),
+    **dict.fromkeys(("bloom", "xglm", "gpt_neo"),
                     "did not run their attention through transformers' AttentionInterface"),
     "jetmoe": "attention receives queries",
     "hrm_text": "attention modules share layer_idx",

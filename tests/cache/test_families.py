@@ -324,6 +324,35 @@ def test_rules_for_layers_without_rope(name, classes) -> None:
     calibration.collect(model, [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]] * 2, samples=2, weighting="uniform")
 
 
+def test_kv_sharing_by_source_layer() -> None:
+    """Kolibri 1.1 names each layer's producer (``kv_source_layers``): its last layer reads the first
+    indexed layer's rows, not the last producer's before it; the indexed layers carry no RoPE; a
+    row of the statistics holds the queries of every layer reading it (uniform weighting)."""
+    model = build("kolibri1_1")
+    layout = describe(model)
+    assert [(s.kind, s.reads) for s in layout.layers] == [
+        ("sliding", None), ("full", None), ("full", None), ("sliding", None), ("shared", 2), ("shared", 1)]
+    assert [layout.rope.layer(i) is not None for i in range(6)] == [True, False, False, True, False, False]
+    wins = [list(np.random.default_rng(0).integers(3, VOCAB, 24)) for _ in range(2)]
+    stats = calibration.collect(model, wins, n_sink=1, samples=4, weighting="uniform")
+    seen = {}
+
+    def handler(i, module, q, k, v, mask, kwargs, attend):
+        seen.setdefault(i, []).append(q.detach().double()[0])  # no RoPE to take off: [hq, t, d]
+        return attend(q, k, v)
+
+    with torch.no_grad(), AttentionCapture(model, handler):
+        for w in wins:
+            model(input_ids=torch.tensor([w]), use_cache=False)
+    hq, hkv, d = layout.calibration_group()[1]
+    for row, readers in ((1, (1, 5)), (2, (2, 4))):
+        q = torch.cat([torch.cat(seen[i], dim=1) for i in readers], dim=1)
+        qg = q.reshape(hkv, hq // hkv * q.shape[1], d)
+        want = (qg.transpose(1, 2) @ qg / qg.shape[1]).numpy()
+        np.testing.assert_allclose(stats.q2[stats.layer_index.index(row)], want, rtol=1e-5,
+                                   atol=1e-6 * np.abs(want).max())
+
+
 def test_attention_other_than_described_is_refused(monkeypatch) -> None:
     """A model whose attention receives other head counts than its config reads (a Persimmon
     config given a kv-head count it does not use) is refused by name, not a torch error; one whose

@@ -337,11 +337,17 @@ def test_slow_path_for_other_codecs(llama) -> None:
     assert seq.shape[1] == 44 and cache.layers[0].num_sealed() == 2
 
 
-def test_unsupported_family_falls_back(ropeafter) -> None:
-    model = families.build("gpt2")
+@pytest.mark.parametrize("name, why", [("gpt2", "'gpt2' is not among"), ("kolibri1_1", "'kolibri1_1' is not among"),
+                                       ("falcon_alibi", "'falcon' with ALiBi")])
+def test_unsupported_family_falls_back(name, why, ropeafter) -> None:
+    """A family not checked for the fast path (Kolibri 1.1's indexed layers pick keys from every
+    cached row and attend over NVFP4-rounded copies, not the tensor the cache returned), and
+    Falcon with ALiBi (a family of the fast path whose position bias rides in the attention mask,
+    which the kernel reads as booleans): the slow path, naming why."""
+    model = families.build(name)
     codec = fast_codec(model, ropeafter)
     cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
-    assert not cache.fast and "gpt2" in cache.fast_reason
+    assert not cache.fast and why in cache.fast_reason
     with pytest.raises(ValueError):
         KakeyaCache(codec, model=model, fast=True)
 

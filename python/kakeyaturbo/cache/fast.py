@@ -45,7 +45,7 @@ import torch
 
 from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_sink_logits
 from ..families.capture import sparse_mask
-from ..families.layout import model_type
+from ..families.layout import model_type, text_config
 from ..families.rope import LayerRope, tabulated_rows
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
@@ -71,6 +71,8 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
                       "hunyuan_v1_moe", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
+                      "falcon",  # not with ALiBi (:func:`install` refuses it: the bias rides in the mask)
+                      "ergo", "minicpm5_moe", "param2moe",
                       # multimodal checkpoints' decoders (tests/cache/test_multimodal*.py)
                       "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
                       "qwen2_5_omni_text", "qwen3_omni_moe_text", "cosmos3_edge_text", "hunyuan_vl_text",
@@ -189,6 +191,9 @@ def install(model: Any) -> Optional[str]:
     mt = model_type(model)
     if mt not in FAMILIES:
         return f"model type {mt!r} is not among the families checked for the fast path"
+    if getattr(text_config(model), "alibi", False) is True:  # Falcon with ALiBi
+        return (f"model type {mt!r} with ALiBi: its position bias rides in the attention mask, which the "
+                "fast path reads as which keys a query sees, not as scores to add")
     base = base_of(model)
     if base is None:
         return (f"attention implementation {model.config._attn_implementation!r}: the fast path "

@@ -217,9 +217,10 @@ def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
 
 
 def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
-    """KV sharing (Gemma 3n, Gemma 4): each ``reuse`` layer's producer, the ``store`` layer of
-    its layer type (``config.kv_sharing_modes``); ``{}`` without sharing, None where the config
-    says layers share but not how."""
+    """KV sharing (Gemma 3n, Gemma 4, Kolibri 1.1): each ``reuse`` layer's producer, the last
+    ``store`` layer of its layer type before it (``config.kv_sharing_modes``), or the one
+    ``config.kv_source_layers`` names (Kolibri 1.1: not always the last); ``{}`` without sharing,
+    None where the config says layers share but not how."""
     try:
         modes = getattr(cfg, "kv_sharing_modes", None)
     except Exception:  # a config whose sharing does not add up
@@ -230,8 +231,14 @@ def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
     if len(types) != len(modes):
         return None
     out: Dict[int, int] = {}
+    sources = getattr(cfg, "kv_source_layers", None)  # Kolibri 1.1: each layer's producer, by index
     for i, mode in enumerate(modes):
-        if mode == "reuse":
+        if mode == "reuse" and isinstance(sources, (list, tuple)) and len(sources) == len(modes):
+            j = sources[i]
+            if not (isinstance(j, int) and 0 <= j < i and modes[j] == "store" and types[j] == types[i]):
+                return None
+            out[i] = j
+        elif mode == "reuse":
             store = [j for j in range(i) if modes[j] == "store" and types[j] == types[i]]
             if not store:
                 return None
@@ -247,7 +254,8 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     if bad:
         reasons = "; ".join(f"layer type {t!r}" for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
-    if getattr(cfg, "num_kv_shared_layers", 0) and _sharing(cfg) is None:
+    shares = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_source_layers", None) is not None
+    if shares and _sharing(cfg) is None:  # (Gemma's num_kv_shared_layers, Kolibri 1.1's kv_source_layers)
         raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
     loops = getattr(cfg, "n_recurrent_loops", None)
     if isinstance(loops, int) and loops > 1:
@@ -387,6 +395,7 @@ _ROPE_IF: Dict[str, Callable[[Any], bool]] = {
     "exaone4": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "exaone_moe": lambda m: m.sliding_window is None or bool(m.is_sliding),
     "kolibri1": lambda m: m.sliding_window is None or bool(m.is_sliding),
+    "kolibri1_1": lambda m: bool(m.is_sliding),  # indexed-attention layers: NoPE
     "afmoe": lambda m: bool(m.is_local_attention),
     "lara_mini": lambda m: m.sliding_window is not None,
 }
