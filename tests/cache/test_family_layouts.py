@@ -1,7 +1,8 @@
 """Layouts beyond one shape of layer, on tiny random-weight models (no download): Gemma 4's full
 layers of another head size than its sliding ones, the layers that share another's K/V rows
 (Gemma 4, Gemma 3n) weighed and made sensitive through what they read, a rotation the cache
-cannot recompute calibrated after RoPE, and Llama 4's chunked attention."""
+cannot recompute calibrated after RoPE, Llama 4's chunked attention, and configs edited after the
+model was built (layer and head counts other than its modules') refused."""
 
 from __future__ import annotations
 
@@ -274,3 +275,53 @@ def test_llama4_chunked_attention() -> None:
     from kakeyaturbo.eval import peers
 
     assert "chunked-attention" in peers.unsupported("quanto-int4", model)  # QuantizedCache: full layers only
+
+
+def _edited(name: str, **entries):
+    """A tiny ``name`` model whose config was edited after it was built, past transformers' checks."""
+    model = build(name)
+    model.config.__dict__.update(entries)
+    return model
+
+
+def test_a_layer_count_the_model_does_not_have_is_refused() -> None:
+    """``describe`` checks the config's layer count before any per-layer work: past MAX_LAYERS
+    (10**9: per-layer lists of that size, or a hang), past the decoder's layers (a hybrid's too,
+    whose extra layers would be state layers), or attention on a layer without an attention module
+    is refused naming both counts, by describe, a cache and calibration alike. Fewer layers than
+    the model has stay served (the model runs ``layers[:num_hidden_layers]``)."""
+    from kakeyaturbo._limits import MAX_LAYERS
+    for n in (10**9, MAX_LAYERS + 1):
+        model = _edited("llama", num_hidden_layers=n)
+        for call in (lambda: describe(model), lambda: KakeyaCache(IdentityCodec(), model=model),
+                     lambda: calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2)):
+            with pytest.raises(kt.UnsupportedModelError, match=f"'llama': .*num_hidden_layers {n} .*0..{MAX_LAYERS}"):
+                call()
+    with pytest.raises(kt.UnsupportedModelError, match="'llama': .* says 5 layers, but the model has 3 decoder layers"):
+        describe(_edited("llama", num_hidden_layers=5))
+    with pytest.raises(kt.UnsupportedModelError, match="'bamba': .* says 5 layers, but the model has 3 decoder layers"):
+        describe(_edited("bamba", num_hidden_layers=5))
+    # Bamba's layer types from its attention layers' indices: a second one without a module.
+    with pytest.raises(kt.UnsupportedModelError,
+                       match=r"'bamba': its config says 2 of its 3 layers attend, but the model has attention "
+                             r"modules for 1 \(layer_idx 1..1\): none for layer 2"):
+        KakeyaCache(IdentityCodec(), model=_edited("bamba", attn_layer_indices=[1, 2]))
+    assert describe(_edited("llama", num_hidden_layers=2)).num_layers == 2
+
+
+def test_head_counts_other_than_the_modules_are_refused() -> None:
+    """Head counts and widths the config says other than the attention modules hold (their
+    projections' shapes, their attributes) are refused by name with both counts, not read as the
+    config says: kv-heads, query heads, head_dim; a fused q/k/v projection (GPT-BigCode's MQA); a
+    latent's width (DeepSeek V3's MLA)."""
+    cases = [("llama", dict(num_key_value_heads=4), r"\(4, 4, 16\).*k_proj.out_features 32 \(the config's: 64\)"),
+             ("llama", dict(num_attention_heads=8), r"\(8, 2, 16\).*o_proj.in_features 64 \(the config's: 128\)"),
+             ("qwen3", dict(head_dim=32), r"\(4, 2, 32\).*head_dim 16 \(the config's: 32\)"),
+             ("gpt_bigcode", dict(num_key_value_heads=4), r"c_attn.out_features 96 \(the config's: 192\)"),
+             ("deepseek_v3", dict(kv_lora_rank=16), r"kv_a_proj_with_mqa.out_features 40 \(the config's: 24\)")]
+    for name, entries, what in cases:
+        model = _edited(name, **entries)
+        for call in (lambda: describe(model), lambda: KakeyaCache(IdentityCodec(), model=model)):
+            with pytest.raises(kt.UnsupportedModelError,
+                               match=f"'{name}': layer 0's attention receives other heads.*{what}"):
+                call()

@@ -15,7 +15,7 @@ from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearA
 
 from .._extras import require
 from ..calibration import ModelCodec
-from ..calibration.stats import MAX_LAYERS
+from .._limits import MAX_LAYERS
 from ..codec import _checks
 from ..codec.attention import SYNTHESES, attention_kernel
 from ..errors import InvalidParameterError

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple, Type, TypeVar
 import numpy as np
 
 from .._files import write_atomically
+from .._limits import MAX_LAYERS
 from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError
 
 _S = TypeVar("_S", bound="_Stored")
@@ -160,11 +161,6 @@ def _check_covariances(owner: str, name: str, a: np.ndarray, layers: Tuple[int, 
         raise InvalidInputError(
             f"{owner} {name!r} at layer {layers[row]}, kv-head {h} {what}: it is not a covariance "
             f"({len(bad)} of {asym.size} matrices are not)")
-
-
-#: The most layers a model may have: a cache's ``num_layers`` (every layer is built up front)
-#: and the layer indices statistics record (one beyond is damage, not a model).
-MAX_LAYERS = 4096
 
 
 def _layer_index(owner: str, meta: Dict[str, Any], n: int) -> Tuple[int, ...]:

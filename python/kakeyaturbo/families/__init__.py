@@ -4,6 +4,8 @@
 - `layout`: :func:`describe`, a model per layer (full, sliding-window or chunked attention; a
   hybrid's recurrent or convolution state; KV sharing; multi-head latent attention; heads, the
   RoPE of its keys) and :class:`~kakeyaturbo.errors.UnsupportedModelError` for what cannot work;
+- `counts`: what the model's attention modules hold (their layers, head counts and widths), which
+  :func:`describe` checks the config against before reading it;
 - `rope`: RoPE as the families apply it (pairings, partial rotary, per-layer-type rotary
   modules), its exact inverse and transpose;
 - `capture`: :class:`AttentionCapture`, every layer's queries, keys and values as the model

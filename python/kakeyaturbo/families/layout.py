@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import UnsupportedModelError
+from .counts import check_heads, check_layers, layer_count, modules_by_layer
 from .heads import layer_heads, per_layer
 from .rope import LayerRope, ModelRope, detect_rope
 
@@ -283,19 +284,10 @@ def _own_cache_class(model: Any) -> Optional[str]:
     return None
 
 
-#: How the class names of attention modules end (LongCat-Flash's is ``LongcatFlashMLA``).
-ATTENTION_NAMES = ("Attention", "MLA")
-
-
 def attention_modules_by_index(model: Any) -> Dict[int, List[Any]]:
     """Every attention module of a decoder (named ``*Attention`` or ``*MLA``, with a
     ``layer_idx``) by ``layer_idx``, in the order ``model.modules()`` gives them."""
-    out: Dict[int, List[Any]] = {}
-    for mod in model.modules():
-        idx = getattr(mod, "layer_idx", None)
-        if isinstance(idx, int) and type(mod).__name__.endswith(ATTENTION_NAMES):
-            out.setdefault(idx, []).append(mod)
-    return out
+    return modules_by_layer(model, ("layer_idx",))
 
 
 def attention_modules(model: Any) -> Dict[int, Any]:
@@ -481,7 +473,8 @@ def describe(model: Any) -> ModelLayout:
     Raises UnsupportedModelError (an InvalidParameterError, so a ValueError) naming the model type
     and the reason when its K/V layers do not hold one K/V row per token and head
     (encoder-decoders, KV sharing by a rule it does not read, a modeling module
-    that takes only its own cache class) or no layer holds K/V rows. A RoPE that cannot be
+    that takes only its own cache class) or no layer holds K/V rows, and where its config says other
+    layers or heads than its modules hold (:mod:`~kakeyaturbo.families.counts`). A RoPE that cannot be
     recomputed from positions alone (``dynamic``, ``longrope``, an unknown pairing) is not refused
     here but recorded in ``rope_error``: only codecs that code keys without RoPE need it
     (:meth:`ModelLayout.require_rope`).
@@ -490,8 +483,11 @@ def describe(model: Any) -> ModelLayout:
     mt = model_type(model)
     if not hasattr(cfg, "num_hidden_layers"):
         raise _refuse(mt, "no num_hidden_layers in its config: not a transformers decoder")
+    layer_count(cfg, mt)  # a count past MAX_LAYERS is refused before any per-layer work
     types, kwargs = _layer_types(cfg, mt)
     _check_kv(model, cfg, mt, types)
+    by = modules_by_layer(model)  # the layers and heads the model has, against what its config says
+    check_layers(model, by, mt, len(types), [i for i, t in enumerate(types) if t not in STATE_LAYER_TYPES])
     shared = _sharing(cfg) or {}
     # Multi-head latent attention: the latent and rotated widths of each layer (its per-layer
     # config's where the config has one: dots.llm3's sliding layers have widths of their own)
@@ -525,6 +521,7 @@ def describe(model: Any) -> ModelLayout:
         dv = per_layer(cfg, i, "v_head_dim")  # values of another width (MiMo-V2-Flash)
         specs.append(LayerSpec(i, kind, window, hq, hkv, d, lt, states,
                                v_dim=int(dv) if isinstance(dv, int) and dv != d else None))
+    check_heads(by, mt, specs, latent)
     if latent:  # the latent keys carry no rotation: nothing to take off or put back
         return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)
