@@ -19,10 +19,13 @@ def watch_calls(model: Any, cache: Any) -> None:
     (InvalidInputError) a call with no new token on a filled cache, a first call on a loaded
     one whose positions start within the prefix (``generate`` given ids shorter than the prefix
     the cache holds feeds none or their tail again, which would fail deep in the model or
-    silently continue from the wrong tokens), and a call on a cache a refused call left
+    silently continue from the wrong tokens), the first call of assisted decoding on a cache
+    that holds tokens (transformers 5.25 feeds them again:
+    :meth:`KakeyaCache.activate_past_recording`), and a call on a cache a refused call left
     unusable; ends past recording where no crop answered the last call (no draft is checked
-    any more: ``KakeyaCache.end_past_recording``); hands the call's ``position_ids`` to the cache's position store (some families,
-    GPT-NeoX, do not forward them to the cache), and the multimodal positions the model's
+    any more: ``KakeyaCache.end_past_recording``); hands the call's ``position_ids`` to the
+    cache's position store (some families, GPT-NeoX, do not forward them to the cache), and the
+    multimodal positions the model's
     rotary modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a
     snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is
     rolled back, so that the cache is as it was; a loaded prefix is continued only once a call
@@ -48,9 +51,18 @@ def watch_calls(model: Any, cache: Any) -> None:
         p = p if isinstance(p, torch.Tensor) and p.ndim == 2 else None
         empty = isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == 0
         resume = getattr(c, "_resume", None)
+        assist, c._assist_from = getattr(c, "_assist_from", None), None
+        mask = kwargs.get("attention_mask")
+        if assist and p is not None and _goes_back(p, assist, *(resume or (assist, None)), mask):
+            c.end_past_recording()  # as it was before transformers turned it on
+            raise InvalidInputError(
+                "transformers' assisted decoding (assistant_model=, prompt_lookup_num_tokens=, use_mtp=True) feeds "
+                f"the whole sequence again at its first call, the {assist} tokens the cache holds included, which "
+                "it would then hold and attend to twice (DynamicCache does, and goes on from the wrong rows): give "
+                "assisted decoding a cache that holds no tokens, or continue this one without drafts")
         if empty or (resume is not None and p is not None):
             held = c.get_seq_length()
-            if held and (empty or _goes_back(p, held, *resume, kwargs.get("attention_mask"))):
+            if held and (empty or _goes_back(p, held, *resume, mask)):
                 raise InvalidInputError(
                     f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
                     f"file): give ids that begin with those {held} tokens and go on past them")

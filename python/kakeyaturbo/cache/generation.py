@@ -175,6 +175,9 @@ class KakeyaCache(Cache, NotPickled):
         #: a refused call left the cache unusable (a hybrid's recurrent states advanced).
         self._undo: Any = None
         self._broken: Optional[str] = None
+        #: The tokens held when transformers last turned past recording on, until the next call
+        #: (:meth:`activate_past_recording`); None when none were.
+        self._assist_from: Optional[int] = None
         if model is not None:
             watch_calls(model, self)
         layers = [self._new_layer(i) for i in range(num_layers or 0)]
@@ -297,9 +300,18 @@ class KakeyaCache(Cache, NotPickled):
     # The position store is shared by the layers, so the batch and length operations that
     # transformers applies layer by layer apply to it once here.
 
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Recording the past in every layer (transformers, before assisted, prompt-lookup and MTP
+        decoding). transformers 5.25's first call of those then feeds the whole sequence again,
+        also the tokens a cache already holds: the next call is refused if it starts within them
+        (:func:`~kakeyaturbo.cache.calls.watch_calls`)."""
+        super().activate_past_recording(**kwargs)
+        self._assist_from = self.get_seq_length() or None
+
     def reset(self) -> None:
         super().reset()
         self._broken = None
+        self._assist_from = None
         if self._positions is not None:
             self._positions.reset()
 
