@@ -9,8 +9,9 @@ import inspect
 from typing import Any, Dict, Optional
 
 import torch
-from transformers.cache_utils import LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from .checks import selected_rows
 from .layer import KakeyaLayer, _tensor_bytes
 
 
@@ -33,7 +34,7 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
     def reset(self) -> None:
-        LinearAttentionLayer.reset(self)
+        reset_linear(self)
         KakeyaLayer.reset(self)
 
     @property
@@ -48,14 +49,30 @@ class KakeyaStateLayer(KakeyaLayer, LinearAttentionLayer):
         KakeyaLayer.activate_past_recording(self, **kwargs)
         LinearAttentionLayer.activate_past_recording(self, **kwargs)
 
-    # The K/V rows first: their checks refuse bad arguments before either part changes.
+    def end_past_recording(self) -> None:
+        KakeyaLayer.end_past_recording(self)
+        end_linear_recording(self)
+
+    # The K/V rows first: their checks (and crop_refusal, the states' too) refuse bad arguments
+    # before either part changes.
     def crop(self, tokens_to_remove: int) -> None:
         KakeyaLayer.crop(self, tokens_to_remove)
         LinearAttentionLayer.crop(self, tokens_to_remove)
 
+    def crop_refusal(self, r: int) -> Optional[str]:
+        return KakeyaLayer.crop_refusal(self, r) or linear_crop_refusal(self, r, self.index)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         KakeyaLayer.reorder_cache(self, beam_idx)
         LinearAttentionLayer.reorder_cache(self, beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        KakeyaLayer.batch_repeat_interleave(self, repeats)
+        select_states(self, "batch_repeat_interleave", repeats, self.index)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        KakeyaLayer.batch_select_indices(self, indices)
+        select_states(self, "batch_select_indices", indices, self.index)
 
     def get_max_length(self) -> int:
         return KakeyaLayer.get_max_length(self)
@@ -110,3 +127,69 @@ class KakeyaIndexedLayer(KakeyaLayer):
 
     def nbytes_uncompressed(self) -> int:
         return super().nbytes_uncompressed() + _tensor_bytes(self.indexer_keys)
+
+
+# transformers' linear layers (LinearAttentionLayer, and the states of a KakeyaStateLayer) as
+# the cache drives them.
+
+
+def reset_linear(layer: Any) -> None:
+    """The states of ``layer`` as a fresh layer's: transformers' reset zeroes them in place,
+    keeping their batch (a cache reused for another batch failed in the mixer, and then refused
+    every call until a reset, which changed nothing) and their past recording (the convolution
+    states went on growing by every token, the recurrent history by a copy per call)."""
+    LinearAttentionCacheLayerMixin.__init__(layer, number_of_states=layer.number_of_states)
+    for name in ("recurrent_states_history", "recurrent_states_to_keep"):
+        layer.__dict__.pop(name, None)
+
+
+def end_linear_recording(layer: Any) -> None:
+    """Ends transformers' past recording in a layer of recurrent or convolution states, leaving
+    it as a ``crop(0)`` would: each convolution state cut back to its kernel's width (it grows by
+    every token recorded, and the next call that does not record copies into a state of that
+    width: a RuntimeError of mismatched sizes), the recurrent states' history dropped (a copy
+    per call)."""
+    layer.record_past = False
+    for i, k in layer.conv_kernel_size.items():
+        t = layer.conv_states.get(i)
+        if isinstance(t, torch.Tensor) and isinstance(k, int) and t.shape[-1] > k:
+            layer.conv_states[i] = t[..., -k:].clone()
+    history = getattr(layer, "recurrent_states_history", None)
+    if isinstance(history, dict):
+        layer.recurrent_states_history = {i: [] for i in history}
+
+
+def linear_crop_refusal(layer: Any, r: int, index: int) -> Optional[str]:
+    """Why the states of ``layer`` (layer ``index``) cannot drop their last ``r`` tokens, or
+    None: they are cropped only while recording the past, and back to what they recorded
+    (transformers' crop raised there after other layers were cropped, an IndexError past the
+    recorded history)."""
+    if not layer.record_past:
+        return (f"layer {index} holds recurrent or convolution states, which are cropped only while "
+                "recording the past (activate_past_recording() before the calls to undo)")
+    history = getattr(layer, "recurrent_states_history", None) or {}
+    for i in range(layer.number_of_states):
+        conv, k = layer.conv_states.get(i), layer.conv_kernel_size.get(i)
+        kept = [conv.shape[-1] - k] if isinstance(conv, torch.Tensor) and isinstance(k, int) else []
+        if r and layer.is_recurrent_states_initialized[i]:
+            kept.append(len(history.get(i) or ()))
+        if kept and r > min(kept):
+            return (f"layer {index} recorded the states of its last {min(kept)} tokens: it cannot "
+                    f"remove {r}")
+    return None
+
+
+def select_states(layer: Any, op: str, arg: Any, index: int) -> None:
+    """``batch_repeat_interleave(arg)`` or ``batch_select_indices(arg)`` (``op``) on the conv and
+    recurrent states of ``layer``, layer ``index`` (transformers' linear layers have neither: an
+    AttributeError, and a KakeyaStateLayer's states kept their batch while its rows changed)."""
+    held = [t for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if isinstance(t, torch.Tensor)]
+    if not held:
+        return
+    batch = held[0].shape[0]
+    rows = (torch.arange(batch).repeat_interleave(arg) if op == "batch_repeat_interleave"
+            else selected_rows(arg, batch, index))
+    for states in (layer.conv_states, layer.recurrent_states):
+        for i, t in states.items():
+            if isinstance(t, torch.Tensor):
+                states[i] = t.index_select(0, rows.to(t.device))

@@ -26,7 +26,8 @@ from . import fast as fast_mod
 from .codecs import (STREAMS, BlockCodec, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      wants_rope)
 from .compressed import CompressedEntries, compressed_layer, rows_of
-from .extra_layers import KakeyaIndexedLayer, KakeyaStateLayer
+from .extra_layers import (KakeyaIndexedLayer, KakeyaStateLayer, end_linear_recording, linear_crop_refusal,
+                           reset_linear, select_states)
 from .layer import KakeyaLayer
 from .copying import NotPickled, copy_sharing
 from .rollback import crop_count
@@ -309,7 +310,11 @@ class KakeyaCache(Cache, NotPickled):
         self._assist_from = self.get_seq_length() or None
 
     def reset(self) -> None:
+        """Empties the cache for reuse (any batch); a hybrid's linear layers become fresh ones."""
         super().reset()
+        for layer in self.layers:  # transformers' reset keeps the states' batch and past recording
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                reset_linear(layer)
         self._broken = None
         self._assist_from = None
         if self._positions is not None:
@@ -344,11 +349,13 @@ class KakeyaCache(Cache, NotPickled):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Removes the last ``-tokens_to_remove`` tokens of every layer, or of none: a layer that
-        cannot (a sliding one that dropped rows, see :meth:`KakeyaLayer.crop`) refuses before
-        any changes (RuntimeError)."""
+        cannot (a sliding one that dropped rows, see :meth:`KakeyaLayer.crop`; a hybrid's
+        recurrent or convolution states outside past recording or past what they recorded)
+        refuses before any changes (RuntimeError)."""
         r = crop_count(tokens_to_remove)
-        for layer in self.layers:
-            refusal = layer.crop_refusal(r) if isinstance(layer, _OWN) else None
+        for i, layer in enumerate(self.layers):
+            refusal = layer.crop_refusal(r) if isinstance(layer, _OWN) else (
+                linear_crop_refusal(layer, r, i) if isinstance(layer, LinearAttentionCacheLayerMixin) else None)
             if refusal is not None:
                 raise RuntimeError(refusal)
         super().crop(tokens_to_remove)
@@ -368,10 +375,7 @@ class KakeyaCache(Cache, NotPickled):
         before a call that follows one no crop answered (no draft checked any more), and by save."""
         for layer in self.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):  # KakeyaStateLayer's states too
-                layer.record_past = False
-                history = getattr(layer, "recurrent_states_history", None)
-                if isinstance(history, dict):
-                    layer.recurrent_states_history = {i: [] for i in history}
+                end_linear_recording(layer)
             rows = rows_of(layer)
             if isinstance(rows, KakeyaLayer):
                 rows.end_past_recording()
@@ -383,14 +387,23 @@ class KakeyaCache(Cache, NotPickled):
 
     # The layers first: they check the rows asked for before anything changes.
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
+        repeats = _checks.integer(repeats, "repeats", 1)
+        self._batch_op("batch_repeat_interleave", repeats)
         if self._positions is not None and self._positions.pos is not None:
             self._positions.select(torch.arange(self._positions.pos.shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
+        self._batch_op("batch_select_indices", indices)
         if self._positions is not None and self._positions.pos is not None:
             self._positions.select(torch.arange(self._positions.pos.shape[0])[torch.as_tensor(indices).to("cpu")])
+
+    def _batch_op(self, op: str, arg: Any) -> None:
+        """``op`` on every layer; transformers' linear layers have none: their states here."""
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and not hasattr(layer, op):
+                select_states(layer, op, arg, i)
+            else:
+                getattr(layer, op)(arg)
 
     # --- accounting ---------------------------------------------------------------------------
 

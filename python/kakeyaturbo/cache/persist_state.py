@@ -65,7 +65,7 @@ def layer_state(layer: Any) -> States:
             tensors = _compressed(layer)
             counts = {"cumulative_length": int(layer.cumulative_length),
                       **{f"entry_count.{n}": int(c) for n, c in layer.entry_count.items()}}
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not _empty(layer):
         if layer.record_past:
             raise InvalidParameterError("cannot save a cache while it records the past (assisted decoding): "
                                         "save it after the draft's check")
@@ -84,6 +84,14 @@ def layer_state(layer: Any) -> States:
         if str(t.dtype).replace("torch.", "") not in DTYPES:
             raise InvalidParameterError(f"cannot save state {name!r} of dtype {t.dtype}; known: {list(DTYPES)}")
     return tensors, flags, counts
+
+
+def _empty(layer: Any) -> bool:
+    """Whether a linear layer holds nothing (a new cache's, or one :meth:`KakeyaCache.reset`
+    made fresh): saved without flags, as the model's layer that has seen no token (its flags
+    were written, which loading refused)."""
+    return not any(layer.has_previous_state.values()) and not any(
+        isinstance(t, torch.Tensor) for t in (*layer.conv_states.values(), *layer.recurrent_states.values()))
 
 
 def holds_states(layout: Any) -> bool:
