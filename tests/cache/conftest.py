@@ -11,9 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import calibration, recipes  # noqa: E402
-from kakeyaturbo.cache import (  # noqa: E402
-    IdentityCodec,
-)
+from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 
 VOCAB, LAYERS, KV_HEADS = 97, 3, 2
 
@@ -67,6 +65,18 @@ def generate(model, ids, cache, n: int = 24, **kw):
                          return_dict_in_generate=True, output_logits=True, pad_token_id=0,
                          **{cache_kw(model): cache}, **kw)
     return out.sequences, torch.stack(out.logits)
+
+
+def saved_and_loaded_go_on_alike(model, codec, cache, more, path, n: int):
+    """Saves ``cache`` to ``path`` (a save ends past recording: checked), loads it, and checks that
+    the two generate ``n`` tokens after ``more`` alike, bit for bit. Returns the loaded cache."""
+    cache.save(path)
+    assert not any(getattr(layer, "record_past", False) for layer in cache.layers)
+    loaded = KakeyaCache.load(path, model, codec)
+    runs = [generate(model, more, c, n=n) for c in (cache, loaded)]
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    return loaded
 
 
 def forward(model, ids, cache):

@@ -16,7 +16,7 @@ from transformers.modeling_layers import MtpModel  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 
-from .conftest import fast_codec, fast_recipe, generate  # noqa: E402
+from .conftest import fast_codec, fast_recipe, generate, saved_and_loaded_go_on_alike  # noqa: E402
 from .families import build, family_prompt  # noqa: E402
 
 
@@ -111,13 +111,8 @@ def test_a_cache_after_mtp_decoding_saves_and_seals_again(name, tmp_path) -> Non
     cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     seq, _ = generate(model, ids, cache, n=6, use_mtp=True)
     assert all(layer.record_past for layer in cache.layers)
-    path = cache.save(tmp_path / "prefix.kkp")
-    assert not any(layer.record_past for layer in cache.layers)
-    loaded = KakeyaCache.load(path, model, codec)
     more = torch.cat([seq, family_prompt(t=3, seed=8)], dim=1)
-    runs = [generate(model, more, c, n=10) for c in (cache, loaded)]
-    assert torch.equal(runs[0][0], runs[1][0])
-    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    loaded = saved_and_loaded_go_on_alike(model, codec, cache, more, tmp_path / "prefix.kkp", n=10)
     again = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     generate(model, ids, again, n=6, use_mtp=True)
     sealed = [layer.num_sealed() for layer in again.layers]

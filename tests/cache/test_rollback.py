@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.errors import InvalidInputError, InvalidParameterError  # noqa: E402
 
-from .conftest import fast_codec, fast_recipe, forward, generate  # noqa: E402
+from .conftest import fast_codec, fast_recipe, forward, generate, saved_and_loaded_go_on_alike  # noqa: E402
 from .families import T_PROMPT, WINDOW, build, family_prompt  # noqa: E402
 
 ASSISTED = {"prompt lookup": lambda name: dict(prompt_lookup_num_tokens=3),
@@ -146,13 +146,8 @@ def test_a_cache_reused_after_assisted_decoding_seals_again(name, tmp_path) -> N
     cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     seq, _ = generate(model, ids, cache, n=6, prompt_lookup_num_tokens=3)
     assert all(layer.record_past for layer in cache.layers)
-    path = cache.save(tmp_path / "prefix.kkp")
-    assert not any(layer.record_past for layer in cache.layers)
-    loaded = KakeyaCache.load(path, model, codec)
     more = torch.cat([seq, family_prompt(t=3, seed=7)], dim=1)
-    runs = [generate(model, more, c, n=16) for c in (cache, loaded)]
-    assert torch.equal(runs[0][0], runs[1][0])
-    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    loaded = saved_and_loaded_go_on_alike(model, codec, cache, more, tmp_path / "prefix.kkp", n=16)
     for c in (cache, loaded):
         assert all(st.staging.shape[-2] < 4 for layer in c.layers for st in layer._s.values())
     # Without a save, the recording ends at the second call of the next generate.
@@ -184,14 +179,9 @@ def test_assisted_decoding_of_a_hybrid_then_a_save(name, tmp_path) -> None:
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
     assert linear and all(layer.record_past for layer in linear)
-    path = cache.save(tmp_path / "prefix.kkp")
-    assert not any(layer.record_past for layer in cache.layers)
-    assert not any(h for layer in linear for h in getattr(layer, "recurrent_states_history", {}).values())
-    loaded = KakeyaCache.load(path, model, IdentityCodec())
     more = torch.cat([seq, family_prompt(t=3, seed=7)], dim=1)
-    runs = [generate(model, more, c, n=6) for c in (cache, loaded)]
-    assert torch.equal(runs[0][0], runs[1][0])
-    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=0, atol=0)
+    saved_and_loaded_go_on_alike(model, IdentityCodec(), cache, more, tmp_path / "prefix.kkp", n=6)
+    assert not any(h for layer in linear for h in getattr(layer, "recurrent_states_history", {}).values())
     again = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
     generate(model, ids, again, n=6, prompt_lookup_num_tokens=3)
     generate(model, more, again, n=6)
