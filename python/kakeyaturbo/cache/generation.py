@@ -311,10 +311,11 @@ class KakeyaCache(Cache, NotPickled):
 
     def reset(self) -> None:
         """Empties the cache for reuse (any batch); a hybrid's linear layers become fresh ones."""
-        super().reset()
-        for layer in self.layers:  # transformers' reset keeps the states' batch and past recording
-            if isinstance(layer, LinearAttentionCacheLayerMixin):
-                reset_linear(layer)
+        for layer in self.layers:  # (Cache.reset: each layer's reset)
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, KakeyaLayer):
+                reset_linear(layer)  # transformers' reset keeps the states' batch and past recording
+            else:
+                layer.reset()  # a KakeyaStateLayer's resets its states as reset_linear does
         self._broken = None
         self._assist_from = None
         if self._positions is not None:
@@ -374,11 +375,11 @@ class KakeyaCache(Cache, NotPickled):
         transformers 5.25 keep a copy of their recurrent states per call while recording. Called
         before a call that follows one no crop answered (no draft checked any more), and by save."""
         for layer in self.layers:
-            if isinstance(layer, LinearAttentionCacheLayerMixin):  # KakeyaStateLayer's states too
-                end_linear_recording(layer)
             rows = rows_of(layer)
             if isinstance(rows, KakeyaLayer):
-                rows.end_past_recording()
+                rows.end_past_recording()  # a KakeyaStateLayer's: its states' too
+            elif isinstance(layer, LinearAttentionCacheLayerMixin):
+                end_linear_recording(layer)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
