@@ -12,6 +12,7 @@
 //! RoPE with the bfloat16 synthesis instead store their centroids as bfloat16 pairs, looked up
 //! 32 rows at a time from tables rounded once ([`centroids_bf16`]).
 
+use super::fixed::FixedSynthesis;
 use super::kernel::{rotate_tile, Rot, Scratch, Tile, TILE};
 use super::store::SealedBlock;
 use super::tables::StreamTables;
@@ -24,9 +25,10 @@ mod synth;
 
 use lookup::{acc_rows, centroids, dot_rows, unpack};
 pub use synth::has_bf16;
+pub use synth::has_vnni;
 use synth::{
-    centroids_bf16, synthesize_bf16_fma, synthesize_bf16_from, synthesize_bf16_rot,
-    synthesize_block, Affine,
+    centroids_packed, synthesize_bf16_fma, synthesize_bf16_from, synthesize_bf16_rot,
+    synthesize_block, synthesize_i16_madd, synthesize_i16_vnni, Affine,
 };
 
 /// Whether this CPU runs the AVX-512 kernel.
@@ -78,7 +80,24 @@ impl Tile for Avx512 {
         // checked.
         unsafe {
             unpack(t, b, row0, rows, s);
-            centroids_bf16(t, &s.bytes, &mut s.packed);
+            centroids_packed::<false>(t, &s.bytes, &mut s.packed);
+        }
+    }
+
+    #[inline(always)]
+    fn centroids_i16(
+        self,
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        assert!(s.packed.len() >= t.m.div_ceil(2) * TILE);
+        // SAFETY: as in `centroids_bf16`.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            centroids_packed::<true>(t, &s.bytes, &mut s.packed);
         }
     }
 
@@ -143,42 +162,38 @@ impl Tile for Avx512 {
         rot: &Rot<'_>,
         keys: &mut [f32],
     ) {
-        let h = rot.half;
-        if !has_bf16() || h == 0 {
+        if !has_bf16() || rot.half == 0 {
             self.synthesize_bf16(d, pairs, packed, mb, g, mean, keys);
             rotate_tile(rot, keys);
             return;
         }
-        assert!(packed.len() >= pairs * TILE && mb.len() >= pairs * d && keys.len() >= d * TILE);
-        assert!(mean.len() >= d && 2 * h <= d);
-        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
+        rotated_sizes(d, pairs, packed, mb.len(), mean, rot, keys);
+        // SAFETY: as in `scales` (and `has_bf16`); the sizes were checked.
+        unsafe { synthesize_bf16_rot(d, pairs, packed, mb, &Affine { g, mean }, rot, keys) }
+    }
+
+    #[inline(always)]
+    fn synthesize_i16_rotated(
+        self,
+        d: usize,
+        pairs: usize,
+        packed: &[u32],
+        f: &FixedSynthesis,
+        g: &[f32; TILE],
+        mean: &[f32],
+        rot: &Rot<'_>,
+        keys: &mut [f32],
+    ) {
+        rotated_sizes(d, pairs, packed, f.words.len(), mean, rot, keys);
+        assert!(f.unit.len() >= d);
         let y = Affine { g, mean };
-        // SAFETY: as in `scales` (and `has_bf16`); the sizes were checked: every channel is
-        // below `d`, every frequency's run inside the tables.
+        // SAFETY: as in `scales` (and `has_vnni` for `vpdpwssd`); the sizes were checked.
         unsafe {
-            // Both channels of two frequencies per block, rotated in registers; then the
-            // channels past the rotation as `synthesize_bf16` does them.
-            let mut i = 0;
-            while i + 2 <= h {
-                let ((a0, b0), (a1, b1)) = (rot.pair(i), rot.pair(i + 1));
-                synthesize_bf16_rot::<4, 2>(
-                    d,
-                    [a0, a1, b0, b1],
-                    [i, i + 1],
-                    pairs,
-                    packed,
-                    mb,
-                    &y,
-                    rot,
-                    keys,
-                );
-                i += 2;
+            if has_vnni() {
+                synthesize_i16_vnni(d, pairs, packed, f, &y, rot, keys)
+            } else {
+                synthesize_i16_madd(d, pairs, packed, f, &y, rot, keys)
             }
-            if i < h {
-                let (a, b) = rot.pair(i);
-                synthesize_bf16_rot::<2, 1>(d, [a, b], [i], pairs, packed, mb, &y, rot, keys);
-            }
-            synthesize_bf16_from(d, 2 * h, pairs, packed, mb, &y, keys);
         }
     }
 
@@ -257,6 +272,25 @@ impl Tile for Avx512 {
                 r0 += nr;
             }
         }
+    }
+}
+
+/// The sizes a synthesis with the rotation in registers reads and writes: every channel below
+/// `d` (`weights` words of `M`, pairs x D), every frequency's run inside the cos/sin tables.
+fn rotated_sizes(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    weights: usize,
+    mean: &[f32],
+    rot: &Rot<'_>,
+    keys: &[f32],
+) {
+    let h = rot.half;
+    assert!(packed.len() >= pairs * TILE && weights >= pairs * d && keys.len() >= d * TILE);
+    assert!(mean.len() >= d && 2 * h <= d);
+    if h > 0 {
+        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
     }
 }
 

@@ -2,6 +2,7 @@
 //! chains; `vdpbf16ps` or its float32 pairs for the bfloat16 synthesis, with the rotation in
 //! registers), and the look-up of the centroids as bfloat16 pairs that the latter reads.
 
+use super::super::fixed::FixedSynthesis;
 use super::super::kernel::{bf16_half, Rot, TILE};
 use super::super::tables::{Component, StreamTables};
 use std::arch::x86_64::*;
@@ -50,16 +51,22 @@ pub fn has_bf16() -> bool {
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
 }
 
-/// The unpacked indices of a tile looked up and rounded to bfloat16 pairs: [`centroids`]
-/// then [`super::kernel::pack_tile`] without the float32 tile between them. Each component is
-/// looked up from its table rounded beforehand ([`StreamTables::table_bf16`]), 32 rows per
-/// 16-bit permute of 64 entries (blended by the index's bits 6 and 7 past 6 bits), and the
-/// two members of a pair interleaved into packed words by two more permutes.
+/// The unpacked indices of a tile looked up and rounded to bfloat16 pairs, or (`FIXED`) to
+/// 16-bit fixed-point ones: [`centroids`] then [`super::kernel::pack_tile`] (or
+/// [`super::super::fixed::pack_tile`]) without the float32 tile between them. Each component is
+/// looked up from its table rounded beforehand ([`StreamTables::table_bf16`],
+/// [`StreamTables::table_i16`]), 32 rows per 16-bit permute of 64 entries (blended by the
+/// index's bits 6 and 7 past 6 bits), and the two members of a pair interleaved into packed
+/// words by two more permutes.
 ///
 /// [`centroids`]: super::lookup::centroids
 /// [`super::kernel::pack_tile`]: super::super::kernel::pack_tile
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut [u32]) {
+pub(super) unsafe fn centroids_packed<const FIXED: bool>(
+    t: &StreamTables,
+    bytes: &[u8],
+    packed: &mut [u32],
+) {
     let slots = 8 * t.groups.len();
     let bp = bytes.as_ptr();
     let pp = packed.as_mut_ptr();
@@ -73,7 +80,12 @@ pub(super) unsafe fn centroids_bf16(t: &StreamTables, bytes: &[u8], packed: &mut
     let at = |rg: usize, c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
     // Rows 32 h .. 32 h + 31 of component `j`: its index bytes as words, looked up.
     let words = |j: usize, h: usize| {
-        let (c, tab) = (&t.comps[j], t.table_bf16(j));
+        let tab = if FIXED {
+            t.table_i16(j)
+        } else {
+            t.table_bf16(j)
+        };
+        let c = &t.comps[j];
         let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
             _mm_loadu_si128(at(2 * h + 1, c) as *const __m128i),
             _mm_loadu_si128(at(2 * h, c) as *const __m128i),
@@ -144,80 +156,174 @@ impl Affine<'_> {
     }
 }
 
-/// The `vdpbf16ps` chains of channels `dims` (high pair member first, then the low one, each
-/// rounded as an `fma`: the definition's chain), rows in lanes.
-#[inline(always)]
-unsafe fn bf16_sums<const N: usize>(
-    d: usize,
-    dims: [usize; N],
-    pairs: usize,
-    packed: &[u32],
-    mb: &[u32],
-) -> [[__m512; 4]; N] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; N];
-    let (tp, mp) = (packed.as_ptr(), mb.as_ptr());
-    for p in 0..pairs {
-        let c: [__m512bh; 4] = std::array::from_fn(|g| {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                tp.add(p * TILE + 16 * g) as *const _
-            ))
-        });
-        for (a, &dd) in acc.iter_mut().zip(&dims) {
-            let w: __m512bh = std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + dd) as i32));
-            for (x, &cg) in a.iter_mut().zip(&c) {
-                *x = _mm512_dpbf16_ps(*x, w, cg);
-            }
-        }
-    }
-    acc
+/// What the syntheses of keys coded before RoPE sum per channel over a tile's packed pairs,
+/// rows in lanes, before the scale and the mean: [`Bf16`]'s `vdpbf16ps` chains or [`Fixed`]'s
+/// exact integer sums. The loops over channels and frequencies ([`from_with`],
+/// [`rotated_with`]) are written once for both.
+pub(super) trait Chains: Copy {
+    /// The sums of channels `dims`.
+    unsafe fn sums<const N: usize>(
+        self,
+        d: usize,
+        dims: [usize; N],
+        pairs: usize,
+        packed: &[u32],
+    ) -> [[__m512; 4]; N];
 }
 
-/// Channels `d0 .. d` of [`Tile::synthesize_bf16`] with `vdpbf16ps`, in blocks of 4, then 1.
-///
-/// [`Tile::synthesize_bf16`]: super::super::kernel::Tile::synthesize_bf16
+/// The bfloat16 synthesis: `M` rounded to bfloat16 pairs ([`StreamTables::key_synthesis_bf16`]);
+/// its sums need AVX-512 BF16.
+#[derive(Clone, Copy)]
+pub(super) struct Bf16<'a>(pub(super) &'a [u32]);
+
+impl Chains for Bf16<'_> {
+    /// The `vdpbf16ps` chains (high pair member first, then the low one, each rounded as an
+    /// `fma`: the definition's chain).
+    #[inline(always)]
+    unsafe fn sums<const N: usize>(
+        self,
+        d: usize,
+        dims: [usize; N],
+        pairs: usize,
+        packed: &[u32],
+    ) -> [[__m512; 4]; N] {
+        let mut acc = [[_mm512_setzero_ps(); 4]; N];
+        let (tp, mp) = (packed.as_ptr(), self.0.as_ptr());
+        for p in 0..pairs {
+            let c: [__m512bh; 4] = std::array::from_fn(|g| {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    tp.add(p * TILE + 16 * g) as *const _,
+                ))
+            });
+            for (a, &dd) in acc.iter_mut().zip(&dims) {
+                let w: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(*mp.add(p * d + dd) as i32));
+                for (x, &cg) in a.iter_mut().zip(&c) {
+                    *x = _mm512_dpbf16_ps(*x, w, cg);
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// The 16-bit fixed-point synthesis ([`super::super::fixed::synthesize_tile`]): per pair of
+/// components and 16 rows one `vpdpwssd` (`VNNI`, AVX-512 VNNI) or `vpmaddwd` + `vpaddd`,
+/// summed exactly in 32 bits, then `x as f32 * unit_d`.
+#[derive(Clone, Copy)]
+pub(super) struct Fixed<'a, const VNNI: bool>(pub(super) &'a FixedSynthesis);
+
+impl<const VNNI: bool> Chains for Fixed<'_, VNNI> {
+    #[inline(always)]
+    unsafe fn sums<const N: usize>(
+        self,
+        d: usize,
+        dims: [usize; N],
+        pairs: usize,
+        packed: &[u32],
+    ) -> [[__m512; 4]; N] {
+        let mut acc = [[_mm512_setzero_si512(); 4]; N];
+        let (tp, wp) = (packed.as_ptr(), self.0.words.as_ptr());
+        for p in 0..pairs {
+            let c: [__m512i; 4] =
+                std::array::from_fn(|g| _mm512_loadu_si512(tp.add(p * TILE + 16 * g) as *const _));
+            for (a, &dd) in acc.iter_mut().zip(&dims) {
+                let w = _mm512_set1_epi32(*wp.add(p * d + dd) as i32);
+                for (x, &cg) in a.iter_mut().zip(&c) {
+                    // Exact: the bound in `fixed.rs`'s documentation.
+                    *x = if VNNI {
+                        _mm512_dpwssd_epi32(*x, cg, w)
+                    } else {
+                        _mm512_add_epi32(*x, _mm512_madd_epi16(cg, w))
+                    };
+                }
+            }
+        }
+        let mut out = [[_mm512_setzero_ps(); 4]; N];
+        for k in 0..N {
+            let unit = _mm512_set1_ps(self.0.unit[dims[k]]);
+            for g in 0..4 {
+                out[k][g] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[k][g]), unit);
+            }
+        }
+        out
+    }
+}
+
+/// Whether this CPU has AVX-512 VNNI (`vpdpwssd`).
+pub fn has_vnni() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
+}
+
+/// Channels `d0 .. d` of a synthesis, in blocks of 4, then 1: `fma(g_t, x, mean_d)`.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn synthesize_bf16_from(
+pub(super) unsafe fn from_with<C: Chains>(
+    c: C,
     d: usize,
     d0: usize,
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
     y: &Affine<'_>,
     keys: &mut [f32],
 ) {
     let mut d0 = d0;
     while d0 + 4 <= d {
-        let acc = bf16_sums::<4>(d, std::array::from_fn(|k| d0 + k), pairs, packed, mb);
+        let acc = c.sums::<4>(d, std::array::from_fn(|k| d0 + k), pairs, packed);
         y.store(d0, &acc, keys);
         d0 += 4;
     }
     while d0 < d {
-        y.store(d0, &bf16_sums::<1>(d, [d0], pairs, packed, mb), keys);
+        y.store(d0, &c.sums::<1>(d, [d0], pairs, packed), keys);
         d0 += 1;
     }
 }
 
-/// Channels `dims` of [`Tile::synthesize_bf16_rotated`]: `dims[k]` and `dims[k + F]` are the
-/// two channels of frequency `freqs[k]`; synthesised, scaled, shifted and rotated in registers
-/// (the operations of [`rotate_tile`], in its order), then stored.
-///
-/// [`Tile::synthesize_bf16_rotated`]: super::super::kernel::Tile::synthesize_bf16_rotated
-/// [`rotate_tile`]: super::super::kernel::rotate_tile
+/// A synthesis with the rotation in registers: both channels of two frequencies per block
+/// ([`rot_block`]), a last odd one alone, then the channels past the rotation as
+/// [`from_with`] does them. The caller checks the sizes.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn synthesize_bf16_rot<const N: usize, const F: usize>(
+pub(super) unsafe fn rotated_with<C: Chains>(
+    c: C,
     d: usize,
-    dims: [usize; N],
-    freqs: [usize; F],
     pairs: usize,
     packed: &[u32],
-    mb: &[u32],
     y: &Affine<'_>,
     rot: &Rot<'_>,
     keys: &mut [f32],
 ) {
-    let acc = bf16_sums::<N>(d, dims, pairs, packed, mb);
+    let h = rot.half;
+    let mut i = 0;
+    while i + 2 <= h {
+        let ((a0, b0), (a1, b1)) = (rot.pair(i), rot.pair(i + 1));
+        let acc = c.sums::<4>(d, [a0, a1, b0, b1], pairs, packed);
+        rot_block::<4, 2>(&acc, [a0, a1, b0, b1], [i, i + 1], y, rot, keys);
+        i += 2;
+    }
+    if i < h {
+        let (a, b) = rot.pair(i);
+        let acc = c.sums::<2>(d, [a, b], pairs, packed);
+        rot_block::<2, 1>(&acc, [a, b], [i], y, rot, keys);
+    }
+    from_with(c, d, 2 * h, pairs, packed, y, keys);
+}
+
+/// Channels `dims` from their sums `acc`: `dims[k]` and `dims[k + F]` are the two channels of
+/// frequency `freqs[k]`; scaled, shifted and rotated in registers (the operations of
+/// [`rotate_tile`], in its order), then stored.
+///
+/// [`rotate_tile`]: super::super::kernel::rotate_tile
+#[inline(always)]
+unsafe fn rot_block<const N: usize, const F: usize>(
+    acc: &[[__m512; 4]; N],
+    dims: [usize; N],
+    freqs: [usize; F],
+    y: &Affine<'_>,
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
     let gp = y.g.as_ptr();
     let gv: [__m512; 4] = std::array::from_fn(|g| _mm512_loadu_ps(gp.add(16 * g)));
     let kp = keys.as_mut_ptr();
@@ -241,6 +347,72 @@ pub(super) unsafe fn synthesize_bf16_rot<const N: usize, const F: usize>(
             _mm512_storeu_ps(kp.add(b * TILE + 16 * g), yb);
         }
     }
+}
+
+/// [`Tile::synthesize_bf16`] from channel `d0` with `vdpbf16ps`.
+///
+/// [`Tile::synthesize_bf16`]: super::super::kernel::Tile::synthesize_bf16
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn synthesize_bf16_from(
+    d: usize,
+    d0: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    y: &Affine<'_>,
+    keys: &mut [f32],
+) {
+    from_with(Bf16(mb), d, d0, pairs, packed, y, keys)
+}
+
+/// [`Tile::synthesize_bf16_rotated`] with `vdpbf16ps` (sizes checked by the caller).
+///
+/// [`Tile::synthesize_bf16_rotated`]: super::super::kernel::Tile::synthesize_bf16_rotated
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn synthesize_bf16_rot(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    mb: &[u32],
+    y: &Affine<'_>,
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    rotated_with(Bf16(mb), d, pairs, packed, y, rot, keys)
+}
+
+/// [`Tile::synthesize_i16_rotated`] with `vpdpwssd` (sizes checked by the caller).
+///
+/// [`Tile::synthesize_i16_rotated`]: super::super::kernel::Tile::synthesize_i16_rotated
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn synthesize_i16_vnni(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    f: &FixedSynthesis,
+    y: &Affine<'_>,
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    rotated_with(Fixed::<true>(f), d, pairs, packed, y, rot, keys)
+}
+
+/// [`synthesize_i16_vnni`] without AVX-512 VNNI: `vpmaddwd` + `vpaddd`, the same sums.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn synthesize_i16_madd(
+    d: usize,
+    pairs: usize,
+    packed: &[u32],
+    f: &FixedSynthesis,
+    y: &Affine<'_>,
+    rot: &Rot<'_>,
+    keys: &mut [f32],
+) {
+    rotated_with(Fixed::<false>(f), d, pairs, packed, y, rot, keys)
 }
 
 /// A block of [`synthesize_bf16_from`] without AVX-512 BF16: each pair as two float32 `fma`s.

@@ -78,8 +78,9 @@ pub struct StreamTables {
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
     /// `M` in 16-bit fixed point ([`Self::key_synthesis_i16`]).
     key_synth_i16: std::sync::OnceLock<super::fixed::FixedSynthesis>,
-    /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]).
-    lut_bf16: std::sync::OnceLock<Vec<u16>>,
+    /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]) and
+    /// in 16-bit fixed point ([`Self::table_i16`]).
+    lut16: [std::sync::OnceLock<Vec<u16>>; 2],
     /// `lut` in 16-bit fixed point ([`Self::lut_fixed`]).
     lut_fixed: std::sync::OnceLock<super::fixed::FixedLut>,
 }
@@ -193,7 +194,7 @@ impl StreamTables {
             key_synth: std::sync::OnceLock::new(),
             key_synth_bf16: std::sync::OnceLock::new(),
             key_synth_i16: std::sync::OnceLock::new(),
-            lut_bf16: std::sync::OnceLock::new(),
+            lut16: Default::default(),
             lut_fixed: std::sync::OnceLock::new(),
             codec: codec.clone(),
         }
@@ -324,18 +325,32 @@ impl StreamTables {
     /// and three blends at 8). One table per width in use, like [`Self::centroid`]'s; derived
     /// once, on first use.
     pub(crate) fn table_bf16(&self, j: usize) -> &[u16] {
+        self.table16(j, false)
+    }
+
+    /// [`Self::table_bf16`] in 16-bit fixed point ([`super::fixed::fixed16`]) instead.
+    pub(crate) fn table_i16(&self, j: usize) -> &[u16] {
+        self.table16(j, true)
+    }
+
+    fn table16(&self, j: usize, fixed: bool) -> &[u16] {
         // Width `b` at word `64 (b - 1)` up to 6 bits, then 7 bits at 384 and 8 bits at 512.
         let at = |n: usize| match n {
             128 => 384..512,
             256 => 512..768,
             _ => 64 * (n.trailing_zeros() as usize - 1)..64 * n.trailing_zeros() as usize,
         };
-        let all = self.lut_bf16.get_or_init(|| {
+        let all = self.lut16[fixed as usize].get_or_init(|| {
             let mut all = vec![0u16; 768];
             for (j, c) in self.comps.iter().enumerate() {
                 let n = c.mask as usize + 1;
                 for (code, w) in all[at(n)][..n].iter_mut().enumerate() {
-                    *w = super::kernel::bf16_round(self.centroid(j, code as u32)) as u16;
+                    let x = self.centroid(j, code as u32);
+                    *w = if fixed {
+                        super::fixed::fixed16(x) as u16
+                    } else {
+                        super::kernel::bf16_round(x) as u16
+                    };
                 }
             }
             all
