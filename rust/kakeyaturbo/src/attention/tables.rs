@@ -324,15 +324,18 @@ impl StreamTables {
     /// registers look up 32 rows at a time (one permute up to 6 bits, two and a blend at 7, four
     /// and three blends at 8). One table per width in use, like [`Self::centroid`]'s; derived
     /// once, on first use.
+    #[inline]
     pub(crate) fn table_bf16(&self, j: usize) -> &[u16] {
         self.table16(j, false)
     }
 
     /// [`Self::table_bf16`] in 16-bit fixed point ([`super::fixed::fixed16`]) instead.
+    #[inline]
     pub(crate) fn table_i16(&self, j: usize) -> &[u16] {
         self.table16(j, true)
     }
 
+    #[inline]
     fn table16(&self, j: usize, fixed: bool) -> &[u16] {
         // Width `b` at word `64 (b - 1)` up to 6 bits, then 7 bits at 384 and 8 bits at 512.
         let at = |n: usize| match n {
