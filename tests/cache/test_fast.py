@@ -89,8 +89,8 @@ def test_rounded_synthesis_generates_within_its_rounding(name, synthesis, ropebe
     codec = fast_codec(model, ropebefore, "before")
     fast, slow = _pair(model, codec, synthesis=synthesis)
     assert fast.synthesis == synthesis
-    # The default picks the fixed-point synthesis where the Rust kernel runs its AVX2 build.
-    auto = "i16" if attention_kernel() == "avx2" else "bf16"
+    # The default picks the fixed-point synthesis where the Rust kernel runs a SIMD build.
+    auto = "i16" if attention_kernel() in ("avx2", "avx512") else "bf16"
     assert KakeyaCache(codec, model=model).synthesis == auto == _auto_synthesis(model, "auto")
     with pytest.raises(InvalidParameterError):
         KakeyaCache(codec, model=model, synthesis="fp16")
@@ -107,11 +107,11 @@ def test_rounded_synthesis_generates_within_its_rounding(name, synthesis, ropebe
     assert not torch.equal(log_32, log_f)
 
 
-def test_auto_synthesis_is_fixed_point_only_for_the_avx2_build_on_the_cpu() -> None:
+def test_auto_synthesis_is_fixed_point_only_for_the_simd_builds_on_the_cpu() -> None:
     """``synthesis="auto"``: ``"i16"`` for a model on the CPU (or none) where the Rust kernel runs
-    its AVX2 build; ``"bf16"`` on a GPU, for the Triton kernel, and with AVX-512 or the portable
+    its AVX2 or AVX-512 build; ``"bf16"`` on a GPU, for the Triton kernel, and with the portable
     build."""
-    cpu = "i16" if attention_kernel() == "avx2" else "bf16"
+    cpu = "i16" if attention_kernel() in ("avx2", "avx512") else "bf16"
     assert _auto_synthesis(None, "auto") == _auto_synthesis(build("llama"), "rust") == cpu
     assert _auto_synthesis(SimpleNamespace(device=torch.device("cuda")), "auto") == "bf16"
     assert _auto_synthesis(SimpleNamespace(device="cpu"), "triton") == "bf16"

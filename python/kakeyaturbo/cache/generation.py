@@ -78,11 +78,11 @@ class KakeyaCache(Cache, NotPickled):
     cache). :attr:`fast_reason` says why a cache is not fast. ``threads``: of the kernel
     (None: all cores, a layer of little sealed work on the calling thread; see
     :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
-    before RoPE, ``"bf16"`` (twice the speed of ``"f32"``), ``"i16"`` (16-bit fixed point, as
-    close to the decoded keys; faster than ``"bf16"`` on AVX2 without AVX-512), ``"f32"`` (the
-    decoded keys to float32 rounding) or ``"auto"`` (the default: ``"i16"`` where the Rust kernel
-    runs its AVX2 build, :func:`kakeyaturbo.attention_kernel`, for a model on the CPU;
-    ``"bf16"`` elsewhere); :attr:`synthesis` holds the one chosen. See
+    before RoPE, ``"bf16"`` (twice the speed of ``"f32"`` on Zen 3 to 5, not on the
+    Intel CPU measured), ``"i16"`` (16-bit fixed point, as close to the decoded keys; faster
+    than ``"bf16"`` on the CPU), ``"f32"`` (the decoded keys to float32 rounding) or ``"auto"`` (the default: ``"i16"`` where the Rust kernel
+    runs its AVX2 or AVX-512 build, :func:`kakeyaturbo.attention_kernel`, for a model on the
+    CPU; ``"bf16"`` elsewhere); :attr:`synthesis` holds the one chosen. See
     :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
     the codes, ``"auto"`` (the Rust one for a model on the CPU, the Triton one,
     :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a CUDA GPU
@@ -475,12 +475,14 @@ def _layer_memory(layer: Any) -> Dict[str, int]:
 
 
 def _auto_synthesis(model: Any, kernel: str) -> str:
-    """``synthesis="auto"``: the fixed-point synthesis where the Rust kernel runs its AVX2 build
-    for a model on the CPU (1.2 to 1.4x the bfloat16 one's speed there, docs/decode-attention.md);
-    bfloat16 elsewhere (AVX-512 BF16's dot product; the Triton kernel's tensor cores)."""
+    """``synthesis="auto"``: the fixed-point synthesis where the Rust kernel runs its AVX2 or
+    AVX-512 build for a model on the CPU (1.2 to 1.4x the bfloat16 one's speed on Zen 3's AVX2,
+    1.3 to 1.5x on an Intel AVX-512 CPU with VNNI: docs/decode-attention.md); bfloat16
+    elsewhere (the portable build; the Triton kernel's tensor cores)."""
     device = getattr(model, "device", None)
     on_cpu = device is None or torch.device(device).type == "cpu"
-    return "i16" if on_cpu and kernel != "triton" and attention_kernel() == "avx2" else "bf16"
+    simd = attention_kernel() in ("avx2", "avx512")
+    return "i16" if on_cpu and kernel != "triton" and simd else "bf16"
 
 
 def _fast_reason(codec: StreamCodec, model: Any, streams: Sequence[str], keep_decoded: bool,

@@ -389,11 +389,11 @@ def decode_attention(codes: LayerCodes, q: Any, tail_k: Any, tail_v: Any, *,
       centroids: ``"bf16"`` (the default: the synthesis matrix and the centroids rounded to
       bfloat16, float32 sums, AVX-512 BF16's dot product where the CPU has it; the keys then
       differ from the decoded ones by that rounding, about 2**-8 of the terms that make them),
-      ``"f32"`` (the decoded keys to float32 rounding, half the speed) or ``"i16"`` (16-bit
+      ``"f32"`` (the decoded keys to float32 rounding; half the speed on AMD CPUs) or ``"i16"`` (16-bit
       fixed point: centroids in steps of 2**-8, saturating at ±128, each channel's weights in
       steps of their own with magnitudes summing to at most 65535, sums exact in 32-bit
-      integers; as close to the decoded keys as ``"bf16"``, and faster than it on a CPU with
-      AVX2 but without AVX-512).
+      integers; as close to the decoded keys as ``"bf16"``, and faster than it with AVX2
+      (``vpmaddwd``) or AVX-512 VNNI (``vpdpwssd``): docs/decode-attention.md).
     - ``sink_logits``: float ``[H_q]`` or None: learnt attention sinks (GPT-OSS), one logit per
       query head that joins every softmax of that head and holds no value
       (:func:`with_sink_logits`; not to be confused with the raw sink rows above).
