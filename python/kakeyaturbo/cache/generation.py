@@ -80,9 +80,10 @@ class KakeyaCache(Cache, NotPickled):
     :func:`kakeyaturbo.decode_attention`). ``synthesis``: how the kernel synthesises keys coded
     before RoPE, ``"bf16"`` (twice the speed of ``"f32"`` on Zen 3 to 5, not on the
     Intel CPU measured), ``"i16"`` (16-bit fixed point, as close to the decoded keys; faster
-    than ``"bf16"`` on the CPU), ``"f32"`` (the decoded keys to float32 rounding) or ``"auto"`` (the default: ``"i16"`` where the Rust kernel
-    runs its AVX2 or AVX-512 build, :func:`kakeyaturbo.attention_kernel`, for a model on the
-    CPU; ``"bf16"`` elsewhere); :attr:`synthesis` holds the one chosen. See
+    than ``"bf16"`` on the CPU), ``"f32"`` (the decoded keys to float32 rounding) or ``"auto"``
+    (the default: ``"i16"`` where the Rust kernel runs its AVX2 or AVX-512 build,
+    :func:`kakeyaturbo.attention_kernel`, for a model on the CPU; ``"bf16"`` elsewhere);
+    :attr:`synthesis` holds the one chosen. See
     :func:`kakeyaturbo.decode_attention`. ``kernel``: which kernel attends over
     the codes, ``"auto"`` (the Rust one for a model on the CPU, the Triton one,
     :func:`~kakeyaturbo.kernels.attention.decode_attention_triton`, for one on a CUDA GPU
