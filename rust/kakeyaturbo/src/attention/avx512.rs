@@ -48,6 +48,28 @@ pub(crate) struct Avx512;
 /// Query rows per register block: 6 x 4 accumulators of 16 lanes.
 const NR: usize = 6;
 
+impl Avx512 {
+    /// The tile's centroids as 16-bit values packed in pairs into `s.packed`: rounded to
+    /// bfloat16 or (`FIXED`) to 16-bit fixed point, as [`Tile::centroids_bf16`] and
+    /// [`Tile::centroids_i16`] define them.
+    #[inline(always)]
+    fn packed<const FIXED: bool>(
+        t: &StreamTables,
+        b: &SealedBlock,
+        row0: usize,
+        rows: usize,
+        s: &mut Scratch,
+    ) {
+        assert!(s.packed.len() >= t.m.div_ceil(2) * TILE);
+        // SAFETY: only reached through `attend::run_task_avx512`, which `available` guards;
+        // `unpack` checks what it reads, the packed tile's size was checked.
+        unsafe {
+            unpack(t, b, row0, rows, s);
+            centroids_packed::<FIXED>(t, &s.bytes, &mut s.packed);
+        }
+    }
+}
+
 impl Tile for Avx512 {
     #[inline(always)]
     fn centroids(
@@ -75,13 +97,7 @@ impl Tile for Avx512 {
         rows: usize,
         s: &mut Scratch,
     ) {
-        assert!(s.packed.len() >= t.m.div_ceil(2) * TILE);
-        // SAFETY: as in `scales`; `unpack` checks what it reads, the packed tile's size was
-        // checked.
-        unsafe {
-            unpack(t, b, row0, rows, s);
-            centroids_packed::<false>(t, &s.bytes, &mut s.packed);
-        }
+        Self::packed::<false>(t, b, row0, rows, s);
     }
 
     #[inline(always)]
@@ -93,12 +109,7 @@ impl Tile for Avx512 {
         rows: usize,
         s: &mut Scratch,
     ) {
-        assert!(s.packed.len() >= t.m.div_ceil(2) * TILE);
-        // SAFETY: as in `centroids_bf16`.
-        unsafe {
-            unpack(t, b, row0, rows, s);
-            centroids_packed::<true>(t, &s.bytes, &mut s.packed);
-        }
+        Self::packed::<true>(t, b, row0, rows, s);
     }
 
     #[inline(always)]
