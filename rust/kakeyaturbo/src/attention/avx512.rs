@@ -9,8 +9,9 @@
 //! widen 16 index bytes and look the centroids up (a permute of the table held in one, two or
 //! four registers for widths up to 6 bits, a gather from the table beyond) straight into the
 //! fused multiply-adds with every query row: the centroids are never stored. Keys coded before
-//! RoPE with the bfloat16 synthesis instead store their centroids as bfloat16 pairs, looked up
-//! 32 rows at a time from tables rounded once ([`centroids_bf16`]).
+//! RoPE with the bfloat16 or the fixed-point synthesis instead store their centroids as 16-bit
+//! pairs, looked up 32 rows at a time from tables rounded once ([`centroids_packed`]), then
+//! summed by `vdpbf16ps` or `vpdpwssd` ([`synth`]).
 
 use super::fixed::FixedSynthesis;
 use super::kernel::{rotate_tile, Rot, Scratch, Tile, TILE};
@@ -25,7 +26,7 @@ mod synth;
 
 use lookup::{acc_rows, centroids, dot_rows, unpack};
 pub use synth::has_bf16;
-pub use synth::has_vnni;
+use synth::has_vnni;
 use synth::{
     centroids_packed, synthesize_bf16_fma, synthesize_bf16_from, synthesize_bf16_rot,
     synthesize_block, synthesize_i16_madd, synthesize_i16_vnni, Affine,

@@ -1,6 +1,7 @@
 //! The syntheses of a tile of keys coded before RoPE from its centroids (float32 `fma`
-//! chains; `vdpbf16ps` or its float32 pairs for the bfloat16 synthesis, with the rotation in
-//! registers), and the look-up of the centroids as bfloat16 pairs that the latter reads.
+//! chains; `vdpbf16ps` or its float32 pairs for the bfloat16 synthesis; `vpdpwssd` or
+//! `vpmaddwd` for the fixed-point one; the rotation in registers), and the look-up of the
+//! centroids as the 16-bit pairs the last two read.
 
 use super::super::fixed::FixedSynthesis;
 use super::super::kernel::{bf16_half, Rot, TILE};
@@ -251,7 +252,7 @@ impl<const VNNI: bool> Chains for Fixed<'_, VNNI> {
 }
 
 /// Whether this CPU has AVX-512 VNNI (`vpdpwssd`).
-pub fn has_vnni() -> bool {
+pub(super) fn has_vnni() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| is_x86_feature_detected!("avx512vnni"))
 }
