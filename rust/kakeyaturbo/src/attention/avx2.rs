@@ -10,10 +10,11 @@
 //!   pairs. A tile whose last row a read would take past the block's bytes is read from a
 //!   zero-padded copy of its rows.
 //! - The synthesis of keys coded before RoPE: the channels of whole frequencies per pass (8
-//!   accumulators of 8 lanes), so that the scale, the mean and the rotation run in registers;
-//!   fixed point as one `vpmaddwd` per word (exact 32-bit sums), two frequencies by 16 rows;
-//!   bfloat16 as two float32 `fma`s per packed word (widened once for both channels), one
-//!   frequency by 32 rows.
+//!   accumulators of 8 lanes), so that the scale, the mean and the rotation run in registers
+//!   (`avx2_synth.rs`); fixed point as one `vpdpwssd` per word where the CPU has AVX-VNNI
+//!   (Intel since Alder Lake), else `vpmaddwd` + `vpaddd` (exact 32-bit sums either way), two
+//!   frequencies by 16 rows; bfloat16 as two float32 `fma`s per packed word (widened once for
+//!   both channels), one frequency by 32 rows.
 //! - The float32 sums of a tile (`avx2_sums.rs`): the scores of synthesised keys or of the
 //!   centroids, and the values' code-domain sums, their accumulators held in registers.
 //! - The rows' scales converted by F16C; the 16-lane sums as a tree in registers.
@@ -31,6 +32,11 @@ use lookup::{decode_rows, decode_rows_bf16, decode_rows_fixed, Rows};
 
 #[path = "avx2_sums.rs"]
 mod float_sums;
+
+#[path = "avx2_synth.rs"]
+mod synth;
+
+use synth::{rotated, rotated_vnni, synthesize_from, Weights};
 
 /// Whether this CPU runs the AVX2 kernel.
 pub fn available() -> bool {
@@ -240,8 +246,16 @@ impl Tile for Avx2 {
         keys: &mut [f32],
     ) {
         assert!(f.words.len() >= pairs * d && f.unit.len() >= d);
-        // SAFETY: as in `scales`; `rotated` checks the sizes.
-        unsafe { rotated(d, pairs, packed, Weights::I16(f), g, mean, rot, keys) }
+        let w = Weights::I16(f);
+        // SAFETY: as in `scales` (and `has_avx_vnni` for `vpdpwssd`); `rotated` checks the
+        // sizes.
+        unsafe {
+            if synth::has_avx_vnni() {
+                rotated_vnni(d, pairs, packed, w, g, mean, rot, keys)
+            } else {
+                rotated(d, pairs, packed, w, g, mean, rot, keys)
+            }
+        }
     }
 
     #[inline(always)]
@@ -272,231 +286,6 @@ impl Tile for Avx2 {
     fn dots(self, qs: &[f32], d: usize, qr: usize, keys: &[f32], s: &mut [f32]) {
         // SAFETY: as in `scales`; `dots` checks the sizes.
         unsafe { float_sums::dots(qs, d, qr, keys, s) }
-    }
-}
-
-/// What a synthesis multiplies the packed centroids by: bfloat16 pairs
-/// ([`StreamTables::key_synthesis_bf16`]) or 16-bit fixed-point ones
-/// ([`StreamTables::key_synthesis_i16`]).
-#[derive(Clone, Copy)]
-enum Weights<'a> {
-    Bf16(&'a [u32]),
-    I16(&'a FixedSynthesis),
-}
-
-/// `x` of channels `dims`, rows `r0 .. r0 + 8 G` in lanes, before the scale and the mean.
-#[inline(always)]
-unsafe fn sums<const N: usize, const G: usize>(
-    d: usize,
-    dims: [usize; N],
-    r0: usize,
-    pairs: usize,
-    packed: &[u32],
-    w: Weights<'_>,
-) -> [[__m256; G]; N] {
-    match w {
-        Weights::Bf16(mb) => sums_bf16(d, dims, r0, pairs, packed, mb),
-        Weights::I16(f) => {
-            let acc = sums_i16::<N, G>(d, dims, r0, pairs, packed, &f.words);
-            // Plain loops: the intrinsics inline here, not through closures.
-            let mut x = [[_mm256_setzero_ps(); G]; N];
-            for k in 0..N {
-                let s = _mm256_set1_ps(f.unit[dims[k]]);
-                for g in 0..G {
-                    x[k][g] = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[k][g]), s);
-                }
-            }
-            x
-        }
-    }
-}
-
-/// The `fma` chains of the bfloat16 synthesis for channels `dims`, rows `r0 .. r0 + 8 G` in
-/// lanes: per pair the high member's `fma`, then the low one's (the definition's order).
-#[inline(always)]
-unsafe fn sums_bf16<const N: usize, const G: usize>(
-    d: usize,
-    dims: [usize; N],
-    r0: usize,
-    pairs: usize,
-    packed: &[u32],
-    mb: &[u32],
-) -> [[__m256; G]; N] {
-    let mut acc = [[_mm256_setzero_ps(); G]; N];
-    let (tp, mp) = (packed.as_ptr().add(r0), mb.as_ptr());
-    let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
-    // A packed pair as float32: the high member in place, the low one moved up.
-    let hi = |v: __m256i| _mm256_castsi256_ps(_mm256_and_si256(v, high));
-    let lo = |v: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
-    for p in 0..pairs {
-        let w: [u32; N] = std::array::from_fn(|k| *mp.add(p * d + dims[k]));
-        let wh: [__m256; N] =
-            std::array::from_fn(|k| _mm256_set1_ps(f32::from_bits(w[k] & 0xffff_0000)));
-        let wl: [__m256; N] = std::array::from_fn(|k| _mm256_set1_ps(f32::from_bits(w[k] << 16)));
-        for g in 0..G {
-            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
-            let (ch, cl) = (hi(c), lo(c));
-            for (a, (&h, &l)) in acc.iter_mut().zip(wh.iter().zip(&wl)) {
-                a[g] = _mm256_fmadd_ps(h, ch, a[g]);
-                a[g] = _mm256_fmadd_ps(l, cl, a[g]);
-            }
-        }
-    }
-    acc
-}
-
-/// The exact 32-bit sums of the fixed-point synthesis ([`super::fixed::synthesize_tile`]) for
-/// channels `dims`, rows `r0 .. r0 + 8 G` in lanes: one `vpmaddwd` per pair of components and
-/// 8 rows (both members' products, added), then `vpaddd`.
-#[inline(always)]
-unsafe fn sums_i16<const N: usize, const G: usize>(
-    d: usize,
-    dims: [usize; N],
-    r0: usize,
-    pairs: usize,
-    packed: &[u32],
-    words: &[u32],
-) -> [[__m256i; G]; N] {
-    let mut acc = [[_mm256_setzero_si256(); G]; N];
-    let (tp, wp) = (packed.as_ptr().add(r0), words.as_ptr());
-    for p in 0..pairs {
-        let mut w = [_mm256_setzero_si256(); N];
-        for k in 0..N {
-            w[k] = _mm256_set1_epi32(*wp.add(p * d + dims[k]) as i32);
-        }
-        for g in 0..G {
-            let c = _mm256_loadu_si256(tp.add(p * TILE + 8 * g) as *const __m256i);
-            for (a, &wk) in acc.iter_mut().zip(&w) {
-                a[g] = _mm256_add_epi32(a[g], _mm256_madd_epi16(c, wk));
-            }
-        }
-    }
-    acc
-}
-
-/// [`Tile::synthesize_bf16_rotated`] or [`Tile::synthesize_i16_rotated`] after their checks:
-/// the rotated frequencies in registers ([`synthesize_rot`]), then the channels past them.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rotated(
-    d: usize,
-    pairs: usize,
-    packed: &[u32],
-    w: Weights<'_>,
-    g: &[f32; TILE],
-    mean: &[f32],
-    rot: &Rot<'_>,
-    keys: &mut [f32],
-) {
-    let h = rot.half;
-    assert!(packed.len() >= pairs * TILE && keys.len() >= d * TILE);
-    assert!(mean.len() >= d && 2 * h <= d);
-    if h > 0 {
-        assert!(rot.cos.len() >= rot.at(h - 1) + TILE && rot.sin.len() >= rot.at(h - 1) + TILE);
-    }
-    // Fixed point: two frequencies (four channels) by 16 rows per pass (12 registers; 0.99x
-    // the time of one frequency by 32 rows, `benches/ab_builds.py`), then a last odd one by 32.
-    // The bfloat16 sums need two weights per channel and stay at one frequency by 32 rows.
-    let mut i = 0;
-    while i + 2 <= h && matches!(w, Weights::I16(_)) {
-        let ([a0, b0], [a1, b1]) = (pair(rot, i), pair(rot, i + 1));
-        for r0 in (0..TILE).step_by(16) {
-            let x = sums::<4, 2>(d, [a0, b0, a1, b1], r0, pairs, packed, w);
-            rotate_store(i, r0, [&x[0], &x[1]], [a0, b0], g, mean, rot, keys);
-            rotate_store(i + 1, r0, [&x[2], &x[3]], [a1, b1], g, mean, rot, keys);
-        }
-        i += 2;
-    }
-    for i in i..h {
-        let [a, b] = pair(rot, i);
-        for r0 in [0, 32] {
-            let x = sums::<2, 4>(d, [a, b], r0, pairs, packed, w);
-            rotate_store(i, r0, [&x[0], &x[1]], [a, b], g, mean, rot, keys);
-        }
-    }
-    synthesize_from(d, 2 * h, pairs, packed, w, g, mean, keys);
-}
-
-/// Channels `d0 .. d` of [`Tile::synthesize_bf16`] (or the fixed-point synthesis, by `w`): two
-/// at a time, then one, each in two passes of 32 rows; `keys[dd * 64 + t] = fma(g_t, x,
-/// mean_dd)`.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn synthesize_from(
-    d: usize,
-    d0: usize,
-    pairs: usize,
-    packed: &[u32],
-    w: Weights<'_>,
-    g: &[f32; TILE],
-    mean: &[f32],
-    keys: &mut [f32],
-) {
-    let (gp, kp) = (g.as_ptr(), keys.as_mut_ptr());
-    let store = |dd: usize, r0: usize, acc: &[__m256; 4]| {
-        let mu = _mm256_set1_ps(mean[dd]);
-        for (k, &x) in acc.iter().enumerate() {
-            let gv = _mm256_loadu_ps(gp.add(r0 + 8 * k));
-            _mm256_storeu_ps(kp.add(dd * TILE + r0 + 8 * k), _mm256_fmadd_ps(gv, x, mu));
-        }
-    };
-    let mut dd = d0;
-    while dd + 2 <= d {
-        for r0 in [0, 32] {
-            let acc = sums::<2, 4>(d, [dd, dd + 1], r0, pairs, packed, w);
-            store(dd, r0, &acc[0]);
-            store(dd + 1, r0, &acc[1]);
-        }
-        dd += 2;
-    }
-    if dd < d {
-        for r0 in [0, 32] {
-            store(dd, r0, &sums::<1, 4>(d, [dd], r0, pairs, packed, w)[0]);
-        }
-    }
-}
-
-/// The channels of frequency `i`.
-#[inline(always)]
-fn pair(rot: &Rot<'_>, i: usize) -> [usize; 2] {
-    let (a, b) = rot.pair(i);
-    [a, b]
-}
-
-/// Frequency `i` of [`Tile::synthesize_bf16_rotated`] (or [`Tile::synthesize_i16_rotated`]),
-/// rows `r0 .. r0 + 8 G`: its two channels' sums `x` (channels `a`, `b`) scaled, shifted and
-/// rotated in registers (the operations of [`super::kernel::rotate_tile`], in its order), then
-/// stored.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn rotate_store<const G: usize>(
-    i: usize,
-    r0: usize,
-    [xa, xb]: [&[__m256; G]; 2],
-    [a, b]: [usize; 2],
-    g: &[f32; TILE],
-    mean: &[f32],
-    rot: &Rot<'_>,
-    keys: &mut [f32],
-) {
-    let (mua, mub) = (_mm256_set1_ps(mean[a]), _mm256_set1_ps(mean[b]));
-    let (cp, sp) = (
-        rot.cos.as_ptr().add(rot.at(i) + r0),
-        rot.sin.as_ptr().add(rot.at(i) + r0),
-    );
-    let (gp, kp) = (g.as_ptr().add(r0), keys.as_mut_ptr());
-    for k in 0..G {
-        let gv = _mm256_loadu_ps(gp.add(8 * k));
-        let u = _mm256_fmadd_ps(gv, xa[k], mua);
-        let v = _mm256_fmadd_ps(gv, xb[k], mub);
-        let (c, sn) = (
-            _mm256_loadu_ps(cp.add(8 * k)),
-            _mm256_loadu_ps(sp.add(8 * k)),
-        );
-        let ya = _mm256_sub_ps(_mm256_mul_ps(u, c), _mm256_mul_ps(v, sn));
-        let yb = _mm256_add_ps(_mm256_mul_ps(v, c), _mm256_mul_ps(u, sn));
-        _mm256_storeu_ps(kp.add(a * TILE + r0 + 8 * k), ya);
-        _mm256_storeu_ps(kp.add(b * TILE + r0 + 8 * k), yb);
     }
 }
 

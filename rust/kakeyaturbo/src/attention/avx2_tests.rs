@@ -40,14 +40,20 @@ fn bf16_synthesis_matches_the_definition() {
     }
 }
 
-/// The fixed-point synthesis against the definition ([`check_i16_synthesis`]).
+/// The fixed-point synthesis, with `vpdpwssd` where the CPU has AVX-VNNI and with
+/// `vpmaddwd` + `vpaddd`, against the definition ([`check_i16_synthesis`]).
 #[test]
 fn i16_synthesis_matches_the_definition() {
-    if available() {
-        check_i16_synthesis(|d, pairs, packed, f, g, mean, rot, keys| {
-            Avx2.synthesize_i16_rotated(d, pairs, packed, f, g, mean, rot, keys)
-        });
+    if !available() {
+        return;
     }
+    check_i16_synthesis(|d, pairs, packed, f, g, mean, rot, keys| {
+        Avx2.synthesize_i16_rotated(d, pairs, packed, f, g, mean, rot, keys)
+    });
+    check_i16_synthesis(|d, pairs, packed, f, g, mean, rot, keys| {
+        // SAFETY: `available` holds; `check_i16_synthesis` sizes the inputs.
+        unsafe { rotated(d, pairs, packed, Weights::I16(f), g, mean, rot, keys) }
+    });
 }
 
 /// The scores of a synthesised tile and the code-domain value sums, against their definitions,
