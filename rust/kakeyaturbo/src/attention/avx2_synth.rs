@@ -273,8 +273,8 @@ fn pair(rot: &Rot<'_>, i: usize) -> [usize; 2] {
 
 /// Frequency `i` of [`Tile::synthesize_bf16_rotated`] (or [`Tile::synthesize_i16_rotated`]),
 /// rows `r0 .. r0 + 8 G`: its two channels' sums `x` (channels `a`, `b`) scaled, shifted and
-/// rotated in registers (the operations of [`super::kernel::rotate_tile`], in its order), then
-/// stored.
+/// rotated in registers (the operations of [`super::super::kernel::rotate_tile`], in its order),
+/// then stored.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn rotate_store<const G: usize>(
