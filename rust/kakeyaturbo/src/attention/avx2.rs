@@ -99,7 +99,7 @@ impl Avx2 {
             let c0 = if let Some(f) = fixed {
                 f[at(j)] as u16
             } else {
-                t.table_bf16(j)[0]
+                t.table16(j, false)[0]
             };
             for r in rows..TILE {
                 put(packed, j, r, c0);
@@ -122,7 +122,7 @@ impl Avx2 {
                 put(packed, j, r, tab[code] as u16);
             });
         } else {
-            let table = |j: usize| t.table_bf16(j);
+            let table = |j: usize| t.table16(j, false);
             rw.each(t, full, table, |tab, j, r, code| {
                 put(packed, j, r, tab[code]);
             });

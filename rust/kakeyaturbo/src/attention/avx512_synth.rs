@@ -55,10 +55,9 @@ pub fn has_bf16() -> bool {
 /// The unpacked indices of a tile looked up and rounded to bfloat16 pairs, or (`FIXED`) to
 /// 16-bit fixed-point ones: [`centroids`] then [`super::kernel::pack_tile`] (or
 /// [`super::super::fixed::pack_tile`]) without the float32 tile between them. Each component is
-/// looked up from its table rounded beforehand ([`StreamTables::table_bf16`],
-/// [`StreamTables::table_i16`]), 32 rows per 16-bit permute of 64 entries (blended by the
-/// index's bits 6 and 7 past 6 bits), and the two members of a pair interleaved into packed
-/// words by two more permutes.
+/// looked up from its table rounded beforehand ([`StreamTables::table16`]), 32 rows per 16-bit
+/// permute of 64 entries (blended by the index's bits 6 and 7 past 6 bits), and the two members
+/// of a pair interleaved into packed words by two more permutes.
 ///
 /// [`centroids`]: super::lookup::centroids
 /// [`super::kernel::pack_tile`]: super::super::kernel::pack_tile
@@ -81,12 +80,7 @@ pub(super) unsafe fn centroids_packed<const FIXED: bool>(
     let at = |rg: usize, c: &Component| bp.add((rg * slots + c.slot as usize) * 16);
     // Rows 32 h .. 32 h + 31 of component `j`: its index bytes as words, looked up.
     let words = |j: usize, h: usize| {
-        let tab = if FIXED {
-            t.table_i16(j)
-        } else {
-            t.table_bf16(j)
-        };
-        let c = &t.comps[j];
+        let (c, tab) = (&t.comps[j], t.table16(j, FIXED));
         let idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(
             _mm_loadu_si128(at(2 * h + 1, c) as *const __m128i),
             _mm_loadu_si128(at(2 * h, c) as *const __m128i),

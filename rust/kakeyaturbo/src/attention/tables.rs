@@ -78,8 +78,8 @@ pub struct StreamTables {
     key_synth_bf16: std::sync::OnceLock<Vec<u32>>,
     /// `M` in 16-bit fixed point ([`Self::key_synthesis_i16`]).
     key_synth_i16: std::sync::OnceLock<super::fixed::FixedSynthesis>,
-    /// The centroid table of each width in use rounded to bfloat16 ([`Self::table_bf16`]) and
-    /// in 16-bit fixed point ([`Self::table_i16`]).
+    /// The centroid table of each width in use rounded to bfloat16 and in 16-bit fixed point
+    /// ([`Self::table16`]).
     lut16: [std::sync::OnceLock<Vec<u16>>; 2],
     /// `lut` in 16-bit fixed point ([`Self::lut_fixed`]).
     lut_fixed: std::sync::OnceLock<super::fixed::FixedLut>,
@@ -320,23 +320,12 @@ impl StreamTables {
     }
 
     /// The centroid table of component `j` rounded to bfloat16 ([`super::kernel::bf16_round`])
-    /// in `max(64, 2^bits)` words (zeros past its entries), so that 16-bit permutes of two
-    /// registers look up 32 rows at a time (one permute up to 6 bits, two and a blend at 7, four
-    /// and three blends at 8). One table per width in use, like [`Self::centroid`]'s; derived
-    /// once, on first use.
+    /// or (`fixed`) to 16-bit fixed point ([`super::fixed::fixed16`]) in `max(64, 2^bits)`
+    /// words (zeros past its entries), so that 16-bit permutes of two registers look up 32 rows
+    /// at a time (one permute up to 6 bits, two and a blend at 7, four and three blends at 8).
+    /// One table per width in use, like [`Self::centroid`]'s; derived once, on first use.
     #[inline]
-    pub(crate) fn table_bf16(&self, j: usize) -> &[u16] {
-        self.table16(j, false)
-    }
-
-    /// [`Self::table_bf16`] in 16-bit fixed point ([`super::fixed::fixed16`]) instead.
-    #[inline]
-    pub(crate) fn table_i16(&self, j: usize) -> &[u16] {
-        self.table16(j, true)
-    }
-
-    #[inline]
-    fn table16(&self, j: usize, fixed: bool) -> &[u16] {
+    pub(crate) fn table16(&self, j: usize, fixed: bool) -> &[u16] {
         // Width `b` at word `64 (b - 1)` up to 6 bits, then 7 bits at 384 and 8 bits at 512.
         let at = |n: usize| match n {
             128 => 384..512,
