@@ -92,15 +92,9 @@ impl Avx2 {
                 v as u32
             };
         };
-        // The centroids already in fixed point (derived once per calibration).
-        let fixed = FIXED.then(|| &t.lut_fixed().values);
-        let at = |j: usize| t.comps[j].table as usize;
-        for j in 0..m {
-            let c0 = if let Some(f) = fixed {
-                f[at(j)] as u16
-            } else {
-                t.table16(j, false)[0]
-            };
+        // Rows past the tile's: centroid 0, from the tables rounded once per calibration.
+        for j in (0..m).filter(|_| rows < TILE) {
+            let c0 = t.table16(j, FIXED)[0];
             for r in rows..TILE {
                 put(packed, j, r, c0);
             }
@@ -116,17 +110,10 @@ impl Avx2 {
             }
         };
         // The rows after `full`, each component's table taken once.
-        if let Some(f) = fixed {
-            let table = |j: usize| &f[at(j)..];
-            rw.each(t, full, table, |tab, j, r, code| {
-                put(packed, j, r, tab[code] as u16);
-            });
-        } else {
-            let table = |j: usize| t.table16(j, false);
-            rw.each(t, full, table, |tab, j, r, code| {
-                put(packed, j, r, tab[code]);
-            });
-        }
+        let table = |j: usize| t.table16(j, FIXED);
+        rw.each(t, full, table, |tab, j, r, code| {
+            put(packed, j, r, tab[code])
+        });
     }
 }
 

@@ -80,6 +80,9 @@ impl<'a> Rows<'a> {
         table: impl Fn(usize) -> T,
         mut put: impl FnMut(&T, usize, usize, usize),
     ) {
+        if from >= self.rows {
+            return;
+        }
         for (j, c) in t.comps.iter().enumerate() {
             let tab = table(j);
             for r in from..self.rows {
