@@ -1,7 +1,7 @@
 //! Stage 1b: spherical k-means on unit directions, sign-aware (a direction and its negative
 //! belong to the same centre, since stage 3 stores a signed `t`).
 
-use faer::linalg::matmul::matmul;
+use crate::gemm::matmul;
 use faer::{Accum, MatRef, Par};
 
 /// Directions whose |cos| to an existing centre is at least this are treated as already

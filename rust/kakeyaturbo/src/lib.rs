@@ -9,7 +9,8 @@
 //!   [`calibrated::codec`] (rows to codes) -> [`calibrated::container`] (`KKYC` bytes).
 //!
 //! Below them: the stages [`pca`], [`kmeans`], [`wht`], [`quant`], [`pack`], with [`rng`] the
-//! project's own generator and [`mod@f16`] the fp16 storage rules; [`metric`] the scale rule both
+//! project's own generator and [`mod@f16`] the fp16 storage rules; [`gemm`] faer's product with
+//! the registers cleared after it; [`metric`] the scale rule both
 //! modes share; [`bytes`] the one byte writer and reader of both containers; [`limits`] the
 //! documented limits and input checks; [`threads`] the bounded thread pools; [`error`] the one
 //! error type. `FORMAT.md` specifies the bytes.
@@ -19,6 +20,7 @@ pub mod bytes;
 pub mod calibrated;
 pub mod error;
 pub mod f16;
+pub mod gemm;
 pub mod kmeans;
 pub mod limits;
 pub mod metric;

@@ -1,8 +1,8 @@
 //! Stage 1a: weighted mean, exact and randomized PCA, and the d_eff rule.
 
 use crate::error::{Error, Result};
+use crate::gemm::{clear_upper, matmul};
 use crate::rng::SplitMix64;
-use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par, Side};
 
 /// How the principal subspace is found.
@@ -102,7 +102,9 @@ fn canonical_sign(v: &mut [f64]) {
 }
 
 fn thin_q(m: &Mat<f64>) -> Mat<f64> {
-    m.qr().compute_thin_Q()
+    let q = m.qr().compute_thin_Q();
+    clear_upper();
+    q
 }
 
 /// Fits the principal subspace of the rows of `x` (`n x d`).
@@ -151,6 +153,7 @@ pub fn fit(
             let evd = cov
                 .self_adjoint_eigen(Side::Lower)
                 .map_err(|e| Error::Numerical(format!("eigendecomposition failed: {e:?}")))?;
+            clear_upper();
             let s = evd.S().column_vector();
             let u = evd.U();
             // faer sorts ascending; we want descending.
@@ -220,6 +223,7 @@ pub fn fit(
             let svd = b
                 .thin_svd()
                 .map_err(|e| Error::Numerical(format!("SVD failed: {e:?}")))?;
+            clear_upper();
             let s = svd.S().column_vector();
             let mut v = Mat::<f64>::zeros(d, q.ncols());
             matmul(

@@ -4,11 +4,11 @@
 use super::calibration::CalibratedCodec;
 use crate::error::{input, Error, Result};
 use crate::f16::{ScaledF16, MAX_SCALED};
+use crate::gemm::matmul;
 use crate::limits::{all_finite, check_input, saturate};
 use crate::metric::{least_squares_gain, Metric};
 use crate::pack::pack_fields;
 use crate::wht;
-use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use rayon::prelude::*;

@@ -4,10 +4,10 @@
 use super::super::calibration::CalibratedCodec;
 use super::{row_bound, CalibratedCodes, CHUNK_ROWS};
 use crate::error::{Error, Result};
+use crate::gemm::matmul;
 use crate::limits::{all_finite, max_abs, saturate, size, SAFE_F32};
 use crate::pack::unpack_fields;
 use crate::wht;
-use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use rayon::prelude::*;

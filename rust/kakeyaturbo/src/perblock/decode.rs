@@ -3,11 +3,11 @@
 
 use super::block::{BlockCodes, Rotation, Skeleton};
 use crate::error::{corrupt, input, Result};
+use crate::gemm::matmul;
 use crate::limits::{all_finite, max_abs, saturate, size, MAX_DIM, SAFE_F32};
 use crate::pack::unpack_into;
 use crate::quant::Quantizer;
 use crate::wht;
-use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 

@@ -1,0 +1,66 @@
+// Profiling aid: the calibrated encode of one block, repeated.
+//
+//     cargo run --release -p kakeyaturbo --example encode_speed -- [ROWS] [STREAM] [REPS]
+//
+// STREAM: `k` or `v`, the component bits of the default model's `calibrated-3bit` key or value
+// calibration (layer 5, kv-head 1: 17 and 64 components of D = 64); norm, mse, outliers above
+// 4.5 as that recipe codes. ROWS (default 128, the cache's block) of noise around a random
+// basis. Prints the median time of one encode (`benches/ab_builds.py` reads it).
+use kakeyaturbo::calibrated::{CalibratedCodec, CalibratedParams};
+use kakeyaturbo::rng::SplitMix64;
+use kakeyaturbo::Metric;
+
+fn main() {
+    let a: Vec<String> = std::env::args().collect();
+    let arg = |i: usize, d: &str| a.get(i).cloned().unwrap_or_else(|| d.to_string());
+    let n: usize = arg(1, "128").parse().unwrap();
+    let stream = arg(2, "k");
+    let reps: usize = arg(3, "2000").parse().unwrap();
+    let d = 64;
+    let bits: Vec<u8> = match stream.as_str() {
+        "k" => vec![7, 5, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1],
+        "v" => [(7u8, 5usize), (6, 6), (5, 4), (4, 2), (3, 7), (2, 40)]
+            .iter()
+            .flat_map(|&(b, k)| std::iter::repeat_n(b, k))
+            .collect(),
+        s => panic!("STREAM is k or v, got {s:?}"),
+    };
+    let m = bits.len();
+    let mut g = SplitMix64::new(3);
+    let mut noise = || (g.next_u64() >> 40) as f32 / 16777216.0 - 0.5;
+    let basis: Vec<f32> = (0..m * d).map(|_| noise() * 0.25).collect();
+    let spread = (0..m).map(|j| 0.9f32.powi(j as i32) * 2.0).collect();
+    let params = CalibratedParams {
+        rotation_seed: 0xCAFE_BABE,
+        metric: Metric::Mse,
+        outlier_threshold: Some(4.5),
+        norm: true,
+    };
+    let c = CalibratedCodec::new(
+        d,
+        vec![0.1; d],
+        basis.clone(),
+        basis,
+        spread,
+        bits,
+        vec![],
+        params,
+    )
+    .unwrap();
+    let x: Vec<f32> = (0..n * d).map(|_| noise() * 3.0).collect();
+    let mut times = Vec::with_capacity(reps);
+    let mut bytes = 0;
+    for _ in 0..reps {
+        let t0 = std::time::Instant::now();
+        let codes = c.encode(&x, n).unwrap();
+        bytes += c.to_bytes(&codes).0.len();
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "{stream}: {n} rows of D = {d}, m = {m}: median {:.4} ms (min {:.4}) per encode, {} bytes",
+        times[reps / 2],
+        times[0],
+        bytes / reps
+    );
+}
