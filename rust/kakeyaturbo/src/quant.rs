@@ -90,19 +90,24 @@ impl Quantizer {
     /// Index of the nearest centroid; a value exactly on a threshold goes to the lower index.
     #[inline]
     pub fn quantize(&self, z: f32) -> u8 {
-        // Count of thresholds strictly below z: branch-free for small tables, a binary search
-        // (the same count) for wide ones.
-        if self.thresholds.len() <= 15 {
-            self.thresholds.iter().map(|&t| (z > t) as u8).sum()
-        } else {
-            self.thresholds.partition_point(|&t| z > t) as u8
+        // The count of thresholds strictly below z (`z > t` holds on a prefix of the ascending
+        // thresholds), by a binary search without branches: `bits` comparisons over the
+        // `2^bits - 1` thresholds, each step half the last.
+        let t = &self.thresholds;
+        let mut idx = 0usize;
+        let mut step = t.len().div_ceil(2);
+        while step > 0 {
+            idx += step * ((z > t[idx + step - 1]) as usize);
+            step /= 2;
         }
+        idx as u8
     }
 
-    /// [`Self::quantize`] over a slice: the same rule, threshold-major so that it vectorises.
+    /// [`Self::quantize`] over a slice: the same count, threshold-major (so that it vectorises)
+    /// for a small table over a slice of several values, else value by value.
     #[inline(always)]
     pub fn quantize_slice(&self, z: &[f32], out: &mut [u8]) {
-        if self.thresholds.len() > 15 {
+        if self.thresholds.len() > 15 || z.len() < 8 {
             for (o, &v) in out.iter_mut().zip(z) {
                 *o = self.quantize(v);
             }
@@ -185,6 +190,27 @@ mod tests {
             let mut out = [0u8; 1];
             q.quantize_slice(&[z], &mut out);
             prop_assert_eq!(out[0], i);
+        }
+
+        #[test]
+        fn quantize_counts_the_thresholds_below(
+            mut zs in proptest::collection::vec(-10.0f32..10.0, 1..40),
+            on in 0usize..255,
+            bits in 1u8..=MAX_BITS,
+        ) {
+            // Both paths of the slice (value by value, threshold-major from 8 values on), with
+            // a value exactly on a threshold and the non-finite ones.
+            let q = Quantizer::gaussian(bits).unwrap();
+            let t = q.thresholds.clone();
+            zs[0] = t[on % t.len()];
+            zs.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
+            let mut out = vec![0u8; zs.len()];
+            q.quantize_slice(&zs, &mut out);
+            for (&z, &o) in zs.iter().zip(&out) {
+                let want = t.iter().filter(|&&th| z > th).count() as u8;
+                prop_assert_eq!(q.quantize(z), want);
+                prop_assert_eq!(o, want);
+            }
         }
     }
 }
