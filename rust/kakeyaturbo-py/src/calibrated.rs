@@ -181,7 +181,7 @@ impl PyCalibratedCodec {
         let (x, n, d) = self.rows(py, &array)?;
         let c = &self.inner;
         let b = run(py, || {
-            with_threads(threads, || Ok(c.to_bytes(&c.encode(x, n)?).0))?
+            calibrated::on_threads(threads, n, || Ok(c.to_bytes(&c.encode(x, n)?).0))
         })?;
         debug_assert_eq!(d, c.d);
         Ok(PyBytes::new(py, &b))
@@ -197,10 +197,8 @@ impl PyCalibratedCodec {
         let threads = convert::threads(py, threads)?;
         let c = &self.inner;
         let (y, n) = run(py, || {
-            with_threads(threads, || {
-                let codes = c.from_bytes(data)?;
-                Ok((c.decode(&codes)?, codes.n))
-            })?
+            let codes = c.from_bytes(data)?;
+            calibrated::on_threads(threads, codes.n, || Ok((c.decode(&codes)?, codes.n)))
         })?;
         to_array2(py, y, n, c.d)
     }

@@ -8,7 +8,7 @@
 //! of the per-row scales, each a VEX instruction among SSE ones, cost over 100 ns apiece
 //! after a product on a Xeon with AVX-512). Measured there with `examples/encode_speed.rs`
 //! (`benches/ab_builds.py`, one core): one block of 128 rows encoded in 0.45x the time for the
-//! default model's 3-bit key calibration and 0.57x for its value one. [`matmul`] is faer's
+//! default model's 3-bit key calibration and 0.63x for its value one. [`matmul`] is faer's
 //! product followed by [`clear_upper`].
 
 use faer::linalg::matmul::matmul as faer_matmul;
