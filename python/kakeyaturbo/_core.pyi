@@ -22,6 +22,7 @@ __all__ = [
     "decode_block_from_parts",
     "decode_layer",
     "encode_block_codes",
+    "encode_calibrated_blocks",
     "encode_layer",
     "inspect_layer",
     "inverse_rotate_rows",
@@ -151,6 +152,12 @@ def encode_block_codes(
     params: Dict[str, Any],
     weights: Optional[npt.NDArray[np.float32]] = None,
 ) -> Dict[str, Any]: ...
+def encode_calibrated_blocks(
+    codecs: Sequence[CalibratedCodec],
+    array: npt.NDArray[np.float32],
+    block_rows: int,
+    threads: Optional[int] = None,
+) -> List[List[bytes]]: ...
 def decode_block_from_parts(parts: Dict[str, Any]) -> npt.NDArray[np.float32]: ...
 def wht_sign_pattern(seed: int, n: int) -> npt.NDArray[np.float32]: ...
 def wht_rows(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...

@@ -54,3 +54,23 @@ def test_identity_codec_is_exact_and_refuses_other_bytes() -> None:
         c.encode("q", 0, 0, x)
     with pytest.raises(TypeError):
         c.decode("k", 0, 0, "text")  # type: ignore[arg-type]
+
+
+def test_blocks_in_one_call_are_each_blocks_encode() -> None:
+    # The cache seals a long prompt's blocks through encode_blocks: with a calibrated codec in
+    # one call (ModelCodec.encode_blocks), with any other block by block; the blobs
+    # [block][batch][head] are each (stream, layer, head) encode's.
+    from kakeyaturbo.cache.codecs import encode_blocks
+
+    stats, sens = _stats(heads=2)
+    cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
+    x = np.random.default_rng(3).standard_normal((2, 2, 96, 16)).astype(np.float32)
+    for codec in (cal, IdentityCodec()):
+        got = encode_blocks(codec, "v", 1, x, 32)
+        assert len(got) == 3
+        for j, blobs in enumerate(got):
+            want = [[codec.encode("v", 1, h, np.ascontiguousarray(x[b, h, 32 * j:32 * (j + 1)]))
+                     for h in range(2)] for b in range(2)]
+            assert blobs == want, (type(codec).__name__, j)
+    with pytest.raises(kt.InvalidParameterError, match="kv-head 2"):
+        cal.encode_blocks("k", 0, np.zeros((1, 3, 32, 16), np.float32), 32)

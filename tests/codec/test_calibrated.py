@@ -103,3 +103,47 @@ def test_deterministic_across_threads() -> None:
     c, x, _ = _codec(3.0, outlier_threshold=2.5)
     big = np.tile(x, (3, 1))
     assert c.encode(big, threads=1) == c.encode(big, threads=2)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_encode_blocks_are_each_blocks_encode(threads) -> None:
+    # Two calibrations over three row sets (one used twice), blocks of 96 rows and of 300 (a
+    # block past one chunk of 256 rows): each container the bytes of that block's own encode.
+    from kakeyaturbo.codec.calibrated import encode_blocks
+
+    c, x, fit = _codec(3.0, outlier_threshold=2.5)
+    c2 = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
+    rows = np.stack([x[:1200], x[400:1600] * 3, x[800:]])
+    for block in (96, 300):
+        t = 1200 // block * block
+        got = encode_blocks([c, c2, c], rows[:, :t], block, threads=threads)
+        assert len(got) == t // block and all(len(b) == 3 for b in got)
+        for j, blobs in enumerate(got):
+            for g, (codec, blob) in enumerate(zip([c, c2, c], blobs)):
+                assert blob == codec.encode(rows[g, j * block:(j + 1) * block]), (block, j, g)
+    assert encode_blocks([c], rows[:1, :0], 4) == []
+
+
+def test_encode_blocks_refusals() -> None:
+    from kakeyaturbo.codec.calibrated import encode_blocks
+
+    c, x, _ = _codec(3.0)
+    rows = np.stack([x[:256], x[256:512]])
+    with pytest.raises(kt.InvalidInputError, match="2 row sets"):
+        encode_blocks([c], rows, 128)
+    with pytest.raises(kt.InvalidInputError, match="whole blocks"):
+        encode_blocks([c, c], rows, 100)
+    with pytest.raises(kt.InvalidParameterError):
+        encode_blocks([c, c], rows, 0)
+    with pytest.raises(kt.InvalidInputError, match="columns"):
+        encode_blocks([c, c], rows[:, :, :5].copy(), 128)
+    with pytest.raises(kt.InvalidInputError):
+        encode_blocks([c, c], rows[0], 128)
+    with pytest.raises(TypeError):
+        encode_blocks([c, c], rows.astype(np.float64), 128)
+    with pytest.raises(TypeError):
+        encode_blocks([c, "c"], rows, 128)
+    bad = rows.copy()
+    bad[1, 200, 3] = np.inf
+    with pytest.raises(kt.InvalidInputError):
+        encode_blocks([c, c], bad, 128)

@@ -225,6 +225,17 @@ def encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> L
     return out
 
 
+def encode_blocks(codec: StreamCodec, stream: str, layer: int, x: np.ndarray, block: int) -> List[List[List[bytes]]]:
+    """Blobs ``[block][batch][head]`` of float32 ``x [B, H, T, D]`` in blocks of ``block`` rows
+    (``T`` a multiple): a calibrated codec codes them all in one call over its threads
+    (:meth:`~kakeyaturbo.calibration.ModelCodec.encode_blocks`), any other codec block by block
+    (:func:`encode_rows`)."""
+    if isinstance(codec, ModelCodec):
+        return codec.encode_blocks(stream, layer, x, block)
+    return [encode_rows(codec, stream, layer, x[:, :, j * block:(j + 1) * block])
+            for j in range(x.shape[2] // block)]
+
+
 def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
     """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``. The rows of a codec that is not
     one of the library's own (:data:`TRUSTED`, whose decoders give finite rows of finite input)

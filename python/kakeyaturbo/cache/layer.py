@@ -15,7 +15,7 @@ from ..codec import _checks
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .checks import batch_rows, check_rows, selected_rows
-from .codecs import STREAMS, StreamCodec, decode_rows, encode_rows, to_numpy, wants_rope
+from .codecs import STREAMS, StreamCodec, decode_rows, encode_blocks, to_numpy, wants_rope
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
 from .positions import Positions, position_ids
@@ -486,7 +486,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             rows = self.rope.remove(rows, self._rope_args(start, n * bs))
         x = to_numpy(rows)
         # Every block coded before the stream changes: a block the codec refuses leaves it whole.
-        blobs = [encode_rows(self.codec, name, self.index, x[:, :, j * bs:(j + 1) * bs]) for j in range(n)]
+        blobs = encode_blocks(self.codec, name, self.index, x, bs)
         st.staging = st.staging[..., n * bs:, :].clone()
         st.staging_start = start + n * bs
         for j, blob in enumerate(blobs):

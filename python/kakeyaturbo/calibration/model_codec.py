@@ -6,12 +6,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .._core import __version__
 from ..codec import CalibratedCodec, _checks
+from ..codec.calibrated import encode_blocks
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
@@ -326,6 +327,15 @@ class ModelCodec:
 
     def decode(self, stream: str, layer: int, head: int, blob: bytes) -> np.ndarray:
         return self._codec(stream, layer, head).decode(blob, threads=self.threads)
+
+    def encode_blocks(self, stream: str, layer: int, x: np.ndarray, block_rows: int) -> List[List[List[bytes]]]:
+        """Every block of ``block_rows`` rows of float32 ``x [B, H, T, D]`` (``T`` a multiple):
+        the blobs ``[block][batch][head]``, each :meth:`encode`'s, in one call over the codec's
+        threads (:func:`~kakeyaturbo.codec.calibrated.encode_blocks`)."""
+        b, h = x.shape[:2]
+        codecs = [self._codec(stream, layer, j) for j in range(h)] * b
+        flat = encode_blocks(codecs, x.reshape(b * h, *x.shape[2:]), block_rows, threads=self.threads)
+        return [[blobs[i * h:(i + 1) * h] for i in range(b)] for blobs in flat]
 
 
 def _span(layers: Tuple[int, ...]) -> Any:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 
 #: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
@@ -161,6 +161,29 @@ class CalibratedCodec:
     def __repr__(self) -> str:
         return (f"CalibratedCodec(d={self.d}, m={self.m}, row_bits={self.row_bits}, "
                 f"fingerprint={self.fingerprint:016x})")
+
+
+def encode_blocks(codecs: Sequence[CalibratedCodec], array: np.ndarray, block_rows: int, *,
+                  threads: Optional[int] = None) -> List[List[bytes]]:
+    """Row set ``g`` of float32 ``array [G, T, D]`` in blocks of ``block_rows`` rows, each block
+    coded against ``codecs[g]``: the containers ``[block][g]``, each the bytes of
+    ``codecs[g].encode`` of that block, every encode of the call spread over ``threads``
+    threads (the host's OpenMP team where it has one, torch's): one call for every block of
+    every kv-head that a cache seals. ``T`` must be a multiple of ``block_rows``
+    (InvalidInputError); TypeError for another dtype or a codec that is not a
+    :class:`CalibratedCodec`."""
+    cs = list(codecs)
+    for c in cs:
+        if not isinstance(c, CalibratedCodec):
+            raise TypeError(f"codecs must hold CalibratedCodec objects, got {_checks._type(c)}")
+    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+        raise TypeError(f"array must be a numpy.ndarray of float32, got {_checks._type(array)}")
+    if array.ndim != 3:
+        raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    with _checks.held("array"):
+        x = np.ascontiguousarray(array)
+    return _core.encode_calibrated_blocks([c._c for c in cs], x, block_rows, _checks.threads(threads))
 
 
 def _from_dict(d: Dict[str, Any]) -> CalibratedCodec:

@@ -1,7 +1,7 @@
 //! `CalibratedCodec`: the calibrated mode as a Python object holding a checked calibration.
 
 use crate::convert::{self, arr, arr_up_to, int_item, item, matrix, to_array2, to_array2_u8, vec1};
-use crate::errors::{invalid_input, run, to_py, type_error};
+use crate::errors::{invalid_input, invalid_parameter, run, to_py, type_error};
 use crate::layer::{error_sums, set_errors};
 use crate::params;
 use kakeyaturbo::calibrated::{self, CalibratedCodec, CalibratedCodes, CalibratedParams};
@@ -9,7 +9,9 @@ use kakeyaturbo::f16::{ScaledF16, MAX_EXP, MIN_EXP};
 use kakeyaturbo::limits::{saturate, MAX_ROWS};
 use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::threads::with_threads;
-use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
+use numpy::{
+    PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::time::Instant;
@@ -411,4 +413,58 @@ impl PyCalibratedCodec {
         }
         Ok((x, n, d))
     }
+}
+
+/// `array [G, T, D]` (C-contiguous float32) in blocks of `block_rows`, row set `g` against
+/// `codecs[g]`: the containers `[block][g]`, every encode of the call spread over `threads`
+/// threads (`kakeyaturbo::calibrated::encode_many`).
+#[pyfunction]
+#[pyo3(signature = (codecs, array, block_rows, threads=None))]
+pub fn encode_calibrated_blocks<'py>(
+    py: Python<'py>,
+    codecs: Vec<PyRef<'py, PyCalibratedCodec>>,
+    array: PyReadonlyArray3<'py, f32>,
+    block_rows: usize,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
+    let threads = convert::threads(py, threads)?;
+    let s = array.shape();
+    let (g, t, d) = (s[0], s[1], s[2]);
+    let x = array
+        .as_slice()
+        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
+    if codecs.len() != g {
+        return Err(invalid_input(
+            py,
+            format!("{} calibrations for {g} row sets", codecs.len()),
+        ));
+    }
+    if let Some(c) = codecs.iter().find(|c| c.inner.d != d) {
+        return Err(invalid_input(
+            py,
+            format!("rows have {d} columns, a calibration {}", c.inner.d),
+        ));
+    }
+    if block_rows == 0 {
+        return Err(invalid_parameter(py, "block_rows must be >= 1, got 0"));
+    }
+    if t % block_rows != 0 {
+        return Err(invalid_input(
+            py,
+            format!("{t} rows are not whole blocks of {block_rows}"),
+        ));
+    }
+    let blocks = t / block_rows;
+    let jobs: Vec<calibrated::EncodeJob<'_>> = (0..blocks)
+        .flat_map(|j| (0..g).map(move |h| (j, h)))
+        .map(|(j, h)| {
+            let at = (h * t + j * block_rows) * d;
+            (&codecs[h].inner, &x[at..at + block_rows * d], block_rows)
+        })
+        .collect();
+    let out = run(py, || calibrated::encode_many(&jobs, threads))?;
+    let mut it = out.into_iter();
+    Ok((0..blocks)
+        .map(|_| it.by_ref().take(g).map(|b| PyBytes::new(py, &b)).collect())
+        .collect())
 }

@@ -238,6 +238,40 @@ fn run_pair(job: &(dyn Fn() + Sync)) {
     });
 }
 
+/// The host's team ([`crate::team`]) where this call would otherwise use every core: the
+/// caller runs outside rayon's pools and that team has two threads or more now.
+pub(crate) fn team_here() -> Option<(crate::team::Team, usize)> {
+    if rayon::current_thread_index().is_some() || rayon::current_num_threads() < max_threads() {
+        return None;
+    }
+    crate::team::available()
+}
+
+/// Whether a call's pieces may run on the calling thread and one scoped thread ([`Mode::Pair`]):
+/// the pool they would run on has two threads and the caller is not one of them.
+pub(crate) fn pair_here() -> bool {
+    rayon::current_num_threads() == 2 && rayon::current_thread_index().is_none()
+}
+
+/// The mode of a call of independent pieces on `threads` threads that has no measured size
+/// limits of its own (attention's are in `attention::split`): the calling thread for one
+/// thread or inside a one-thread job ([`inline`]); for all cores the host's team where it has
+/// one, else the calling thread and one scoped thread on a pool of two, else rayon's pool;
+/// `None` for another count, to be run on its pool ([`with_threads`]).
+pub(crate) fn spread(threads: Option<usize>) -> Option<Mode> {
+    if threads == Some(1) || inline() {
+        return Some(Mode::Serial);
+    }
+    if threads.is_some_and(|t| t < max_threads()) {
+        return None;
+    }
+    Some(match team_here() {
+        Some((team, n)) => Mode::Team(team, n),
+        None if pair_here() => Mode::Pair,
+        None => Mode::Pool,
+    })
+}
+
 /// `f` over `items` (with a state per thread from `init`), the results in the items' order
 /// whatever ran them: the result never depends on the mode.
 pub(crate) fn run_all<X, S, T>(

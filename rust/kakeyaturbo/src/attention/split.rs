@@ -5,7 +5,7 @@
 
 use super::attend::Isa;
 use super::store::LayerCodes;
-use crate::threads::Mode;
+use crate::threads::{pair_here, team_here, Mode};
 
 /// Sealed work ([`sealed_work`]: batch rows x kv-heads x sealed rows x `D_k`, times the units of
 /// 16 query rows per kv-head past the first) up to which a call that asks
@@ -114,21 +114,4 @@ pub(super) fn call_mode(work: usize) -> Mode {
     } else {
         Mode::Pool
     }
-}
-
-/// The host's team ([`crate::team`]) where this call would otherwise use every core: the
-/// caller runs outside rayon's pools and that team has two threads or more now.
-fn team_here() -> Option<(crate::team::Team, usize)> {
-    if rayon::current_thread_index().is_some()
-        || rayon::current_num_threads() < crate::threads::max_threads()
-    {
-        return None;
-    }
-    crate::team::available()
-}
-
-/// Whether a call of at most [`PAIR_WORK`] splits its pieces between the calling thread and one
-/// scoped thread: the pool it would run on has two threads and the caller is not one of them.
-fn pair_here() -> bool {
-    rayon::current_num_threads() == 2 && rayon::current_thread_index().is_none()
 }

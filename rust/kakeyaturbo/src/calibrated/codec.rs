@@ -64,6 +64,28 @@ pub struct CalibratedParts {
     pub g: Vec<f32>,
 }
 
+/// One encode of [`encode_many`]: the calibration, its rows (row-major `[n, D]`) and `n`.
+pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
+
+/// Several encodes at once, each against its own calibration, to container bytes in the jobs'
+/// order, spread over `threads` threads (the host's team where it has one, see
+/// `threads::spread`): a cache sealing a long prompt codes every block of every kv-head of a
+/// layer in one call. Each job's bytes are its own encode's, whatever thread ran it; the first
+/// job refused (in order) is the error.
+pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<u8>>> {
+    let one = |_: &mut (), &(c, x, n): &EncodeJob<'_>| -> Result<Vec<u8>> {
+        Ok(c.to_bytes(&c.encode(x, n)?).0)
+    };
+    let weight = |&(c, _, n): &EncodeJob<'_>| n.saturating_mul(c.d);
+    let out: Vec<Result<Vec<u8>>> = match crate::threads::spread(threads) {
+        Some(mode) => crate::threads::run_all(mode, jobs, weight, || (), one),
+        None => with_threads(threads, || {
+            jobs.par_iter().map(|j| one(&mut (), j)).collect()
+        })?,
+    };
+    out.into_iter().collect()
+}
+
 impl CalibratedCodec {
     /// Stage 2 for a chunk of rows: `u = (x - mu) A'^T`, `A' = A / sigma`.
     fn project(&self, x: &[f32]) -> Vec<f32> {
