@@ -22,6 +22,7 @@ from .calibration.gather import missing, model_dtype
 from .calibration.mixture import pool_sensitivity, pool_stats
 from .errors import InvalidParameterError, KakeyaError
 from .eval import data, harness, model, peers, report
+from .families import describe
 
 #: What the statistics and the sensitivity cost per window against a plain forward pass of it
 #: (`THREADS=1 benches/bench_collect.py --windows 1 --repeats 3` on the default model, quiet,
@@ -210,7 +211,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if len(wins) < 2:
         _say("warning: one window: the 95 % intervals (a bootstrap over windows) are the point "
              "estimates themselves; evaluate 2 windows or more for an interval")
-    layers = m.config.num_hidden_layers
+    layers = describe(m).num_layers  # a multimodal model's config holds its decoder's
     methods = harness.baseline_methods(_names(args.baselines))
     for name in _names(args.peers):
         why = peers.unavailable(name) or peers.unsupported(name, m)

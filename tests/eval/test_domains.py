@@ -182,3 +182,21 @@ def test_kept_results_are_valid_json(setup, tmp_path) -> None:
     raw = (tmp_path / "text.json").read_text()
     json.loads(raw, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert [p.name for p in tmp_path.iterdir()] == ["text.json"]
+
+
+def test_methods_of_a_multimodal_model_count_its_decoder_s_layers() -> None:
+    # A multimodal model's config holds its decoder's layer count in its text config (it has
+    # no num_hidden_layers of its own): a per-block recipe's boundary layers come from there.
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14), mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    rec = replace(recipes.load("balanced"), boundary_layers=(0, -1))
+    (method,) = dom.methods_for(model, None, None, [rec], ["same"], [])
+    assert list(method.boundary) == [0, 3]

@@ -38,9 +38,10 @@ def methods_for(model: Any, tok: Any, model_path: Any, recipes: Sequence[Any],
     """The baselines, then every recipe calibrated on every corpus (statistics from the cache,
     collected where missing, for every group of K/V layers of one shape; recipes with the same
     calibration settings share them)."""
+    from ..families import describe
     from . import harness
 
-    layers = model.config.num_hidden_layers
+    layers = describe(model).num_layers  # a multimodal model's config holds its decoder's
     methods = harness.baseline_methods(list(baselines))
     got: Dict[Any, Any] = {}
     for cal in calibrations:
