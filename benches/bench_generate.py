@@ -8,8 +8,9 @@ calibration statistics, collected on first use): attention over the codes (the f
 calibrated recipes; keys coded before RoPE are synthesised and rotated per tile in the kernel) and, with `--slow`, the same cache decoding its
 sealed blocks and attending over them (`fast=False`).
 
-Per run: prefill seconds, decode tokens/s (between the first and the last generated token, so
-the prompt is not counted), wall seconds; per KakeyaCache run the bits per element held
+Per run: prefill seconds (for a KakeyaCache, also over the DynamicCache's of the same run), decode
+tokens/s (between the first and the last generated token, so the prompt is not counted), wall
+seconds; per KakeyaCache run the bits per element held
 (sealed blobs + raw sink and staging rows at 16 bits, over every element a `DynamicCache`
 holds), the generated tokens identical to the DynamicCache's and to the slow path's before the
 first difference, the mean KL divergence of their next-token distributions from the
@@ -257,6 +258,7 @@ def main() -> int:
                          positions_bytes=mem.get("positions", 0), rope_table_bytes=mem.get("rope_table", 0),
                          bits_per_element_with_positions_and_table=(bits + 8 * extra) / elems,
                          speed_vs_dynamic=r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],
+                         prefill_vs_dynamic=r["prefill_s"] / ref["prefill_s"],
                          wall_vs_dynamic=ref["wall_s"] / r["wall_s"])
                 key = mode if threads is None else f"{mode}-{threads}t"
                 runs[key if syn == "auto" or mode == "slow" else f"{key}-{syn}"] = r
@@ -284,7 +286,7 @@ def main() -> int:
     print(f"{model_path.name} | {args.new_tokens} new tokens | block {args.block_size} | "
           f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f} | "
           f"attention kernel {attention_kernel()} | OpenMP team {attention_team() or 'none'}")
-    print("| prompt | cache | recipe | bits/elem held | prefill s | decode tok/s | vs DynamicCache "
+    print("| prompt | cache | recipe | bits/elem held | prefill s (time / DynamicCache's) | decode tok/s | vs DynamicCache "
           "| identical (vs DynamicCache) | identical (vs decode-then-attend) | KL vs DynamicCache "
           "| KL vs decode-then-attend | decode step ms: attention (kernel) / update / seal / rest |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -304,7 +306,8 @@ def main() -> int:
         same = f"{r['identical_to_dynamic']}/{r['new_tokens']}" if "new_tokens" in r else "-"
         same_s = (f"{r['identical_to_slow']}/{r['new_tokens']}" if r.get("identical_to_slow") is not None
                   else "-")
-        print(f"| {r['prompt_tokens']} | {r['cache']} | {r['recipe']} | {bits} | {r['prefill_s']:.1f} | "
+        pre = f"{r['prefill_s']:.1f}" + (f" ({r['prefill_vs_dynamic']:.2f}x)" if "prefill_vs_dynamic" in r else "")
+        print(f"| {r['prompt_tokens']} | {r['cache']} | {r['recipe']} | {bits} | {pre} | "
               f"{r['decode_tokens_per_s']:.2f} | {vs} | {same} | {same_s} | {kl('kl_vs_dynamic')} | "
               f"{kl('kl_vs_slow')} | {prof} |")
     for k, v in texts.items():
@@ -335,7 +338,8 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for rs in groups.values():
         m = dict(rs[0])
         m["runs"] = len(rs)
-        for k in ("decode_tokens_per_s", "prefill_s", "wall_s", "speed_vs_dynamic"):
+        for k in ("decode_tokens_per_s", "prefill_s", "wall_s", "speed_vs_dynamic", "prefill_vs_dynamic",
+                  "wall_vs_dynamic"):
             if k in m:
                 m[k] = statistics.median(r[k] for r in rs)
         m["speed_vs_dynamic_range"] = [min(r.get("speed_vs_dynamic", 1.0) for r in rs),

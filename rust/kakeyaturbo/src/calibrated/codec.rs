@@ -77,7 +77,16 @@ pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec
         Ok(c.to_bytes(&c.encode(x, n)?).0)
     };
     let weight = |&(c, _, n): &EncodeJob<'_>| n.saturating_mul(c.d);
-    let out: Vec<Result<Vec<u8>>> = match crate::threads::spread(threads) {
+    // An encode of one chunk runs on one thread wherever it runs, so such jobs may go to the
+    // host's team (or the calling thread, for one thread); larger ones spread their chunks over
+    // rayon's pool, which then has to be the pool of `threads` threads.
+    let one_chunk = jobs.iter().all(|&(_, _, n)| n <= CHUNK_ROWS);
+    let mode = match threads {
+        None => crate::threads::spread(None),
+        _ if one_chunk => crate::threads::spread(threads),
+        _ => None,
+    };
+    let out: Vec<Result<Vec<u8>>> = match mode {
         Some(mode) => crate::threads::run_all(mode, jobs, weight, || (), one),
         None => with_threads(threads, || {
             jobs.par_iter().map(|j| one(&mut (), j)).collect()
