@@ -20,6 +20,7 @@ __all__ = [
     "centroids_gaussian",
     "check_params",
     "decode_block_from_parts",
+    "decode_calibrated_blocks",
     "decode_layer",
     "encode_block_codes",
     "encode_calibrated_blocks",
@@ -158,6 +159,12 @@ def encode_calibrated_blocks(
     block_rows: int,
     threads: Optional[int] = None,
 ) -> List[List[bytes]]: ...
+def decode_calibrated_blocks(
+    codecs: Sequence[CalibratedCodec],
+    blobs: Sequence[Sequence[bytes]],
+    block_rows: int,
+    threads: Optional[int] = None,
+) -> npt.NDArray[np.float32]: ...
 def decode_block_from_parts(parts: Dict[str, Any]) -> npt.NDArray[np.float32]: ...
 def wht_sign_pattern(seed: int, n: int) -> npt.NDArray[np.float32]: ...
 def wht_rows(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...

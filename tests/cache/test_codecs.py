@@ -74,3 +74,20 @@ def test_blocks_in_one_call_are_each_blocks_encode() -> None:
             assert blobs == want, (type(codec).__name__, j)
     with pytest.raises(kt.InvalidParameterError, match="kv-head 2"):
         cal.encode_blocks("k", 0, np.zeros((1, 3, 32, 16), np.float32), 32)
+
+
+def test_blocks_decoded_in_one_call_are_each_blocks_decode() -> None:
+    # The slow path decodes every sealed block of a layer through decode_blocks: the blocks of
+    # each (batch row, head) in order, each as decode_rows gives it.
+    from kakeyaturbo.cache.codecs import decode_blocks, decode_rows, encode_blocks
+
+    stats, sens = _stats(heads=2)
+    cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
+    x = np.random.default_rng(4).standard_normal((2, 2, 96, 16)).astype(np.float32)
+    for codec in (cal, IdentityCodec()):
+        blobs = encode_blocks(codec, "k", 0, x, 32)
+        want = np.concatenate([decode_rows(codec, "k", 0, b, 32, 16) for b in blobs], axis=2)
+        got = decode_blocks(codec, "k", 0, blobs, 32, 16)
+        assert got.shape == (2, 2, 96, 16) and np.array_equal(got, want), type(codec).__name__
+    with pytest.raises(kt.InvalidParameterError, match="expected 8"):
+        decode_blocks(cal, "k", 0, encode_blocks(cal, "k", 0, x, 32), 32, 8)

@@ -124,6 +124,46 @@ def test_encode_blocks_are_each_blocks_encode(threads) -> None:
     assert encode_blocks([c], rows[:1, :0], 4) == []
 
 
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_decode_blocks_are_each_blocks_decode(threads) -> None:
+    from kakeyaturbo.codec.calibrated import decode_blocks, encode_blocks
+
+    c, x, fit = _codec(3.0, outlier_threshold=2.5)
+    c2 = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
+    rows = np.stack([x[:1200], x[400:1600] * 3, x[800:]])
+    for block in (96, 300):
+        t = 1200 // block * block
+        blobs = encode_blocks([c, c2, c], rows[:, :t], block)
+        y = decode_blocks([c, c2, c], blobs, block, threads=threads)
+        assert y.shape == (3, t, D) and y.dtype == np.float32
+        for j, row in enumerate(blobs):
+            for g, (codec, blob) in enumerate(zip([c, c2, c], row)):
+                assert np.array_equal(y[g, j * block:(j + 1) * block], codec.decode(blob)), (block, j, g)
+    assert decode_blocks([c], [], 4).shape == (1, 0, D)
+
+
+def test_decode_blocks_refusals() -> None:
+    from kakeyaturbo.codec.calibrated import decode_blocks
+
+    c, x, _ = _codec(3.0)
+    other = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
+    a, b = c.encode(x[:128]), c.encode(x[128:256])
+    with pytest.raises(kt.InvalidInputError, match="2 containers for 1"):
+        decode_blocks([c], [[a, b]], 128)
+    with pytest.raises(kt.InvalidInputError, match="64 rows"):
+        decode_blocks([c], [[a], [c.encode(x[:64])]], 128)
+    with pytest.raises(kt.CorruptDataError):
+        decode_blocks([c, c], [[a, b[:-3]]], 128)
+    with pytest.raises(kt.InvalidParameterError, match="different calibration"):
+        decode_blocks([c, other], [[a, b]], 128)
+    with pytest.raises(kt.InvalidParameterError):
+        decode_blocks([], [], 128)
+    with pytest.raises(kt.InvalidParameterError):
+        decode_blocks([c], [[a]], 0)
+    with pytest.raises(TypeError):
+        decode_blocks([c], [["text"]], 128)
+
+
 def test_encode_blocks_refusals() -> None:
     from kakeyaturbo.codec.calibrated import encode_blocks
 

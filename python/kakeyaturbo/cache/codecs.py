@@ -236,6 +236,21 @@ def encode_blocks(codec: StreamCodec, stream: str, layer: int, x: np.ndarray, bl
             for j in range(x.shape[2] // block)]
 
 
+def decode_blocks(codec: StreamCodec, stream: str, layer: int, blobs: List[List[List[bytes]]], t: int,
+                  d: int) -> np.ndarray:
+    """float32 ``[B, H, blocks * t, d]`` from the blobs ``[block][batch][head]`` (at least one
+    block) of ``t`` rows each: a calibrated codec decodes them all in one call over its threads
+    (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks`), any other codec block by block
+    (:func:`decode_rows`)."""
+    if isinstance(codec, ModelCodec):
+        y = codec.decode_blocks(stream, layer, blobs, t)
+        if y.shape[-1] != d:
+            raise InvalidParameterError(f"{codec!r} decodes rows of {y.shape[-1]} channels for stream "
+                                        f"{stream!r}, layer {layer}; expected {d}")
+        return y
+    return np.concatenate([decode_rows(codec, stream, layer, b, t, d) for b in blobs], axis=2)
+
+
 def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
     """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``. The rows of a codec that is not
     one of the library's own (:data:`TRUSTED`, whose decoders give finite rows of finite input)

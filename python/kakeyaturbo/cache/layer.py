@@ -15,7 +15,7 @@ from ..codec import _checks
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope
 from .checks import batch_rows, check_rows, selected_rows
-from .codecs import STREAMS, StreamCodec, decode_rows, encode_blocks, to_numpy, wants_rope
+from .codecs import STREAMS, StreamCodec, decode_blocks, decode_rows, encode_blocks, to_numpy, wants_rope
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
 from .positions import Positions, position_ids
@@ -511,7 +511,19 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
 
     def _parts(self, name: str) -> List[torch.Tensor]:
         st = self._s[name]
-        return [st.sink] + [self._block(name, j) for j in range(len(st.blocks))] + [st.staging]
+        n = len(st.blocks)
+        if st.decoded or not n:  # kept decoded (or nothing sealed)
+            return [st.sink] + [self._block(name, j) for j in range(n)] + [st.staging]
+        # Every sealed block decoded in one call, RoPE put back over their positions at once.
+        assert st.starts[-1] - st.starts[0] == (n - 1) * self.block_size, "sealed blocks are contiguous"
+        ref = st.staging
+        y = torch.from_numpy(
+            decode_blocks(self.codec, name, self.index, st.blocks, self.block_size, ref.shape[-1])
+        ).to(self.device)
+        if name == "k" and self.pre_rope:
+            assert self.rope is not None
+            y = self.rope.apply(y, self._rope_args(st.starts[0], n * self.block_size))
+        return [st.sink, y.to(ref.dtype), st.staging]
 
     def _held(self, name: str) -> torch.Tensor:
         self.settle()

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._core import __version__
 from ..codec import CalibratedCodec, _checks
-from ..codec.calibrated import encode_blocks
+from ..codec.calibrated import decode_blocks, encode_blocks
 from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
@@ -336,6 +336,17 @@ class ModelCodec:
         codecs = [self._codec(stream, layer, j) for j in range(h)] * b
         flat = encode_blocks(codecs, x.reshape(b * h, *x.shape[2:]), block_rows, threads=self.threads)
         return [[blobs[i * h:(i + 1) * h] for i in range(b)] for blobs in flat]
+
+    def decode_blocks(self, stream: str, layer: int, blobs: Sequence[Sequence[Sequence[bytes]]],
+                      block_rows: int) -> np.ndarray:
+        """The blobs ``[block][batch][head]`` (at least one block, each of ``block_rows`` rows)
+        decoded: float32 ``[B, H, blocks * block_rows, D]``, each block as :meth:`decode` gives
+        it, in one call over the codec's threads (:func:`~kakeyaturbo.codec.calibrated.decode_blocks`)."""
+        b, h = len(blobs[0]), len(blobs[0][0])
+        codecs = [self._codec(stream, layer, j) for j in range(h)] * b
+        y = decode_blocks(codecs, [[blob for row in block for blob in row] for block in blobs], block_rows,
+                          threads=self.threads)
+        return y.reshape(b, h, *y.shape[1:])
 
 
 def _span(layers: Tuple[int, ...]) -> Any:

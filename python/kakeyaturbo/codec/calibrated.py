@@ -172,10 +172,7 @@ def encode_blocks(codecs: Sequence[CalibratedCodec], array: np.ndarray, block_ro
     every kv-head that a cache seals. ``T`` must be a multiple of ``block_rows``
     (InvalidInputError); TypeError for another dtype or a codec that is not a
     :class:`CalibratedCodec`."""
-    cs = list(codecs)
-    for c in cs:
-        if not isinstance(c, CalibratedCodec):
-            raise TypeError(f"codecs must hold CalibratedCodec objects, got {_checks._type(c)}")
+    cs = _codecs(codecs)
     if not isinstance(array, np.ndarray) or array.dtype != np.float32:
         raise TypeError(f"array must be a numpy.ndarray of float32, got {_checks._type(array)}")
     if array.ndim != 3:
@@ -184,6 +181,28 @@ def encode_blocks(codecs: Sequence[CalibratedCodec], array: np.ndarray, block_ro
     with _checks.held("array"):
         x = np.ascontiguousarray(array)
     return _core.encode_calibrated_blocks([c._c for c in cs], x, block_rows, _checks.threads(threads))
+
+
+def decode_blocks(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequence[bytes]], block_rows: int, *,
+                  threads: Optional[int] = None) -> np.ndarray:
+    """The containers ``blobs[block][g]`` (each of ``block_rows`` rows) decoded, container
+    ``[j][g]`` against ``codecs[g]``: float32 ``[G, blocks * block_rows, D]``, the blocks of
+    row set ``g`` in order, each as ``codecs[g].decode`` gives it; every decode of the call
+    spread over ``threads`` threads as :func:`encode_blocks` spreads its encodes. Raises
+    CorruptDataError for damaged bytes, InvalidParameterError for another calibration's,
+    InvalidInputError for a container of another row count or a block of another width."""
+    cs = _codecs(codecs)
+    rows = [[_checks.buffer(b) for b in row] for row in blobs]
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    return _core.decode_calibrated_blocks([c._c for c in cs], rows, block_rows, _checks.threads(threads))
+
+
+def _codecs(codecs: Sequence[CalibratedCodec]) -> List[CalibratedCodec]:
+    cs = list(codecs)
+    for c in cs:
+        if not isinstance(c, CalibratedCodec):
+            raise TypeError(f"codecs must hold CalibratedCodec objects, got {_checks._type(c)}")
+    return cs
 
 
 def _from_dict(d: Dict[str, Any]) -> CalibratedCodec:

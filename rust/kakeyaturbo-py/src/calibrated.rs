@@ -10,7 +10,8 @@ use kakeyaturbo::limits::{saturate, MAX_ROWS};
 use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::threads::with_threads;
 use numpy::{
-    PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods,
+    PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -467,4 +468,69 @@ pub fn encode_calibrated_blocks<'py>(
     Ok((0..blocks)
         .map(|_| it.by_ref().take(g).map(|b| PyBytes::new(py, &b)).collect())
         .collect())
+}
+
+/// The containers `blobs[block][g]`, each of `block_rows` rows, container `[j][g]` decoded
+/// against `codecs[g]`: float32 `[G, blocks * block_rows, D]`, block `j` of row set `g` at rows
+/// `j * block_rows ..`, every decode of the call spread over `threads` threads
+/// (`kakeyaturbo::calibrated::decode_many`).
+#[pyfunction]
+#[pyo3(signature = (codecs, blobs, block_rows, threads=None))]
+pub fn decode_calibrated_blocks<'py>(
+    py: Python<'py>,
+    codecs: Vec<PyRef<'py, PyCalibratedCodec>>,
+    blobs: Vec<Vec<Bound<'py, PyBytes>>>,
+    block_rows: usize,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArray3<f32>>> {
+    let threads = convert::threads(py, threads)?;
+    let g = codecs.len();
+    if g == 0 {
+        return Err(invalid_parameter(
+            py,
+            "codecs must hold at least one calibration",
+        ));
+    }
+    if let Some(row) = blobs.iter().find(|row| row.len() != g) {
+        return Err(invalid_input(
+            py,
+            format!(
+                "a block holds {} containers for {g} calibrations",
+                row.len()
+            ),
+        ));
+    }
+    let d = codecs[0].inner.d;
+    if codecs.iter().any(|c| c.inner.d != d) {
+        return Err(invalid_parameter(
+            py,
+            "the calibrations code rows of different widths",
+        ));
+    }
+    let jobs: Vec<calibrated::DecodeJob<'_>> = blobs
+        .iter()
+        .flat_map(|row| {
+            row.iter()
+                .zip(&codecs)
+                .map(|(b, c)| (&c.inner, b.as_bytes()))
+        })
+        .collect();
+    let blocks = blobs.len();
+    let out = run(py, || {
+        let rows = calibrated::decode_many(&jobs, threads)?;
+        if let Some(n) = rows.iter().map(|y| y.len() / d).find(|&n| n != block_rows) {
+            return Err(kakeyaturbo::Error::InvalidInput(format!(
+                "a container holds {n} rows, not the {block_rows} of a block"
+            )));
+        }
+        // rows[j * g + h] is block j of row set h: set h's rows in block order.
+        let mut y = Vec::with_capacity(rows.len() * block_rows * d);
+        for h in 0..g {
+            for j in 0..blocks {
+                y.extend_from_slice(&rows[j * g + h]);
+            }
+        }
+        Ok(y)
+    })?;
+    PyArray1::from_vec(py, out).reshape([g, blocks * block_rows, d])
 }

@@ -67,30 +67,62 @@ pub struct CalibratedParts {
 /// One encode of [`encode_many`]: the calibration, its rows (row-major `[n, D]`) and `n`.
 pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
 
+/// One decode of [`decode_many`]: the calibration and a container of it.
+pub type DecodeJob<'a> = (&'a CalibratedCodec, &'a [u8]);
+
 /// Several encodes at once, each against its own calibration, to container bytes in the jobs'
-/// order, spread over `threads` threads (the host's team where it has one, see
-/// `threads::spread`): a cache sealing a long prompt codes every block of every kv-head of a
-/// layer in one call. Each job's bytes are its own encode's, whatever thread ran it; the first
-/// job refused (in order) is the error.
+/// order, spread over `threads` threads ([`spread_jobs`]): a cache sealing a long prompt codes
+/// every block of every kv-head of a layer in one call. Each job's bytes are its own encode's,
+/// whatever thread ran it; the first job refused (in order) is the error.
 pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<u8>>> {
-    let one = |_: &mut (), &(c, x, n): &EncodeJob<'_>| -> Result<Vec<u8>> {
-        Ok(c.to_bytes(&c.encode(x, n)?).0)
-    };
-    let weight = |&(c, _, n): &EncodeJob<'_>| n.saturating_mul(c.d);
-    // An encode of one chunk runs on one thread wherever it runs, so such jobs may go to the
-    // host's team (or the calling thread, for one thread); larger ones spread their chunks over
-    // rayon's pool, which then has to be the pool of `threads` threads.
-    let one_chunk = jobs.iter().all(|&(_, _, n)| n <= CHUNK_ROWS);
+    spread_jobs(
+        jobs,
+        |&(_, _, n)| n,
+        |&(c, _, n)| n.saturating_mul(c.d),
+        threads,
+        |&(c, x, n)| Ok(c.to_bytes(&c.encode(x, n)?).0),
+    )
+}
+
+/// Several decodes at once, each container against its own calibration, spread as
+/// [`encode_many`] spreads its jobs: each container's rows (row-major `[n, D]`) in the jobs'
+/// order, as its own decode gives them. Every container is parsed (and checked) before any is
+/// decoded; the first refused (in order) is the error.
+pub fn decode_many(jobs: &[DecodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<f32>>> {
+    let parsed = jobs
+        .iter()
+        .map(|&(c, b)| Ok((c, c.from_bytes(b)?)))
+        .collect::<Result<Vec<_>>>()?;
+    spread_jobs(
+        &parsed,
+        |(_, k)| k.n,
+        |(c, k)| k.n.saturating_mul(c.d),
+        threads,
+        |(c, k)| c.decode(k),
+    )
+}
+
+/// `f` over `jobs` of `rows(job)` rows each (`weight`: their share of the work), the results in
+/// the jobs' order. An encode or decode of one chunk runs on one thread wherever it runs, so
+/// such jobs may go to the host's team (or the calling thread, for one thread:
+/// `threads::spread`); larger ones spread their chunks over rayon's pool, which then has to be
+/// the pool of `threads` threads.
+fn spread_jobs<J: Sync, T: Send>(
+    jobs: &[J],
+    rows: impl Fn(&J) -> usize,
+    weight: impl Fn(&J) -> usize,
+    threads: Option<usize>,
+    f: impl Fn(&J) -> Result<T> + Sync + Send,
+) -> Result<Vec<T>> {
+    let one_chunk = jobs.iter().all(|j| rows(j) <= CHUNK_ROWS);
     let mode = match threads {
         None => crate::threads::spread(None),
         _ if one_chunk => crate::threads::spread(threads),
         _ => None,
     };
-    let out: Vec<Result<Vec<u8>>> = match mode {
-        Some(mode) => crate::threads::run_all(mode, jobs, weight, || (), one),
-        None => with_threads(threads, || {
-            jobs.par_iter().map(|j| one(&mut (), j)).collect()
-        })?,
+    let out: Vec<Result<T>> = match mode {
+        Some(mode) => crate::threads::run_all(mode, jobs, weight, || (), |_, j| f(j)),
+        None => with_threads(threads, || jobs.par_iter().map(&f).collect())?,
     };
     out.into_iter().collect()
 }

@@ -29,7 +29,9 @@ pub mod codec;
 pub mod container;
 
 pub use calibration::{Band, CalibratedCodec, CalibratedParams};
-pub use codec::{encode_many, on_threads, CalibratedCodes, CalibratedParts, EncodeJob};
+pub use codec::{
+    decode_many, encode_many, on_threads, CalibratedCodes, CalibratedParts, DecodeJob, EncodeJob,
+};
 pub use container::{read_header, CalibratedBytes, CalibratedHeader, MAGIC, VERSION};
 
 /// Calibrations and rows for the unit tests of the three modules.
