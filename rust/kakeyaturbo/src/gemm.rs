@@ -4,12 +4,11 @@
 //! `vzeroupper`: the upper halves of the AVX registers stay dirty. This crate is built for
 //! baseline x86-64 (legacy SSE, with `f16c` and the attention kernels reached by run-time
 //! dispatch), and so is the Python interpreter around it; on Intel CPUs every switch between
-//! legacy SSE and VEX code that follows then pays a state transition (the fp16 conversions
-//! of the per-row scales, each a VEX instruction among SSE ones, cost over 100 ns apiece
-//! after a product on a Xeon with AVX-512). Measured there with `examples/encode_speed.rs`
-//! (`benches/ab_builds.py`, one core): one block of 128 rows encoded in 0.45x the time for the
-//! default model's 3-bit key calibration and 0.63x for its value one. [`matmul`] is faer's
-//! product followed by [`clear_upper`].
+//! legacy SSE and VEX code that follows then pays a state transition (the fp16 conversions of
+//! the per-row scales, each a VEX instruction among SSE ones, on a Xeon with AVX-512). Measured
+//! there with `examples/encode_speed.rs` (`benches/ab_builds.py`, one core): one block of 128
+//! rows encoded in 0.45x the time for the default model's 3-bit key calibration and 0.63x for
+//! its value one. [`matmul`] is faer's product followed by [`clear_upper`].
 
 use faer::linalg::matmul::matmul as faer_matmul;
 use faer::mat::{AsMatMut, AsMatRef};
