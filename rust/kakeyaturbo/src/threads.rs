@@ -157,6 +157,23 @@ pub fn with_threads<R: Send>(threads: Option<usize>, f: impl FnOnce() -> R + Sen
     }
 }
 
+/// [`with_threads`] for a job of `pieces` independent pieces whose result is a `Result`,
+/// except that a job of one piece runs on the calling thread: one thread runs it wherever it
+/// runs, and handing it to a pool thread and back costs more than a small job (a sleeping pool
+/// thread takes tens of microseconds to wake; the cache's blocks are such jobs). `Some(0)` is
+/// an error either way.
+pub fn with_threads_for<R: Send>(
+    threads: Option<usize>,
+    pieces: usize,
+    f: impl FnOnce() -> Result<R> + Send,
+) -> Result<R> {
+    match threads {
+        Some(0) => param("threads must be >= 1"),
+        _ if pieces <= 1 => f(),
+        _ => with_threads(threads, f)?,
+    }
+}
+
 thread_local! {
     static INLINE: Cell<bool> = const { Cell::new(false) };
 }
@@ -326,6 +343,19 @@ mod tests {
         assert_eq!(runs(&[1; 10], 2), vec![0, 5, 10]);
         assert_eq!(runs(&[1; 9], 3), vec![0, 3, 6, 9]);
         assert_eq!(runs(&[5, 1, 1, 1, 1, 1], 2), vec![0, 1, 6]);
+    }
+
+    #[test]
+    fn a_job_of_one_piece_runs_on_the_calling_thread() {
+        let here = std::thread::current().id();
+        let on = |threads, pieces| {
+            with_threads_for(threads, pieces, || Ok(std::thread::current().id())).unwrap()
+        };
+        assert_eq!(on(Some(1), 1), here);
+        assert_eq!(on(None, 0), here);
+        assert_ne!(on(Some(1), 2), here);
+        assert!(with_threads_for(Some(0), 1, || Ok(())).is_err());
+        assert!(with_threads_for(Some(0), 3, || Ok(())).is_err());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use crate::gemm::matmul;
 use crate::limits::{all_finite, check_input, saturate};
 use crate::metric::{least_squares_gain, Metric};
 use crate::pack::pack_fields;
-use crate::threads::with_threads;
+use crate::threads::{with_threads, with_threads_for};
 use crate::wht;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
@@ -20,21 +20,14 @@ mod decode;
 /// Rows coded per task: fixed, so that the bytes never depend on the thread count.
 const CHUNK_ROWS: usize = 256;
 
-/// Runs `f`, an encode or decode of `n` rows, on `threads` threads ([`with_threads`]), or on
-/// the calling thread where the rows fit one chunk of [`CHUNK_ROWS`]: a single chunk keeps one
-/// thread busy wherever it runs, and handing it to a pool thread and back costs more than a
-/// small job (the cache's blocks of 128 rows; a sleeping pool thread takes tens of
-/// microseconds to wake). `Some(0)` is an error, as for [`with_threads`].
+/// Runs `f`, an encode or decode of `n` rows, on `threads` threads, or on the calling thread
+/// where the rows fit one chunk of [`CHUNK_ROWS`] ([`with_threads_for`]).
 pub fn on_threads<R: Send>(
     threads: Option<usize>,
     n: usize,
     f: impl FnOnce() -> Result<R> + Send,
 ) -> Result<R> {
-    if n <= CHUNK_ROWS && threads != Some(0) {
-        f()
-    } else {
-        with_threads(threads, f)?
-    }
+    with_threads_for(threads, n.div_ceil(CHUNK_ROWS), f)
 }
 
 /// The per-row codes of a container.

@@ -12,7 +12,7 @@ use crate::error::{param, Result};
 use crate::f16::{pow2, to_bits_scaled, ScaledF16};
 use crate::limits::{check_input, saturate, size, zeros};
 use crate::quant::Quantizer;
-use crate::threads::with_threads;
+use crate::threads::with_threads_for;
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -179,7 +179,7 @@ fn encode_rows(
     q: &Quantizer,
     threads: Option<usize>,
 ) -> Result<(EncodedLayer, StageTimes)> {
-    with_threads(threads, || {
+    with_threads_for(threads, n.div_ceil(p.block_size), || {
         let mut times = StageTimes::default();
         let shared = if p.share_basis {
             let t0 = std::time::Instant::now();
@@ -220,7 +220,7 @@ fn encode_rows(
             },
             times,
         ))
-    })?
+    })
 }
 
 /// Decodes a layer into a row-major `[n, d]` tensor; every value is finite (see
@@ -232,7 +232,7 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
     let bs = enc.params.block_size;
     let bw = enc.params.bit_width;
     let seed = enc.params.rotation_seed;
-    with_threads(threads, || {
+    with_threads_for(threads, enc.blocks.len(), || {
         out.par_chunks_mut(bs * d)
             .zip(enc.blocks.par_iter())
             .map(|(o, (s, c))| {
@@ -240,7 +240,7 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
                 decode::decode_block(s, c, bw, &q, &rot, o)
             })
             .collect::<Result<()>>()
-    })??;
+    })?;
     Ok(out)
 }
 
