@@ -190,7 +190,8 @@ def decode_blocks(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequence[by
     row set ``g`` in order, each as ``codecs[g].decode`` gives it; every decode of the call
     spread over ``threads`` threads as :func:`encode_blocks` spreads its encodes. Raises
     CorruptDataError for damaged bytes, InvalidParameterError for another calibration's,
-    InvalidInputError for a container of another row count or a block of another width."""
+    InvalidInputError for a container of another row count or a block of another count of
+    containers."""
     cs = _codecs(codecs)
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
     block_rows = _checks.integer(block_rows, "block_rows", 1)
