@@ -56,11 +56,12 @@ def test_identity_codec_is_exact_and_refuses_other_bytes() -> None:
         c.decode("k", 0, 0, "text")  # type: ignore[arg-type]
 
 
-def test_blocks_in_one_call_are_each_blocks_encode() -> None:
-    # The cache seals a long prompt's blocks through encode_blocks: with a calibrated codec in
-    # one call (ModelCodec.encode_blocks), with any other block by block; the blobs
-    # [block][batch][head] are each (stream, layer, head) encode's.
-    from kakeyaturbo.cache.codecs import encode_blocks
+def test_blocks_in_one_call_are_each_blocks_own() -> None:
+    # The cache seals a long prompt's blocks through encode_blocks and the slow path decodes a
+    # layer's blocks through decode_blocks: with a calibrated codec in one call
+    # (ModelCodec.encode_blocks / decode_blocks), with any other block by block; the blobs
+    # [block][batch][head] are each (stream, layer, head) encode's, the rows each decode_rows'.
+    from kakeyaturbo.cache.codecs import decode_blocks, decode_rows, encode_blocks
 
     stats, sens = _stats(heads=2)
     cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
@@ -72,22 +73,10 @@ def test_blocks_in_one_call_are_each_blocks_encode() -> None:
             want = [[codec.encode("v", 1, h, np.ascontiguousarray(x[b, h, 32 * j:32 * (j + 1)]))
                      for h in range(2)] for b in range(2)]
             assert blobs == want, (type(codec).__name__, j)
+        rows = np.concatenate([decode_rows(codec, "v", 1, b, 32, 16) for b in got], axis=2)
+        y = decode_blocks(codec, "v", 1, got, 32, 16)
+        assert y.shape == (2, 2, 96, 16) and np.array_equal(y, rows), type(codec).__name__
     with pytest.raises(kt.InvalidParameterError, match="kv-head 2"):
         cal.encode_blocks("k", 0, np.zeros((1, 3, 32, 16), np.float32), 32)
-
-
-def test_blocks_decoded_in_one_call_are_each_blocks_decode() -> None:
-    # The slow path decodes every sealed block of a layer through decode_blocks: the blocks of
-    # each (batch row, head) in order, each as decode_rows gives it.
-    from kakeyaturbo.cache.codecs import decode_blocks, decode_rows, encode_blocks
-
-    stats, sens = _stats(heads=2)
-    cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
-    x = np.random.default_rng(4).standard_normal((2, 2, 96, 16)).astype(np.float32)
-    for codec in (cal, IdentityCodec()):
-        blobs = encode_blocks(codec, "k", 0, x, 32)
-        want = np.concatenate([decode_rows(codec, "k", 0, b, 32, 16) for b in blobs], axis=2)
-        got = decode_blocks(codec, "k", 0, blobs, 32, 16)
-        assert got.shape == (2, 2, 96, 16) and np.array_equal(got, want), type(codec).__name__
     with pytest.raises(kt.InvalidParameterError, match="expected 8"):
-        decode_blocks(cal, "k", 0, encode_blocks(cal, "k", 0, x, 32), 32, 8)
+        decode_blocks(cal, "v", 1, encode_blocks(cal, "v", 1, x, 32), 32, 8)

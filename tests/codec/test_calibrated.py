@@ -106,26 +106,10 @@ def test_deterministic_across_threads() -> None:
 
 
 @pytest.mark.parametrize("threads", [None, 1, 2])
-def test_encode_blocks_are_each_blocks_encode(threads) -> None:
+def test_blocks_in_one_call_are_each_blocks_own(threads) -> None:
     # Two calibrations over three row sets (one used twice), blocks of 96 rows and of 300 (a
-    # block past one chunk of 256 rows): each container the bytes of that block's own encode.
-    from kakeyaturbo.codec.calibrated import encode_blocks
-
-    c, x, fit = _codec(3.0, outlier_threshold=2.5)
-    c2 = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
-    rows = np.stack([x[:1200], x[400:1600] * 3, x[800:]])
-    for block in (96, 300):
-        t = 1200 // block * block
-        got = encode_blocks([c, c2, c], rows[:, :t], block, threads=threads)
-        assert len(got) == t // block and all(len(b) == 3 for b in got)
-        for j, blobs in enumerate(got):
-            for g, (codec, blob) in enumerate(zip([c, c2, c], blobs)):
-                assert blob == codec.encode(rows[g, j * block:(j + 1) * block]), (block, j, g)
-    assert encode_blocks([c], rows[:1, :0], 4) == []
-
-
-@pytest.mark.parametrize("threads", [None, 1, 2])
-def test_decode_blocks_are_each_blocks_decode(threads) -> None:
+    # block past one chunk of 256 rows): each container the bytes of that block's own encode,
+    # each decoded block its own decode.
     from kakeyaturbo.codec.calibrated import decode_blocks, encode_blocks
 
     c, x, fit = _codec(3.0, outlier_threshold=2.5)
@@ -133,12 +117,15 @@ def test_decode_blocks_are_each_blocks_decode(threads) -> None:
     rows = np.stack([x[:1200], x[400:1600] * 3, x[800:]])
     for block in (96, 300):
         t = 1200 // block * block
-        blobs = encode_blocks([c, c2, c], rows[:, :t], block)
-        y = decode_blocks([c, c2, c], blobs, block, threads=threads)
+        got = encode_blocks([c, c2, c], rows[:, :t], block, threads=threads)
+        y = decode_blocks([c, c2, c], got, block, threads=threads)
+        assert len(got) == t // block and all(len(b) == 3 for b in got)
         assert y.shape == (3, t, D) and y.dtype == np.float32
-        for j, row in enumerate(blobs):
-            for g, (codec, blob) in enumerate(zip([c, c2, c], row)):
+        for j, blobs in enumerate(got):
+            for g, (codec, blob) in enumerate(zip([c, c2, c], blobs)):
+                assert blob == codec.encode(rows[g, j * block:(j + 1) * block]), (block, j, g)
                 assert np.array_equal(y[g, j * block:(j + 1) * block], codec.decode(blob)), (block, j, g)
+    assert encode_blocks([c], rows[:1, :0], 4) == []
     assert decode_blocks([c], [], 4).shape == (1, 0, D)
 
 

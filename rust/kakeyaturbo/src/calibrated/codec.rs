@@ -21,7 +21,7 @@ mod decode;
 const CHUNK_ROWS: usize = 256;
 
 /// Runs `f`, an encode or decode of `n` rows, on `threads` threads, or on the calling thread
-/// where the rows fit one chunk of [`CHUNK_ROWS`] ([`with_threads_for`]).
+/// where the rows fit one chunk of `CHUNK_ROWS` (256) ([`with_threads_for`]).
 pub fn on_threads<R: Send>(
     threads: Option<usize>,
     n: usize,
@@ -64,7 +64,7 @@ pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
 pub type DecodeJob<'a> = (&'a CalibratedCodec, &'a [u8]);
 
 /// Several encodes at once, each against its own calibration, to container bytes in the jobs'
-/// order, spread over `threads` threads ([`spread_jobs`]): a cache sealing a long prompt codes
+/// order, spread over `threads` threads (`spread_jobs`): a cache sealing a long prompt codes
 /// every block of every kv-head of a layer in one call. Each job's bytes are its own encode's,
 /// whatever thread ran it; the first job refused (in order) is the error.
 pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<u8>>> {

@@ -12,7 +12,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 
 /// Decode of the residuals in place: rescale, inverse rotation, `+ t centre`. Multiversioned
-/// like [`super::block::code_rows`].
+/// like `block::code_rows`.
 #[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+avx512f+avx512bw+avx512vl"))]
 fn unrotate_rows(
     c: &mut [f32],
