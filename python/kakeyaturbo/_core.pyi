@@ -22,6 +22,7 @@ __all__ = [
     "decode_block_from_parts",
     "decode_calibrated_blocks",
     "decode_layer",
+    "decode_layer_blocks",
     "encode_block_codes",
     "encode_calibrated_blocks",
     "encode_layer",
@@ -146,6 +147,9 @@ def encode_layer(
     threads: Optional[int] = None,
 ) -> bytes: ...
 def decode_layer(data: bytes, threads: Optional[int] = None) -> npt.NDArray[np.float32]: ...
+def decode_layer_blocks(
+    blobs: Sequence[Sequence[bytes]], block_rows: int, threads: Optional[int] = None
+) -> npt.NDArray[np.float32]: ...
 def inspect_layer(data: bytes) -> Dict[str, Any]: ...
 def check_params(params: Dict[str, Any]) -> Dict[str, Any]: ...
 def encode_block_codes(

@@ -59,14 +59,15 @@ def test_identity_codec_is_exact_and_refuses_other_bytes() -> None:
 def test_blocks_in_one_call_are_each_blocks_own() -> None:
     # The cache seals a long prompt's blocks through encode_blocks and the slow path decodes a
     # layer's blocks through decode_blocks: with a calibrated codec in one call
-    # (ModelCodec.encode_blocks / decode_blocks), with any other block by block; the blobs
+    # (ModelCodec.encode_blocks / decode_blocks; a per-block one decodes so too), with any other
+    # block by block; the blobs
     # [block][batch][head] are each (stream, layer, head) encode's, the rows each decode_rows'.
     from kakeyaturbo.cache.codecs import decode_blocks, decode_rows, encode_blocks
 
     stats, sens = _stats(heads=2)
     cal = codec_for(recipes.load("calibrated-3bit"), stats=stats, sensitivity=sens)
     x = np.random.default_rng(3).standard_normal((2, 2, 96, 16)).astype(np.float32)
-    for codec in (cal, IdentityCodec()):
+    for codec in (cal, BlockCodec(recipes.load("balanced")), IdentityCodec()):
         got = encode_blocks(codec, "v", 1, x, 32)
         assert len(got) == 3
         for j, blobs in enumerate(got):

@@ -210,3 +210,39 @@ def test_mse_matches_what_the_stages_predict(bits: int, ratio: float) -> None:
     predicted = discarded + LLOYD_MAX_MSE[bits] * residual_energy
     measured = float(np.mean(np.sum((x.astype(np.float64) - y) ** 2, axis=1)))
     assert measured == pytest.approx(predicted, rel=0.08)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2])
+def test_containers_decoded_in_one_call_are_each_their_own(threads) -> None:
+    # decode_blocks: blobs [block][g] into [G, blocks * rows, D], each block as decode_layer
+    # gives it; containers of one block (the cache's) and of three (128-row blocks in 300 rows).
+    from kakeyaturbo.codec.perblock import decode_blocks
+
+    x = kv_like(1800, 32, seed=5)
+    for rows, size in ((100, 512), (300, 128)):
+        blobs = [[kt.encode_layer(x[(2 * j + g) * rows:(2 * j + g + 1) * rows], block_size=size)
+                  for g in range(2)] for j in range(3)]
+        y = decode_blocks(blobs, rows, threads=threads)
+        assert y.shape == (2, 3 * rows, 32) and y.dtype == np.float32
+        for j in range(3):
+            for g in range(2):
+                assert np.array_equal(y[g, j * rows:(j + 1) * rows], kt.decode_layer(blobs[j][g])), (rows, j, g)
+
+
+def test_decode_blocks_refusals() -> None:
+    from kakeyaturbo.codec.perblock import decode_blocks
+
+    x = kv_like(400, 32, seed=6)
+    a, b = kt.encode_layer(x[:100]), kt.encode_layer(x[100:200])
+    with pytest.raises(kt.InvalidInputError, match="same count"):
+        decode_blocks([[a, b], [a]], 100)
+    with pytest.raises(kt.InvalidInputError, match="same count"):
+        decode_blocks([], 100)
+    with pytest.raises(kt.InvalidInputError, match="50 rows"):
+        decode_blocks([[a], [kt.encode_layer(x[:50])]], 100)
+    with pytest.raises(kt.InvalidInputError, match="widths"):
+        decode_blocks([[a, kt.encode_layer(kv_like(100, 16, seed=7))]], 100)
+    with pytest.raises(kt.CorruptDataError):
+        decode_blocks([[a, b[:-5]]], 100)
+    with pytest.raises(kt.InvalidParameterError):
+        decode_blocks([[a]], 0)

@@ -114,6 +114,17 @@ class BlockCodec:
         check_stream(stream)
         return perblock.decode_layer(blob, threads=self.threads)
 
+    def decode_blocks(self, stream: str, layer: int, blobs: Sequence[Sequence[Sequence[bytes]]],
+                      block_rows: int) -> np.ndarray:
+        """The blobs ``[block][batch][head]`` (at least one block, each of ``block_rows`` rows)
+        decoded: float32 ``[B, H, blocks * block_rows, D]``, each block as :meth:`decode` gives
+        it, in one call over the codec's threads (:func:`~kakeyaturbo.codec.perblock.decode_blocks`)."""
+        check_stream(stream)
+        b, h = len(blobs[0]), len(blobs[0][0])
+        y = perblock.decode_blocks([[blob for row in block for blob in row] for block in blobs], block_rows,
+                                   threads=self.threads)
+        return y.reshape(b, h, *y.shape[1:])
+
 
 def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
               sensitivity: Optional[Sensitivity] = None, threads: Optional[int] = None,
@@ -239,10 +250,10 @@ def encode_blocks(codec: StreamCodec, stream: str, layer: int, x: np.ndarray, bl
 def decode_blocks(codec: StreamCodec, stream: str, layer: int, blobs: List[List[List[bytes]]], t: int,
                   d: int) -> np.ndarray:
     """float32 ``[B, H, blocks * t, d]`` from the blobs ``[block][batch][head]`` (at least one
-    block) of ``t`` rows each: a calibrated codec decodes them all in one call over its threads
-    (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks`), any other codec block by block
-    (:func:`decode_rows`)."""
-    if isinstance(codec, ModelCodec):
+    block) of ``t`` rows each: a calibrated or per-block codec decodes them all in one call over
+    its threads (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks`,
+    :meth:`BlockCodec.decode_blocks`), any other codec block by block (:func:`decode_rows`)."""
+    if isinstance(codec, (ModelCodec, BlockCodec)):
         y = codec.decode_blocks(stream, layer, blobs, t)
         if y.shape[-1] != d:
             raise InvalidParameterError(f"{codec!r} decodes rows of {y.shape[-1]} channels for stream "

@@ -10,7 +10,7 @@ import difflib
 import json
 import os
 import stat
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -159,6 +159,18 @@ def decode_layer(data: Any, *, threads: Optional[int] = None) -> np.ndarray:
     """Decodes a container into float32 ``[N, D]``. Raises CorruptDataError (truncated or
     corrupted bytes) or UnsupportedVersionError (a newer format)."""
     return _core.decode_layer(_checks.buffer(data), _checks.threads(threads))
+
+
+def decode_blocks(blobs: Sequence[Sequence[Any]], block_rows: int, *, threads: Optional[int] = None) -> np.ndarray:
+    """The containers ``blobs[block][g]`` (each of ``block_rows`` rows, all of one width)
+    decoded: float32 ``[G, blocks * block_rows, D]``, the blocks of row set ``g`` in order, each
+    as :func:`decode_layer` gives it, every decode of the call spread over ``threads`` threads
+    (the host's OpenMP team where it has one, torch's). Raises CorruptDataError or
+    UnsupportedVersionError as :func:`decode_layer`, InvalidInputError for no container, a block
+    of another count of containers, a container of another row count or of another width."""
+    rows = [[_checks.buffer(b) for b in row] for row in blobs]
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    return _core.decode_layer_blocks(rows, block_rows, _checks.threads(threads))
 
 
 def inspect_layer(data: Any) -> Dict[str, Any]:

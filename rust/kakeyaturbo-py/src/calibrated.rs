@@ -518,19 +518,7 @@ pub fn decode_calibrated_blocks<'py>(
     let blocks = blobs.len();
     let out = run(py, || {
         let rows = calibrated::decode_many(&jobs, threads)?;
-        if let Some(n) = rows.iter().map(|y| y.len() / d).find(|&n| n != block_rows) {
-            return Err(kakeyaturbo::Error::InvalidInput(format!(
-                "a container holds {n} rows, not the {block_rows} of a block"
-            )));
-        }
-        // rows[j * g + h] is block j of row set h: set h's rows in block order.
-        let mut y = Vec::with_capacity(rows.len() * block_rows * d);
-        for h in 0..g {
-            for j in 0..blocks {
-                y.extend_from_slice(&rows[j * g + h]);
-            }
-        }
-        Ok(y)
+        convert::stack_blocks(&rows, g, block_rows, d)
     })?;
     PyArray1::from_vec(py, out).reshape([g, blocks * block_rows, d])
 }

@@ -6,7 +6,7 @@ use crate::params;
 use kakeyaturbo::perblock::block::StageTimes;
 use kakeyaturbo::perblock::{container, layer};
 use kakeyaturbo::{ByteBreakdown, EncodedLayer};
-use numpy::{PyArray2, PyReadonlyArray1, PyReadonlyArray2};
+use numpy::{PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::time::Instant;
@@ -167,6 +167,41 @@ pub fn decode_layer<'py>(
         Ok((layer::decode_layer(&e, threads)?, e.n, e.d))
     })?;
     to_array2(py, y, n, d)
+}
+
+/// Per-block containers `blobs[block][g]`, each of `block_rows` rows and all of one width:
+/// float32 `[G, blocks * block_rows, D]`, block `j` of row set `g` at rows `j * block_rows ..`,
+/// each as `decode_layer` gives it, every decode of the call spread over `threads` threads
+/// (`kakeyaturbo::perblock::layer::decode_many`).
+#[pyfunction]
+#[pyo3(signature = (blobs, block_rows, threads=None))]
+pub fn decode_layer_blocks<'py>(
+    py: Python<'py>,
+    blobs: Vec<Vec<Bound<'py, PyBytes>>>,
+    block_rows: usize,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArray3<f32>>> {
+    let threads = convert::threads(py, threads)?;
+    let g = blobs.first().map_or(0, Vec::len);
+    if g == 0 || blobs.iter().any(|row| row.len() != g) {
+        return Err(invalid_input(
+            py,
+            "every block must hold the same count of containers, at least one",
+        ));
+    }
+    let jobs: Vec<&[u8]> = blobs.iter().flatten().map(|b| b.as_bytes()).collect();
+    let (out, d) = run(py, || {
+        let decoded = layer::decode_many(&jobs, threads)?;
+        let d = decoded[0].2;
+        if decoded.iter().any(|&(_, _, w)| w != d) {
+            return Err(kakeyaturbo::Error::InvalidInput(
+                "the containers hold rows of different widths".into(),
+            ));
+        }
+        let rows: Vec<Vec<f32>> = decoded.into_iter().map(|(y, _, _)| y).collect();
+        Ok((convert::stack_blocks(&rows, g, block_rows, d)?, d))
+    })?;
+    PyArray1::from_vec(py, out).reshape([g, blobs.len() * block_rows, d])
 }
 
 #[pyfunction]

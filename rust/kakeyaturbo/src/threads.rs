@@ -289,6 +289,32 @@ pub(crate) fn spread(threads: Option<usize>) -> Option<Mode> {
     })
 }
 
+/// `f` over `jobs`, independent, the results in the jobs' order (`weight`: a job's share of
+/// the work), spread over `threads` threads; the first error (in order) is the error. Where
+/// every job runs on one thread wherever it runs (`single`: an encode or decode of one chunk
+/// or block), they may go to the host's team, or the calling thread for one thread
+/// ([`spread`]); jobs that spread their own pieces over rayon's pool run on the pool of
+/// `threads` threads, which then bounds those too.
+pub(crate) fn spread_jobs<J: Sync, T: Send>(
+    jobs: &[J],
+    single: impl Fn(&J) -> bool,
+    weight: impl Fn(&J) -> usize,
+    threads: Option<usize>,
+    f: impl Fn(&J) -> Result<T> + Sync + Send,
+) -> Result<Vec<T>> {
+    use rayon::prelude::*;
+    let mode = match threads {
+        None => spread(None),
+        _ if jobs.iter().all(single) => spread(threads),
+        _ => None,
+    };
+    let out: Vec<Result<T>> = match mode {
+        Some(mode) => run_all(mode, jobs, weight, || (), |_, j| f(j)),
+        None => with_threads(threads, || jobs.par_iter().map(&f).collect())?,
+    };
+    out.into_iter().collect()
+}
+
 /// `f` over `items` (with a state per thread from `init`), the results in the items' order
 /// whatever ran them: the result never depends on the mode.
 pub(crate) fn run_all<X, S, T>(

@@ -8,7 +8,7 @@ use crate::gemm::matmul;
 use crate::limits::{all_finite, check_input, saturate};
 use crate::metric::{least_squares_gain, Metric};
 use crate::pack::pack_fields;
-use crate::threads::{with_threads, with_threads_for};
+use crate::threads::{spread_jobs, with_threads_for};
 use crate::wht;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
@@ -64,13 +64,13 @@ pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
 pub type DecodeJob<'a> = (&'a CalibratedCodec, &'a [u8]);
 
 /// Several encodes at once, each against its own calibration, to container bytes in the jobs'
-/// order, spread over `threads` threads (`spread_jobs`): a cache sealing a long prompt codes
+/// order, spread over `threads` threads (`threads::spread_jobs`; an encode of one chunk runs on one thread): a cache sealing a long prompt codes
 /// every block of every kv-head of a layer in one call. Each job's bytes are its own encode's,
 /// whatever thread ran it; the first job refused (in order) is the error.
 pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<u8>>> {
     spread_jobs(
         jobs,
-        |&(_, _, n)| n,
+        |&(_, _, n)| n <= CHUNK_ROWS,
         |&(c, _, n)| n.saturating_mul(c.d),
         threads,
         |&(c, x, n)| Ok(c.to_bytes(&c.encode(x, n)?).0),
@@ -88,36 +88,11 @@ pub fn decode_many(jobs: &[DecodeJob<'_>], threads: Option<usize>) -> Result<Vec
         .collect::<Result<Vec<_>>>()?;
     spread_jobs(
         &parsed,
-        |(_, k)| k.n,
+        |(_, k)| k.n <= CHUNK_ROWS,
         |(c, k)| k.n.saturating_mul(c.d),
         threads,
         |(c, k)| c.decode(k),
     )
-}
-
-/// `f` over `jobs` of `rows(job)` rows each (`weight`: their share of the work), the results in
-/// the jobs' order. An encode or decode of one chunk runs on one thread wherever it runs, so
-/// such jobs may go to the host's team (or the calling thread, for one thread:
-/// `threads::spread`); larger ones spread their chunks over rayon's pool, which then has to be
-/// the pool of `threads` threads.
-fn spread_jobs<J: Sync, T: Send>(
-    jobs: &[J],
-    rows: impl Fn(&J) -> usize,
-    weight: impl Fn(&J) -> usize,
-    threads: Option<usize>,
-    f: impl Fn(&J) -> Result<T> + Sync + Send,
-) -> Result<Vec<T>> {
-    let one_chunk = jobs.iter().all(|j| rows(j) <= CHUNK_ROWS);
-    let mode = match threads {
-        None => crate::threads::spread(None),
-        _ if one_chunk => crate::threads::spread(threads),
-        _ => None,
-    };
-    let out: Vec<Result<T>> = match mode {
-        Some(mode) => crate::threads::run_all(mode, jobs, weight, || (), |_, j| f(j)),
-        None => with_threads(threads, || jobs.par_iter().map(&f).collect())?,
-    };
-    out.into_iter().collect()
 }
 
 impl CalibratedCodec {

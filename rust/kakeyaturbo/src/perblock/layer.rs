@@ -244,6 +244,27 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
     Ok(out)
 }
 
+/// Several layers' containers decoded at once, each as [`decode_layer`] gives it, with its
+/// `(n, d)`: spread over `threads` threads (`threads::spread_jobs`; a container of one block
+/// runs on one thread: the cache's sealed blocks). Every container is parsed before any is
+/// decoded; the first refused (in order) is the error.
+pub fn decode_many(
+    containers: &[&[u8]],
+    threads: Option<usize>,
+) -> Result<Vec<(Vec<f32>, usize, usize)>> {
+    let parsed = containers
+        .iter()
+        .map(|b| super::container::from_bytes(b))
+        .collect::<Result<Vec<_>>>()?;
+    crate::threads::spread_jobs(
+        &parsed,
+        |e| e.blocks.len() <= 1,
+        |e| e.n.saturating_mul(e.d),
+        threads,
+        |e| Ok((decode_layer(e, threads)?, e.n, e.d)),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
