@@ -26,6 +26,7 @@ __all__ = [
     "encode_block_codes",
     "encode_calibrated_blocks",
     "encode_layer",
+    "encode_layer_blocks",
     "inspect_layer",
     "inverse_rotate_rows",
     "pack_bits",
@@ -147,6 +148,12 @@ def encode_layer(
     threads: Optional[int] = None,
 ) -> bytes: ...
 def decode_layer(data: bytes, threads: Optional[int] = None) -> npt.NDArray[np.float32]: ...
+def encode_layer_blocks(
+    array: npt.NDArray[np.float32],
+    block_rows: int,
+    params: Dict[str, Any],
+    threads: Optional[int] = None,
+) -> List[List[bytes]]: ...
 def decode_layer_blocks(
     blobs: Sequence[Sequence[bytes]], block_rows: int, threads: Optional[int] = None
 ) -> npt.NDArray[np.float32]: ...

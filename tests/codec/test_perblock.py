@@ -214,14 +214,19 @@ def test_mse_matches_what_the_stages_predict(bits: int, ratio: float) -> None:
 
 @pytest.mark.parametrize("threads", [None, 1, 2])
 def test_containers_decoded_in_one_call_are_each_their_own(threads) -> None:
-    # decode_blocks: blobs [block][g] into [G, blocks * rows, D], each block as decode_layer
-    # gives it; containers of one block (the cache's) and of three (128-row blocks in 300 rows).
-    from kakeyaturbo.codec.perblock import decode_blocks
+    # encode_blocks / decode_blocks: blobs [block][g], each block's own encode_layer bytes, and
+    # [G, blocks * rows, D], each block as decode_layer gives it; containers of one block (the
+    # cache's) and of three (128-row blocks in 300 rows).
+    from kakeyaturbo.codec.perblock import decode_blocks, encode_blocks
 
     x = kv_like(1800, 32, seed=5)
     for rows, size in ((100, 512), (300, 128)):
-        blobs = [[kt.encode_layer(x[(2 * j + g) * rows:(2 * j + g + 1) * rows], block_size=size)
-                  for g in range(2)] for j in range(3)]
+        sets = np.stack([x[:900], x[900:]]).reshape(2, 3, 300, 32)[:, :, :rows].reshape(2, 3 * rows, 32)
+        blobs = encode_blocks(sets, rows, block_size=size, bit_width=3, threads=threads)
+        for j in range(3):
+            for g in range(2):
+                own = kt.encode_layer(sets[g, j * rows:(j + 1) * rows], block_size=size, bit_width=3)
+                assert blobs[j][g] == own, (rows, j, g)
         y = decode_blocks(blobs, rows, threads=threads)
         assert y.shape == (2, 3 * rows, 32) and y.dtype == np.float32
         for j in range(3):
@@ -230,7 +235,23 @@ def test_containers_decoded_in_one_call_are_each_their_own(threads) -> None:
 
 
 def test_decode_blocks_refusals() -> None:
-    from kakeyaturbo.codec.perblock import decode_blocks
+    from kakeyaturbo.codec.perblock import decode_blocks, encode_blocks
+
+    sets = kv_like(400, 32, seed=6).reshape(2, 200, 32)
+    with pytest.raises(kt.InvalidInputError, match="whole blocks"):
+        encode_blocks(sets, 64)
+    with pytest.raises(kt.InvalidParameterError):
+        encode_blocks(sets, 0)
+    with pytest.raises(TypeError):
+        encode_blocks(sets, 100, weights=np.ones(100, np.float32))
+    with pytest.raises(TypeError):
+        encode_blocks(sets, 100, bit_widht=3)
+    with pytest.raises(kt.InvalidInputError):
+        encode_blocks(sets[0], 100)
+    bad = sets.copy()
+    bad[1, 150, 2] = np.nan
+    with pytest.raises(kt.InvalidInputError):
+        encode_blocks(bad, 100)
 
     x = kv_like(400, 32, seed=6)
     a, b = kt.encode_layer(x[:100]), kt.encode_layer(x[100:200])

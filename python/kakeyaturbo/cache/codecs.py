@@ -114,6 +114,15 @@ class BlockCodec:
         check_stream(stream)
         return perblock.decode_layer(blob, threads=self.threads)
 
+    def encode_blocks(self, stream: str, layer: int, x: np.ndarray, block_rows: int) -> List[List[List[bytes]]]:
+        """Every block of ``block_rows`` rows of float32 ``x [B, H, T, D]`` (``T`` a multiple):
+        the blobs ``[block][batch][head]``, each :meth:`encode`'s, in one call over the codec's
+        threads (:func:`~kakeyaturbo.codec.perblock.encode_blocks`)."""
+        b, h = x.shape[:2]
+        flat = perblock.encode_blocks(x.reshape(b * h, *x.shape[2:]), block_rows, threads=self.threads,
+                                      **self.params(stream))
+        return [[blobs[i * h:(i + 1) * h] for i in range(b)] for blobs in flat]
+
     def decode_blocks(self, stream: str, layer: int, blobs: Sequence[Sequence[Sequence[bytes]]],
                       block_rows: int) -> np.ndarray:
         """The blobs ``[block][batch][head]`` (at least one block, each of ``block_rows`` rows)
@@ -238,10 +247,10 @@ def encode_rows(codec: StreamCodec, stream: str, layer: int, x: np.ndarray) -> L
 
 def encode_blocks(codec: StreamCodec, stream: str, layer: int, x: np.ndarray, block: int) -> List[List[List[bytes]]]:
     """Blobs ``[block][batch][head]`` of float32 ``x [B, H, T, D]`` in blocks of ``block`` rows
-    (``T`` a multiple): a calibrated codec codes them all in one call over its threads
-    (:meth:`~kakeyaturbo.calibration.ModelCodec.encode_blocks`), any other codec block by block
-    (:func:`encode_rows`)."""
-    if isinstance(codec, ModelCodec):
+    (``T`` a multiple): a calibrated or per-block codec codes them all in one call over its
+    threads (:meth:`~kakeyaturbo.calibration.ModelCodec.encode_blocks`,
+    :meth:`BlockCodec.encode_blocks`), any other codec block by block (:func:`encode_rows`)."""
+    if isinstance(codec, (ModelCodec, BlockCodec)):
         return codec.encode_blocks(stream, layer, x, block)
     return [encode_rows(codec, stream, layer, x[:, :, j * block:(j + 1) * block])
             for j in range(x.shape[2] // block)]

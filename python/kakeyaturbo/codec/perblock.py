@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 
 #: Every codec keyword argument and its default. The one table the names are checked against.
@@ -159,6 +159,25 @@ def decode_layer(data: Any, *, threads: Optional[int] = None) -> np.ndarray:
     """Decodes a container into float32 ``[N, D]``. Raises CorruptDataError (truncated or
     corrupted bytes) or UnsupportedVersionError (a newer format)."""
     return _core.decode_layer(_checks.buffer(data), _checks.threads(threads))
+
+
+def encode_blocks(array: np.ndarray, block_rows: int, **kwargs: Any) -> "list[list[bytes]]":
+    """Row set ``g`` of float32 ``array [G, T, D]`` in blocks of ``block_rows`` rows (``T`` a
+    multiple, InvalidInputError otherwise), every block coded with the keyword parameters of
+    :func:`encode_layer` (``threads`` included, no ``weights``): the containers ``[block][g]``,
+    each the bytes :func:`encode_layer` gives that block, every encode of the call spread over
+    the threads as :func:`decode_blocks` spreads its decodes."""
+    p = params("encode_blocks", kwargs)
+    if "weights" in kwargs:
+        raise TypeError("encode_blocks() takes no weights")
+    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+        raise TypeError(f"array must be a numpy.ndarray of float32, got {_checks._type(array)}")
+    if array.ndim != 3:
+        raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    with _checks.held("array"):
+        x = np.ascontiguousarray(array)
+    return _core.encode_layer_blocks(x, block_rows, p, _checks.threads(kwargs.get("threads")))
 
 
 def decode_blocks(blobs: Sequence[Sequence[Any]], block_rows: int, *, threads: Optional[int] = None) -> np.ndarray:

@@ -11,7 +11,7 @@ use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::threads::with_threads;
 use numpy::{
     PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3, PyUntypedArrayMethods,
+    PyReadonlyArray3,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -429,11 +429,7 @@ pub fn encode_calibrated_blocks<'py>(
     threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
     let threads = convert::threads(py, threads)?;
-    let s = array.shape();
-    let (g, t, d) = (s[0], s[1], s[2]);
-    let x = array
-        .as_slice()
-        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
+    let (rows, [g, _, d]) = convert::block_rows_of(py, &array, block_rows)?;
     if codecs.len() != g {
         return Err(invalid_input(
             py,
@@ -446,28 +442,12 @@ pub fn encode_calibrated_blocks<'py>(
             format!("rows have {d} columns, a calibration {}", c.inner.d),
         ));
     }
-    if block_rows == 0 {
-        return Err(invalid_parameter(py, "block_rows must be >= 1, got 0"));
-    }
-    if t % block_rows != 0 {
-        return Err(invalid_input(
-            py,
-            format!("{t} rows are not whole blocks of {block_rows}"),
-        ));
-    }
-    let blocks = t / block_rows;
-    let jobs: Vec<calibrated::EncodeJob<'_>> = (0..blocks)
-        .flat_map(|j| (0..g).map(move |h| (j, h)))
-        .map(|(j, h)| {
-            let at = (h * t + j * block_rows) * d;
-            (&codecs[h].inner, &x[at..at + block_rows * d], block_rows)
-        })
+    let jobs: Vec<calibrated::EncodeJob<'_>> = rows
+        .into_iter()
+        .map(|(h, x)| (&codecs[h].inner, x, block_rows))
         .collect();
     let out = run(py, || calibrated::encode_many(&jobs, threads))?;
-    let mut it = out.into_iter();
-    Ok((0..blocks)
-        .map(|_| it.by_ref().take(g).map(|b| PyBytes::new(py, &b)).collect())
-        .collect())
+    Ok(convert::by_block(py, out, g))
 }
 
 /// The containers `blobs[block][g]`, each of `block_rows` rows, container `[j][g]` decoded

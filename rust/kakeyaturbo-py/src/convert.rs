@@ -4,10 +4,12 @@
 //! dict.
 
 use crate::errors::{invalid_input, invalid_parameter, type_error};
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
 
 /// Borrows a C-contiguous float32 matrix (the Python wrapper has already made it one).
 pub fn matrix<'a>(
@@ -255,4 +257,53 @@ pub fn stack_blocks(
         }
     }
     Ok(y)
+}
+
+/// Blocks of rows, block-major, each with the row set it belongs to.
+pub type BlockRows<'a> = Vec<(usize, &'a [f32])>;
+
+/// The rows of `array [G, T, D]` (C-contiguous float32) in blocks of `block_rows`, block-major:
+/// `(set, rows)` for block 0 of every set, then block 1, ...; with `(G, T, D)`.
+/// InvalidParameterError for `block_rows` 0, InvalidInputError for rows that are not whole
+/// blocks or a non-contiguous array.
+pub fn block_rows_of<'a>(
+    py: Python<'_>,
+    array: &'a PyReadonlyArray3<'_, f32>,
+    block_rows: usize,
+) -> PyResult<(BlockRows<'a>, [usize; 3])> {
+    let s = array.shape();
+    let (g, t, d) = (s[0], s[1], s[2]);
+    let x = array
+        .as_slice()
+        .map_err(|_| invalid_input(py, "array must be C-contiguous"))?;
+    if block_rows == 0 {
+        return Err(invalid_parameter(py, "block_rows must be >= 1, got 0"));
+    }
+    if t % block_rows != 0 {
+        return Err(invalid_input(
+            py,
+            format!("{t} rows are not whole blocks of {block_rows}"),
+        ));
+    }
+    let jobs = (0..t / block_rows)
+        .flat_map(|j| (0..g).map(move |h| (j, h)))
+        .map(|(j, h)| {
+            let at = (h * t + j * block_rows) * d;
+            (h, &x[at..at + block_rows * d])
+        })
+        .collect();
+    Ok((jobs, [g, t, d]))
+}
+
+/// Containers in block-major order (as [`block_rows_of`] lays the jobs out) as `[block][g]`.
+pub fn by_block<'py>(
+    py: Python<'py>,
+    out: Vec<Vec<u8>>,
+    g: usize,
+) -> Vec<Vec<Bound<'py, PyBytes>>> {
+    let mut it = out.into_iter();
+    let blocks = it.len() / g.max(1);
+    (0..blocks)
+        .map(|_| it.by_ref().take(g).map(|b| PyBytes::new(py, &b)).collect())
+        .collect()
 }

@@ -6,7 +6,10 @@ use crate::params;
 use kakeyaturbo::perblock::block::StageTimes;
 use kakeyaturbo::perblock::{container, layer};
 use kakeyaturbo::{ByteBreakdown, EncodedLayer};
-use numpy::{PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
+use numpy::{
+    PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::time::Instant;
@@ -167,6 +170,26 @@ pub fn decode_layer<'py>(
         Ok((layer::decode_layer(&e, threads)?, e.n, e.d))
     })?;
     to_array2(py, y, n, d)
+}
+
+/// `array [G, T, D]` (C-contiguous float32) in blocks of `block_rows`, every block coded with
+/// `params` (as `encode_layer` codes it): the containers `[block][g]`, every encode of the call
+/// spread over `threads` threads (`kakeyaturbo::perblock::layer::encode_many`).
+#[pyfunction]
+#[pyo3(signature = (array, block_rows, params, threads=None))]
+pub fn encode_layer_blocks<'py>(
+    py: Python<'py>,
+    array: PyReadonlyArray3<'py, f32>,
+    block_rows: usize,
+    params: &Bound<'py, PyDict>,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Vec<Vec<Bound<'py, PyBytes>>>> {
+    let threads = convert::threads(py, threads)?;
+    let p = params::parse(py, params)?;
+    let (rows, [g, _, d]) = convert::block_rows_of(py, &array, block_rows)?;
+    let jobs: Vec<(&[f32], usize)> = rows.into_iter().map(|(_, x)| (x, block_rows)).collect();
+    let out = run(py, || layer::encode_many(&jobs, d, &p, threads))?;
+    Ok(convert::by_block(py, out, g))
 }
 
 /// Per-block containers `blobs[block][g]`, each of `block_rows` rows and all of one width:

@@ -244,6 +244,25 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
     Ok(out)
 }
 
+/// Several row sets (row-major `[n, d]` each, with `n`) coded at once with one set of
+/// parameters, each to the container bytes [`encode_layer`] gives it: spread over `threads`
+/// threads (`threads::spread_jobs`; a set of one block runs on one thread: the cache's
+/// blocks). The first refused (in order) is the error.
+pub fn encode_many(
+    jobs: &[(&[f32], usize)],
+    d: usize,
+    p: &CodecParams,
+    threads: Option<usize>,
+) -> Result<Vec<Vec<u8>>> {
+    crate::threads::spread_jobs(
+        jobs,
+        |&(_, n)| n <= p.block_size,
+        |&(_, n)| n.saturating_mul(d),
+        threads,
+        |&(x, n)| Ok(super::container::to_bytes(&encode_layer(x, n, d, None, p, threads)?.0).0),
+    )
+}
+
 /// Several layers' containers decoded at once, each as [`decode_layer`] gives it, with its
 /// `(n, d)`: spread over `threads` threads (`threads::spread_jobs`; a container of one block
 /// runs on one thread: the cache's sealed blocks). Every container is parsed before any is
