@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -56,6 +56,20 @@ def matrix(array: Any, name: str = "array", cols: int = MAX_DIM) -> np.ndarray:
         raise InvalidInputError(f"{name}: D = {array.shape[1]} exceeds the supported maximum {cols}")
     with held(name):
         return np.ascontiguousarray(array)
+
+
+def row_sets(array: Any, block_rows: Any) -> Tuple[np.ndarray, int]:
+    """A C-contiguous float32 ``[G, T, D]`` view of ``array`` (copied once if not contiguous)
+    and ``block_rows`` checked (an integer >= 1): for the calls that code ``G`` row sets in blocks
+    of ``block_rows`` rows. TypeError for another type or dtype, InvalidInputError for another
+    rank, InvalidParameterError for ``block_rows`` < 1."""
+    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+        raise TypeError(f"array must be a numpy.ndarray of float32, got {_type(array)}")
+    if array.ndim != 3:
+        raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
+    block_rows = integer(block_rows, "block_rows", 1)
+    with held("array"):
+        return np.ascontiguousarray(array), block_rows
 
 
 def weights(w: Any, n: int) -> Optional[np.ndarray]:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidParameterError
 from . import _checks
 
 #: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
@@ -173,13 +173,7 @@ def encode_blocks(codecs: Sequence[CalibratedCodec], array: np.ndarray, block_ro
     (InvalidInputError); TypeError for another dtype or a codec that is not a
     :class:`CalibratedCodec`."""
     cs = _codecs(codecs)
-    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
-        raise TypeError(f"array must be a numpy.ndarray of float32, got {_checks._type(array)}")
-    if array.ndim != 3:
-        raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
-    with _checks.held("array"):
-        x = np.ascontiguousarray(array)
+    x, block_rows = _checks.row_sets(array, block_rows)
     return _core.encode_calibrated_blocks([c._c for c in cs], x, block_rows, _checks.threads(threads))
 
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidParameterError
 from . import _checks
 
 #: Every codec keyword argument and its default. The one table the names are checked against.
@@ -170,13 +170,7 @@ def encode_blocks(array: np.ndarray, block_rows: int, **kwargs: Any) -> "list[li
     p = params("encode_blocks", kwargs)
     if "weights" in kwargs:
         raise TypeError("encode_blocks() takes no weights")
-    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
-        raise TypeError(f"array must be a numpy.ndarray of float32, got {_checks._type(array)}")
-    if array.ndim != 3:
-        raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
-    with _checks.held("array"):
-        x = np.ascontiguousarray(array)
+    x, block_rows = _checks.row_sets(array, block_rows)
     return _core.encode_layer_blocks(x, block_rows, p, _checks.threads(kwargs.get("threads")))
 
 
