@@ -88,5 +88,9 @@ def test_targets_past_64_bits_per_element_are_refused() -> None:
         with pytest.raises(kt.InvalidParameterError, match="bits_per_element"):
             calibration.fit_stream(np.zeros(4, np.float32), np.eye(4), bpe)
     assert calibration.row_budget(24, 1, True) == 8
+    # A row wider than the core takes: refused, not an OverflowError past float range.
+    for d in (kt._core.MAX_DIM + 1, 10 ** 400):
+        with pytest.raises(kt.InvalidParameterError, match="d must be in 1..4096"):
+            calibration.row_budget(4.0, d, True)
     assert calibration.row_budget(16, 64, False) == 1024
     assert calibration.row_budget(0, 64, False) == 0

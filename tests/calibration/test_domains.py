@@ -117,8 +117,10 @@ def test_apportion_by_largest_remainders() -> None:
     assert corpus.apportion(mix, 2) == [("wiki-en", 1), ("code", 1)]
     assert corpus.apportion(mix, 0) == []
     assert corpus.apportion([("code", 1.0), ("chat", 3.0)], 5) == [("code", 1), ("chat", 4)]
-    with pytest.raises(InvalidParameterError):
-        corpus.apportion(mix, -1)
+    for n in (-1, 2 ** 53 + 1, 10 ** 400):  # the last overflowed float range (OverflowError)
+        with pytest.raises(InvalidParameterError, match="windows"):
+            corpus.apportion(mix, n)
+    assert sum(c for _, c in corpus.apportion(mix, 2 ** 53)) == 2 ** 53
 
 
 @given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=6), st.integers(0, 200))

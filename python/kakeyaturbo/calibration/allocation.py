@@ -9,6 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .._core import MAX_DIM
 from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError
 
@@ -182,10 +183,10 @@ def check_target(bits_per_element: float) -> float:
 def row_budget(bits_per_element: float, d: int, norm: bool) -> int:
     """Index bits per row for a target of all-in bits per element: the target times D, less
     the 16-bit scale, rounded down to whole bytes (rows are byte-aligned). InvalidParameterError
-    for a target outside ``[0, 64]`` (:func:`check_target`) or ``d < 1`` (TypeError: wrong
-    types)."""
+    for a target outside ``[0, 64]`` (:func:`check_target`) or ``d`` outside ``1..MAX_DIM`` (the
+    core's bound on a row; TypeError: wrong types)."""
     check_target(bits_per_element)
-    _checks.integer(d, "d", 1)
+    _checks.integer(d, "d", 1, MAX_DIM)
     _checks.boolean(norm, "norm")
     b = int(np.floor(bits_per_element * d + 1e-9)) - (16 if norm else 0)
     return max(0, b // 8 * 8)

@@ -206,11 +206,16 @@ def optional(spec: "os.PathLike[str] | str | None") -> Optional[str]:
 # Mixtures
 
 
+#: The most windows :func:`apportion` shares out: float64 holds every count up to it exactly.
+MAX_WINDOWS = 2 ** 53
+
+
 def apportion(weights: Sequence[Tuple[str, float]], n: int) -> List[Tuple[str, int]]:
     """``n`` windows over the domains in proportion to their weights (largest remainders; ties
-    to the domain listed first); domains given no window are left out."""
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise InvalidParameterError(f"need an integer n >= 0 of windows, got {n!r}")
+    to the domain listed first); domains given no window are left out. ``n`` up to
+    :data:`MAX_WINDOWS`."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= MAX_WINDOWS:
+        raise InvalidParameterError(f"need an integer n in 0..2**53 of windows, got {n!r}")
     bad = [(d, w) for d, w in weights
            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w < 0]
     top = max((w for _, w in weights), default=0) if not bad else 0
