@@ -1,11 +1,12 @@
-// Profiling aid: the calibrated encode of one block, repeated.
+// Profiling aid: the calibrated encode (or decode) of one block, repeated.
 //
-//     cargo run --release -p kakeyaturbo --example encode_speed -- [ROWS] [STREAM] [REPS]
+//     cargo run --release -p kakeyaturbo --example encode_speed -- [ROWS] [STREAM] [REPS] [OP]
 //
 // STREAM: `k` or `v`, the component bits of the default model's `calibrated-3bit` key or value
 // calibration (layer 5, kv-head 1: 17 and 64 components of D = 64); norm, mse, outliers above
 // 4.5 as that recipe codes; an orthonormal basis, spreads 0.5 * 0.93^j. ROWS (default 128, the
-// cache's block) drawn from the calibration's own model. Prints the median time of one encode
+// cache's block) drawn from the calibration's own model. OP: `encode` (the default) or `decode`
+// (the container of those rows, parsed and decoded). Prints the median time of one operation
 // (`benches/ab_builds.py` reads it).
 use kakeyaturbo::calibrated::{CalibratedCodec, CalibratedParams};
 use kakeyaturbo::rng::SplitMix64;
@@ -17,6 +18,7 @@ fn main() {
     let n: usize = arg(1, "128").parse().unwrap();
     let stream = arg(2, "k");
     let reps: usize = arg(3, "2000").parse().unwrap();
+    let op = arg(4, "encode");
     let d = 64;
     let bits: Vec<u8> = match stream.as_str() {
         "k" => vec![7, 5, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1],
@@ -68,19 +70,24 @@ fn main() {
     };
     let c =
         CalibratedCodec::new(d, mean, basis.clone(), basis, spread, bits, vec![], params).unwrap();
+    let blob = c.to_bytes(&c.encode(&x, n).unwrap()).0;
     let mut times = Vec::with_capacity(reps);
-    let mut bytes = 0;
     for _ in 0..reps {
         let t0 = std::time::Instant::now();
-        let codes = c.encode(&x, n).unwrap();
-        bytes += c.to_bytes(&codes).0.len();
+        match op.as_str() {
+            "encode" => drop(std::hint::black_box(c.to_bytes(&c.encode(&x, n).unwrap()))),
+            "decode" => drop(std::hint::black_box(
+                c.decode(&c.from_bytes(&blob).unwrap()),
+            )),
+            o => panic!("OP is encode or decode, got {o:?}"),
+        }
         times.push(t0.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
     println!(
-        "{stream}: {n} rows of D = {d}, m = {m}: median {:.4} ms (min {:.4}) per encode, {} bytes",
+        "{stream}: {n} rows of D = {d}, m = {m}: median {:.4} ms (min {:.4}) per {op}, a container of {} bytes",
         times[reps / 2],
         times[0],
-        bytes / reps
+        blob.len()
     );
 }

@@ -30,6 +30,28 @@ pub fn fwht<T: Copy + Add<Output = T> + Sub<Output = T>>(x: &mut [T]) {
     }
 }
 
+/// [`fwht`] of every row of a column-major block at once: `x` holds `width` columns of `rows`
+/// values each (column `j` at `x[j * rows..(j + 1) * rows]`), and each row's `width` values are
+/// transformed with the additions of [`fwht`] in its order, so each row's result is
+/// [`fwht`]'s of that row bit for bit; the loops run down the columns, where they vectorise.
+#[inline(always)]
+pub fn fwht_columns(x: &mut [f32], rows: usize) {
+    let n = x.len().checked_div(rows).unwrap_or(0);
+    debug_assert!(n * rows == x.len() && (n.is_power_of_two() || n == 0));
+    let mut h = 1;
+    while h < n {
+        for block in x.chunks_exact_mut(2 * h * rows) {
+            let (lo, hi) = block.split_at_mut(h * rows);
+            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                let (u, v) = (*a, *b);
+                *a = u + v;
+                *b = u - v;
+            }
+        }
+        h *= 2;
+    }
+}
+
 /// `y = H (s * x)` in place; `signs.len() == x.len()`, a power of two.
 #[inline(always)]
 pub fn rotate(x: &mut [f32], signs: &[f32]) {
@@ -97,6 +119,30 @@ mod tests {
             fwht(&mut y);
             assert_eq!(y, naive_hadamard(&x), "n = {n}");
         }
+    }
+
+    #[test]
+    fn fwht_columns_is_fwht_of_each_row() {
+        for log in 0..7 {
+            let (n, rows) = (1usize << log, 5);
+            let x: Vec<f32> = (0..n * rows)
+                .map(|i| ((i * 13 + 1) % 17) as f32 * 0.37 - 2.9)
+                .collect();
+            // Column-major: row r's values are x[j * rows + r].
+            let mut cols = x.clone();
+            fwht_columns(&mut cols, rows);
+            for r in 0..rows {
+                let mut row: Vec<f32> = (0..n).map(|j| x[j * rows + r]).collect();
+                fwht(&mut row);
+                let got: Vec<u32> = (0..n).map(|j| cols[j * rows + r].to_bits()).collect();
+                assert_eq!(
+                    got,
+                    row.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "n = {n}"
+                );
+            }
+        }
+        fwht_columns(&mut [], 0);
     }
 
     #[test]

@@ -5,9 +5,8 @@ use super::calibration::CalibratedCodec;
 use crate::error::{input, Error, Result};
 use crate::f16::{ScaledF16, MAX_SCALED};
 use crate::gemm::matmul;
-use crate::limits::{all_finite, check_input, saturate};
+use crate::limits::{check_input, saturate};
 use crate::metric::{least_squares_gain, Metric};
-use crate::pack::pack_fields;
 use crate::threads::{spread_jobs, with_threads_for};
 use crate::wht;
 use faer::{Accum, MatMut, MatRef, Par};
@@ -96,8 +95,9 @@ pub fn decode_many(jobs: &[DecodeJob<'_>], threads: Option<usize>) -> Result<Vec
 }
 
 impl CalibratedCodec {
-    /// Stage 2 for a chunk of rows: `u = (x - mu) A'^T`, `A' = A / sigma`.
-    fn project(&self, x: &[f32]) -> Vec<f32> {
+    /// Stage 2 for a chunk of rows: `u = (x - mu) A'^T`, `A' = A / sigma`, into `u`
+    /// column-major (component `j` of the chunk's rows at `u[j * rows..]`).
+    fn project(&self, x: &[f32], u: &mut [f32]) {
         let (d, m) = (self.d, self.m);
         let n = x.len() / d;
         let mut xc = x.to_vec();
@@ -106,26 +106,37 @@ impl CalibratedCodec {
                 *v -= mu;
             }
         }
-        let mut u = vec![0f32; n * m];
         matmul(
-            MatMut::from_row_major_slice_mut(&mut u, n, m),
+            MatMut::from_column_major_slice_mut(u, n, m),
             Accum::Replace,
             MatRef::from_row_major_slice(&xc, n, d),
             MatRef::from_row_major_slice(&self.a_scaled, m, d).transpose(),
             1.0,
             Par::Seq,
         );
-        u
     }
 
-    /// A row's indices, component `j` at `bits[j]` bits, LSB-first (the shared packing).
-    fn pack_row(&self, idx: &[u8], out: &mut [u8]) {
-        pack_fields(
-            idx.iter()
-                .zip(&self.bits)
-                .map(|(&v, &b)| (v as u32, b as u32)),
-            out,
-        );
+    /// The rms scale of each row of a chunk from its components `u` (column-major, as
+    /// [`Self::project`] leaves them): the f64 sum of squares in component order, rounded
+    /// through f32; a row whose float32 components overflowed from its f64 projection instead.
+    /// With whether any row did.
+    fn rms(&self, u: &[f32], x: &[f32]) -> (Vec<f64>, bool) {
+        let (d, m) = (self.d, self.m);
+        let rows = x.len() / d;
+        let (sum, finite) = sums_of_squares(u, rows);
+        let mut wide = false;
+        let rms = (0..rows)
+            .map(|r| {
+                if finite[r] {
+                    (sum[r] / m as f64).sqrt() as f32 as f64
+                } else {
+                    wide = true;
+                    let w = self.project_wide(&x[r * d..(r + 1) * d]);
+                    (w.iter().map(|v| v * v).sum::<f64>() / m as f64).sqrt()
+                }
+            })
+            .collect();
+        (rms, wide)
     }
 
     /// Stage 2 for one row in f64: `u = A' (x - mu)` for a row whose float32 projection
@@ -169,33 +180,39 @@ impl CalibratedCodec {
     /// those of the float32 rule. A row whose scale exceeds what the format stores (about
     /// 5.6e42) is refused with [`crate::Error::InvalidInput`].
     pub fn encode_parts(&self, x: &[f32], n: usize) -> Result<CalibratedParts> {
+        self.encode_keeping(x, n, true)
+    }
+
+    /// [`Self::encode_parts`]; without `keep`, `indices` and `z` are not filled in (the codes,
+    /// all an encode returns, are the same).
+    fn encode_keeping(&self, x: &[f32], n: usize, keep: bool) -> Result<CalibratedParts> {
         check_input(x, n, self.d, None)?;
         if (n as u64) * (self.m as u64) > u32::MAX as u64 {
             return input("N x m must fit in 32 bits (outlier positions)");
         }
         let (d, m, rb) = (self.d, self.m, self.row_bytes());
-        // Pass 1: unit-variance components and the rms scale of every row.
+        // Pass 1: unit-variance components (column-major within each chunk) and the rms
+        // scale of every row.
         let mut u = vec![0f32; n * m];
-        u.par_chunks_mut(CHUNK_ROWS * m)
+        let norm = self.params.norm;
+        let rms: Vec<(Vec<f64>, bool)> = u
+            .par_chunks_mut(CHUNK_ROWS * m)
             .zip(x.par_chunks(CHUNK_ROWS * d))
-            .for_each(|(dst, src)| dst.copy_from_slice(&self.project(src)));
-        let scale = if self.params.norm {
-            let mut wide = false;
-            let rms: Vec<f64> = u
-                .chunks_exact(m)
-                .zip(x.chunks_exact(d))
-                .map(|(r, xr)| {
-                    if all_finite(r) {
-                        let s: f64 = r.iter().map(|&v| (v as f64) * (v as f64)).sum();
-                        (s / m as f64).sqrt() as f32 as f64
-                    } else {
-                        wide = true;
-                        let w = self.project_wide(xr);
-                        (w.iter().map(|v| v * v).sum::<f64>() / m as f64).sqrt()
-                    }
-                })
-                .collect();
-            Some(scales(&rms, wide)?)
+            .map(|(dst, src)| {
+                self.project(src, dst);
+                if norm {
+                    self.rms(dst, src)
+                } else {
+                    (vec![], false)
+                }
+            })
+            .collect();
+        let scale = if norm {
+            let wide = rms.iter().any(|c| c.1);
+            Some(scales(
+                &rms.into_iter().flat_map(|c| c.0).collect::<Vec<_>>(),
+                wide,
+            )?)
         } else {
             None
         };
@@ -208,7 +225,6 @@ impl CalibratedCodec {
         let mut z = u;
         let mut indices = vec![0u8; n * m];
         let mut codes = vec![0u8; n * rb];
-        type ChunkOut = (Vec<u32>, Vec<u16>, Vec<f64>, bool);
         let per_chunk: Vec<ChunkOut> = z
             .par_chunks_mut(CHUNK_ROWS * m)
             .zip(indices.par_chunks_mut(CHUNK_ROWS * m))
@@ -216,62 +232,9 @@ impl CalibratedCodec {
             .zip(x.par_chunks(CHUNK_ROWS * d))
             .enumerate()
             .map(|(ci, (((zc, ic), cc), xc))| {
-                let mut pos = Vec::new();
-                let mut val = Vec::new();
-                let mut gains = Vec::new();
-                let mut any_wide = false;
-                let mut qv = vec![0f32; m];
-                for (r, ((zr, ir), xr)) in zc
-                    .chunks_exact_mut(m)
-                    .zip(ic.chunks_exact_mut(m))
-                    .zip(xc.chunks_exact(d))
-                    .enumerate()
-                {
-                    let row = ci * CHUNK_ROWS + r;
-                    let gi = g[row];
-                    for band in &self.bands {
-                        let (o, w) = (band.offset, band.width);
-                        wht::rotate(&mut zr[o..o + w], &self.signs[o..o + w]);
-                        let f = if gi > 0.0 { band.norm / gi } else { 0.0 };
-                        zr[o..o + w].iter_mut().for_each(|v| *v *= f);
-                    }
-                    let wide = !gi.is_finite() || !all_finite(zr);
-                    let g64 = match &scale {
-                        Some(s) if wide => s.value_f64(row),
-                        _ => gi as f64,
-                    };
-                    if wide {
-                        any_wide = true;
-                        self.rotate_wide(self.project_wide(xr), g64, zr);
-                    }
-                    for band in &self.bands {
-                        let (o, w) = (band.offset, band.width);
-                        let q = self.q(band.bits);
-                        q.quantize_slice(&zr[o..o + w], &mut ir[o..o + w]);
-                        q.dequantize_slice(&ir[o..o + w], &mut qv[o..o + w]);
-                    }
-                    if let Some(th) = self.params.outlier_threshold {
-                        for (j, &zj) in zr.iter().enumerate() {
-                            if zj.abs() > th {
-                                let h = f16::from_f32(zj.clamp(-65504.0, 65504.0));
-                                pos.push((row * m + j) as u32);
-                                val.push(h.to_bits());
-                                qv[j] = h.to_f32();
-                            }
-                        }
-                    }
-                    if ip {
-                        let gain = least_squares_gain(gi, zr, &qv);
-                        if wide || !gain.is_finite() {
-                            any_wide = true;
-                            gains.push(gain_wide(g64, zr, &qv));
-                        } else {
-                            gains.push(gain as f64);
-                        }
-                    }
-                    self.pack_row(ir, &mut cc[r * rb..(r + 1) * rb]);
-                }
-                (pos, val, gains, any_wide)
+                let r0 = ci * CHUNK_ROWS;
+                let g = &g[r0..r0 + zc.len() / m];
+                encode_chunk(self, zc, ic, cc, xc, g, r0, scale.as_ref(), keep)
             })
             .collect();
         let mut outlier_pos = Vec::new();
@@ -308,7 +271,177 @@ impl CalibratedCodec {
     }
 
     pub fn encode(&self, x: &[f32], n: usize) -> Result<CalibratedCodes> {
-        Ok(self.encode_parts(x, n)?.codes)
+        Ok(self.encode_keeping(x, n, false)?.codes)
+    }
+}
+
+/// Pass 2 of [`CalibratedCodec::encode_parts`] for one chunk of `rows` rows starting at row `r0`: `zc`
+/// their unit-variance components, column-major (component `j` of every row at
+/// `zc[j * rows..]`: worked on in place down the columns), `g` their scales; writes their
+/// packed codes, and with `keep` (or for `inner_product`'s gains) their `z` into `zc`,
+/// row-major, and their indices into `ic`. Each value goes through the float32 operations
+/// of FORMAT.md in their order, so the bytes are those of coding the rows one at a time
+/// (compiled for several instruction sets, picked at run time: the loops run down columns,
+/// where they vectorise, and each value's operations are the same on every one).
+#[allow(clippy::too_many_arguments)]
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2"))]
+fn encode_chunk(
+    c: &CalibratedCodec,
+    zc: &mut [f32],
+    ic: &mut [u8],
+    cc: &mut [u8],
+    xc: &[f32],
+    g: &[f32],
+    r0: usize,
+    scale: Option<&ScaledF16>,
+    keep: bool,
+) -> ChunkOut {
+    let (d, m) = (c.d, c.m);
+    let rows = g.len();
+    let zt = zc;
+    // Rotate each sub-band (signs, butterfly), then times norm / g.
+    let mut f = vec![0f32; rows];
+    for band in &c.bands {
+        let (o, w) = (band.offset, band.width);
+        let seg = &mut zt[o * rows..(o + w) * rows];
+        for (col, &s) in seg.chunks_exact_mut(rows).zip(&c.signs[o..o + w]) {
+            col.iter_mut().for_each(|v| *v *= s);
+        }
+        wht::fwht_columns(seg, rows);
+        for (fr, &gi) in f.iter_mut().zip(g) {
+            *fr = if gi > 0.0 { band.norm / gi } else { 0.0 };
+        }
+        for col in seg.chunks_exact_mut(rows) {
+            col.iter_mut().zip(&f).for_each(|(v, &s)| *v *= s);
+        }
+    }
+    // Rows whose float32 values overflowed: coded from f64 instead.
+    let mut wide: Vec<bool> = g.iter().map(|gi| !gi.is_finite()).collect();
+    for col in zt.chunks_exact(rows) {
+        wide.iter_mut()
+            .zip(col)
+            .for_each(|(w, v)| *w |= !v.is_finite());
+    }
+    let g64 = |r: usize| match scale {
+        Some(s) if wide[r] => s.value_f64(r0 + r),
+        _ => g[r] as f64,
+    };
+    let mut zr = vec![0f32; m];
+    for r in (0..rows).filter(|&r| wide[r]) {
+        c.rotate_wide(c.project_wide(&xc[r * d..(r + 1) * d]), g64(r), &mut zr);
+        zr.iter()
+            .enumerate()
+            .for_each(|(j, &v)| zt[j * rows + r] = v);
+    }
+    let mut it = vec![0u8; m * rows];
+    for band in &c.bands {
+        let (o, w) = (band.offset, band.width);
+        let q = c.q(band.bits);
+        for (zcol, icol) in zt[o * rows..(o + w) * rows]
+            .chunks_exact(rows)
+            .zip(it[o * rows..(o + w) * rows].chunks_exact_mut(rows))
+        {
+            q.quantize_slice(zcol, icol);
+        }
+    }
+    pack_columns(c, &it, rows, cc);
+    // Outliers, in ascending position (row-major).
+    let (mut pos, mut val) = (Vec::new(), Vec::new());
+    if let Some(th) = c.params.outlier_threshold {
+        for (j, col) in zt.chunks_exact(rows).enumerate() {
+            for (r, &v) in col.iter().enumerate() {
+                if v.abs() > th {
+                    pos.push(((r0 + r) * m + j) as u32);
+                }
+            }
+        }
+        pos.sort_unstable();
+        val = pos
+            .iter()
+            .map(|&p| {
+                let (r, j) = (p as usize / m - r0, p as usize % m);
+                f16::from_f32(zt[j * rows + r].clamp(-65504.0, 65504.0)).to_bits()
+            })
+            .collect();
+    }
+    let ip = c.params.metric == Metric::InnerProduct;
+    if keep || ip {
+        let columns = zt.to_vec();
+        transpose(&columns, zt, m, rows);
+        transpose(&it, ic, m, rows);
+    }
+    let mut gains = Vec::new();
+    let mut any_wide = wide.iter().any(|&w| w);
+    if ip {
+        let mut qv = vec![0f32; m];
+        let mut next = 0;
+        for (r, (zr, ir)) in zt.chunks_exact(m).zip(ic.chunks_exact(m)).enumerate() {
+            for band in &c.bands {
+                let (o, w) = (band.offset, band.width);
+                c.q(band.bits)
+                    .dequantize_slice(&ir[o..o + w], &mut qv[o..o + w]);
+            }
+            while next < pos.len() && (pos[next] as usize) < (r0 + r + 1) * m {
+                qv[pos[next] as usize - (r0 + r) * m] = f16::from_bits(val[next]).to_f32();
+                next += 1;
+            }
+            let gain = least_squares_gain(g[r], zr, &qv);
+            if wide[r] || !gain.is_finite() {
+                any_wide = true;
+                gains.push(gain_wide(g64(r), zr, &qv));
+            } else {
+                gains.push(gain as f64);
+            }
+        }
+    }
+    (pos, val, gains, any_wide)
+}
+
+/// Packs the indices of `rows` rows, column-major in `it` (component `j` of row `r` at
+/// `it[j * rows + r]`, below `2^bits[j]`), into their zeroed rows of codes `cc`: the bytes
+/// of [`crate::pack::pack_fields`] row by row (LSB-first, component
+/// `j` at `bits[j]` bits).
+#[inline(always)]
+fn pack_columns(c: &CalibratedCodec, it: &[u8], rows: usize, cc: &mut [u8]) {
+    let rb = c.row_bytes();
+    let mut bit = 0;
+    for (col, &b) in it.chunks_exact(rows).zip(&c.bits) {
+        let (byte, shift) = (bit / 8, bit % 8);
+        for (&v, row) in col.iter().zip(cc.chunks_exact_mut(rb)) {
+            let w = (v as u16) << shift;
+            row[byte] |= w as u8;
+            if shift + b as usize > 8 {
+                row[byte + 1] |= (w >> 8) as u8;
+            }
+        }
+        bit += b as usize;
+    }
+}
+
+/// One chunk's part of pass 2: outlier positions and values, gains, whether a row was wide.
+type ChunkOut = (Vec<u32>, Vec<u16>, Vec<f64>, bool);
+
+/// Each row's f64 sum of squares of its values in `u` (column-major, `rows` rows), in column
+/// order, and whether they are all finite (multiversioned: the loops run across rows).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2"))]
+fn sums_of_squares(u: &[f32], rows: usize) -> (Vec<f64>, Vec<bool>) {
+    let mut sum = vec![0f64; rows];
+    let mut finite = vec![true; rows];
+    for col in u.chunks_exact(rows) {
+        for ((s, ok), &v) in sum.iter_mut().zip(finite.iter_mut()).zip(col) {
+            *s += (v as f64) * (v as f64);
+            *ok &= v.is_finite();
+        }
+    }
+    (sum, finite)
+}
+
+/// `dst[c][r] = src[r][c]`: `src` row-major `rows x cols`, `dst` its transpose (row-major).
+fn transpose<T: Copy>(src: &[T], dst: &mut [T], rows: usize, cols: usize) {
+    for (r, row) in src.chunks_exact(cols).enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            dst[c * rows + r] = v;
+        }
     }
 }
 

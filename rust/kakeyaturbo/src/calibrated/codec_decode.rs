@@ -61,7 +61,7 @@ impl CalibratedCodec {
     /// in f64, each value saturating at `+-f32::MAX`. Every value returned is finite.
     pub fn decode(&self, c: &CalibratedCodes) -> Result<Vec<f32>> {
         self.check_codes(c)?;
-        let (d, m, rb, n) = (self.d, self.m, self.row_bytes(), c.n);
+        let (d, m, n) = (self.d, self.m, c.n);
         let g: Vec<f32> = match &c.scale {
             Some(s) => s.decode(),
             None => vec![1.0; n],
@@ -94,42 +94,13 @@ impl CalibratedCodec {
             .try_for_each(|(ci, oc)| {
                 let rows = oc.len() / d;
                 let r0 = ci * CHUNK_ROWS;
-                let mut u = vec![0f32; rows * m];
-                let mut idx = vec![0u8; m];
-                // Outliers of this chunk: a contiguous run of the ascending positions.
-                let lo = c.outlier_pos.partition_point(|&p| (p as usize) < r0 * m);
-                let hi = c
-                    .outlier_pos
-                    .partition_point(|&p| (p as usize) < (r0 + rows) * m);
-                let mut o = lo;
-                for (r, ur) in u.chunks_exact_mut(m).enumerate() {
-                    let row = r0 + r;
-                    self.unpack_row(&c.codes[row * rb..(row + 1) * rb], &mut idx);
-                    for band in &self.bands {
-                        let (of, w) = (band.offset, band.width);
-                        self.q(band.bits)
-                            .dequantize_slice(&idx[of..of + w], &mut ur[of..of + w]);
-                    }
-                    while o < hi && (c.outlier_pos[o] as usize) < (row + 1) * m {
-                        ur[c.outlier_pos[o] as usize - row * m] =
-                            f16::from_bits(c.outlier_val[o]).to_f32();
-                        o += 1;
-                    }
-                    for band in &self.bands {
-                        let (of, w) = (band.offset, band.width);
-                        let f = g[row] * band.norm;
-                        let seg = &mut ur[of..of + w];
-                        seg.iter_mut().for_each(|v| *v *= f);
-                        wht::fwht(seg);
-                        for (v, s) in seg.iter_mut().zip(&self.signs[of..of + w]) {
-                            *v *= s;
-                        }
-                    }
-                }
+                // The chunk's components column-major (component j of every row at
+                // u[j * rows..]).
+                let u = components(self, c, r0, &g[r0..r0 + rows]);
                 matmul(
                     MatMut::from_row_major_slice_mut(oc, rows, d),
                     Accum::Add,
-                    MatRef::from_row_major_slice(&u, rows, m),
+                    MatRef::from_column_major_slice(&u, rows, m),
                     MatRef::from_row_major_slice(&self.s_scaled, m, d),
                     1.0,
                     Par::Seq,
@@ -199,5 +170,72 @@ impl CalibratedCodec {
             self.unpack_row(&c.codes[row * rb..(row + 1) * rb], out);
         }
         Ok(idx)
+    }
+}
+
+/// The components of rows `r0..r0 + g.len()` of checked codes `c` (`g` their scales),
+/// column-major (component `j` of row `r0 + r` at `[j * rows + r]`): centroids, outliers, then
+/// per sub-band times `g * norm`, the butterfly and the signs, each value through the float32
+/// operations of FORMAT.md in their order, so each row's are those of decoding it alone.
+/// Compiled for several instruction sets, picked at run time (the loops run down columns, where
+/// they vectorise).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2"))]
+fn components(cal: &CalibratedCodec, c: &CalibratedCodes, r0: usize, g: &[f32]) -> Vec<f32> {
+    let (m, rb, rows) = (cal.m, cal.row_bytes(), g.len());
+    let mut u = vec![0f32; m * rows];
+    dequantize_columns(cal, &c.codes[r0 * rb..(r0 + rows) * rb], rows, &mut u);
+    // Outliers of these rows: a contiguous run of the ascending positions.
+    let lo = c.outlier_pos.partition_point(|&p| (p as usize) < r0 * m);
+    let hi = c
+        .outlier_pos
+        .partition_point(|&p| (p as usize) < (r0 + rows) * m);
+    for (&p, &h) in c.outlier_pos[lo..hi].iter().zip(&c.outlier_val[lo..hi]) {
+        let (r, j) = (p as usize / m - r0, p as usize % m);
+        u[j * rows + r] = f16::from_bits(h).to_f32();
+    }
+    let mut f = vec![0f32; rows];
+    for band in &cal.bands {
+        let (of, w) = (band.offset, band.width);
+        for (fr, &gr) in f.iter_mut().zip(g) {
+            *fr = gr * band.norm;
+        }
+        let seg = &mut u[of * rows..(of + w) * rows];
+        for col in seg.chunks_exact_mut(rows) {
+            col.iter_mut().zip(&f).for_each(|(v, &s)| *v *= s);
+        }
+        wht::fwht_columns(seg, rows);
+        for (col, &s) in seg.chunks_exact_mut(rows).zip(&cal.signs[of..of + w]) {
+            col.iter_mut().for_each(|v| *v *= s);
+        }
+    }
+    u
+}
+
+/// The centroids of `rows` rows of codes (`codes` their bytes, checked) into `u`
+/// column-major: component `j` of row `r` at `u[j * rows + r]`. A component's field lies at
+/// the same bits of every row (LSB-first, [`unpack_fields`]' layout), one byte or two.
+#[inline(always)]
+fn dequantize_columns(cal: &CalibratedCodec, codes: &[u8], rows: usize, u: &mut [f32]) {
+    let rb = cal.row_bytes();
+    let mut bit = 0;
+    for band in &cal.bands {
+        let cent = cal.q(band.bits).centroids();
+        let (bits, mask) = (band.bits as usize, cent.len() - 1);
+        let cols = &mut u[band.offset * rows..(band.offset + band.width) * rows];
+        for col in cols.chunks_exact_mut(rows) {
+            let (byte, shift) = (bit / 8, bit % 8);
+            let rows_of = codes.chunks_exact(rb);
+            if shift + bits <= 8 {
+                for (v, row) in col.iter_mut().zip(rows_of) {
+                    *v = cent[(row[byte] >> shift) as usize & mask];
+                }
+            } else {
+                for (v, row) in col.iter_mut().zip(rows_of) {
+                    let w = u16::from_le_bytes([row[byte], row[byte + 1]]);
+                    *v = cent[(w >> shift) as usize & mask];
+                }
+            }
+            bit += bits;
+        }
     }
 }

@@ -117,6 +117,121 @@ fn reconstructions_past_the_float32_maximum_saturate() {
     assert!(y[2].is_finite());
 }
 
+/// FORMAT.md's encode of ordinary rows one row at a time (the encode as it was before the
+/// column-major chunks): the projection as one product per chunk over row-major components,
+/// the rms scale, then per row and sub-band the signs, the butterfly and `norm / g`, the
+/// Lloyd-Max indices, outliers, the gain of `inner_product`, and the row packed. With `z`.
+fn encode_by_rows(c: &CalibratedCodec, x: &[f32], n: usize) -> (CalibratedCodes, Vec<f32>) {
+    let (d, m, rb) = (c.d, c.m, c.row_bytes());
+    let mut u = vec![0f32; n * m];
+    for (uc, xc) in u.chunks_mut(CHUNK_ROWS * m).zip(x.chunks(CHUNK_ROWS * d)) {
+        let rows = xc.len() / d;
+        let xm: Vec<f32> = xc
+            .chunks_exact(d)
+            .flat_map(|r| r.iter().zip(&c.mean).map(|(v, mu)| v - mu))
+            .collect();
+        matmul(
+            MatMut::from_row_major_slice_mut(uc, rows, m),
+            Accum::Replace,
+            MatRef::from_row_major_slice(&xm, rows, d),
+            MatRef::from_row_major_slice(&c.a_scaled, m, d).transpose(),
+            1.0,
+            Par::Seq,
+        );
+    }
+    let rms: Vec<f32> = u
+        .chunks_exact(m)
+        .map(|r| (r.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / m as f64).sqrt() as f32)
+        .collect();
+    let scale = c.params.norm.then(|| ScaledF16::encode(&rms));
+    let g: Vec<f32> = scale.as_ref().map_or(vec![1.0; n], |s| s.decode());
+    let (mut codes, mut pos, mut val, mut gains) = (vec![0u8; n * rb], vec![], vec![], vec![]);
+    let (mut idx, mut qv) = (vec![0u8; m], vec![0f32; m]);
+    for (r, zr) in u.chunks_exact_mut(m).enumerate() {
+        for band in &c.bands {
+            let (o, w) = (band.offset, band.width);
+            wht::rotate(&mut zr[o..o + w], &c.signs[o..o + w]);
+            let f = if g[r] > 0.0 { band.norm / g[r] } else { 0.0 };
+            zr[o..o + w].iter_mut().for_each(|v| *v *= f);
+            let q = c.q(band.bits);
+            q.quantize_slice(&zr[o..o + w], &mut idx[o..o + w]);
+            q.dequantize_slice(&idx[o..o + w], &mut qv[o..o + w]);
+        }
+        assert!(zr.iter().all(|v| v.is_finite()), "an ordinary row");
+        for (j, &zj) in zr.iter().enumerate() {
+            if c.params.outlier_threshold.is_some_and(|th| zj.abs() > th) {
+                let h = f16::from_f32(zj.clamp(-65504.0, 65504.0));
+                pos.push((r * m + j) as u32);
+                val.push(h.to_bits());
+                qv[j] = h.to_f32();
+            }
+        }
+        gains.push(least_squares_gain(g[r], zr, &qv));
+        crate::pack::pack_fields(
+            idx.iter().zip(&c.bits).map(|(&v, &b)| (v as u32, b as u32)),
+            &mut codes[r * rb..(r + 1) * rb],
+        );
+    }
+    let ip = c.params.metric == Metric::InnerProduct;
+    let codes = CalibratedCodes {
+        n,
+        scale: if ip {
+            Some(ScaledF16::encode(&gains))
+        } else {
+            scale
+        },
+        codes,
+        outlier_pos: pos,
+        outlier_val: val,
+    };
+    (codes, u)
+}
+
+/// FORMAT.md's decode of ordinary rows one row at a time (the decode as it was before the
+/// column-major chunks): unpack, centroids, outliers, then per sub-band times `g * norm`, the
+/// butterfly and the signs, and the synthesis as one product over the row-major components.
+fn decode_by_rows(c: &CalibratedCodec, k: &CalibratedCodes) -> Vec<f32> {
+    let (d, m) = (c.d, c.m);
+    let idx = c.unpack(k).unwrap();
+    let g: Vec<f32> = k.scale.as_ref().map_or(vec![1.0; k.n], |s| s.decode());
+    let mut u = vec![0f32; k.n * m];
+    for (r, ur) in u.chunks_exact_mut(m).enumerate() {
+        for band in &c.bands {
+            let (of, w) = (band.offset, band.width);
+            c.q(band.bits)
+                .dequantize_slice(&idx[r * m + of..r * m + of + w], &mut ur[of..of + w]);
+        }
+    }
+    for (&p, &h) in k.outlier_pos.iter().zip(&k.outlier_val) {
+        u[p as usize] = f16::from_bits(h).to_f32();
+    }
+    for (r, ur) in u.chunks_exact_mut(m).enumerate() {
+        for band in &c.bands {
+            let (of, w) = (band.offset, band.width);
+            let f = g[r] * band.norm;
+            let seg = &mut ur[of..of + w];
+            seg.iter_mut().for_each(|v| *v *= f);
+            wht::fwht(seg);
+            seg.iter_mut()
+                .zip(&c.signs[of..of + w])
+                .for_each(|(v, s)| *v *= s);
+        }
+    }
+    let mut out: Vec<f32> = (0..k.n).flat_map(|_| c.mean.iter().copied()).collect();
+    for (oc, uc) in out.chunks_mut(CHUNK_ROWS * d).zip(u.chunks(CHUNK_ROWS * m)) {
+        let rows = uc.len() / m;
+        matmul(
+            MatMut::from_row_major_slice_mut(oc, rows, d),
+            Accum::Add,
+            MatRef::from_row_major_slice(uc, rows, m),
+            MatRef::from_row_major_slice(&c.s_scaled, m, d),
+            1.0,
+            Par::Seq,
+        );
+    }
+    out
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
@@ -131,12 +246,19 @@ proptest! {
         let mut g = SplitMix64::new(seed);
         let x: Vec<f32> = (0..n * d).map(|_| noise(&mut g) * 3.0).collect();
         let codes = c.encode(&x, n).unwrap();
+        // The codes (and z) of coding the rows one at a time, byte for byte.
+        let (want, z) = encode_by_rows(&c, &x, n);
+        prop_assert_eq!(&codes, &want);
+        let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits_of(&c.encode_parts(&x, n).unwrap().z), bits_of(&z));
         let (bytes, parts) = c.to_bytes(&codes);
         prop_assert_eq!(bytes.len(), parts.total());
         let back = c.from_bytes(&bytes).unwrap();
         prop_assert_eq!(&back, &codes);
         let y = c.decode(&back).unwrap();
         prop_assert_eq!(y.len(), n * d);
+        // Bit for bit the decode one row at a time (these rows are all ordinary).
+        prop_assert_eq!(bits_of(&y), bits_of(&decode_by_rows(&c, &back)));
         prop_assert!(y.iter().all(|v| v.is_finite()));
         let parts = c.encode_parts(&x, n).unwrap();
         prop_assert_eq!(c.unpack(&codes).unwrap(), parts.indices);
