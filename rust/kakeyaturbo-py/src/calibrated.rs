@@ -497,8 +497,7 @@ pub fn decode_calibrated_blocks<'py>(
         .collect();
     let blocks = blobs.len();
     let out = run(py, || {
-        let rows = calibrated::decode_many(&jobs, threads)?;
-        convert::stack_blocks(&rows, g, block_rows, d)
+        calibrated::decode_many(&jobs, g, block_rows, threads)
     })?;
     PyArray1::from_vec(py, out).reshape([g, blocks * block_rows, d])
 }

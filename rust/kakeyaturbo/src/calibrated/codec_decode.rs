@@ -61,6 +61,33 @@ impl CalibratedCodec {
     /// in f64, each value saturating at `+-f32::MAX`. Every value returned is finite.
     pub fn decode(&self, c: &CalibratedCodes) -> Result<Vec<f32>> {
         self.check_codes(c)?;
+        // Reserved fallibly: the rows are what the container says it holds.
+        let mut out: Vec<f32> = Vec::new();
+        out.try_reserve_exact(size(c.n, self.d, "the decoded rows")?)
+            .map_err(|_| {
+                Error::InvalidInput(format!("cannot allocate [{}, {}] floats", c.n, self.d))
+            })?;
+        out.resize(c.n * self.d, 0.0);
+        self.decode_checked(c, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::decode`] into `out`, which must hold `n x D` values (overwritten).
+    pub fn decode_into(&self, c: &CalibratedCodes, out: &mut [f32]) -> Result<()> {
+        self.check_codes(c)?;
+        if Some(out.len()) != c.n.checked_mul(self.d) {
+            return Err(Error::InvalidInput(format!(
+                "{} floats given for [{}, {}] decoded rows",
+                out.len(),
+                c.n,
+                self.d
+            )));
+        }
+        self.decode_checked(c, out)
+    }
+
+    /// [`Self::decode_into`] of checked codes into `n x D` values.
+    fn decode_checked(&self, c: &CalibratedCodes, out: &mut [f32]) -> Result<()> {
         let (d, m, n) = (self.d, self.m, c.n);
         let g: Vec<f32> = match &c.scale {
             Some(s) => s.decode(),
@@ -84,11 +111,9 @@ impl CalibratedCodec {
             });
         let (butterfly, synth) = (m as f64 * qmax, m as f64 * max_abs(&self.s_scaled));
         let mean_max = max_abs(&self.mean);
-        // Every row starts as the mean (the synthesis is added to it); reserved fallibly.
-        let mut out: Vec<f32> = Vec::new();
-        out.try_reserve_exact(size(n, d, "the decoded rows")?)
-            .map_err(|_| Error::InvalidInput(format!("cannot allocate [{n}, {d}] floats")))?;
-        (0..n).for_each(|_| out.extend_from_slice(&self.mean));
+        // Every row starts as the mean (the synthesis is added to it).
+        out.chunks_exact_mut(d)
+            .for_each(|row| row.copy_from_slice(&self.mean));
         out.par_chunks_mut(CHUNK_ROWS * d)
             .enumerate()
             .try_for_each(|(ci, oc)| {
@@ -118,8 +143,7 @@ impl CalibratedCodec {
                     }
                 }
                 Ok(())
-            })?;
-        Ok(out)
+            })
     }
 
     /// One row of [`Self::decode`] in f64: every stored value is finite and at most
