@@ -54,6 +54,28 @@ def test_identity_generate_matches_dynamic_cache(kind, pre_rope, request) -> Non
     assert cache.nbytes_uncompressed() == LAYERS * 2 * KV_HEADS * n * 16 * 4
 
 
+def test_layers_of_a_forward_pass_share_one_rotation(llama) -> None:
+    """Keys coded before RoPE, decoded then attended: a forward pass's layers take RoPE off the
+    rows they seal and put it back on the rows they decode with one cos/sin per set of rows
+    (computed once, not once per layer), held during the pass only."""
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=llama, block_size=8, n_sink=2,
+                        boundary=(-1,), fast=False)
+    ref_seq, _ = generate(llama, prompt(), transformers.DynamicCache(config=llama.config), n=12)
+    own = []  # the cache's own calls of the rotary module (an empty probe), by row count
+    hook = llama.model.rotary_emb.register_forward_pre_hook(
+        lambda _m, args: own.append(args[1].shape[-1]) if args[0].numel() == 0 else None)
+    try:
+        seq, _ = generate(llama, prompt(), cache, n=12)
+    finally:
+        hook.remove()
+    assert torch.equal(seq, ref_seq) and LAYERS - 1 == 2  # two layers rotate
+    # 21 prompt tokens: 2 sink, 16 sealed (one call for both layers), 3 staged; the next 5
+    # passes decode 16 rows, the fifth then seals 8 more; the last 6 decode 24.
+    assert own == [16] + [16] * 5 + [8] + [24] * 6
+    n = prompt().shape[1] + 12 - 1
+    assert cache.memory()["positions"] == 4 * n  # nothing else held after the call
+
+
 def test_batched_left_padding_beams_and_pre_rope_positions(llama) -> None:
     """Left padding shifts RoPE positions per row: the codec must still see the keys without
     RoPE, and beam search reorders sealed blocks as bytes."""

@@ -59,3 +59,34 @@ def test_rows_of_their_own_only_where_the_three_positions_differ() -> None:
     assert s.extra.tolist() == [[-1] * 4] * 2 and s.grid.shape == (3, 2, 4)
     s.reset()
     assert s.pos is None and s.grid is None and not s.triples
+
+
+def test_cos_sin_is_computed_once_per_forward_pass_and_rotation() -> None:
+    from kakeyaturbo.families.rope import FnRope
+
+    calls = []
+
+    def rope(p):
+        calls.append(p.clone())
+        return _mrope(p)
+
+    s = Positions()
+    layer_a, layer_b, other = FnRope(rope), FnRope(rope), FnRope(lambda p: rope(p))
+    _record(s, [[[0, 1, 2, 3]]] * 3)
+    first = s.cos_sin(layer_a, 1, 3)
+    assert all(torch.equal(x, y) for x, y in zip(first, _mrope(s.get(1, 3))))
+    # Another layer of the same rotation reading the same rows shares it; other rows or
+    # another rotation have their own.
+    assert s.cos_sin(layer_b, 1, 3) is first and len(calls) == 1
+    assert s.cos_sin(layer_a, 0, 3) is not first and len(calls) == 2
+    assert s.cos_sin(other, 1, 3) is not first and len(calls) == 3
+    # Held while kept: positions (int32) and three pairs of [1, 3, 8] float32.
+    assert s.nbytes() == 4 * 4 + 3 * 2 * 3 * 8 * 4
+    _record(s, [[[4]]] * 3)  # the next forward pass
+    assert s.cos_sin(layer_a, 1, 3) is not first and len(calls) == 4
+    assert s.nbytes() == 5 * 4 + 2 * 3 * 8 * 4
+    s.pos = s.pos.clone()  # positions replaced (beam reordering, crop)
+    s.cos_sin(layer_a, 1, 3)
+    assert len(calls) == 5
+    s.end_pass()  # the model's forward call ended: nothing held past it
+    assert s.nbytes() == 5 * 4

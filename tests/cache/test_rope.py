@@ -90,6 +90,25 @@ def test_inverse_roundtrip_on_random_rows_and_partial_rotary() -> None:
     assert ((unapply_rope(yp, cos[:, None], sin[:, None]) - xp).norm() / xp.norm()) < 1e-6
 
 
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_apply_in_place_is_apply_bit_for_bit(style: str) -> None:
+    from kakeyaturbo.families.rope import apply_rope_
+
+    g = torch.Generator().manual_seed(2)
+    cos, sin = (torch.randn(2, 1, 50, 16, generator=g) for _ in range(2))
+    for width in (16, 24):  # full and partial rotary
+        x = torch.randn(2, 3, 50, width, generator=g)
+        want = apply_rope(x, cos, sin, style)
+        y = x.clone()
+        assert apply_rope_(y, cos, sin, style) is y and torch.equal(y, want)
+    # Another promoted dtype (bf16 rows, float32 tables): apply_rope's new tensor, x untouched.
+    xb = x[..., :16].to(torch.bfloat16)
+    kept = xb.clone()
+    out = apply_rope_(xb, cos, sin, style)
+    assert out.dtype == torch.float32 and torch.equal(out, apply_rope(kept, cos, sin, style))
+    assert torch.equal(xb, kept)
+
+
 def test_rotate_half_convention() -> None:
     x = torch.arange(6.0)
     assert rotate_half(x).tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]

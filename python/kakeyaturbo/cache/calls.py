@@ -74,6 +74,8 @@ def watch_calls(model: Any, cache: Any) -> None:
         c = ours(kwargs)
         if c is None or c._undo is None:
             return
+        if c._positions is not None:
+            c._positions.end_pass()
         undo, c._undo = c._undo, None
         if result is None:  # the call raised (torch runs this hook then with no result)
             c._roll_back(undo)

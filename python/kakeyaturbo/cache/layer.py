@@ -13,7 +13,7 @@ from .._extras import missing
 from ..codec.attention import LayerCodes
 from ..codec import _checks
 from ..errors import InvalidParameterError
-from ..families.rope import LayerRope
+from ..families.rope import LayerRope, apply_rope_, over_heads, unapply_rope
 from .checks import batch_rows, check_rows, selected_rows
 from .codecs import STREAMS, StreamCodec, decode_blocks, decode_rows, encode_blocks, to_numpy, wants_rope
 from . import fast as fast_mod
@@ -469,9 +469,12 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             st.staging = st.staging[..., cut:, :].clone()
             st.staging_start += cut
 
-    def _rope_args(self, start: int, n: int) -> torch.Tensor:
-        assert self.positions is not None
-        return self.positions.get(start, n)
+    def _cos_sin(self, start: int, n: int, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The layer's RoPE cos/sin for tokens ``start .. start+n`` on ``like``'s device, shaped
+        to broadcast over ``[B, H, n, D]`` (shared with the other layers of the forward pass:
+        :meth:`Positions.cos_sin`)."""
+        assert self.positions is not None and self.rope is not None
+        return over_heads(*self.positions.cos_sin(self.rope, start, n), like)
 
     def _seal(self, name: str) -> None:
         """Seals every full block of staging (one copy of the rows left, however many blocks a
@@ -483,7 +486,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         rows = st.staging[..., :n * bs, :]
         if name == "k" and self.pre_rope:
             assert self.rope is not None
-            rows = self.rope.remove(rows, self._rope_args(start, n * bs))
+            rows = unapply_rope(rows, *self._cos_sin(start, n * bs, rows), style=self.rope.style)
         x = to_numpy(rows)
         # Every block coded before the stream changes: a block the codec refuses leaves it whole.
         blobs = encode_blocks(self.codec, name, self.index, x, bs)
@@ -506,7 +509,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         ).to(self.device)
         if name == "k" and self.pre_rope:
             assert self.rope is not None
-            y = self.rope.apply(y, self._rope_args(st.starts[j], self.block_size))
+            y = apply_rope_(y, *self._cos_sin(st.starts[j], self.block_size, y), style=self.rope.style)
         return y.to(ref.dtype)
 
     def _parts(self, name: str) -> List[torch.Tensor]:
@@ -522,7 +525,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         ).to(self.device)
         if name == "k" and self.pre_rope:
             assert self.rope is not None
-            y = self.rope.apply(y, self._rope_args(st.starts[0], n * self.block_size))
+            y = apply_rope_(y, *self._cos_sin(st.starts[0], n * self.block_size, y), style=self.rope.style)
         return [st.sink, y.to(ref.dtype), st.staging]
 
     def _held(self, name: str) -> torch.Tensor:

@@ -46,6 +46,7 @@ class Positions:
         self._tables: List[Tuple[RopeTable, int, RopeTable]] = []
         self.pending: Optional[torch.Tensor] = None
         self.pending_grid: Optional[torch.Tensor] = None
+        self._cos_sin: List[Tuple[Any, int, int, Tuple[torch.Tensor, torch.Tensor]]] = []
 
     @property
     def pos(self) -> Optional[torch.Tensor]:
@@ -55,6 +56,7 @@ class Positions:
     def pos(self, value: Optional[torch.Tensor]) -> None:
         self._pos = value
         self.epoch += 1
+        self._cos_sin = []
 
     def __len__(self) -> int:
         return 0 if self.pos is None else self.pos.shape[1]
@@ -63,6 +65,11 @@ class Positions:
         """A forward call begins: its ``position_ids`` (or None); no multimodal ones yet."""
         self.pending = position_ids
         self.pending_grid = None
+        self._cos_sin = []
+
+    def end_pass(self) -> None:
+        """A forward call has ended: the rotations its layers shared (:meth:`cos_sin`) go."""
+        self._cos_sin = []
 
     def record(self, start: int, q: int, batch: int, position_ids: Optional[torch.Tensor]) -> None:
         """Tokens ``start .. start+q`` of a layer's update; the first layer to see them records them."""
@@ -112,6 +119,7 @@ class Positions:
         self._append(g[0], g, extra)
 
     def _append(self, pos: torch.Tensor, grid: Optional[torch.Tensor], extra: Optional[torch.Tensor]) -> None:
+        self._cos_sin = []  # a new forward pass: the last one's rotations go
         self._pos = pos.clone() if self._pos is None else torch.cat([self._pos, pos], dim=1)
         if grid is not None and self.grid is not None:
             self.grid = torch.cat([self.grid, grid], dim=2)
@@ -123,6 +131,19 @@ class Positions:
         (:attr:`grid`) once a token's multimodal positions differed."""
         assert self.pos is not None and start + n <= len(self)
         return self.pos[:, start:start + n] if self.grid is None else self.grid[:, :, start:start + n]
+
+    def cos_sin(self, rope: Any, start: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``rope(self.get(start, n))``, the cos/sin of a :class:`~kakeyaturbo.families.rope.LayerRope`
+        at the positions of tokens ``start .. start+n``, computed once for every layer that
+        rotates as ``rope`` does: kept until the forward pass ends (:meth:`end_pass`), tokens are
+        appended or the positions change, so that a pass's layers, which seal and decode the
+        same rows, share them (:meth:`nbytes` counts them while held)."""
+        for r, s0, m, cs in self._cos_sin:
+            if s0 == start and m == n and r.same_as(rope):
+                return cs
+        cs = rope(self.get(start, n))
+        self._cos_sin.append((rope, start, n, cs))
+        return cs
 
     def rotation(self, rope: Any, table: RopeTable, rows: np.ndarray,
                  extra: Optional[np.ndarray]) -> Tuple[RopeTable, np.ndarray]:
@@ -145,7 +166,8 @@ class Positions:
         return found, np.where(extra >= 0, extra + n, rows).astype(np.int32)
 
     def nbytes(self) -> int:
-        return sum(0 if t is None else t.numel() * t.element_size() for t in (self.pos, self.grid, self.extra))
+        held = [self.pos, self.grid, self.extra] + [t for *_, cs in self._cos_sin for t in cs]
+        return sum(0 if t is None else t.numel() * t.element_size() for t in held)
 
     def snapshot(self) -> Tuple[Any, ...]:
         """What :meth:`restore` puts back (the tensors are replaced, never changed in place)."""

@@ -89,6 +89,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     return torch.cat((out, x[..., rot:].to(out.dtype)), dim=-1)
 
 
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
+    """:func:`apply_rope` in place on ``x`` (returned), bit for bit its result, without its
+    temporaries of ``x``'s size but one: for a tensor the caller owns (the cache's decoded
+    keys). Where ``x``'s dtype is not the promoted one of ``x`` and ``cos``, :func:`apply_rope`'s
+    new tensor instead."""
+    rot = _check(x, cos, sin)
+    if torch.promote_types(x.dtype, cos.dtype) != x.dtype or torch.promote_types(x.dtype, sin.dtype) != x.dtype:
+        return apply_rope(x, cos, sin, style)
+    xr = x[..., :rot]
+    turned = _rotate(xr, style).mul_(sin)
+    xr.mul_(cos).add_(turned)
+    return x
+
+
+def over_heads(cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` ``[batch, T, rot]`` (as a rotary module gives them) on the device of
+    ``like`` ``[batch, heads, T, D]``, shaped to broadcast over its heads."""
+    return cos.to(like.device)[:, None], sin.to(like.device)[:, None]
+
+
 def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
     """The exact inverse of :func:`apply_rope`: ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)``.
 
@@ -217,8 +237,7 @@ class LayerRope:
         return (sin, cos) if self.order == "sin_cos" else (cos, sin)
 
     def _cs(self, positions: Any, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self(positions)
-        return cos.to(like.device)[:, None], sin.to(like.device)[:, None]
+        return over_heads(*self(positions), like)
 
     def apply(self, x: torch.Tensor, positions: Any) -> torch.Tensor:
         """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``)."""
