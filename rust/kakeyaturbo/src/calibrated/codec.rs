@@ -311,10 +311,10 @@ impl CalibratedCodec {
     }
 }
 
-/// Pass 2 of [`CalibratedCodec::encode_parts`] for one chunk of `rows` rows starting at row `r0`: `zc`
+/// Pass 2 of [`CalibratedCodec::encode_parts`] for one chunk of `rows` rows starting at row `r0`: `zt`
 /// their unit-variance components, column-major (component `j` of every row at
-/// `zc[j * rows..]`: worked on in place down the columns), `g` their scales; writes their
-/// packed codes, and with `keep` (or for `inner_product`'s gains) their `z` into `zc`,
+/// `zt[j * rows..]`: worked on in place down the columns), `g` their scales; writes their
+/// packed codes, and with `keep` (or for `inner_product`'s gains) their `z` into `zt`,
 /// row-major, and their indices into `ic`. Each value goes through the float32 operations
 /// of FORMAT.md in their order, so the bytes are those of coding the rows one at a time
 /// (compiled for several instruction sets, picked at run time: the loops run down columns,
@@ -323,7 +323,7 @@ impl CalibratedCodec {
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2"))]
 fn encode_chunk(
     c: &CalibratedCodec,
-    zc: &mut [f32],
+    zt: &mut [f32],
     ic: &mut [u8],
     cc: &mut [u8],
     xc: &[f32],
@@ -334,7 +334,6 @@ fn encode_chunk(
 ) -> ChunkOut {
     let (d, m) = (c.d, c.m);
     let rows = g.len();
-    let zt = zc;
     // Rotate each sub-band (signs, butterfly), then times norm / g.
     let mut f = vec![0f32; rows];
     for band in &c.bands {
