@@ -21,6 +21,7 @@ __all__ = [
     "check_params",
     "decode_block_from_parts",
     "decode_calibrated_blocks",
+    "decode_calibrated_blocks_into",
     "decode_layer",
     "decode_layer_blocks",
     "encode_block_codes",
@@ -176,6 +177,14 @@ def decode_calibrated_blocks(
     block_rows: int,
     threads: Optional[int] = None,
 ) -> npt.NDArray[np.float32]: ...
+def decode_calibrated_blocks_into(
+    codecs: Sequence[CalibratedCodec],
+    blobs: Sequence[Sequence[bytes]],
+    block_rows: int,
+    out: npt.NDArray[np.float32],
+    at: int,
+    threads: Optional[int] = None,
+) -> None: ...
 def decode_block_from_parts(parts: Dict[str, Any]) -> npt.NDArray[np.float32]: ...
 def wht_sign_pattern(seed: int, n: int) -> npt.NDArray[np.float32]: ...
 def wht_rows(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]: ...

@@ -151,6 +151,35 @@ def test_decode_blocks_refusals() -> None:
         decode_blocks([c], [["text"]], 128)
 
 
+def test_decode_blocks_into_rows_of_a_given_array() -> None:
+    from kakeyaturbo.codec.calibrated import decode_blocks, decode_blocks_into
+
+    c, x, _ = _codec(3.0, outlier_threshold=2.5)
+    c2 = calibration.fit_stream(x.mean(0), np.cov(x.T, bias=True), 2.0).codec()
+    blobs = [[c.encode(x[j * 96:(j + 1) * 96]), c2.encode(x[j * 96 + 500:(j + 1) * 96 + 500])] for j in range(3)]
+    want = decode_blocks([c, c2], blobs, 96)
+    for threads in (None, 1, 2):
+        out = np.full((2, 300, D), 7.0, np.float32)
+        decode_blocks_into([c, c2], blobs, 96, out, 5, threads=threads)
+        assert np.array_equal(out[:, 5:293], want)
+        assert (out[:, :5] == 7).all() and (out[:, 293:] == 7).all()
+    # Refused before anything is written: blocks past the end, another shape, dtype, layout, a
+    # read-only array.
+    out = np.full((2, 300, D), 7.0, np.float32)
+    with pytest.raises(kt.InvalidInputError, match="cannot take 3 blocks"):
+        decode_blocks_into([c, c2], blobs, 96, out, 13)
+    with pytest.raises(kt.InvalidInputError, match="shape"):
+        decode_blocks_into([c, c2], blobs, 96, out[:1], 0)
+    for bad in (out.astype(np.float64), np.asfortranarray(out), out[:, ::2]):
+        with pytest.raises(kt.InvalidInputError, match="C-contiguous float32"):
+            decode_blocks_into([c, c2], blobs, 96, bad, 0)
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(kt.InvalidInputError, match="writeable"):
+        decode_blocks_into([c, c2], blobs, 96, frozen, 0)
+    assert (out == 7).all()
+
+
 def test_encode_blocks_refusals() -> None:
     from kakeyaturbo.codec.calibrated import encode_blocks
 

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidParameterError
+from ..errors import InvalidInputError, InvalidParameterError
 from . import _checks
 
 #: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
@@ -190,6 +190,24 @@ def decode_blocks(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequence[by
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
     block_rows = _checks.integer(block_rows, "block_rows", 1)
     return _core.decode_calibrated_blocks([c._c for c in cs], rows, block_rows, _checks.threads(threads))
+
+
+def decode_blocks_into(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequence[bytes]], block_rows: int,
+                       out: np.ndarray, at: int, *, threads: Optional[int] = None) -> None:
+    """:func:`decode_blocks` into rows ``at ..`` of each row set of ``out``, a C-contiguous
+    writeable float32 ``[G, rows, D]`` array (the rest of it left as it is): the same values,
+    without an array of their own. Refused as :func:`decode_blocks` refuses, and
+    InvalidInputError for an ``out`` of another shape, dtype or layout or one the blocks do not
+    fit, before anything is written."""
+    cs = _codecs(codecs)
+    rows = [[_checks.buffer(b) for b in row] for row in blobs]
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    at = _checks.integer(at, "at", 0)
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 3
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise InvalidInputError("out must be a writeable C-contiguous float32 [G, rows, D] array, got "
+                                f"{_checks._type(out)} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+    _core.decode_calibrated_blocks_into([c._c for c in cs], rows, block_rows, out, at, _checks.threads(threads))
 
 
 def _codecs(codecs: Sequence[CalibratedCodec]) -> List[CalibratedCodec]:

@@ -11,7 +11,7 @@ use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::threads::with_threads;
 use numpy::{
     PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3,
+    PyReadonlyArray3, PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -464,6 +464,55 @@ pub fn decode_calibrated_blocks<'py>(
     threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray3<f32>>> {
     let threads = convert::threads(py, threads)?;
+    let (jobs, d) = block_jobs(py, &codecs, &blobs)?;
+    let g = codecs.len();
+    let out = run(py, || {
+        calibrated::decode_many(&jobs, g, block_rows, threads)
+    })?;
+    PyArray1::from_vec(py, out).reshape([g, blobs.len() * block_rows, d])
+}
+
+/// [`decode_calibrated_blocks`] into rows `at ..` of each row set of `out`, a C-contiguous
+/// float32 `[G, rows, D]` array (written in place; the rest of it left as it is): a cache decodes
+/// a layer's sealed blocks between the raw rows it attends with
+/// (`kakeyaturbo::calibrated::decode_many_into`).
+#[pyfunction]
+#[pyo3(signature = (codecs, blobs, block_rows, out, at, threads=None))]
+pub fn decode_calibrated_blocks_into<'py>(
+    py: Python<'py>,
+    codecs: Vec<PyRef<'py, PyCalibratedCodec>>,
+    blobs: Vec<Vec<Bound<'py, PyBytes>>>,
+    block_rows: usize,
+    mut out: PyReadwriteArray3<'py, f32>,
+    at: usize,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let threads = convert::threads(py, threads)?;
+    let (jobs, d) = block_jobs(py, &codecs, &blobs)?;
+    let shape = out.shape().to_vec();
+    if shape[0] != codecs.len() || shape[2] != d {
+        return Err(invalid_input(
+            py,
+            format!("out has shape {shape:?}, not [{}, rows, {d}]", codecs.len()),
+        ));
+    }
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| invalid_input(py, "out must be C-contiguous"))?;
+    let g = codecs.len();
+    run(py, || {
+        calibrated::decode_many_into(&jobs, g, block_rows, dst, shape[1], at, threads)
+    })
+}
+
+/// The decode jobs of `blobs[block][g]` against `codecs[g]`, block-major, and the rows' width;
+/// refusals for no calibration, a block of another count of containers, calibrations of
+/// different widths.
+fn block_jobs<'a>(
+    py: Python<'_>,
+    codecs: &'a [PyRef<'_, PyCalibratedCodec>],
+    blobs: &'a [Vec<Bound<'_, PyBytes>>],
+) -> PyResult<(Vec<calibrated::DecodeJob<'a>>, usize)> {
     let g = codecs.len();
     if g == 0 {
         return Err(invalid_parameter(
@@ -487,17 +536,13 @@ pub fn decode_calibrated_blocks<'py>(
             "the calibrations code rows of different widths",
         ));
     }
-    let jobs: Vec<calibrated::DecodeJob<'_>> = blobs
+    let jobs = blobs
         .iter()
         .flat_map(|row| {
             row.iter()
-                .zip(&codecs)
+                .zip(codecs)
                 .map(|(b, c)| (&c.inner, b.as_bytes()))
         })
         .collect();
-    let blocks = blobs.len();
-    let out = run(py, || {
-        calibrated::decode_many(&jobs, g, block_rows, threads)
-    })?;
-    PyArray1::from_vec(py, out).reshape([g, blocks * block_rows, d])
+    Ok((jobs, d))
 }

@@ -33,6 +33,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<calibrated::PyCalibratedCodec>()?;
     m.add_function(wrap_pyfunction!(calibrated::encode_calibrated_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(calibrated::decode_calibrated_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        calibrated::decode_calibrated_blocks_into,
+        m
+    )?)?;
     m.add_class::<attention::PyLayerCodes>()?;
     m.add_function(wrap_pyfunction!(attention::attention_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_team, m)?)?;

@@ -5,20 +5,19 @@ use super::calibration::CalibratedCodec;
 use crate::error::{input, Error, Result};
 use crate::f16::{ScaledF16, MAX_SCALED};
 use crate::gemm::matmul;
-use crate::limits::{check_input, saturate, size};
+use crate::limits::{check_input, saturate};
 use crate::metric::{least_squares_gain, Metric};
-use crate::threads::{spread_jobs, with_threads_for};
+use crate::threads::with_threads_for;
 use crate::wht;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use rayon::prelude::*;
-use std::sync::Mutex;
 
 #[path = "codec_decode.rs"]
 mod decode;
 
 /// Rows coded per task: fixed, so that the bytes never depend on the thread count.
-const CHUNK_ROWS: usize = 256;
+pub(super) const CHUNK_ROWS: usize = 256;
 
 /// Runs `f`, an encode or decode of `n` rows, on `threads` threads, or on the calling thread
 /// where the rows fit one chunk of `CHUNK_ROWS` (256) ([`with_threads_for`]).
@@ -55,79 +54,6 @@ pub struct CalibratedParts {
     pub z: Vec<f32>,
     /// The scale each row was divided by (stored `g`, or 1).
     pub g: Vec<f32>,
-}
-
-/// One encode of [`encode_many`]: the calibration, its rows (row-major `[n, D]`) and `n`.
-pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
-
-/// One decode of [`decode_many`]: the calibration and a container of it.
-pub type DecodeJob<'a> = (&'a CalibratedCodec, &'a [u8]);
-
-/// Several encodes at once, each against its own calibration, to container bytes in the jobs'
-/// order, spread over `threads` threads (`threads::spread_jobs`; an encode of one chunk runs on one thread): a cache sealing a long prompt codes
-/// every block of every kv-head of a layer in one call. Each job's bytes are its own encode's,
-/// whatever thread ran it; the first job refused (in order) is the error.
-pub fn encode_many(jobs: &[EncodeJob<'_>], threads: Option<usize>) -> Result<Vec<Vec<u8>>> {
-    spread_jobs(
-        jobs,
-        |&(_, _, n)| n <= CHUNK_ROWS,
-        |&(c, _, n)| n.saturating_mul(c.d),
-        threads,
-        |&(c, x, n)| Ok(c.to_bytes(&c.encode(x, n)?).0),
-    )
-}
-
-/// Several decodes at once into one array, each container against its own calibration: the
-/// containers of `blocks` blocks of `g` row sets, block-major (`jobs[j * g + h]`: block `j` of
-/// set `h`), each of `block_rows` rows, decoded into `[g, blocks * block_rows, D]` (set `h`'s
-/// blocks in order; `D` the first calibration's, which every other must share), each block as
-/// its own decode gives it, spread as [`encode_many`] spreads its jobs. Every container is
-/// parsed (and checked) before any is decoded; the first refused (in order) is the error, and
-/// a container of another row count is refused before the output is allocated.
-pub fn decode_many(
-    jobs: &[DecodeJob<'_>],
-    g: usize,
-    block_rows: usize,
-    threads: Option<usize>,
-) -> Result<Vec<f32>> {
-    let parsed = jobs
-        .iter()
-        .map(|&(c, b)| Ok((c, c.from_bytes(b)?)))
-        .collect::<Result<Vec<_>>>()?;
-    if let Some(n) = parsed.iter().map(|(_, k)| k.n).find(|&n| n != block_rows) {
-        return input(format!(
-            "a container holds {n} rows, not the {block_rows} of a block"
-        ));
-    }
-    let d = parsed.first().map_or(0, |(c, _)| c.d);
-    if parsed.iter().any(|(c, _)| c.d != d) || g == 0 || parsed.len() % g != 0 {
-        return input("the containers are not whole blocks of one row width");
-    }
-    let (blocks, piece) = (parsed.len() / g, block_rows * d);
-    let mut out: Vec<f32> = Vec::new();
-    out.try_reserve_exact(size(parsed.len(), piece, "the decoded rows")?)
-        .map_err(|_| Error::InvalidInput("cannot allocate the decoded rows".into()))?;
-    out.resize(parsed.len() * piece, 0.0);
-    // Block j of set h goes to rows j * block_rows of set h: piece h * blocks + j.
-    let mut pieces: Vec<Option<&mut [f32]>> =
-        out.chunks_exact_mut(piece.max(1)).map(Some).collect();
-    let work: Vec<_> = parsed
-        .iter()
-        .enumerate()
-        .map(|(i, (c, k))| {
-            let at = (i % g) * blocks + i / g;
-            (*c, k, Mutex::new(pieces[at].take().unwrap_or_default()))
-        })
-        .collect();
-    spread_jobs(
-        &work,
-        |(_, k, _)| k.n <= CHUNK_ROWS,
-        |(c, k, _)| k.n.saturating_mul(c.d),
-        threads,
-        |(c, k, dst)| c.decode_into(k, &mut dst.lock().unwrap_or_else(|e| e.into_inner())),
-    )?;
-    drop(work);
-    Ok(out)
 }
 
 impl CalibratedCodec {

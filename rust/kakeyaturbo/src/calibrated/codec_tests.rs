@@ -117,63 +117,6 @@ fn reconstructions_past_the_float32_maximum_saturate() {
     assert!(y[2].is_finite());
 }
 
-#[test]
-fn decode_many_stacks_each_blocks_own_decode() {
-    // Two row sets (two calibrations), three blocks of 40 rows, block-major.
-    let cals = [
-        codec(8, vec![3; 6], true, Metric::Mse, Some(2.0)),
-        codec(8, vec![2; 5], false, Metric::Mse, None),
-    ];
-    let blobs: Vec<Vec<u8>> = (0..6)
-        .map(|i| {
-            let c = &cals[i % 2];
-            c.to_bytes(&c.encode(&rows(c, 40, i as u64), 40).unwrap()).0
-        })
-        .collect();
-    let jobs: Vec<DecodeJob<'_>> = blobs
-        .iter()
-        .enumerate()
-        .map(|(i, b)| (&cals[i % 2], &b[..]))
-        .collect();
-    for threads in [None, Some(1), Some(2)] {
-        let y = decode_many(&jobs, 2, 40, threads).unwrap();
-        assert_eq!(y.len(), 2 * 3 * 40 * 8);
-        for (i, &(c, b)) in jobs.iter().enumerate() {
-            let (h, j) = (i % 2, i / 2);
-            let at = (h * 3 + j) * 40 * 8;
-            assert_eq!(
-                &y[at..at + 40 * 8],
-                &c.decode(&c.from_bytes(b).unwrap()).unwrap()[..]
-            );
-        }
-    }
-    assert!(matches!(
-        decode_many(&jobs, 2, 41, None),
-        Err(Error::InvalidInput(_))
-    ));
-    assert!(matches!(
-        decode_many(&jobs[..5], 2, 40, None),
-        Err(Error::InvalidInput(_))
-    ));
-    let other = codec(4, vec![2; 3], true, Metric::Mse, None);
-    let small = other
-        .to_bytes(&other.encode(&rows(&other, 40, 9), 40).unwrap())
-        .0;
-    let mixed = [jobs[0], (&other, &small[..])];
-    assert!(matches!(
-        decode_many(&mixed, 2, 40, None),
-        Err(Error::InvalidInput(_))
-    ));
-    let mut bad = blobs[3].clone();
-    bad[20] ^= 0xff;
-    let broken = [jobs[0], (&cals[1], &bad[..])];
-    assert!(matches!(
-        decode_many(&broken, 2, 40, None),
-        Err(Error::Corrupt(_))
-    ));
-    assert!(decode_many(&[], 1, 40, None).unwrap().is_empty());
-}
-
 /// FORMAT.md's encode of ordinary rows one row at a time (the encode as it was before the
 /// column-major chunks): the projection as one product per chunk over row-major components,
 /// the rms scale, then per row and sub-band the signs, the butterfly and `norm / g`, the

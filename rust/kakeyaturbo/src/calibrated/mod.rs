@@ -22,17 +22,17 @@
 //!
 //! Arrows run one way: [`calibration`] (the checked calibration, its derived tables, canonical
 //! bytes and fingerprint) -> [`codec`] (rows to codes and back) -> [`container`] (the `KKYC`
-//! bytes).
+//! bytes) -> [`many`] (a layer's blocks in one call).
 
 pub mod calibration;
 pub mod codec;
 pub mod container;
+pub mod many;
 
 pub use calibration::{Band, CalibratedCodec, CalibratedParams};
-pub use codec::{
-    decode_many, encode_many, on_threads, CalibratedCodes, CalibratedParts, DecodeJob, EncodeJob,
-};
+pub use codec::{on_threads, CalibratedCodes, CalibratedParts};
 pub use container::{read_header, CalibratedBytes, CalibratedHeader, MAGIC, VERSION};
+pub use many::{decode_many, decode_many_into, encode_many, DecodeJob, EncodeJob};
 
 /// Calibrations and rows for the unit tests of the three modules.
 #[cfg(test)]
