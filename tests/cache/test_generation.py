@@ -372,3 +372,14 @@ def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:
     sealed = LAYERS * KV_HEADS * 2 * 2 * 16 * 16  # layers, heads, streams, blocks, rows, D
     assert 8 * mem["blobs"] / sealed <= 4.0 + 8 * 48 / (16 * 16)  # + one header per blob
     assert cache.nbytes() < cache.nbytes_uncompressed()
+    # The slow path's rows decoded straight into the tensor it returns are those decoded into
+    # an array of their own and concatenated (the route rows that need a gradient take).
+    new = torch.randn(1, KV_HEADS, 1, 16)
+    every = layer.seen + 1
+    for name in ("k", "v"):
+        direct = layer._read(name, new, every)
+        assert torch.equal(direct, layer._read(name, new.clone().requires_grad_(), every).detach())
+        assert direct.shape == (1, KV_HEADS, every, 16) and torch.equal(direct[..., -1:, :], new)
+    holder = np.zeros((1, 16, KV_HEADS, 40), np.float32).transpose(0, 2, 3, 1)  # [1, H, 40, D], strided
+    with pytest.raises(kt.InvalidInputError, match="C-contiguous"):  # (a reshape would write a copy)
+        codec.decode_blocks_into("k", 0, layer._s["k"].blocks, 16, holder, 0)

@@ -271,6 +271,18 @@ def decode_blocks(codec: StreamCodec, stream: str, layer: int, blobs: List[List[
     return np.concatenate([decode_rows(codec, stream, layer, b, t, d) for b in blobs], axis=2)
 
 
+def decode_blocks_into(codec: StreamCodec, stream: str, layer: int, blobs: List[List[List[bytes]]], t: int,
+                       out: np.ndarray, at: int) -> None:
+    """:func:`decode_blocks` into rows ``at ..`` of ``out``, float32 ``[B, H, rows, d]``
+    C-contiguous: a calibrated codec decodes straight into it
+    (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks_into`), any other is copied in."""
+    if isinstance(codec, ModelCodec):
+        codec.decode_blocks_into(stream, layer, blobs, t, out, at)
+        return
+    y = decode_blocks(codec, stream, layer, blobs, t, out.shape[-1])
+    out[:, :, at:at + y.shape[2]] = y
+
+
 def decode_rows(codec: StreamCodec, stream: str, layer: int, blobs: List[List[bytes]], t: int, d: int) -> np.ndarray:
     """float32 ``[B, H, t, d]`` from blobs ``[batch][head]``. The rows of a codec that is not
     one of the library's own (:data:`TRUSTED`, whose decoders give finite rows of finite input)

@@ -15,7 +15,8 @@ from ..codec import _checks
 from ..errors import InvalidParameterError
 from ..families.rope import LayerRope, apply_rope_, over_heads, unapply_rope
 from .checks import batch_rows, check_rows, selected_rows
-from .codecs import STREAMS, StreamCodec, decode_blocks, decode_rows, encode_blocks, to_numpy, wants_rope
+from .codecs import (STREAMS, StreamCodec, decode_blocks, decode_blocks_into, decode_rows, encode_blocks, to_numpy,
+                     wants_rope)
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
 from .positions import Positions, position_ids
@@ -170,8 +171,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             setattr(k, TAG, self)
             return k, value_states
         visible = self._visible(start) + q
-        out_k = torch.cat(self._parts("k") + [key_states], dim=-2)[..., -visible:, :]
-        out_v = torch.cat(self._parts("v") + [value_states], dim=-2)[..., -visible:, :]
+        out_k, out_v = self._read("k", key_states, visible), self._read("v", value_states, visible)
         self.seen += q
         for name, x in (("k", key_states), ("v", value_states)):
             self._append(name, x.detach(), start)
@@ -227,8 +227,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         """During a fast update: the K and V the slow path would have returned for it (sealed
         blocks decoded, then sink and staging rows, the call's own last)."""
         visible = self._visible(self.seen - self._pending) + self._pending
-        k, v = (torch.cat(self._parts(name), dim=-2)[..., -visible:, :] for name in STREAMS)
-        return k, v
+        return self._read("k", None, visible), self._read("v", None, visible)
 
     def raw_rows(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sink_k, sink_v, staging_k, staging_v)`` held raw; during a fast update the staging
@@ -512,26 +511,40 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             y = apply_rope_(y, *self._cos_sin(st.starts[j], self.block_size, y), style=self.rope.style)
         return y.to(ref.dtype)
 
-    def _parts(self, name: str) -> List[torch.Tensor]:
+    def _read(self, name: str, new: Optional[torch.Tensor], visible: int) -> torch.Tensor:
+        """The rows of a stream attention reads: sink, sealed blocks decoded (every block in one
+        call, RoPE put back over their positions at once), staging, then ``new`` (a slow
+        update's own rows) if given; the last ``visible`` of them. Float32 rows on the CPU are
+        decoded straight into the tensor returned, not into one of their own then concatenated."""
         st = self._s[name]
-        n = len(st.blocks)
+        n, ref, more = len(st.blocks), st.staging, [] if new is None else [new]
         if st.decoded or not n:  # kept decoded (or nothing sealed)
-            return [st.sink] + [self._block(name, j) for j in range(n)] + [st.staging]
-        # Every sealed block decoded in one call, RoPE put back over their positions at once.
+            full = torch.cat([st.sink] + [self._block(name, j) for j in range(n)] + [ref] + more, dim=-2)
+            return full[..., full.shape[-2] - visible:, :]
         assert st.starts[-1] - st.starts[0] == (n - 1) * self.block_size, "sealed blocks are contiguous"
-        ref = st.staging
-        y = torch.from_numpy(
-            decode_blocks(self.codec, name, self.index, st.blocks, self.block_size, ref.shape[-1])
-        ).to(self.device)
+        s, b, g = st.sink.shape[-2], n * self.block_size, ref.shape[-2]
+        direct = ref.is_cpu and all(x.dtype == torch.float32 and not x.requires_grad for x in [ref] + more)
+        if direct:
+            full = torch.empty(*ref.shape[:2], s + b + g + sum(x.shape[-2] for x in more), ref.shape[-1])
+            decode_blocks_into(self.codec, name, self.index, st.blocks, self.block_size, full.numpy(), s)
+            y = full[..., s:s + b, :]
+        else:
+            y = torch.from_numpy(
+                decode_blocks(self.codec, name, self.index, st.blocks, self.block_size, ref.shape[-1])
+            ).to(self.device)
         if name == "k" and self.pre_rope:
             assert self.rope is not None
-            y = apply_rope_(y, *self._cos_sin(st.starts[0], n * self.block_size, y), style=self.rope.style)
-        return [st.sink, y.to(ref.dtype), st.staging]
+            y = apply_rope_(y, *self._cos_sin(st.starts[0], b, y), style=self.rope.style)
+        if direct:
+            for x, at in zip([st.sink, ref] + more, (0, s + b, s + b + g)):
+                full[..., at:at + x.shape[-2], :] = x
+        else:
+            full = torch.cat([st.sink, y.to(ref.dtype), ref] + more, dim=-2)
+        return full[..., full.shape[-2] - visible:, :]
 
     def _held(self, name: str) -> torch.Tensor:
         self.settle()
-        full = torch.cat(self._parts(name), dim=-2)
-        return full[..., full.shape[-2] - self._visible(self.seen):, :]
+        return self._read(name, None, self._visible(self.seen))
 
 
 def _tensor_bytes(t: Optional[torch.Tensor]) -> int:
