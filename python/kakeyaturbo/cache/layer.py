@@ -468,12 +468,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             st.staging = st.staging[..., cut:, :].clone()
             st.staging_start += cut
 
-    def _cos_sin(self, start: int, n: int, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The layer's RoPE cos/sin for tokens ``start .. start+n`` on ``like``'s device, shaped
-        to broadcast over ``[B, H, n, D]`` (shared with the other layers of the forward pass:
-        :meth:`Positions.cos_sin`)."""
+    def _turn(self, y: torch.Tensor, start: int, back: bool = False) -> torch.Tensor:
+        """Keys ``y`` ``[B, H, n, D]`` of tokens ``start ..`` with the layer's RoPE put on, in place
+        (or, ``back``, taken off: a new tensor), from the cos/sin the other layers of the forward
+        pass share (:meth:`Positions.cos_sin`)."""
         assert self.positions is not None and self.rope is not None
-        return over_heads(*self.positions.cos_sin(self.rope, start, n), like)
+        cs = over_heads(*self.positions.cos_sin(self.rope, start, y.shape[-2]), y)
+        return (unapply_rope if back else apply_rope_)(y, *cs, style=self.rope.style)
 
     def _seal(self, name: str) -> None:
         """Seals every full block of staging (one copy of the rows left, however many blocks a
@@ -484,8 +485,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         start = st.staging_start
         rows = st.staging[..., :n * bs, :]
         if name == "k" and self.pre_rope:
-            assert self.rope is not None
-            rows = unapply_rope(rows, *self._cos_sin(start, n * bs, rows), style=self.rope.style)
+            rows = self._turn(rows, start, back=True)
         x = to_numpy(rows)
         # Every block coded before the stream changes: a block the codec refuses leaves it whole.
         blobs = encode_blocks(self.codec, name, self.index, x, bs)
@@ -507,8 +507,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             decode_rows(self.codec, name, self.index, st.blocks[j], self.block_size, ref.shape[-1])
         ).to(self.device)
         if name == "k" and self.pre_rope:
-            assert self.rope is not None
-            y = apply_rope_(y, *self._cos_sin(st.starts[j], self.block_size, y), style=self.rope.style)
+            y = self._turn(y, st.starts[j])
         return y.to(ref.dtype)
 
     def _read(self, name: str, new: Optional[torch.Tensor], visible: int) -> torch.Tensor:
@@ -533,8 +532,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
                 decode_blocks(self.codec, name, self.index, st.blocks, self.block_size, ref.shape[-1])
             ).to(self.device)
         if name == "k" and self.pre_rope:
-            assert self.rope is not None
-            y = apply_rope_(y, *self._cos_sin(st.starts[0], b, y), style=self.rope.style)
+            y = self._turn(y, st.starts[0])
         if direct:
             for x, at in zip([st.sink, ref] + more, (0, s + b, s + b + g)):
                 full[..., at:at + x.shape[-2], :] = x

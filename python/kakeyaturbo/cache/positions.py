@@ -65,7 +65,6 @@ class Positions:
         """A forward call begins: its ``position_ids`` (or None); no multimodal ones yet."""
         self.pending = position_ids
         self.pending_grid = None
-        self._cos_sin = []
 
     def end_pass(self) -> None:
         """A forward call has ended: the rotations its layers shared (:meth:`cos_sin`) go."""

@@ -67,7 +67,8 @@ impl CalibratedCodec {
             .map_err(|_| {
                 Error::InvalidInput(format!("cannot allocate [{}, {}] floats", c.n, self.d))
             })?;
-        out.resize(c.n * self.d, 0.0);
+        // Every row starts as the mean (the synthesis is added to it).
+        (0..c.n).for_each(|_| out.extend_from_slice(&self.mean));
         self.decode_checked(c, &mut out)?;
         Ok(out)
     }
@@ -83,10 +84,13 @@ impl CalibratedCodec {
                 self.d
             )));
         }
+        out.chunks_exact_mut(self.d)
+            .for_each(|row| row.copy_from_slice(&self.mean));
         self.decode_checked(c, out)
     }
 
-    /// [`Self::decode_into`] of checked codes into `n x D` values.
+    /// [`Self::decode_into`] of checked codes into `n x D` values, each row holding the mean
+    /// (the synthesis is added to it).
     fn decode_checked(&self, c: &CalibratedCodes, out: &mut [f32]) -> Result<()> {
         let (d, m, n) = (self.d, self.m, c.n);
         let g: Vec<f32> = match &c.scale {
@@ -111,9 +115,6 @@ impl CalibratedCodec {
             });
         let (butterfly, synth) = (m as f64 * qmax, m as f64 * max_abs(&self.s_scaled));
         let mean_max = max_abs(&self.mean);
-        // Every row starts as the mean (the synthesis is added to it).
-        out.chunks_exact_mut(d)
-            .for_each(|row| row.copy_from_slice(&self.mean));
         out.par_chunks_mut(CHUNK_ROWS * d)
             .enumerate()
             .try_for_each(|(ci, oc)| {
