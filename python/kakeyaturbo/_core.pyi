@@ -24,6 +24,7 @@ __all__ = [
     "decode_calibrated_blocks_into",
     "decode_layer",
     "decode_layer_blocks",
+    "decode_layer_blocks_into",
     "encode_block_codes",
     "encode_calibrated_blocks",
     "encode_layer",
@@ -158,6 +159,13 @@ def encode_layer_blocks(
 def decode_layer_blocks(
     blobs: Sequence[Sequence[bytes]], block_rows: int, threads: Optional[int] = None
 ) -> npt.NDArray[np.float32]: ...
+def decode_layer_blocks_into(
+    blobs: Sequence[Sequence[bytes]],
+    block_rows: int,
+    out: npt.NDArray[np.float32],
+    at: int,
+    threads: Optional[int] = None,
+) -> None: ...
 def inspect_layer(data: bytes) -> Dict[str, Any]: ...
 def check_params(params: Dict[str, Any]) -> Dict[str, Any]: ...
 def encode_block_codes(

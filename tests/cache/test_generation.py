@@ -203,6 +203,24 @@ def test_generation_cache_and_prefix_compression_agree(llama, pre_rope) -> None:
     assert not torch.allclose(forward(llama, cont, plain), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_per_block_rows_decoded_into_the_tensor_attention_reads(llama, pre_rope) -> None:
+    # The slow path's rows decoded straight into the tensor it returns (float32 on the CPU) are
+    # those decoded into an array of their own and concatenated (the route of rows that need a
+    # gradient): sink, four sealed blocks of two kv-heads, staging, the call's rows.
+    cache = KakeyaCache(BlockCodec(recipes.load("balanced"), pre_rope_keys=pre_rope), model=llama,
+                        block_size=8, n_sink=1)
+    forward(llama, prompt(t=36), cache)
+    layer = cache.layers[1]
+    assert layer.num_sealed() == 4
+    new = torch.randn(1, KV_HEADS, 1, 16)
+    every = layer.seen + 1
+    for name in ("k", "v"):
+        direct = layer._read(name, new, every)
+        assert torch.equal(direct, layer._read(name, new.clone().requires_grad_(), every).detach())
+        assert direct.shape == (1, KV_HEADS, every, 16) and torch.equal(direct[..., -1:, :], new)
+
+
 def test_crop_select_and_reset(llama) -> None:
     ids = prompt(t=30)
     for codec in (IdentityCodec(), Zero()):

@@ -234,6 +234,39 @@ def test_containers_decoded_in_one_call_are_each_their_own(threads) -> None:
                 assert np.array_equal(y[g, j * rows:(j + 1) * rows], kt.decode_layer(blobs[j][g])), (rows, j, g)
 
 
+def test_decode_blocks_into_rows_of_a_given_array() -> None:
+    from kakeyaturbo.codec.perblock import decode_blocks, decode_blocks_into
+
+    x = kv_like(600, 32, seed=8)
+    blobs = [[kt.encode_layer(x[j * 96:(j + 1) * 96], bit_width=4, outlier_threshold=2.0),
+              kt.encode_layer(x[300 + j * 96:300 + (j + 1) * 96], bit_width=2)] for j in range(3)]
+    want = decode_blocks(blobs, 96)
+    for threads in (None, 1, 2):
+        out = np.full((2, 300, 32), 7.0, np.float32)
+        decode_blocks_into(blobs, 96, out, 5, threads=threads)
+        assert np.array_equal(out[:, 5:293], want)
+        assert (out[:, :5] == 7).all() and (out[:, 293:] == 7).all()
+    # Refused before anything is written: blocks past the end, another count of sets, width,
+    # dtype, layout, a read-only array, a damaged container.
+    out = np.full((2, 300, 32), 7.0, np.float32)
+    with pytest.raises(kt.InvalidInputError, match="cannot take 3 blocks"):
+        decode_blocks_into(blobs, 96, out, 13)
+    with pytest.raises(kt.InvalidInputError, match="shape"):
+        decode_blocks_into(blobs, 96, out[:1], 0)
+    with pytest.raises(kt.InvalidInputError, match="not 16"):
+        decode_blocks_into(blobs, 96, np.zeros((2, 300, 16), np.float32), 0)
+    for bad in (out.astype(np.float64), np.asfortranarray(out), out[:, ::2]):
+        with pytest.raises(kt.InvalidInputError, match="C-contiguous float32"):
+            decode_blocks_into(blobs, 96, bad, 0)
+    frozen = out.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(kt.InvalidInputError, match="writeable"):
+        decode_blocks_into(blobs, 96, frozen, 0)
+    with pytest.raises(kt.CorruptDataError):
+        decode_blocks_into([blobs[0], [blobs[1][0], blobs[1][1][:-3]], blobs[2]], 96, out, 0)
+    assert (out == 7).all()
+
+
 def test_decode_blocks_refusals() -> None:
     from kakeyaturbo.codec.perblock import decode_blocks, encode_blocks
 

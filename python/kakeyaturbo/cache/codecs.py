@@ -134,6 +134,16 @@ class BlockCodec:
                                    threads=self.threads)
         return y.reshape(b, h, *y.shape[1:])
 
+    def decode_blocks_into(self, stream: str, layer: int, blobs: Sequence[Sequence[Sequence[bytes]]],
+                           block_rows: int, out: np.ndarray, at: int) -> None:
+        """:meth:`decode_blocks` into rows ``at ..`` of ``out``, float32 ``[B, H, rows, D]``
+        C-contiguous (the rest of it left as it is;
+        :func:`~kakeyaturbo.codec.perblock.decode_blocks_into`)."""
+        check_stream(stream)
+        flat = _checks.out_heads(out, len(blobs[0]), len(blobs[0][0]))
+        perblock.decode_blocks_into([[blob for row in block for blob in row] for block in blobs], block_rows,
+                                    flat, at, threads=self.threads)
+
 
 def codec_for(recipe: Recipe, *, stats: Optional[AttentionStats] = None,
               sensitivity: Optional[Sensitivity] = None, threads: Optional[int] = None,
@@ -274,9 +284,10 @@ def decode_blocks(codec: StreamCodec, stream: str, layer: int, blobs: List[List[
 def decode_blocks_into(codec: StreamCodec, stream: str, layer: int, blobs: List[List[List[bytes]]], t: int,
                        out: np.ndarray, at: int) -> None:
     """:func:`decode_blocks` into rows ``at ..`` of ``out``, float32 ``[B, H, rows, d]``
-    C-contiguous: a calibrated codec decodes straight into it
-    (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks_into`), any other is copied in."""
-    if isinstance(codec, ModelCodec):
+    C-contiguous: a calibrated or per-block codec decodes straight into it
+    (:meth:`~kakeyaturbo.calibration.ModelCodec.decode_blocks_into`,
+    :meth:`BlockCodec.decode_blocks_into`), any other is copied in."""
+    if isinstance(codec, (ModelCodec, BlockCodec)):
         codec.decode_blocks_into(stream, layer, blobs, t, out, at)
         return
     y = decode_blocks(codec, stream, layer, blobs, t, out.shape[-1])

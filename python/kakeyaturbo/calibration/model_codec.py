@@ -13,7 +13,7 @@ import numpy as np
 from .._core import __version__
 from ..codec import CalibratedCodec, _checks
 from ..codec.calibrated import decode_blocks, decode_blocks_into, encode_blocks
-from ..errors import CorruptDataError, InvalidInputError, InvalidParameterError, KakeyaError, ModelMismatchError
+from ..errors import CorruptDataError, InvalidParameterError, KakeyaError, ModelMismatchError
 from ..recipes import Recipe
 from .allocation import global_allocation, row_budget
 from .bundle import _checksum, file_format, fingerprint, read_file, write_file
@@ -353,13 +353,10 @@ class ModelCodec:
         """:meth:`decode_blocks` into rows ``at ..`` of ``out``, a C-contiguous float32
         ``[B, H, rows, D]`` array (:func:`~kakeyaturbo.codec.calibrated.decode_blocks_into`)."""
         b, h = len(blobs[0]), len(blobs[0][0])
-        if not (isinstance(out, np.ndarray) and out.ndim == 4 and out.shape[:2] == (b, h)
-                and out.flags.c_contiguous):  # (a reshape of any other would write into a copy)
-            raise InvalidInputError(f"out must be a C-contiguous [{b}, {h}, rows, D] array, got "
-                                    f"{getattr(out, 'shape', type(out).__name__)}")
+        flat = _checks.out_heads(out, b, h)
         codecs = [self._codec(stream, layer, j) for j in range(h)] * b
         decode_blocks_into(codecs, [[blob for row in block for blob in row] for block in blobs], block_rows,
-                           out.reshape(b * h, *out.shape[2:]), at, threads=self.threads)
+                           flat, at, threads=self.threads)
 
 
 def _span(layers: Tuple[int, ...]) -> Any:

@@ -72,6 +72,27 @@ def row_sets(array: Any, block_rows: Any) -> Tuple[np.ndarray, int]:
         return np.ascontiguousarray(array), block_rows
 
 
+def out_rows(out: Any) -> np.ndarray:
+    """``out`` for a decode written in place: a writeable C-contiguous float32 ``[G, rows, D]``
+    array, else InvalidInputError."""
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 3
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise InvalidInputError("out must be a writeable C-contiguous float32 [G, rows, D] array, got "
+                                f"{_type(out)} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+    return out
+
+
+def out_heads(out: Any, b: int, h: int) -> np.ndarray:
+    """``out``, a C-contiguous ``[b, h, rows, D]`` array, as the ``[b * h, rows, D]`` view a
+    decode in place writes (a reshape of any other would write into a copy), else
+    InvalidInputError."""
+    if not (isinstance(out, np.ndarray) and out.ndim == 4 and out.shape[:2] == (b, h)
+            and out.flags.c_contiguous):
+        raise InvalidInputError(f"out must be a C-contiguous [{b}, {h}, rows, D] array, got "
+                                f"{getattr(out, 'shape', _type(out))}")
+    return out.reshape(b * h, *out.shape[2:])
+
+
 def weights(w: Any, n: int) -> Optional[np.ndarray]:
     """Per-row weights as contiguous float32 ``[n]``, or None."""
     if w is None:

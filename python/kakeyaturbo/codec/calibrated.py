@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import _core
-from ..errors import InvalidInputError, InvalidParameterError
+from ..errors import InvalidParameterError
 from . import _checks
 
 #: How keys coded before RoPE are synthesised (see :func:`decode_attention`).
@@ -203,11 +203,8 @@ def decode_blocks_into(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequen
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
     block_rows = _checks.integer(block_rows, "block_rows", 1)
     at = _checks.integer(at, "at", 0)
-    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 3
-            and out.flags.c_contiguous and out.flags.writeable):
-        raise InvalidInputError("out must be a writeable C-contiguous float32 [G, rows, D] array, got "
-                                f"{_checks._type(out)} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
-    _core.decode_calibrated_blocks_into([c._c for c in cs], rows, block_rows, out, at, _checks.threads(threads))
+    _core.decode_calibrated_blocks_into([c._c for c in cs], rows, block_rows, _checks.out_rows(out), at,
+                                        _checks.threads(threads))
 
 
 def _codecs(codecs: Sequence[CalibratedCodec]) -> List[CalibratedCodec]:

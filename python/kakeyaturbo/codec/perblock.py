@@ -186,6 +186,19 @@ def decode_blocks(blobs: Sequence[Sequence[Any]], block_rows: int, *, threads: O
     return _core.decode_layer_blocks(rows, block_rows, _checks.threads(threads))
 
 
+def decode_blocks_into(blobs: Sequence[Sequence[Any]], block_rows: int, out: np.ndarray, at: int, *,
+                       threads: Optional[int] = None) -> None:
+    """:func:`decode_blocks` into rows ``at ..`` of each row set of ``out``, a C-contiguous
+    writeable float32 ``[G, rows, D]`` array (the rest of it left as it is): the same values,
+    without an array of their own. Refused as :func:`decode_blocks` refuses, and
+    InvalidInputError for an ``out`` of another shape, dtype or layout or one the blocks do not
+    fit, before anything is written."""
+    rows = [[_checks.buffer(b) for b in row] for row in blobs]
+    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    at = _checks.integer(at, "at", 0)
+    _core.decode_layer_blocks_into(rows, block_rows, _checks.out_rows(out), at, _checks.threads(threads))
+
+
 def inspect_layer(data: Any) -> Dict[str, Any]:
     """Parameters, shape and byte breakdown of a container, without decoding it."""
     return _core.inspect_layer(_checks.buffer(data))

@@ -235,30 +235,6 @@ fn typed_arr<'py, T: numpy::Element>(
         })
 }
 
-/// Decoded blocks `rows[j * g + h]` (block `j` of row set `h`, `block_rows x d` each) as one
-/// row-major `[g, blocks * block_rows, d]`: each set's blocks in order. InvalidInput where a
-/// block holds another count of rows.
-pub fn stack_blocks(
-    rows: &[Vec<f32>],
-    g: usize,
-    block_rows: usize,
-    d: usize,
-) -> kakeyaturbo::Result<Vec<f32>> {
-    if let Some(n) = rows.iter().map(|y| y.len() / d).find(|&n| n != block_rows) {
-        return Err(kakeyaturbo::Error::InvalidInput(format!(
-            "a container holds {n} rows, not the {block_rows} of a block"
-        )));
-    }
-    let blocks = rows.len() / g.max(1);
-    let mut y = Vec::with_capacity(rows.len() * block_rows * d);
-    for h in 0..g {
-        for j in 0..blocks {
-            y.extend_from_slice(&rows[j * g + h]);
-        }
-    }
-    Ok(y)
-}
-
 /// Blocks of rows, block-major, each with the row set it belongs to.
 pub type BlockRows<'a> = Vec<(usize, &'a [f32])>;
 

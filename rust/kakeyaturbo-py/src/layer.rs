@@ -4,11 +4,11 @@ use crate::convert::{self, matrix, to_array2};
 use crate::errors::{invalid_input, run};
 use crate::params;
 use kakeyaturbo::perblock::block::StageTimes;
-use kakeyaturbo::perblock::{container, layer};
+use kakeyaturbo::perblock::{container, layer, many};
 use kakeyaturbo::{ByteBreakdown, EncodedLayer};
 use numpy::{
     PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3,
+    PyReadonlyArray3, PyReadwriteArray3, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -174,7 +174,7 @@ pub fn decode_layer<'py>(
 
 /// `array [G, T, D]` (C-contiguous float32) in blocks of `block_rows`, every block coded with
 /// `params` (as `encode_layer` codes it): the containers `[block][g]`, every encode of the call
-/// spread over `threads` threads (`kakeyaturbo::perblock::layer::encode_many`).
+/// spread over `threads` threads (`kakeyaturbo::perblock::many::encode_many`).
 #[pyfunction]
 #[pyo3(signature = (array, block_rows, params, threads=None))]
 pub fn encode_layer_blocks<'py>(
@@ -188,14 +188,14 @@ pub fn encode_layer_blocks<'py>(
     let p = params::parse(py, params)?;
     let (rows, [g, _, d]) = convert::block_rows_of(py, &array, block_rows)?;
     let jobs: Vec<(&[f32], usize)> = rows.into_iter().map(|(_, x)| (x, block_rows)).collect();
-    let out = run(py, || layer::encode_many(&jobs, d, &p, threads))?;
+    let out = run(py, || many::encode_many(&jobs, d, &p, threads))?;
     Ok(convert::by_block(py, out, g))
 }
 
 /// Per-block containers `blobs[block][g]`, each of `block_rows` rows and all of one width:
 /// float32 `[G, blocks * block_rows, D]`, block `j` of row set `g` at rows `j * block_rows ..`,
 /// each as `decode_layer` gives it, every decode of the call spread over `threads` threads
-/// (`kakeyaturbo::perblock::layer::decode_many`).
+/// (`kakeyaturbo::perblock::many::decode_blocks`).
 #[pyfunction]
 #[pyo3(signature = (blobs, block_rows, threads=None))]
 pub fn decode_layer_blocks<'py>(
@@ -205,6 +205,48 @@ pub fn decode_layer_blocks<'py>(
     threads: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray3<f32>>> {
     let threads = convert::threads(py, threads)?;
+    let (jobs, g) = block_jobs(py, &blobs)?;
+    let (out, d) = run(py, || many::decode_blocks(&jobs, g, block_rows, threads))?;
+    PyArray1::from_vec(py, out).reshape([g, blobs.len() * block_rows, d])
+}
+
+/// [`decode_layer_blocks`] into rows `at ..` of each row set of `out`, a C-contiguous float32
+/// `[G, rows, D]` array (written in place; the rest of it left as it is): a cache decodes a
+/// layer's sealed blocks between the raw rows it attends with
+/// (`kakeyaturbo::perblock::many::decode_blocks_into`).
+#[pyfunction]
+#[pyo3(signature = (blobs, block_rows, out, at, threads=None))]
+pub fn decode_layer_blocks_into<'py>(
+    py: Python<'py>,
+    blobs: Vec<Vec<Bound<'py, PyBytes>>>,
+    block_rows: usize,
+    mut out: PyReadwriteArray3<'py, f32>,
+    at: usize,
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let threads = convert::threads(py, threads)?;
+    let (jobs, g) = block_jobs(py, &blobs)?;
+    let shape = out.shape().to_vec();
+    if shape[0] != g {
+        return Err(invalid_input(
+            py,
+            format!("out has shape {shape:?}, not [{g}, rows, D]"),
+        ));
+    }
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| invalid_input(py, "out must be C-contiguous"))?;
+    run(py, || {
+        many::decode_blocks_into(&jobs, g, block_rows, dst, shape[1], shape[2], at, threads)
+    })
+}
+
+/// The containers of `blobs[block][g]`, block-major, and `G`; refused where a block holds
+/// another count of containers, or none.
+fn block_jobs<'a>(
+    py: Python<'_>,
+    blobs: &'a [Vec<Bound<'_, PyBytes>>],
+) -> PyResult<(Vec<&'a [u8]>, usize)> {
     let g = blobs.first().map_or(0, Vec::len);
     if g == 0 || blobs.iter().any(|row| row.len() != g) {
         return Err(invalid_input(
@@ -212,19 +254,7 @@ pub fn decode_layer_blocks<'py>(
             "every block must hold the same count of containers, at least one",
         ));
     }
-    let jobs: Vec<&[u8]> = blobs.iter().flatten().map(|b| b.as_bytes()).collect();
-    let (out, d) = run(py, || {
-        let decoded = layer::decode_many(&jobs, threads)?;
-        let d = decoded[0].2;
-        if decoded.iter().any(|&(_, _, w)| w != d) {
-            return Err(kakeyaturbo::Error::InvalidInput(
-                "the containers hold rows of different widths".into(),
-            ));
-        }
-        let rows: Vec<Vec<f32>> = decoded.into_iter().map(|(y, _, _)| y).collect();
-        Ok((convert::stack_blocks(&rows, g, block_rows, d)?, d))
-    })?;
-    PyArray1::from_vec(py, out).reshape([g, blobs.len() * block_rows, d])
+    Ok((blobs.iter().flatten().map(|b| b.as_bytes()).collect(), g))
 }
 
 #[pyfunction]

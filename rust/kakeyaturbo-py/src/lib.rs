@@ -26,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(layer::encode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::decode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(layer::decode_layer_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(layer::decode_layer_blocks_into, m)?)?;
     m.add_function(wrap_pyfunction!(layer::encode_layer_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(layer::inspect_layer, m)?)?;
     m.add_function(wrap_pyfunction!(params::check_params, m)?)?;

@@ -30,6 +30,7 @@ pub mod perblock;
 pub mod quant;
 mod quant_tables;
 pub mod rng;
+mod stack;
 pub mod team;
 pub mod threads;
 pub mod wht;

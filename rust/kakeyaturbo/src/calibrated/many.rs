@@ -5,8 +5,8 @@ use super::calibration::CalibratedCodec;
 use super::codec::{CalibratedCodes, CHUNK_ROWS};
 use crate::error::{input, Error, Result};
 use crate::limits::size;
+use crate::stack::{self, Layout};
 use crate::threads::spread_jobs;
-use std::sync::Mutex;
 
 /// One encode of [`encode_many`]: the calibration, its rows (row-major `[n, D]`) and `n`.
 pub type EncodeJob<'a> = (&'a CalibratedCodec, &'a [f32], usize);
@@ -103,42 +103,22 @@ fn write_blocks(
     at: usize,
     threads: Option<usize>,
 ) -> Result<()> {
-    let blocks = parsed.len() / g;
-    let fits = (blocks * block_rows)
-        .checked_add(at)
-        .is_some_and(|end| end <= rows);
-    if !fits || Some(out.len()) != g.checked_mul(rows).and_then(|r| r.checked_mul(d)) {
-        return input(format!(
-            "{} floats for [{g}, {rows}, {d}] cannot take {blocks} blocks of {block_rows} rows \
-             at row {at}",
-            out.len()
-        ));
-    }
-    if parsed.is_empty() {
-        return Ok(());
-    }
-    // Block j of set h goes to rows at + j * block_rows of set h: piece h * blocks + j.
-    let mut pieces: Vec<Option<&mut [f32]>> = Vec::with_capacity(parsed.len());
-    for set in out.chunks_exact_mut(rows * d) {
-        let blocks_of_set = set[at * d..].chunks_exact_mut(block_rows * d);
-        pieces.extend(blocks_of_set.take(blocks).map(Some));
-    }
-    let work: Vec<_> = parsed
-        .iter()
-        .enumerate()
-        .map(|(i, (c, k))| {
-            let piece = pieces[(i % g) * blocks + i / g].take().unwrap_or_default();
-            (*c, k, Mutex::new(piece))
-        })
-        .collect();
-    spread_jobs(
-        &work,
-        |(_, k, _)| k.n <= CHUNK_ROWS,
-        |(c, k, _)| k.n.saturating_mul(c.d),
+    let to = Layout {
+        g,
+        block_rows,
+        d,
+        rows,
+        at,
+    };
+    stack::decode_into(
+        parsed,
+        &to,
+        out,
         threads,
-        |(c, k, dst)| c.decode_into(k, &mut dst.lock().unwrap_or_else(|e| e.into_inner())),
-    )?;
-    Ok(())
+        |(_, k)| k.n <= CHUNK_ROWS,
+        |(c, k)| k.n.saturating_mul(c.d),
+        |(c, k), dst| c.decode_into(k, dst),
+    )
 }
 
 #[cfg(test)]

@@ -226,9 +226,29 @@ fn encode_rows(
 /// Decodes a layer into a row-major `[n, d]` tensor; every value is finite (see
 /// [`decode::decode_block`]).
 pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f32>> {
-    let q = enc.quantizer()?;
+    let mut out: Vec<f32> = zeros(
+        size(enc.n, enc.d, "the decoded layer")?,
+        "the decoded layer",
+    )?;
+    decode_layer_into(enc, threads, &mut out)?;
+    Ok(out)
+}
+
+/// [`decode_layer`] into `out`, which must hold `n x d` values (every one overwritten).
+pub fn decode_layer_into(
+    enc: &EncodedLayer,
+    threads: Option<usize>,
+    out: &mut [f32],
+) -> Result<()> {
     let d = enc.d;
-    let mut out: Vec<f32> = zeros(size(enc.n, d, "the decoded layer")?, "the decoded layer")?;
+    if Some(out.len()) != enc.n.checked_mul(d) {
+        return Err(crate::Error::InvalidInput(format!(
+            "{} floats given for [{}, {d}] decoded rows",
+            out.len(),
+            enc.n
+        )));
+    }
+    let q = enc.quantizer()?;
     let bs = enc.params.block_size;
     let bw = enc.params.bit_width;
     let seed = enc.params.rotation_seed;
@@ -240,48 +260,7 @@ pub fn decode_layer(enc: &EncodedLayer, threads: Option<usize>) -> Result<Vec<f3
                 decode::decode_block(s, c, bw, &q, &rot, o)
             })
             .collect::<Result<()>>()
-    })?;
-    Ok(out)
-}
-
-/// Several row sets (row-major `[n, d]` each, with `n`) coded at once with one set of
-/// parameters, each to the container bytes [`encode_layer`] gives it: spread over `threads`
-/// threads (`threads::spread_jobs`; a set of one block runs on one thread: the cache's
-/// blocks). The first refused (in order) is the error.
-pub fn encode_many(
-    jobs: &[(&[f32], usize)],
-    d: usize,
-    p: &CodecParams,
-    threads: Option<usize>,
-) -> Result<Vec<Vec<u8>>> {
-    crate::threads::spread_jobs(
-        jobs,
-        |&(_, n)| n <= p.block_size,
-        |&(_, n)| n.saturating_mul(d),
-        threads,
-        |&(x, n)| Ok(super::container::to_bytes(&encode_layer(x, n, d, None, p, threads)?.0).0),
-    )
-}
-
-/// Several layers' containers decoded at once, each as [`decode_layer`] gives it, with its
-/// `(n, d)`: spread over `threads` threads (`threads::spread_jobs`; a container of one block
-/// runs on one thread: the cache's sealed blocks). Every container is parsed before any is
-/// decoded; the first refused (in order) is the error.
-pub fn decode_many(
-    containers: &[&[u8]],
-    threads: Option<usize>,
-) -> Result<Vec<(Vec<f32>, usize, usize)>> {
-    let parsed = containers
-        .iter()
-        .map(|b| super::container::from_bytes(b))
-        .collect::<Result<Vec<_>>>()?;
-    crate::threads::spread_jobs(
-        &parsed,
-        |e| e.blocks.len() <= 1,
-        |e| e.n.saturating_mul(e.d),
-        threads,
-        |e| Ok((decode_layer(e, threads)?, e.n, e.d)),
-    )
+    })
 }
 
 #[cfg(test)]

@@ -3,12 +3,14 @@
 //!
 //! Arrows run one way: [`params`] (the checked parameters) -> [`block`] (one block through
 //! stages 1-5) -> [`decode`] (its codes back to rows) -> [`layer`] (a `[N, D]` tensor cut into
-//! blocks, coded in parallel) -> [`container`] (the `KKYT` bytes).
+//! blocks, coded in parallel) -> [`container`] (the `KKYT` bytes) -> [`many`] (a cache's blocks: many containers in one
+//! call).
 
 pub mod block;
 pub mod container;
 pub mod decode;
 pub mod layer;
+pub mod many;
 pub mod params;
 
 pub use container::{from_bytes, to_bytes, ByteBreakdown};
