@@ -216,9 +216,11 @@ impl<'a> Reader<'a> {
     }
     pub fn u16s(&mut self, count: usize, what: &str) -> Result<Vec<u16>> {
         let b = self.take(size(count, 2, what)?, what)?;
-        Ok(b.chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect())
+        let mut v = vec![0u16; count];
+        for (x, c) in v.iter_mut().zip(b.chunks_exact(2)) {
+            *x = u16::from_le_bytes([c[0], c[1]]);
+        }
+        Ok(v)
     }
     pub fn f32s(&mut self, count: usize, what: &str) -> Result<Vec<f32>> {
         let b = self.take(size(count, 4, what)?, what)?;
@@ -228,10 +230,7 @@ impl<'a> Reader<'a> {
     }
     /// `count` IEEE fp16 values, widened to f32.
     pub fn f16s(&mut self, count: usize, what: &str) -> Result<Vec<f32>> {
-        let b = self.take(size(count, 2, what)?, what)?;
-        Ok(b.chunks_exact(2)
-            .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect())
+        Ok(crate::f16::widen(&self.u16s(count, what)?))
     }
     /// `count` values of `bits` bits (0..=32), packed LSB-first, padded to a whole byte.
     /// A 0-bit field occupies no bytes; every such field of the formats is followed by wider

@@ -127,6 +127,45 @@ impl Quantizer {
         self.centroids[idx as usize]
     }
 
+    /// [`Self::dequantize_slice`], 16 indices per look-up where the CPU has AVX-512 and the
+    /// table at most 16 centroids (every per-block table): the same values.
+    pub fn dequantize_fast(&self, idx: &[u8], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.centroids.len() <= 16 && crate::wht::has_avx512() {
+            // SAFETY: AVX-512F is present (checked above).
+            return unsafe { self.dequantize_avx512(idx, out) };
+        }
+        self.dequantize_slice(idx, out)
+    }
+
+    /// [`Self::dequantize_slice`] by `vpermps` from the table padded to 16 entries (entry `j`
+    /// holds centroid `j & mask`, so each lane's result is `centroids[i & mask]`).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, and the table hold at most 16 centroids.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dequantize_avx512(&self, idx: &[u8], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let mask = self.centroids.len() - 1;
+        let table: [f32; 16] = std::array::from_fn(|j| self.centroids[j & mask]);
+        // SAFETY: `table` holds 16 floats.
+        let t = unsafe { _mm512_loadu_ps(table.as_ptr()) };
+        let (o16, i16) = (out.chunks_exact_mut(16), idx.chunks_exact(16));
+        let tail = o16.len() * 16;
+        for (o, i) in o16.zip(i16) {
+            // SAFETY: 16 index bytes read, 16 floats written.
+            unsafe {
+                let ix = _mm512_cvtepu8_epi32(_mm_loadu_si128(i.as_ptr().cast()));
+                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_permutexvar_ps(ix, t));
+            }
+        }
+        let n = out.len().min(idx.len());
+        if tail < n {
+            self.dequantize_slice(&idx[tail..n], &mut out[tail..n]);
+        }
+    }
+
     /// Centroid lookup over a slice; indices must be < 2^bits.
     #[inline(always)]
     pub fn dequantize_slice(&self, idx: &[u8], out: &mut [f32]) {
@@ -156,6 +195,20 @@ mod tests {
         }
         assert!(gaussian_centroids(0).is_err());
         assert!(gaussian_centroids(9).is_err());
+    }
+
+    #[test]
+    fn dequantize_fast_is_dequantize_slice() {
+        for bits in 1..=4u8 {
+            let q = Quantizer::gaussian(bits).unwrap();
+            for n in [0usize, 1, 15, 16, 17, 40, 257] {
+                let idx: Vec<u8> = (0..n).map(|i| ((i * 7 + 3) % (1 << bits)) as u8).collect();
+                let (mut a, mut b) = (vec![0f32; n], vec![1f32; n]);
+                q.dequantize_slice(&idx, &mut a);
+                q.dequantize_fast(&idx, &mut b);
+                assert_eq!(a, b, "bits {bits}, n {n}");
+            }
+        }
     }
 
     #[test]

@@ -52,19 +52,110 @@ pub fn fwht_columns(x: &mut [f32], rows: usize) {
     }
 }
 
+/// Whether this CPU runs [`fwht_avx512`] (checked once).
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+}
+
+/// Whether this CPU runs [`fwht_avx512`]: never off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn has_avx512() -> bool {
+    false
+}
+
+/// [`fwht`] of at least 16 values (a power of two) with AVX-512: the butterflies of
+/// `h = 1, 2, 4, 8` inside each register of 16 lanes (a lane's partner, `lane ^ h`, brought in by
+/// a permute: `a + b` where `h`'s bit of the lane is clear, `a - b` where it is set), then those
+/// of `h >= 16` between registers. Every value gets [`fwht`]'s additions in its order, so the
+/// result is [`fwht`]'s bit for bit; shorter slices are [`fwht`]'s.
+///
+/// # Safety
+/// The CPU must support AVX-512F ([`has_avx512`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub unsafe fn fwht_avx512(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if x.len() < 16 {
+        return fwht(x);
+    }
+    let partner = |h: i32| {
+        _mm512_set_epi32(
+            15 ^ h,
+            14 ^ h,
+            13 ^ h,
+            12 ^ h,
+            11 ^ h,
+            10 ^ h,
+            9 ^ h,
+            8 ^ h,
+            7 ^ h,
+            6 ^ h,
+            5 ^ h,
+            4 ^ h,
+            3 ^ h,
+            2 ^ h,
+            1 ^ h,
+            h,
+        )
+    };
+    let stages = [
+        (partner(1), 0xAAAAu16),
+        (partner(2), 0xCCCC),
+        (partner(4), 0xF0F0),
+        (partner(8), 0xFF00),
+    ];
+    for chunk in x.chunks_exact_mut(16) {
+        // SAFETY: `chunk` holds 16 floats; unaligned loads and stores.
+        let mut v = unsafe { _mm512_loadu_ps(chunk.as_ptr()) };
+        for &(ix, upper) in &stages {
+            let p = _mm512_permutexvar_ps(ix, v);
+            v = _mm512_mask_blend_ps(upper, _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
+        }
+        unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), v) };
+    }
+    let n = x.len();
+    let mut h = 16;
+    while h < n {
+        for chunk in x.chunks_exact_mut(2 * h) {
+            let (lo, hi) = chunk.split_at_mut(h);
+            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                let (u, v) = (*a, *b);
+                *a = u + v;
+                *b = u - v;
+            }
+        }
+        h *= 2;
+    }
+}
+
+/// [`fwht`] of float32 values, through [`fwht_avx512`] where the CPU has AVX-512: the same
+/// values either way.
+#[inline(always)]
+pub fn fwht_f32(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: AVX-512F is present (checked above).
+        return unsafe { fwht_avx512(x) };
+    }
+    fwht(x)
+}
+
 /// `y = H (s * x)` in place; `signs.len() == x.len()`, a power of two.
 #[inline(always)]
 pub fn rotate(x: &mut [f32], signs: &[f32]) {
     for (v, s) in x.iter_mut().zip(signs) {
         *v *= s;
     }
-    fwht(x);
+    fwht_f32(x);
 }
 
 /// `x = s * (H y) / W` in place: the exact inverse of [`rotate`] up to rounding.
 #[inline(always)]
 pub fn inverse_rotate(y: &mut [f32], signs: &[f32]) {
-    fwht(y);
+    fwht_f32(y);
     let inv = 1.0 / y.len() as f32;
     for (v, s) in y.iter_mut().zip(signs) {
         *v = *v * s * inv;
@@ -118,6 +209,33 @@ mod tests {
             let mut y = x.clone();
             fwht(&mut y);
             assert_eq!(y, naive_hadamard(&x), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn fwht_avx512_is_fwht_bit_for_bit() {
+        if !has_avx512() {
+            return;
+        }
+        let mut g = crate::rng::SplitMix64::new(11);
+        for log in 0..11 {
+            let n = 1usize << log;
+            // Values of many magnitudes, so that every addition rounds.
+            let x: Vec<f32> = (0..n)
+                .map(|_| {
+                    let u = g.next_u64();
+                    (u >> 40) as f32 / 16777216.0 * 2f32.powi((u % 24) as i32 - 12) - 0.3
+                })
+                .collect();
+            let (mut a, mut b) = (x.clone(), x);
+            fwht(&mut a);
+            // SAFETY: AVX-512F is present (checked above).
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                fwht_avx512(&mut b)
+            };
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "n = {n}");
         }
     }
 

@@ -11,9 +11,11 @@ use crate::wht;
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 
-/// Decode of the residuals in place: rescale, inverse rotation, `+ t centre`. Multiversioned
-/// like `block::code_rows`.
-#[multiversion::multiversion(targets("x86_64+avx2+fma", "x86_64+avx512f+avx512bw+avx512vl"))]
+/// Decode of the residuals in place (row-major, `n x d_eff`): the scale over `f_b`, the
+/// inverse rotation and `+ t centre`, row by row in FORMAT.md's float32 operations and order.
+/// Multiversioned like `block::code_rows`; the butterflies run in AVX-512 registers where the
+/// CPU has it (`wht::fwht_f32`, the same values).
+#[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2+fma"))]
 fn unrotate_rows(
     c: &mut [f32],
     de: usize,
@@ -26,9 +28,7 @@ fn unrotate_rows(
     for (i, row) in c.chunks_exact_mut(de).enumerate() {
         for &(o, w, f) in &rot.bands {
             let mul = s[i] / f;
-            for v in &mut row[o..o + w] {
-                *v *= mul;
-            }
+            row[o..o + w].iter_mut().for_each(|v| *v *= mul);
         }
         rot.inverse(row);
         let sg = seg[i] as usize;
@@ -54,12 +54,11 @@ pub fn decode_block(
     let mut idx = vec![0u8; n * de];
     unpack_into(&codes.residual, bit_width as u32, &mut idx);
     let mut c = vec![0f32; n * de];
-    q.dequantize_slice(&idx, &mut c);
+    q.dequantize_fast(&idx, &mut c);
     for (&pos, &v) in codes.outlier_pos.iter().zip(&codes.outlier_val) {
         c[pos as usize] = f16::from_bits(v).to_f32();
     }
-    let t = codes.t.decode();
-    let s = codes.scale.decode();
+    let (t, s) = (codes.t.decode(), codes.scale.decode());
     unrotate_rows(&mut c, de, &s, &t, &codes.seg, &skel.centers, rot);
     // x = mu + U^T c
     let cm = MatRef::from_row_major_slice(&c, n, de);
