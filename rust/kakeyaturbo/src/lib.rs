@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod bytes;
 pub mod calibrated;
+pub mod cpu;
 pub mod error;
 pub mod f16;
 pub mod gemm;

@@ -127,19 +127,70 @@ impl Quantizer {
         self.centroids[idx as usize]
     }
 
-    /// [`Self::dequantize_slice`], 16 indices per look-up where the CPU has AVX-512 and the
-    /// table at most 16 centroids (every per-block table): the same values.
+    /// [`Self::dequantize_slice`], 16 (AVX-512) or 8 (AVX2) indices per look-up where the CPU
+    /// has them and the table holds at most 16 centroids (every per-block table): the same
+    /// values.
     pub fn dequantize_fast(&self, idx: &[u8], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if self.centroids.len() <= 16 && crate::wht::has_avx512() {
-            // SAFETY: AVX-512F is present (checked above).
-            return unsafe { self.dequantize_avx512(idx, out) };
+        if self.centroids.len() <= 16 {
+            use crate::cpu::{simd, Simd};
+            match simd() {
+                // SAFETY: the CPU has the extension (`cpu::simd`).
+                Simd::Avx512 => return unsafe { self.dequantize_avx512(idx, out) },
+                Simd::Avx2 => return unsafe { self.dequantize_avx2(idx, out) },
+                Simd::Portable => {}
+            }
         }
         self.dequantize_slice(idx, out)
     }
 
-    /// [`Self::dequantize_slice`] by `vpermps` from the table padded to 16 entries (entry `j`
-    /// holds centroid `j & mask`, so each lane's result is `centroids[i & mask]`).
+    /// The table padded to 16 entries: entry `j` holds centroid `j & mask`, so a look-up of
+    /// index `i` by its low 4 bits gives `centroids[i & mask]` (a table of at most 16).
+    #[cfg(target_arch = "x86_64")]
+    fn table16(&self) -> [f32; 16] {
+        let mask = self.centroids.len() - 1;
+        std::array::from_fn(|j| self.centroids[j & mask])
+    }
+
+    /// [`Self::dequantize_slice`] by `vpermps` from two halves of [`Self::table16`], the
+    /// index's bit 3 choosing between them.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, and the table hold at most 16 centroids.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dequantize_avx2(&self, idx: &[u8], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let table = self.table16();
+        // SAFETY: `table` holds 16 floats.
+        let (lo, hi) = unsafe {
+            (
+                _mm256_loadu_ps(table.as_ptr()),
+                _mm256_loadu_ps(table.as_ptr().add(8)),
+            )
+        };
+        let (o8, i8s) = (out.chunks_exact_mut(8), idx.chunks_exact(8));
+        let tail = o8.len() * 8;
+        for (o, i) in o8.zip(i8s) {
+            // SAFETY: 8 index bytes read, 8 floats written.
+            unsafe {
+                let ix = _mm256_cvtepu8_epi32(_mm_loadl_epi64(i.as_ptr().cast()));
+                let upper = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(ix));
+                let v = _mm256_blendv_ps(
+                    _mm256_permutevar8x32_ps(lo, ix),
+                    _mm256_permutevar8x32_ps(hi, ix),
+                    upper,
+                );
+                _mm256_storeu_ps(o.as_mut_ptr(), v);
+            }
+        }
+        let n = out.len().min(idx.len());
+        if tail < n {
+            self.dequantize_slice(&idx[tail..n], &mut out[tail..n]);
+        }
+    }
+
+    /// [`Self::dequantize_slice`] by `vpermps` from [`Self::table16`].
     ///
     /// # Safety
     /// The CPU must support AVX-512F, and the table hold at most 16 centroids.
@@ -147,8 +198,7 @@ impl Quantizer {
     #[target_feature(enable = "avx512f")]
     unsafe fn dequantize_avx512(&self, idx: &[u8], out: &mut [f32]) {
         use std::arch::x86_64::*;
-        let mask = self.centroids.len() - 1;
-        let table: [f32; 16] = std::array::from_fn(|j| self.centroids[j & mask]);
+        let table = self.table16();
         // SAFETY: `table` holds 16 floats.
         let t = unsafe { _mm512_loadu_ps(table.as_ptr()) };
         let (o16, i16) = (out.chunks_exact_mut(16), idx.chunks_exact(16));
@@ -207,6 +257,13 @@ mod tests {
                 q.dequantize_slice(&idx, &mut a);
                 q.dequantize_fast(&idx, &mut b);
                 assert_eq!(a, b, "bits {bits}, n {n}");
+                #[cfg(target_arch = "x86_64")]
+                if crate::cpu::simd() >= crate::cpu::Simd::Avx2 {
+                    let mut c = vec![1f32; n];
+                    // SAFETY: the CPU has AVX2 (checked above); at most 16 centroids.
+                    unsafe { q.dequantize_avx2(&idx, &mut c) };
+                    assert_eq!(a, c, "AVX2: bits {bits}, n {n}");
+                }
             }
         }
     }

@@ -52,19 +52,6 @@ pub fn fwht_columns(x: &mut [f32], rows: usize) {
     }
 }
 
-/// Whether this CPU runs [`fwht_avx512`] (checked once).
-#[cfg(target_arch = "x86_64")]
-pub fn has_avx512() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
-}
-
-/// Whether this CPU runs [`fwht_avx512`]: never off x86-64.
-#[cfg(not(target_arch = "x86_64"))]
-pub fn has_avx512() -> bool {
-    false
-}
-
 /// [`fwht`] of at least 16 values (a power of two) with AVX-512: the butterflies of
 /// `h = 1, 2, 4, 8` inside each register of 16 lanes (a lane's partner, `lane ^ h`, brought in by
 /// a permute: `a + b` where `h`'s bit of the lane is clear, `a - b` where it is set), then those
@@ -72,7 +59,7 @@ pub fn has_avx512() -> bool {
 /// result is [`fwht`]'s bit for bit; shorter slices are [`fwht`]'s.
 ///
 /// # Safety
-/// The CPU must support AVX-512F ([`has_avx512`]).
+/// The CPU must support AVX-512F ([`crate::cpu::simd`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -116,8 +103,43 @@ pub unsafe fn fwht_avx512(x: &mut [f32]) {
         }
         unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), v) };
     }
+    butterflies_from(x, 16);
+}
+
+/// [`fwht`] with AVX2: as [`fwht_avx512`] with registers of 8 lanes (`h = 1, 2, 4` inside
+/// them); the result is [`fwht`]'s bit for bit, and shorter slices are [`fwht`]'s.
+///
+/// # Safety
+/// The CPU must support AVX2 ([`crate::cpu::simd`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub unsafe fn fwht_avx2(x: &mut [f32]) {
+    use std::arch::x86_64::*;
+    if x.len() < 8 {
+        return fwht(x);
+    }
+    let partner = |h: i32| _mm256_set_epi32(7 ^ h, 6 ^ h, 5 ^ h, 4 ^ h, 3 ^ h, 2 ^ h, 1 ^ h, h);
+    let (p1, p2, p4) = (partner(1), partner(2), partner(4));
+    for chunk in x.chunks_exact_mut(8) {
+        // SAFETY: `chunk` holds 8 floats; unaligned loads and stores.
+        let mut v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
+        let p = _mm256_permutevar8x32_ps(v, p1);
+        v = _mm256_blend_ps::<0xAA>(_mm256_add_ps(v, p), _mm256_sub_ps(p, v));
+        let p = _mm256_permutevar8x32_ps(v, p2);
+        v = _mm256_blend_ps::<0xCC>(_mm256_add_ps(v, p), _mm256_sub_ps(p, v));
+        let p = _mm256_permutevar8x32_ps(v, p4);
+        v = _mm256_blend_ps::<0xF0>(_mm256_add_ps(v, p), _mm256_sub_ps(p, v));
+        unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), v) };
+    }
+    butterflies_from(x, 8);
+}
+
+/// The butterflies of [`fwht`] with `h` from `h0` on (those below done).
+#[inline(always)]
+fn butterflies_from(x: &mut [f32], h0: usize) {
     let n = x.len();
-    let mut h = 16;
+    let mut h = h0;
     while h < n {
         for chunk in x.chunks_exact_mut(2 * h) {
             let (lo, hi) = chunk.split_at_mut(h);
@@ -131,16 +153,18 @@ pub unsafe fn fwht_avx512(x: &mut [f32]) {
     }
 }
 
-/// [`fwht`] of float32 values, through [`fwht_avx512`] where the CPU has AVX-512: the same
-/// values either way.
+/// [`fwht`] of float32 values, through [`fwht_avx512`] or [`fwht_avx2`] where the CPU has
+/// them: the same values either way.
 #[inline(always)]
 pub fn fwht_f32(x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
-        // SAFETY: AVX-512F is present (checked above).
-        return unsafe { fwht_avx512(x) };
+    match crate::cpu::simd() {
+        // SAFETY: the CPU has the extension (`cpu::simd`).
+        #[cfg(target_arch = "x86_64")]
+        crate::cpu::Simd::Avx512 => unsafe { fwht_avx512(x) },
+        #[cfg(target_arch = "x86_64")]
+        crate::cpu::Simd::Avx2 => unsafe { fwht_avx2(x) },
+        _ => fwht(x),
     }
-    fwht(x)
 }
 
 /// `y = H (s * x)` in place; `signs.len() == x.len()`, a power of two.
@@ -213,10 +237,8 @@ mod tests {
     }
 
     #[test]
-    fn fwht_avx512_is_fwht_bit_for_bit() {
-        if !has_avx512() {
-            return;
-        }
+    fn the_vector_butterflies_are_fwht_bit_for_bit() {
+        use crate::cpu::{simd, Simd};
         let mut g = crate::rng::SplitMix64::new(11);
         for log in 0..11 {
             let n = 1usize << log;
@@ -227,15 +249,24 @@ mod tests {
                     (u >> 40) as f32 / 16777216.0 * 2f32.powi((u % 24) as i32 - 12) - 0.3
                 })
                 .collect();
-            let (mut a, mut b) = (x.clone(), x);
-            fwht(&mut a);
-            // SAFETY: AVX-512F is present (checked above).
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                fwht_avx512(&mut b)
-            };
+            let mut want = x.clone();
+            fwht(&mut want);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&a), bits(&b), "n = {n}");
+            let mut got = x.clone();
+            fwht_f32(&mut got);
+            assert_eq!(bits(&want), bits(&got), "n = {n}");
+            #[cfg(target_arch = "x86_64")]
+            for (level, f) in [
+                (Simd::Avx2, fwht_avx2 as unsafe fn(&mut [f32])),
+                (Simd::Avx512, fwht_avx512),
+            ] {
+                if simd() >= level {
+                    let mut got = x.clone();
+                    // SAFETY: the CPU has the extension (checked above).
+                    unsafe { f(&mut got) };
+                    assert_eq!(bits(&want), bits(&got), "{level:?}, n = {n}");
+                }
+            }
         }
     }
 

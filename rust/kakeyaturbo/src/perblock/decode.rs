@@ -13,8 +13,8 @@ use half::f16;
 
 /// Decode of the residuals in place (row-major, `n x d_eff`): the scale over `f_b`, the
 /// inverse rotation and `+ t centre`, row by row in FORMAT.md's float32 operations and order.
-/// Multiversioned like `block::code_rows`; the butterflies run in AVX-512 registers where the
-/// CPU has it (`wht::fwht_f32`, the same values).
+/// Multiversioned like `block::code_rows`; the butterflies run in AVX-512 or AVX2 registers
+/// where the CPU has them (`wht::fwht_f32`, the same values).
 #[multiversion::multiversion(targets("x86_64+avx512f+avx512bw+avx512vl", "x86_64+avx2+fma"))]
 fn unrotate_rows(
     c: &mut [f32],
