@@ -205,14 +205,20 @@ def test_generation_cache_and_prefix_compression_agree(llama, pre_rope) -> None:
 
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_per_block_rows_decoded_into_the_tensor_attention_reads(llama, pre_rope) -> None:
-    # The slow path's rows decoded straight into the tensor it returns (float32 on the CPU) are
-    # those decoded into an array of their own and concatenated (the route of rows that need a
-    # gradient): sink, four sealed blocks of two kv-heads, staging, the call's rows.
+    # The slow path's rows of a per-block recipe decoded straight into the tensor it returns:
+    # sink, four sealed blocks of two kv-heads, staging, the call's rows.
     cache = KakeyaCache(BlockCodec(recipes.load("balanced"), pre_rope_keys=pre_rope), model=llama,
                         block_size=8, n_sink=1)
     forward(llama, prompt(t=36), cache)
     layer = cache.layers[1]
     assert layer.num_sealed() == 4
+    _direct_read_is_concatenated_read(layer)
+
+
+def _direct_read_is_concatenated_read(layer) -> None:
+    """A layer's rows decoded straight into the tensor ``_read`` returns (float32 on the CPU)
+    equal those decoded into an array of their own and concatenated (the route of rows that need
+    a gradient), the call's own rows last."""
     new = torch.randn(1, KV_HEADS, 1, 16)
     every = layer.seen + 1
     for name in ("k", "v"):
@@ -390,14 +396,7 @@ def test_calibrated_codec_seals_blocks_in_generate(llama) -> None:
     sealed = LAYERS * KV_HEADS * 2 * 2 * 16 * 16  # layers, heads, streams, blocks, rows, D
     assert 8 * mem["blobs"] / sealed <= 4.0 + 8 * 48 / (16 * 16)  # + one header per blob
     assert cache.nbytes() < cache.nbytes_uncompressed()
-    # The slow path's rows decoded straight into the tensor it returns are those decoded into
-    # an array of their own and concatenated (the route rows that need a gradient take).
-    new = torch.randn(1, KV_HEADS, 1, 16)
-    every = layer.seen + 1
-    for name in ("k", "v"):
-        direct = layer._read(name, new, every)
-        assert torch.equal(direct, layer._read(name, new.clone().requires_grad_(), every).detach())
-        assert direct.shape == (1, KV_HEADS, every, 16) and torch.equal(direct[..., -1:, :], new)
+    _direct_read_is_concatenated_read(layer)
     holder = np.zeros((1, 16, KV_HEADS, 40), np.float32).transpose(0, 2, 3, 1)  # [1, H, 40, D], strided
     with pytest.raises(kt.InvalidInputError, match="C-contiguous"):  # (a reshape would write a copy)
         codec.decode_blocks_into("k", 0, layer._s["k"].blocks, 16, holder, 0)

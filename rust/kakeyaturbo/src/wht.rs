@@ -14,9 +14,15 @@ use std::ops::{Add, Sub};
 /// decoders' f64 fallback (values beyond the float32 range) runs the same butterfly.
 #[inline(always)]
 pub fn fwht<T: Copy + Add<Output = T> + Sub<Output = T>>(x: &mut [T]) {
+    debug_assert!(x.len().is_power_of_two() || x.is_empty());
+    butterflies_from(x, 1);
+}
+
+/// The butterflies of [`fwht`] with `h` from `h0` on (those below already done).
+#[inline(always)]
+fn butterflies_from<T: Copy + Add<Output = T> + Sub<Output = T>>(x: &mut [T], h0: usize) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two() || n == 0);
-    let mut h = 1;
+    let mut h = h0;
     while h < n {
         for chunk in x.chunks_exact_mut(2 * h) {
             let (lo, hi) = chunk.split_at_mut(h);
@@ -133,24 +139,6 @@ pub unsafe fn fwht_avx2(x: &mut [f32]) {
         unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), v) };
     }
     butterflies_from(x, 8);
-}
-
-/// The butterflies of [`fwht`] with `h` from `h0` on (those below done).
-#[inline(always)]
-fn butterflies_from(x: &mut [f32], h0: usize) {
-    let n = x.len();
-    let mut h = h0;
-    while h < n {
-        for chunk in x.chunks_exact_mut(2 * h) {
-            let (lo, hi) = chunk.split_at_mut(h);
-            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
-                let (u, v) = (*a, *b);
-                *a = u + v;
-                *b = u - v;
-            }
-        }
-        h *= 2;
-    }
 }
 
 /// [`fwht`] of float32 values, through [`fwht_avx512`] or [`fwht_avx2`] where the CPU has

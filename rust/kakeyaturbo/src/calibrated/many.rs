@@ -48,7 +48,14 @@ pub fn decode_many(
     out.try_reserve_exact(size(g * rows, d, "the decoded rows")?)
         .map_err(|_| Error::InvalidInput("cannot allocate the decoded rows".into()))?;
     out.resize(g * rows * d, 0.0);
-    write_blocks(&parsed, g, block_rows, d, &mut out, rows, 0, threads)?;
+    let to = Layout {
+        g,
+        block_rows,
+        d,
+        rows,
+        at: 0,
+    };
+    write_blocks(&parsed, &to, &mut out, threads)?;
     Ok(out)
 }
 
@@ -66,7 +73,18 @@ pub fn decode_many_into(
     threads: Option<usize>,
 ) -> Result<()> {
     let (parsed, d) = parse_blocks(jobs, g, block_rows)?;
-    write_blocks(&parsed, g, block_rows, d, out, rows, at, threads)
+    write_blocks(
+        &parsed,
+        &Layout {
+            g,
+            block_rows,
+            d,
+            rows,
+            at,
+        },
+        out,
+        threads,
+    )
 }
 
 /// Containers parsed and checked against their calibrations, with the width of their rows.
@@ -91,28 +109,16 @@ fn parse_blocks<'a>(jobs: &[DecodeJob<'a>], g: usize, block_rows: usize) -> Resu
     Ok((parsed, d))
 }
 
-/// Decodes parsed blocks into rows `at ..` of each set of `out` (`[g, rows, D]`).
-#[allow(clippy::too_many_arguments)]
+/// Decodes parsed blocks into their rows of `out` (`stack::decode_into`).
 fn write_blocks(
     parsed: &[(&CalibratedCodec, CalibratedCodes)],
-    g: usize,
-    block_rows: usize,
-    d: usize,
+    to: &Layout,
     out: &mut [f32],
-    rows: usize,
-    at: usize,
     threads: Option<usize>,
 ) -> Result<()> {
-    let to = Layout {
-        g,
-        block_rows,
-        d,
-        rows,
-        at,
-    };
     stack::decode_into(
         parsed,
-        &to,
+        to,
         out,
         threads,
         |(_, k)| k.n <= CHUNK_ROWS,

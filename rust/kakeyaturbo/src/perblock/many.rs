@@ -43,7 +43,14 @@ pub fn decode_blocks(
     let (parsed, d) = parse_blocks(containers, g, block_rows)?;
     let rows = parsed.len() / g * block_rows;
     let mut out = zeros(size(g * rows, d, "the decoded rows")?, "the decoded rows")?;
-    write_blocks(&parsed, g, block_rows, d, &mut out, rows, 0, threads)?;
+    let to = Layout {
+        g,
+        block_rows,
+        d,
+        rows,
+        at: 0,
+    };
+    write_blocks(&parsed, &to, &mut out, threads)?;
     Ok((out, d))
 }
 
@@ -68,7 +75,18 @@ pub fn decode_blocks_into(
             "the containers hold rows of {width} values, not {d}"
         ));
     }
-    write_blocks(&parsed, g, block_rows, d, out, rows, at, threads)
+    write_blocks(
+        &parsed,
+        &Layout {
+            g,
+            block_rows,
+            d,
+            rows,
+            at,
+        },
+        out,
+        threads,
+    )
 }
 
 /// The containers parsed: every one of `block_rows` rows and one width (returned), whole
@@ -97,28 +115,16 @@ fn parse_blocks(
     Ok((parsed, d))
 }
 
-/// Decodes parsed containers into rows `at ..` of each set of `out` (`[g, rows, D]`).
-#[allow(clippy::too_many_arguments)]
+/// Decodes parsed blocks into their rows of `out` (`stack::decode_into`).
 fn write_blocks(
     parsed: &[EncodedLayer],
-    g: usize,
-    block_rows: usize,
-    d: usize,
+    to: &Layout,
     out: &mut [f32],
-    rows: usize,
-    at: usize,
     threads: Option<usize>,
 ) -> Result<()> {
-    let to = Layout {
-        g,
-        block_rows,
-        d,
-        rows,
-        at,
-    };
     stack::decode_into(
         parsed,
-        &to,
+        to,
         out,
         threads,
         |e| e.blocks.len() <= 1,
