@@ -8,11 +8,13 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
+import pytest
 from tests.conftest import kv_like
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kakeyaturbo as kt
+from kakeyaturbo.codec.perblock import decode_blocks_into
 
 X = kv_like(90, 12)
 PERBLOCK = [
@@ -82,14 +84,24 @@ def _mutate(data: bytes, muts: list, recompute_crc: bool) -> bytes:
 @given(st.integers(0, len(PERBLOCK) - 1), st.lists(mutation, min_size=1, max_size=4),
        st.booleans())
 def test_mutated_per_block_containers(i: int, muts: list, keep_crc: bool) -> None:
+    # decode_layer and the decode into a given array (a cache's blocks) agree: the same rows, or
+    # both refuse, the array then untouched.
     data = _mutate(PERBLOCK[i], muts, not keep_crc)
+    whole = kt.inspect_layer(PERBLOCK[i])
+    out = np.full((1, whole["num_vecs"] + 2, whole["dim"]), 7.0, np.float32)
     try:
         y = kt.decode_layer(data)
     except kt.KakeyaError:
+        with pytest.raises(kt.KakeyaError):
+            decode_blocks_into([[data]], whole["num_vecs"], out, 1)
+        assert (out == 7).all()
         return
     info = kt.inspect_layer(data)
     assert y.shape == (info["num_vecs"], info["dim"])
     assert np.isfinite(y).all()
+    out = np.full((1, y.shape[0] + 2, y.shape[1]), 7.0, np.float32)
+    decode_blocks_into([[data]], y.shape[0], out, 1)
+    assert np.array_equal(out[0, 1:-1], y) and (out[0, [0, -1]] == 7).all()
 
 
 @settings(max_examples=400, deadline=None)
