@@ -168,6 +168,9 @@ def test_decode_blocks_into_rows_of_a_given_array() -> None:
     out = np.full((2, 300, D), 7.0, np.float32)
     with pytest.raises(kt.InvalidInputError, match="cannot take 3 blocks"):
         decode_blocks_into([c, c2], blobs, 96, out, 13)
+    for at, rows in ((-1, 96), (2**70, 96), (0, 2**70)):  # not an OverflowError
+        with pytest.raises(kt.InvalidParameterError):
+            decode_blocks_into([c, c2], blobs, rows, out, at)
     with pytest.raises(kt.InvalidInputError, match="shape"):
         decode_blocks_into([c, c2], blobs, 96, out[:1], 0)
     for bad in (out.astype(np.float64), np.asfortranarray(out), out[:, ::2]):

@@ -264,6 +264,9 @@ def test_decode_blocks_into_rows_of_a_given_array() -> None:
         decode_blocks_into(blobs, 96, frozen, 0)
     with pytest.raises(kt.CorruptDataError):
         decode_blocks_into([blobs[0], [blobs[1][0], blobs[1][1][:-3]], blobs[2]], 96, out, 0)
+    for at, rows in ((-1, 96), (2**70, 96), (0, 2**70)):
+        with pytest.raises(kt.InvalidParameterError):
+            decode_blocks_into(blobs, rows, out, at)
     assert (out == 7).all()
 
 
@@ -300,3 +303,8 @@ def test_decode_blocks_refusals() -> None:
         decode_blocks([[a, b[:-5]]], 100)
     with pytest.raises(kt.InvalidParameterError):
         decode_blocks([[a]], 0)
+    for huge in (2**32, 2**70):  # past MAX_ROWS: refused as a parameter, not an OverflowError
+        with pytest.raises(kt.InvalidParameterError, match="block_rows"):
+            decode_blocks([[a]], huge)
+        with pytest.raises(kt.InvalidParameterError, match="block_rows"):
+            encode_blocks(sets, huge)

@@ -62,12 +62,12 @@ def row_sets(array: Any, block_rows: Any) -> Tuple[np.ndarray, int]:
     """A C-contiguous float32 ``[G, T, D]`` view of ``array`` (copied once if not contiguous)
     and ``block_rows`` checked (an integer >= 1): for the calls that code ``G`` row sets in blocks
     of ``block_rows`` rows. TypeError for another type or dtype, InvalidInputError for another
-    rank, InvalidParameterError for ``block_rows`` < 1."""
+    rank, InvalidParameterError for ``block_rows`` outside ``1 .. MAX_ROWS``."""
     if not isinstance(array, np.ndarray) or array.dtype != np.float32:
         raise TypeError(f"array must be a numpy.ndarray of float32, got {_type(array)}")
     if array.ndim != 3:
         raise InvalidInputError(f"array must be 3-D [G, T, D], got shape {array.shape}")
-    block_rows = integer(block_rows, "block_rows", 1)
+    block_rows = rows(block_rows, "block_rows", 1)
     with held("array"):
         return np.ascontiguousarray(array), block_rows
 
@@ -115,6 +115,12 @@ def integer(v: Any, name: str, lo: Optional[int] = None, hi: Optional[int] = Non
         rng = f">= {lo}" if hi is None else f"in {lo}..{hi}" if lo is not None else f"<= {hi}"
         raise InvalidParameterError(f"{name} must be {rng}, got {i}")
     return i
+
+
+def rows(v: Any, name: str, lo: int = 0) -> int:
+    """A count or index of rows: an integer in ``lo .. MAX_ROWS`` (InvalidParameterError past
+    it, not an OverflowError where the core takes it)."""
+    return integer(v, name, lo, MAX_ROWS)
 
 
 def seed(v: Any, name: str = "rotation_seed") -> int:

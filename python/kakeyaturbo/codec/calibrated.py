@@ -188,7 +188,7 @@ def decode_blocks(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequence[by
     containers."""
     cs = _codecs(codecs)
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    block_rows = _checks.rows(block_rows, "block_rows", 1)
     return _core.decode_calibrated_blocks([c._c for c in cs], rows, block_rows, _checks.threads(threads))
 
 
@@ -201,8 +201,8 @@ def decode_blocks_into(codecs: Sequence[CalibratedCodec], blobs: Sequence[Sequen
     fit, before anything is written."""
     cs = _codecs(codecs)
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
-    at = _checks.integer(at, "at", 0)
+    block_rows = _checks.rows(block_rows, "block_rows", 1)
+    at = _checks.rows(at, "at")
     _core.decode_calibrated_blocks_into([c._c for c in cs], rows, block_rows, _checks.out_rows(out), at,
                                         _checks.threads(threads))
 

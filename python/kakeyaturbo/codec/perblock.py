@@ -182,7 +182,7 @@ def decode_blocks(blobs: Sequence[Sequence[Any]], block_rows: int, *, threads: O
     UnsupportedVersionError as :func:`decode_layer`, InvalidInputError for no container, a block
     of another count of containers, a container of another row count or of another width."""
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
+    block_rows = _checks.rows(block_rows, "block_rows", 1)
     return _core.decode_layer_blocks(rows, block_rows, _checks.threads(threads))
 
 
@@ -194,8 +194,8 @@ def decode_blocks_into(blobs: Sequence[Sequence[Any]], block_rows: int, out: np.
     InvalidInputError for an ``out`` of another shape, dtype or layout or one the blocks do not
     fit, before anything is written."""
     rows = [[_checks.buffer(b) for b in row] for row in blobs]
-    block_rows = _checks.integer(block_rows, "block_rows", 1)
-    at = _checks.integer(at, "at", 0)
+    block_rows = _checks.rows(block_rows, "block_rows", 1)
+    at = _checks.rows(at, "at")
     _core.decode_layer_blocks_into(rows, block_rows, _checks.out_rows(out), at, _checks.threads(threads))
 
 
