@@ -9,6 +9,9 @@ weights refused by name."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -25,6 +28,7 @@ from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 
 from .conftest import forward, generate  # noqa: E402
+from .families_latent import AFTER_ROPE, MLA  # noqa: E402
 from .families import (FAMILIES, NO_STATISTICS, QUERY_SCALE, SLIDING_FULL_SLIDING, T_PROMPT, VOCAB,  # noqa: E402
                        WINDOW, build, family_prompt, rope_calls)
 
@@ -458,3 +462,19 @@ def test_sliding_layers_sinks_and_bits_as_held(name) -> None:
     forward(model, family_prompt(t=T_PROMPT), kc)
     with pytest.raises(RuntimeError, match="sliding-window"):
         kc.crop(-1)
+
+
+#: Test models that are variants of a family's row (another setting of its config).
+VARIANTS = {"falcon_alibi": "falcon"}
+
+
+def test_every_family_built_here_has_a_readme_row() -> None:
+    """The README's "Model families" table names every family these tests build (a row's first
+    cell may name several), so what it lists and what is tested stay one list."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = set()
+    for line in readme.splitlines():
+        if line.startswith("| `"):
+            named |= set(re.findall(r"`([a-z0-9_\-]+)`", line.split("|")[1]))
+    built = {VARIANTS.get(n, n) for n in [*FAMILIES, *MLA, *AFTER_ROPE]}
+    assert not built - named, sorted(built - named)
