@@ -168,6 +168,12 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                     "q/k RMSNorm and a scale-free v norm, RoPE by one call per tensor, `proportional` RoPE "
                     "(a quarter) on full layers, per-layer inputs; KV sharing (the last two layers attend over "
                     "the rows of the last sliding and full layers before them); one head_dim here"),
+    "gemma4_unified_text": (lambda: _make(T.Gemma4UnifiedTextConfig, T.Gemma4UnifiedForCausalLM, num_key_value_heads=2,
+                                          head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
+                                          per_layer_config={}),
+                            "Gemma 4 Unified's decoder: Gemma 4's attention (q/k RMSNorm, a scale-free v norm, "
+                            "`proportional` RoPE on full layers), sliding and full layers, image tokens attending "
+                            "both ways by the model's mask (`use_bidirectional_attention=\"vision\"`: text causal)"),
     "gemma3n_text": (lambda: _make(T.Gemma3nTextConfig, T.Gemma3nForCausalLM, num_key_value_heads=2, head_dim=16,
                                    sliding_window=WINDOW, num_hidden_layers=5, num_kv_shared_layers=2,
                                    layer_types=SHARED_FIVE, hidden_size_per_layer_input=16,

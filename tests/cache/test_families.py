@@ -298,6 +298,11 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
         calibration.collect(hy, wins, samples=2)
     assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
+    # Gemma 4 Unified with every token attending both ways (not its default "vision"): refused.
+    both = transformers.Gemma4UnifiedForCausalLM(transformers.Gemma4UnifiedTextConfig(
+        head_dim=16, per_layer_config={}, use_bidirectional_attention="all", **common)).eval()
+    with pytest.raises(kt.UnsupportedModelError, match="'gemma4_unified_text': bidirectional attention"):
+        KakeyaCache(IdentityCodec(), model=both)
     # Dory's recurrent section run twice per forward pass: refused in either cache mode.
     for mode in ("per_loop", "last_loop"):
         dory = transformers.DoryForCausalLM(transformers.DoryConfig(

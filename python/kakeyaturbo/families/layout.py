@@ -268,7 +268,10 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
         raise _refuse(mt, f"its modeling code keeps a cache class of its own ({own}) and takes no other")
     if not any(t in KV_LAYER_TYPES + COMPRESSED_LAYER_TYPES for t in types):
         raise _refuse(mt, "no layer caches K/V rows (a recurrent or state-space model): nothing to compress")
-    if getattr(cfg, "use_bidirectional_attention", False) or not getattr(cfg, "is_causal", True):
+    # "vision" (Gemma 4 Unified's default): image tokens attend both ways within a prompt, by the
+    # model's mask; text is causal, and the cache holds rows as it does for Gemma 3's images.
+    both_ways = getattr(cfg, "use_bidirectional_attention", False)
+    if (both_ways and both_ways != "vision") or not getattr(cfg, "is_causal", True):
         raise _refuse(mt, "bidirectional attention: not a causal decoder")
 
 
