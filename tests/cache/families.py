@@ -169,8 +169,9 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                     "(a quarter) on full layers, per-layer inputs; KV sharing (the last two layers attend over "
                     "the rows of the last sliding and full layers before them); one head_dim here"),
     "gemma4_unified_text": (lambda: _make(T.Gemma4UnifiedTextConfig, T.Gemma4UnifiedForCausalLM, num_key_value_heads=2,
-                                          head_dim=16, sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
-                                          per_layer_config={}),
+                                          head_dim=16, sliding_window=WINDOW, per_layer_config={},
+                                          # (its config makes the last layer full)
+                                          layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
                             "Gemma 4 Unified's decoder: Gemma 4's attention (q/k RMSNorm, a scale-free v norm, "
                             "`proportional` RoPE on full layers), sliding and full layers, image tokens attending "
                             "both ways by the model's mask (`use_bidirectional_attention=\"vision\"`: text causal)"),

@@ -5,6 +5,7 @@ the shared config (3 layers, hidden 64, 4 heads, a vocabulary of 97), sliding wi
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Tuple
 
 import torch
@@ -28,10 +29,12 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
 
 def _make(cfg_cls: Any, model_cls: Any, drop: Tuple[str, ...] = (), **kw: Any) -> Any:
     """A tiny ``model_cls`` of ``cfg_cls`` from the common settings (less those named in ``drop``,
-    which the config does not take) and ``kw``."""
+    which the config does not take) and ``kw``, copied (a config may edit a list it is given in
+    place: Gemma 4 Unified's makes the last layer full, which would change the shared layer-type
+    lists for every later test)."""
     torch.manual_seed(0)
     common = {k: v for k, v in _COMMON.items() if k not in drop}
-    return model_cls(cfg_cls(**dict(common, **kw))).eval()
+    return model_cls(cfg_cls(**copy.deepcopy(dict(common, **kw)))).eval()
 
 
 def _with_sinks(model: Any) -> Any:
