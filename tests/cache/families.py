@@ -370,6 +370,11 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                               attention_types=[[["local", "global"], 1], [["local"], 1]]),
                 "learned absolute positions, local layers (a window of 8 by the mask, every row cached), "
                 "unscaled scores"),
+    "modernbert-decoder": (lambda: _make(T.ModernBertDecoderConfig, T.ModernBertDecoderForCausalLM,
+                                         local_attention=2 * WINDOW, global_attn_every_n_layers=2, cls_token_id=1,
+                                         sep_token_id=2),
+                           "ModernBERT as a decoder: fused qkv (`Wqkv`), output projection `Wo`, local layers (a "
+                           "window of `local_attention / 2`) between global ones, RoPE of its own per kind"),
     "mpt": (lambda: _make(T.MptConfig, T.MptForCausalLM, d_model=64, n_heads=4, n_layers=3, expansion_ratio=2),
             "ALiBi (a per-head linear bias on the scores), fused qkv, no biases"),
     "gpt_neox_japanese": (lambda: _make(T.GPTNeoXJapaneseConfig, T.GPTNeoXJapaneseForCausalLM, rotary_pct=0.5),

@@ -39,7 +39,7 @@ COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_att
 COMPRESSOR = "compressor"
 
 #: Names of the attention output projection (``[hidden, q_heads * head_dim]``), by family.
-_OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
+_OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo", "Wo")
 
 
 @dataclass(frozen=True)
