@@ -370,6 +370,8 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                               attention_types=[[["local", "global"], 1], [["local"], 1]]),
                 "learned absolute positions, local layers (a window of 8 by the mask, every row cached), "
                 "unscaled scores"),
+    "emu3_text_model": (lambda: _make(T.Emu3TextConfig, T.Emu3ForCausalLM, num_key_value_heads=2),
+                        "Emu3's decoder (its text and image tokens in one vocabulary): Llama's attention"),
     "modernbert-decoder": (lambda: _make(T.ModernBertDecoderConfig, T.ModernBertDecoderForCausalLM,
                                          local_attention=2 * WINDOW, global_attn_every_n_layers=2, cls_token_id=1,
                                          sep_token_id=2),
