@@ -11,7 +11,7 @@ use kakeyaturbo::quant::MAX_BITS;
 use kakeyaturbo::threads::with_threads;
 use numpy::{
     PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3, PyReadwriteArray3, PyUntypedArrayMethods,
+    PyReadonlyArray3, PyReadwriteArray3,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -489,19 +489,10 @@ pub fn decode_calibrated_blocks_into<'py>(
 ) -> PyResult<()> {
     let threads = convert::threads(py, threads)?;
     let (jobs, d) = block_jobs(py, &codecs, &blobs)?;
-    let shape = out.shape().to_vec();
-    if shape[0] != codecs.len() || shape[2] != d {
-        return Err(invalid_input(
-            py,
-            format!("out has shape {shape:?}, not [{}, rows, {d}]", codecs.len()),
-        ));
-    }
-    let dst = out
-        .as_slice_mut()
-        .map_err(|_| invalid_input(py, "out must be C-contiguous"))?;
     let g = codecs.len();
+    let (dst, rows, _) = convert::rows_out(py, &mut out, g, Some(d))?;
     run(py, || {
-        calibrated::decode_many_into(&jobs, g, block_rows, dst, shape[1], at, threads)
+        calibrated::decode_many_into(&jobs, g, block_rows, dst, rows, at, threads)
     })
 }
 

@@ -5,7 +5,8 @@
 
 use crate::errors::{invalid_input, invalid_parameter, type_error};
 use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadonlyArray3, PyUntypedArrayMethods,
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray3,
+    PyUntypedArrayMethods,
 };
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
@@ -233,6 +234,29 @@ fn typed_arr<'py, T: numpy::Element>(
                 std::any::type_name::<T>()
             ))
         })
+}
+
+/// `out`, the C-contiguous float32 `[G, rows, D]` array a decode writes in place: its values,
+/// `rows` and `D`. InvalidInput unless it has `g` row sets (and `D` = `d` where given) and is
+/// C-contiguous.
+pub fn rows_out<'a>(
+    py: Python<'_>,
+    out: &'a mut PyReadwriteArray3<'_, f32>,
+    g: usize,
+    d: Option<usize>,
+) -> PyResult<(&'a mut [f32], usize, usize)> {
+    let shape = out.shape().to_vec();
+    if shape[0] != g || d.is_some_and(|d| shape[2] != d) {
+        let d = d.map_or("D".to_string(), |d| d.to_string());
+        return Err(invalid_input(
+            py,
+            format!("out has shape {shape:?}, not [{g}, rows, {d}]"),
+        ));
+    }
+    let dst = out
+        .as_slice_mut()
+        .map_err(|_| invalid_input(py, "out must be C-contiguous"))?;
+    Ok((dst, shape[1], shape[2]))
 }
 
 /// Blocks of rows, block-major, each with the row set it belongs to.

@@ -8,7 +8,7 @@ use kakeyaturbo::perblock::{container, layer, many};
 use kakeyaturbo::{ByteBreakdown, EncodedLayer};
 use numpy::{
     PyArray1, PyArray2, PyArray3, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
-    PyReadonlyArray3, PyReadwriteArray3, PyUntypedArrayMethods,
+    PyReadonlyArray3, PyReadwriteArray3,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -226,18 +226,9 @@ pub fn decode_layer_blocks_into<'py>(
 ) -> PyResult<()> {
     let threads = convert::threads(py, threads)?;
     let (jobs, g) = block_jobs(py, &blobs)?;
-    let shape = out.shape().to_vec();
-    if shape[0] != g {
-        return Err(invalid_input(
-            py,
-            format!("out has shape {shape:?}, not [{g}, rows, D]"),
-        ));
-    }
-    let dst = out
-        .as_slice_mut()
-        .map_err(|_| invalid_input(py, "out must be C-contiguous"))?;
+    let (dst, rows, d) = convert::rows_out(py, &mut out, g, None)?;
     run(py, || {
-        many::decode_blocks_into(&jobs, g, block_rows, dst, shape[1], shape[2], at, threads)
+        many::decode_blocks_into(&jobs, g, block_rows, dst, rows, d, at, threads)
     })
 }
 
