@@ -8,6 +8,12 @@ calibration statistics, collected on first use): attention over the codes (the f
 calibrated recipes; keys coded before RoPE are synthesised and rotated per tile in the kernel) and, with `--slow`, the same cache decoding its
 sealed blocks and attending over them (`fast=False`).
 
+With ``--batch N`` the N sequences are generated together, row ``b``'s prompt built from the
+articles from the ``b``-th on (so the rows differ in length and are left-padded to the longest,
+as transformers batches prompts); decode tokens/s then count every row's tokens, and the
+identical tokens and KL are taken per row against the same row of the baseline (summed and
+averaged over the rows; the first divergences listed per row in the JSON).
+
 Per run: prefill seconds (for a KakeyaCache, also over the DynamicCache's of the same run), decode
 tokens/s (between the first and the last generated token, so the prompt is not counted), wall
 seconds; per KakeyaCache run the bits per element held
@@ -22,7 +28,7 @@ the rest of it the Python around the kernel). Prints a table and writes JSON.
 
     .venv/bin/python benches/bench_generate.py \\
         --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
-        [--synthesis bf16,f32] [--kernel-threads 1,2] [--repeats 3]
+        [--synthesis bf16,f32] [--kernel-threads 1,2] [--repeats 3] [--batch 4]
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import transformers
@@ -121,13 +127,14 @@ class LogProbs(transformers.LogitsProcessor):
         self.steps: List[torch.Tensor] = []
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        self.steps.append(torch.log_softmax(scores[0].float(), -1))
+        self.steps.append(torch.log_softmax(scores.float(), -1))  # [batch, vocab]
         return scores
 
 
 def mean_kl(ref: List[torch.Tensor], other: List[torch.Tensor], upto: Optional[int]) -> float:
     """Mean KL(ref || other) over the steps whose prefixes are the same: every step up to and
-    including the first divergent token ``upto`` (None: all)."""
+    including the first divergent token ``upto`` (None: all); ``ref`` and ``other`` one batch
+    row's log-probabilities per step."""
     n = min(len(ref), len(other)) if upto is None else min(upto + 1, len(ref), len(other))
     # Tokens a logits processor forbids (-inf in both: the end of text before
     # --new-tokens) carry no mass and are left out.
@@ -140,6 +147,19 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if len(diff) else (None if len(a) == len(b) else n)
+
+
+def compare(ref: Dict[str, Any], r: Dict[str, Any]) -> Tuple[List[Optional[int]], int, float]:
+    """Per batch row, the first token where ``r``'s greedy output leaves ``ref``'s (None where it
+    never does); the tokens identical before it, summed over the rows; the mean over the rows of
+    :func:`mean_kl` up to it."""
+    ds, same, kls = [], 0, []
+    for b in range(ref["tokens"].shape[0]):
+        d = first_divergence(r["tokens"][b], ref["tokens"][b])
+        ds.append(d)
+        same += r["tokens"].shape[1] if d is None else d
+        kls.append(mean_kl([x[b] for x in ref["logp"]], [x[b] for x in r["logp"]], d))
+    return ds, same, sum(kls) / len(kls)
 
 
 def recipe(name: str) -> recipes.Recipe:
@@ -157,6 +177,9 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--prompt-tokens", default="2000,8000", help="comma-separated prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences generated together, each its own prompt of about --prompt-tokens "
+                         "tokens (other articles first), left-padded to the longest")
     ap.add_argument("--slow", action="store_true", help="also run the decode-then-attend path")
     ap.add_argument("--synthesis", default="auto",
                     help="comma-separated syntheses of keys coded before RoPE for the codes path, each "
@@ -183,26 +206,33 @@ def main() -> int:
         stats, sens = calibration.for_recipe(rec, model, tok, model_path, text_path)
         codecs.append((rec, codec_for(rec, stats=stats, sensitivity=sens)))
 
-    def prompt(n_tokens: int) -> torch.Tensor:
-        text = ""
-        for t in ev:
-            text += t + "\n\n"
-            if len(tok.encode(text, add_special_tokens=False)) > n_tokens:
-                break
-        msgs = [{"role": "user", "content": text + "Summarize the text above in a few sentences."}]
-        return tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                       return_dict=True)["input_ids"]
+    def prompt(n_tokens: int) -> Dict[str, torch.Tensor]:
+        """``--batch`` chat prompts (row ``b`` from article ``b`` on), left-padded."""
+        convs = []
+        for b in range(args.batch):
+            text = ""
+            for t in ev[b:]:
+                text += t + "\n\n"
+                if len(tok.encode(text, add_special_tokens=False)) > n_tokens:
+                    break
+            convs.append([{"role": "user", "content": text + "Summarize the text above in a few sentences."}])
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        got = tok.apply_chat_template(convs, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True, padding=True)
+        return {"input_ids": got["input_ids"], "attention_mask": got["attention_mask"]}
 
-    def gen(ids: torch.Tensor, cache: Any) -> Dict[str, Any]:
+    def gen(inputs: Dict[str, torch.Tensor], cache: Any) -> Dict[str, Any]:
         clock, logp = Clock(), LogProbs()
-        n0 = ids.shape[1]
+        n0 = inputs["input_ids"].shape[1]
         with Profile() as prof, torch.no_grad():
             def step_on(input_ids: Any, scores: Any) -> Any:
                 prof.on = True  # from the first generated token on: decode steps only
                 return scores
 
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+            out = model.generate(**inputs, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                  do_sample=False, cache=cache, pad_token_id=pad,
                                  logits_processor=transformers.LogitsProcessorList([clock, logp, step_on]))
             t1 = time.perf_counter()
@@ -213,9 +243,9 @@ def main() -> int:
             per["attention"] -= per["seal"]  # the fast path seals inside its attention function
         if steps:
             per["model_rest"] = 1e3 * decode_s / steps - sum(v for k, v in per.items() if k != "kernel")
-        return {"tokens": out[0, n0:], "logp": logp.steps, "prefill_s": clock.t[0] - t0,
+        return {"tokens": out[:, n0:], "logp": logp.steps, "prefill_s": clock.t[0] - t0,
                 "decode_s": decode_s,
-                "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
+                "decode_tokens_per_s": out.shape[0] * steps / decode_s if decode_s > 0 else float("nan"),
                 "wall_s": t1 - t0, "step_ms": per}
 
     rows: List[Dict[str, Any]] = []
@@ -223,11 +253,12 @@ def main() -> int:
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     for n_tokens, repeat in [(n, k) for n in lengths for k in range(max(1, args.repeats))]:
         ids = prompt(n_tokens)
-        n0 = ids.shape[1]
+        n0 = ids["input_ids"].shape[1]
         model.set_attn_implementation(base)  # the baseline runs the model's own attention
         ref = gen(ids, transformers.DynamicCache(config=model.config))
-        texts[f"{n0}/DynamicCache"] = tok.decode(ref["tokens"], skip_special_tokens=True)
+        texts[f"{n0}/DynamicCache"] = tok.decode(ref["tokens"][0], skip_special_tokens=True)
         rows.append({"prompt_tokens": n0, "cache": "DynamicCache", "recipe": "-", "repeat": repeat,
+                     "batch": args.batch, "padding": int((ids["attention_mask"] == 0).sum()),
                      **{k: v for k, v in ref.items() if k not in ("tokens", "logp")}})
         for rec, codec in codecs:
             runs = {}
@@ -253,7 +284,7 @@ def main() -> int:
                 how += f", {used} synthesis" if cache.fast and used != "bf16" else ""
                 r.update(cache=f"KakeyaCache ({how})", kernel_threads=threads, synthesis=used,
                          fast=cache.fast, fast_reason=cache.fast_reason, recipe=rec.name,
-                         prompt_tokens=n0, block_size=args.block_size, blob_bytes=mem["blobs"],
+                         prompt_tokens=n0, batch=args.batch, block_size=args.block_size, blob_bytes=mem["blobs"],
                          raw_elements=raw_elems, bits_per_element=bits / elems,
                          positions_bytes=mem.get("positions", 0), rope_table_bytes=mem.get("rope_table", 0),
                          bits_per_element_with_positions_and_table=(bits + 8 * extra) / elems,
@@ -264,26 +295,26 @@ def main() -> int:
                 runs[key if syn == "auto" or mode == "slow" else f"{key}-{syn}"] = r
             slow = runs.get("slow")
             for mode, r in runs.items():
-                toks, logp = r["tokens"], r["logp"]
-                d = first_divergence(toks, ref["tokens"])
-                r["identical_to_dynamic"] = len(toks) if d is None else d
-                r["first_divergence_vs_dynamic"] = d
-                r["kl_vs_dynamic"] = mean_kl(ref["logp"], logp, d)
+                ds, same, kl = compare(ref, r)
+                # Per batch row where there are several; one value (as before) for one.
+                r["first_divergence_vs_dynamic"] = ds if args.batch > 1 else ds[0]
+                r["identical_to_dynamic"], r["kl_vs_dynamic"] = same, kl
                 if slow is not None:
-                    fast = mode.startswith("fast")
-                    ds = first_divergence(toks, slow["tokens"]) if fast else None
-                    r["first_divergence_vs_slow"] = ds
-                    r["identical_to_slow"] = len(toks) if ds is None else ds
-                    r["kl_vs_slow"] = mean_kl(slow["logp"], logp, ds) if fast else 0.0
+                    if mode.startswith("fast"):
+                        ds, same, kl = compare(slow, r)
+                    else:
+                        ds, same, kl = [None] * args.batch, r["tokens"].numel(), 0.0
+                    r["first_divergence_vs_slow"] = ds if args.batch > 1 else ds[0]
+                    r["identical_to_slow"], r["kl_vs_slow"] = same, kl
             for mode, r in runs.items():
                 toks = r.pop("tokens")
                 r.pop("logp")
-                r["new_tokens"] = len(toks)
+                r["new_tokens"] = toks.numel()  # over the batch
                 r["repeat"] = repeat
-                texts[f"{n0}/{rec.name}/{mode}"] = tok.decode(toks, skip_special_tokens=True)
+                texts[f"{n0}/{rec.name}/{mode}"] = tok.decode(toks[0], skip_special_tokens=True)
                 rows.append(r)
     load = os.getloadavg()
-    print(f"{model_path.name} | {args.new_tokens} new tokens | block {args.block_size} | "
+    print(f"{model_path.name} | batch {args.batch} | {args.new_tokens} new tokens | block {args.block_size} | "
           f"{os.cpu_count()} cores | torch threads {torch.get_num_threads()} | load {load[0]:.2f} | "
           f"attention kernel {attention_kernel()} | OpenMP team {attention_team() or 'none'}")
     print("| prompt | cache | recipe | bits/elem held | prefill s (time / DynamicCache's) | decode tok/s | vs DynamicCache "
@@ -316,7 +347,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"generate-{model_path.stem}.json"
     path.write_text(json.dumps({
-        "model": model_path.name, "new_tokens": args.new_tokens, "block_size": args.block_size,
+        "model": model_path.name, "batch": args.batch, "new_tokens": args.new_tokens, "block_size": args.block_size,
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": load,
         "machine": platform.processor() or platform.machine(),
         "attention_kernel": attention_kernel(), "openmp_team": attention_team(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
