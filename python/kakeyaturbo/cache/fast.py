@@ -47,6 +47,7 @@ from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_
 from ..families.capture import sparse_mask
 from ..families.layout import model_type, text_config
 from ..families.rope import LayerRope, tabulated_rows
+from .padding import sink_mask
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
@@ -339,7 +340,7 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
-    m = _bool_mask(mask, n_q, total)
+    m = sink_mask(_bool_mask(mask, n_q, total), layer.sink_rows(), sk.shape[-2], n_q, total, sk.device)
     if m is not None:
         m = additive_mask(np.ascontiguousarray(m.to("cpu").numpy()), codes.batch, n_q, total)
     sinks = _sink_logits(module, kwargs, layer)
@@ -396,7 +397,8 @@ def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwar
     scale, softcap = _scale_softcap(module, query, kwargs)
     out, _ = decode_attention_triton(batch, query.detach().float(), tk, tv, sink_k=sk, sink_v=sv,
                                      scale=scale, softcap=softcap, window=layer.window,
-                                     mask=_bool_mask(mask, n_q, total),
+                                     mask=sink_mask(_bool_mask(mask, n_q, total), layer.sink_rows(),
+                                                    sk.shape[-2], n_q, total, sk.device),
                                      rope=None if table is None else staged_rope(table, batch.device),
                                      positions=pos, synthesis=layer.synthesis,
                                      sink_logits=_sink_logits(module, kwargs, layer))

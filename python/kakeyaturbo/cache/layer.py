@@ -19,6 +19,7 @@ from .codecs import (STREAMS, StreamCodec, decode_blocks, decode_blocks_into, de
                      wants_rope)
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
+from .padding import first_real, sink_in_place
 from .positions import Positions, position_ids
 from .rollback import Rollback
 
@@ -30,12 +31,15 @@ class _Stream:
     """One stream (K or V) of one layer: ``sink`` rows, sealed ``blocks`` (blobs
     ``[batch][head]``, each starting at the token position in ``starts``) and ``staging`` rows
     from ``staging_start``; raw rows are ``[B, H, n, D]`` in the storage dtype. The sink holds
-    positions ``sink_start ..`` (``< n_sink``)."""
+    positions ``sink_start ..`` (``< n_sink``), except where ``sink_at`` is set: batch row ``b``'s
+    sink then holds its first real tokens, positions ``sink_at[b] ..`` (a left-padded batch, whose
+    first positions are padding; :mod:`.padding`)."""
 
     def __init__(self, like: torch.Tensor) -> None:
         empty = like[..., :0, :].detach()
         self.sink = empty.clone()
         self.sink_start = 0
+        self.sink_at: Optional[List[int]] = None
         self.staging = empty.clone()
         self.staging_start = 0
         self.blocks: List[List[List[bytes]]] = []
@@ -55,7 +59,9 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
     Tokens ``0 .. n_sink-1`` stay raw (the sink); after them every full block of ``block_size``
     tokens of a compressed stream is sealed: coded per batch row and kv-head into one blob each
     and held only as bytes; the partial block stays raw (staging). A stream not in ``streams``
-    (and every stream of a boundary layer) is never sealed.
+    (and every stream of a boundary layer) is never sealed. In a left-padded batch a row's
+    first ``n_sink`` real tokens stay raw instead of its padding (:mod:`.padding`): the sink
+    holds them, attention reads them from there and not their coded copies in the blocks.
 
     ``fast`` (set by the cache when the codec, the layer and the model allow it; see
     :mod:`kakeyaturbo.cache.fast`): ``update`` stages the call's rows and returns them alone,
@@ -159,13 +165,16 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         start = self.seen
         q = key_states.shape[-2]
         self._recorded += q if self.record_past else 0
+        ids = position_ids(kwargs, q)
         if self.positions is not None:
-            self.positions.record(start, q, key_states.shape[0], position_ids(kwargs, q))
+            self.positions.record(start, q, key_states.shape[0], ids)
+        # A full-attention layer's sink keeps each left-padded row's first real tokens.
+        pads = first_real(ids, key_states.shape[0]) if start == 0 and self.window is None else None
         if (self.fast and self._kernel_of(key_states) is not None
                 and (self.fast_check is None or self.fast_check())):
             self.seen += q
             for name, x in (("k", key_states), ("v", value_states)):
-                self._stage(name, x.detach(), start)
+                self._stage(name, x.detach(), start, pads)
             self._pending = q
             k = key_states.view_as(key_states)
             setattr(k, TAG, self)
@@ -174,8 +183,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         out_k, out_v = self._read("k", key_states, visible), self._read("v", value_states, visible)
         self.seen += q
         for name, x in (("k", key_states), ("v", value_states)):
-            self._append(name, x.detach(), start)
+            self._append(name, x.detach(), start, pads)
         return out_k, out_v
+
+    def sink_rows(self) -> Optional[List[int]]:
+        """In a left-padded batch (:mod:`.padding`): per batch row the position of its first sink
+        row; else None (the sink holds positions ``sink_start ..`` for every row)."""
+        return self._s["k"].sink_at if self.is_initialized else None
 
     # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
 
@@ -364,41 +378,6 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             total += b * h * n * d * st.staging.element_size()
         return total
 
-    # --- persistence (kakeyaturbo.cache.persist) -----------------------------------------------
-
-    def export_state(self) -> Dict[str, Any]:
-        """What the layer holds, as it holds it (no copy, no re-coding): ``seen`` and per stream
-        the raw ``sink`` and ``staging`` rows ``[B, H, n, D]`` with their start positions, and
-        the sealed blocks' blobs ``[block][batch][head]`` with theirs. Empty before the first
-        update."""
-        if not self.is_initialized:
-            return {"seen": 0, "streams": {}}
-        self.settle()
-        return {"seen": self.seen, "streams": {
-            name: {"sink": st.sink, "sink_start": st.sink_start, "staging": st.staging,
-                   "staging_start": st.staging_start, "blocks": st.blocks, "starts": st.starts}
-            for name, st in self._s.items()}}
-
-    def import_state(self, state: Dict[str, Any]) -> None:
-        """Takes over a state :meth:`export_state` gave (of a layer with the same settings);
-        with ``keep_decoded`` the sealed blocks are decoded once."""
-        streams = state["streams"]
-        if not streams:
-            self.reset()
-            return
-        self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
-        self._codes.forget()
-        self._pending = 0
-        self.seen = int(state["seen"])
-        for name, part in streams.items():
-            st = self._s[name]
-            st.sink, st.sink_start = part["sink"], int(part["sink_start"])
-            st.staging, st.staging_start = part["staging"], int(part["staging_start"])
-            st.blocks, st.starts = [list(b) for b in part["blocks"]], [int(x) for x in part["starts"]]
-            st.decoded = []
-            if self.keep_decoded:
-                st.decoded = [self._block(name, j) for j in range(len(st.blocks))]
-
     # --- internals --------------------------------------------------------------------------
 
     def _visible(self, seen: int) -> int:
@@ -417,26 +396,38 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         for st in self._s.values():
             dev = st.staging.device
             st.sink = st.sink.index_select(0, idx.to(dev))
+            if st.sink_at is not None:
+                at = [st.sink_at[b] for b in rows]
+                st.sink_at = at if any(at) else None
             st.staging = st.staging.index_select(0, idx.to(dev))
             # Sealed blocks move as bytes: no re-coding, so beam search stays exact.
             st.blocks = [[blk[b] for b in rows] for blk in st.blocks]
             st.decoded = [t.index_select(0, idx.to(t.device)) for t in st.decoded]
 
-    def _append(self, name: str, x: torch.Tensor, start: int) -> None:
+    def _append(self, name: str, x: torch.Tensor, start: int, pads: Optional[List[int]] = None) -> None:
         """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging; then
         a sliding layer drops what left its window, and full blocks are sealed (at the next
         crop while recording the past)."""
-        self._stage(name, x, start)
+        self._stage(name, x, start, pads)
         if not self.record_past:
             self._settle(name)
 
-    def _stage(self, name: str, x: torch.Tensor, start: int) -> None:
-        """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging."""
+    def _stage(self, name: str, x: torch.Tensor, start: int, pads: Optional[List[int]] = None) -> None:
+        """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging.
+        ``pads`` (:func:`~.padding.first_real`, the first call only): each row's sink takes its
+        first real tokens where the call holds them all."""
         st = self._s[name]
         if not st.staging.shape[-2] and not st.starts:
             st.staging_start = start
         if name in self.streams:
             room = self.n_sink - (st.sink_start + st.sink.shape[-2])
+            if pads is not None and room == self.n_sink and max(pads) + room <= x.shape[-2]:
+                # The rows after the sink (padding included) go on to staging as they are.
+                st.sink = torch.stack([x[b, :, p:p + room] for b, p in enumerate(pads)])
+                st.sink_at = list(pads)
+                st.staging = torch.cat([st.staging, x[..., room:, :]], dim=-2)
+                st.staging_start = room
+                return
             if room > 0 and not st.blocks and st.staging.shape[-2] == 0:
                 st.sink = torch.cat([st.sink, x[..., :room, :]], dim=-2)
                 x = x[..., room:, :]
@@ -519,7 +510,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         n, ref, more = len(st.blocks), st.staging, [] if new is None else [new]
         if st.decoded or not n:  # kept decoded (or nothing sealed)
             full = torch.cat([st.sink] + [self._block(name, j) for j in range(n)] + [ref] + more, dim=-2)
-            return full[..., full.shape[-2] - visible:, :]
+            return sink_in_place(st.sink, st.sink_at, full)[..., full.shape[-2] - visible:, :]
         assert st.starts[-1] - st.starts[0] == (n - 1) * self.block_size, "sealed blocks are contiguous"
         s, b, g = st.sink.shape[-2], n * self.block_size, ref.shape[-2]
         direct = ref.is_cpu and all(x.dtype == torch.float32 and not x.requires_grad for x in [ref] + more)
@@ -538,7 +529,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
                 full[..., at:at + x.shape[-2], :] = x
         else:
             full = torch.cat([st.sink, y.to(ref.dtype), ref] + more, dim=-2)
-        return full[..., full.shape[-2] - visible:, :]
+        return sink_in_place(st.sink, st.sink_at, full)[..., full.shape[-2] - visible:, :]
 
     def _held(self, name: str) -> torch.Tensor:
         self.settle()

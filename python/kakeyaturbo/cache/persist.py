@@ -6,7 +6,8 @@ re-coding), the raw sink and staging rows at their dtype, and the RoPE positions
 where they are not ``0 .. T-1`` (left-padded batches; with multimodal RoPE each token's three,
 a version-2 file) and what a layer holds beyond its rows (a hybrid's recurrent and
 convolution states, an indexer's keys, a compressed layer's window and compressor state, raw:
-:mod:`.persist_state`, a version-3 file); plus what
+:mod:`.persist_state`, a version-3 file), and where a left-padded batch's rows keep their first
+real tokens as their sinks, where those lie (``sink_at``, a version-4 file); plus what
 rebuilds the cache (its settings, the recipe, the model's layers) and who it belongs to: the
 model (type, fingerprint of the attention weights) and the codec (a fingerprint of everything
 that decides its bytes).
@@ -18,7 +19,7 @@ Layout (FORMAT.md, "Saved prefix files"; all integers little-endian):
 | field | type | notes |
 |---|---|---|
 | magic | 4 bytes | ``KKYP`` |
-| version | u16 | 3 with layer states, else 2 with multimodal positions, else 1 |
+| version | u16 | 4 with a left-padded batch's sinks (``sink_at``), else 3 with layer states, else 2 with multimodal positions, else 1 |
 | flags | u16 | 0 (reserved for a lossless stage; none is applied, see docs/prefix.md) |
 | header length ``h`` | u32 | |
 | header | ``h`` bytes | UTF-8 JSON: settings, owners, and per layer and stream the counts of the sections below |
@@ -60,12 +61,13 @@ from .persist_codec import codec_from_file, codec_identity, recipe_json
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
 MAGIC = b"KKYP"
-#: The newest version this build writes and reads: 3 for files holding layer states (a hybrid's
-#: recurrent and convolution states, an indexer's keys, DeepSeek V4's compressor state:
+#: The newest version this build writes and reads: 4 for files whose sinks hold a left-padded
+#: batch's first real tokens (``sink_at``, :mod:`.padding`), 3 for files holding layer states (a
+#: hybrid's recurrent and convolution states, an indexer's keys, DeepSeek V4's compressor state:
 #: :mod:`.persist_state`), 2 for files
 #: holding multimodal RoPE positions (``grid``) and no states, which a build reading an older
 #: version must not load; 1 otherwise.
-VERSION = persist_state.VERSION
+VERSION = 4
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _CRC = 4
 #: Raw row dtypes a file may hold.
@@ -124,7 +126,7 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     chunks: List[bytes] = []
     layers = []
     dtype = batch = None
-    states = False
+    states = padded = False
     for layer in cache.layers:
         tensors, flags, counts = persist_state.layer_state(layer)
         held = {"state": [{"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
@@ -154,6 +156,9 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
                 "first_block": int(part["starts"][0]) if part["starts"] else 0,
                 "blocks": len(part["blocks"]),
             }
+            if part.get("sink_at") is not None:  # a left-padded batch's sinks (a version-4 file)
+                entry["streams"][name]["sink_at"] = [int(x) for x in part["sink_at"]]
+                padded = True
             chunks += [_raw_bytes(sink), _raw_bytes(staging),
                        np.asarray([len(x) for x in blobs], dtype="<u4").tobytes()] + blobs
         layers.append(dict(entry, **held))
@@ -174,7 +179,7 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     def write(t: Path) -> None:
         crc = 0
         with open(t, "wb") as f:
-            version = VERSION if states else 2 if grid is not None else 1
+            version = VERSION if padded else 3 if states else 2 if grid is not None else 1
             for c in [_HEAD.pack(MAGIC, version, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
@@ -247,6 +252,8 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         raise CorruptDataError(f"{where}: version {version} holds no multimodal positions, its header says it does")
     if version < 3 and any(k in layer for layer in header["layers"] for k in ("state", "flags", "counts")):
         raise CorruptDataError(f"{where}: version {version} holds no layer states, its header says it does")
+    if version < 4 and any("sink_at" in s for layer in header["layers"] for s in layer["streams"].values()):
+        raise CorruptDataError(f"{where}: version {version} holds no padded sinks, its header says it does")
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
 
@@ -311,6 +318,12 @@ def _check_header(h: Dict[str, Any]) -> None:
                 raise ValueError(f"{at}: {nb} blocks from {fb} of {bs} do not end where staging starts ({ts})")
             if not nb and sn and ss + sn > ts:
                 raise ValueError(f"{at}: sink {ss}+{sn} overlaps staging from {ts}")
+            if "sink_at" in s:
+                sa = s["sink_at"]
+                if not isinstance(sa, list) or len(sa) != batch or ss or sn != n_sink or not any(sa):
+                    raise ValueError(f"{at}: sink_at {sa!r} for {batch} rows and a sink of {ss}+{sn}")
+                for x in sa:
+                    _int(x, f"{at} sink_at", 0, seen - sn)
             if nb * batch * s["heads"] > _MAX_TOKENS:
                 raise ValueError(f"{at}: too many blobs")
 
@@ -426,7 +439,8 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             flat = [bytes(r.take(int(n), f"{at_} blob")) for n in lens]
             per = b * h
             blocks = [[flat[j * per + bb * h:j * per + (bb + 1) * h] for bb in range(b)] for j in range(nb)]
-            streams[name] = {"sink": sink, "sink_start": s["sink_start"], "staging": staging,
+            streams[name] = {"sink": sink, "sink_start": s["sink_start"], "sink_at": s.get("sink_at"),
+                             "staging": staging,
                              "staging_start": s["staging_start"], "blocks": blocks,
                              "starts": [s["first_block"] + j * c["block_size"] for j in range(nb)]}
         entries, flags, counts = layer.get("state", []), layer.get("flags", {}), layer.get("counts", {})

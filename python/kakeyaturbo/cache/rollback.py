@@ -1,17 +1,18 @@
 """Undoing what a cache layer took (:class:`Rollback`, a part of
 :class:`~kakeyaturbo.cache.layer.KakeyaLayer`): ``crop`` (exact while recording the past, as
-assisted and prompt-lookup decoding ask), and a snapshot of the layer that a refused forward
-call is rolled back to."""
+assisted and prompt-lookup decoding ask), a snapshot of the layer that a refused forward
+call is rolled back to, and the state a saved file holds (``export_state`` / ``import_state``)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from ..codec import _checks
 from ..errors import InvalidParameterError
 from .codecs import STREAMS
+from .padding import sink_unpadded
 
 
 def crop_count(tokens_to_remove: Any) -> int:
@@ -25,11 +26,11 @@ def crop_count(tokens_to_remove: Any) -> int:
 
 #: What :meth:`Rollback.snapshot` keeps of a stream (references: the layer replaces these
 #: tensors and lists, it never changes them in place).
-_FIELDS = ("sink", "sink_start", "staging", "staging_start")
+_FIELDS = ("sink", "sink_start", "sink_at", "staging", "staging_start")
 
 
 class Rollback:
-    """The layer's crop, past recording and snapshots (see the module)."""
+    """The layer's crop, past recording, snapshots and saved state (see the module)."""
 
     # Attributes of the layer (KakeyaLayer.__init__ sets them).
     record_past: bool
@@ -113,6 +114,9 @@ class Rollback:
                 self._unseal_last(name)
             keep = max(self.seen - st.staging_start, 0)
             st.staging = st.staging[..., :keep, :].clone()
+            if st.sink_at is not None and self.seen < max(st.sink_at) + st.sink.shape[-2]:
+                # Back into a padded row's sink: every row's sink holds positions 0 .. again.
+                st.sink, st.sink_at = sink_unpadded(st.sink, st.sink_at), None
             if self.seen < st.sink_start + st.sink.shape[-2]:
                 st.sink = st.sink[..., :max(self.seen - st.sink_start, 0), :].clone()
                 st.staging_start = self.seen if not st.starts else st.staging_start
@@ -139,6 +143,44 @@ class Rollback:
             for f, v in zip(_FIELDS, fields):
                 setattr(st, f, v)
             st.blocks, st.starts, st.decoded = list(blocks), list(starts), list(decoded)
+
+    # --- persistence (kakeyaturbo.cache.persist) -----------------------------------------------
+
+    def export_state(self) -> Dict[str, Any]:
+        """What the layer holds, as it holds it (no copy, no re-coding): ``seen`` and per stream
+        the raw ``sink`` and ``staging`` rows ``[B, H, n, D]`` with their start positions (the
+        sink's per batch row, ``sink_at``, in a left-padded batch, else None), and
+        the sealed blocks' blobs ``[block][batch][head]`` with theirs. Empty before the first
+        update."""
+        if not self.is_initialized:
+            return {"seen": 0, "streams": {}}
+        self.settle()
+        return {"seen": self.seen, "streams": {
+            name: {"sink": st.sink, "sink_start": st.sink_start, "sink_at": st.sink_at, "staging": st.staging,
+                   "staging_start": st.staging_start, "blocks": st.blocks, "starts": st.starts}
+            for name, st in self._s.items()}}
+
+    def import_state(self, state: Dict[str, Any]) -> None:
+        """Takes over a state :meth:`export_state` gave (of a layer with the same settings);
+        with ``keep_decoded`` the sealed blocks are decoded once."""
+        streams = state["streams"]
+        if not streams:
+            self.reset()
+            return
+        self.lazy_initialization(streams["k"]["staging"], streams["v"]["staging"])
+        self._codes.forget()
+        self._pending = 0
+        self.seen = int(state["seen"])
+        for name, part in streams.items():
+            st = self._s[name]
+            st.sink, st.sink_start = part["sink"], int(part["sink_start"])
+            at = part.get("sink_at")
+            st.sink_at = None if at is None else [int(x) for x in at]
+            st.staging, st.staging_start = part["staging"], int(part["staging_start"])
+            st.blocks, st.starts = [list(b) for b in part["blocks"]], [int(x) for x in part["starts"]]
+            st.decoded = []
+            if self.keep_decoded:
+                st.decoded = [self._block(name, j) for j in range(len(st.blocks))]
 
     def _unseal_last(self, name: str) -> None:
         """The last sealed block decoded back into staging (crop)."""
