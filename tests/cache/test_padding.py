@@ -5,12 +5,13 @@ codec (its coded rows differ from the raw ones, so a sink read from the blocks s
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from .conftest import build, fast_codec, fast_recipe, generate, prompt, torch, transformers
 
 from kakeyaturbo.cache import KakeyaCache, persist  # noqa: E402
-from kakeyaturbo.cache.padding import first_real, sink_mask, sink_unpadded  # noqa: E402
+from kakeyaturbo.cache.padding import causal_mask, first_real, move_sinks, sink_unpadded  # noqa: E402
 from kakeyaturbo.errors import CorruptDataError  # noqa: E402
 
 PAD = 5  # row 1's padding: its first real token at position 5, in the first sealed block
@@ -49,15 +50,17 @@ def test_first_real_reads_both_conventions_of_padding() -> None:
     assert first_real(None, 2) is None
 
 
-def test_sink_mask_moves_each_rows_entry_to_its_sink() -> None:
+def test_move_sinks_moves_each_rows_entry_to_its_sink() -> None:
     m = torch.ones(2, 1, 1, 8, dtype=torch.bool)
     m[1, ..., :3] = False  # row 1's padding
-    got = sink_mask(m, [0, 3], 1, 1, 8)
+    got = move_sinks(m.clone(), [0, 3], 1, False)
     assert torch.equal(got[0], m[0])
     assert got[1, 0, 0].tolist() == [True, False, False, False, True, True, True, True]
-    assert sink_mask(m, None, 1, 1, 8) is m
-    # No mask (causal): queries are the last positions.
-    causal = sink_mask(None, [0, 2], 1, 2, 5)
+    add = np.where(m.numpy(), np.float32(0), np.float32(-np.inf))
+    assert np.array_equal(move_sinks(add.copy(), [0, 3], 1, -np.inf) == 0, got.numpy())
+    # A sink of two rows whose row starts inside it (overlapping places), and no mask (causal):
+    # queries are the last positions.
+    causal = move_sinks(causal_mask(2, 2, 5), [0, 1], 2, False)
     assert causal[0, 0].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert causal[1, 0].int().tolist() == [[1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
 
@@ -91,12 +94,12 @@ def test_codes_attend_over_the_sinks_as_decoded_rows_do(model, codec) -> None:
     plain = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
     import kakeyaturbo.cache.fast as fast_mod
 
-    orig = fast_mod.sink_mask
-    fast_mod.sink_mask = lambda m, *a: m
+    orig = fast_mod.move_sinks
+    fast_mod.move_sinks = lambda m, *a: m
     try:
         _, log_p = _run(model, plain, n=6)
     finally:
-        fast_mod.sink_mask = orig
+        fast_mod.move_sinks = orig
     assert (log_p - log_s).abs().max().item() > 1e-4
 
 
@@ -165,3 +168,23 @@ def test_a_damaged_record_of_the_sinks_is_refused(model, codec, tmp_path, edit, 
     bad.write_bytes(body + struct.pack("<I", zlib.crc32(body)))
     with pytest.raises(CorruptDataError, match=match):
         KakeyaCache.load(bad, model, codec)
+
+
+def test_compress_cache_keeps_a_padded_rows_first_tokens(model, codec) -> None:
+    from kakeyaturbo.cache import compress_cache
+
+    ids, mask = _batch()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    held = {}
+    for given in (pos, None):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, cache=cache)
+        raw = [layer.keys.clone() for layer in cache.layers]
+        report = compress_cache(cache, codec, n_sink=1, positions=given, model=model)
+        held[given is None] = report["bits"]
+        for layer, k in zip(cache.layers, raw):
+            assert torch.equal(layer.keys[0, :, 0], k[0, :, 0])
+            assert torch.equal(layer.keys[1, :, PAD], k[1, :, PAD]) == (given is not None)
+            assert not torch.equal(layer.keys[1, :, PAD + 1], k[1, :, PAD + 1])
+    assert held[True] == held[False]  # the bits as a KakeyaCache holds them: the sink's places

@@ -47,7 +47,7 @@ from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_
 from ..families.capture import sparse_mask
 from ..families.layout import model_type, text_config
 from ..families.rope import LayerRope, tabulated_rows
-from .padding import sink_mask
+from .padding import causal_mask, move_sinks
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
 #: implementation it stands in for.
@@ -340,9 +340,13 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
-    m = sink_mask(_bool_mask(mask, n_q, total), layer.sink_rows(), sk.shape[-2], n_q, total, sk.device)
+    m, at = _bool_mask(mask, n_q, total), layer.sink_rows()
+    if m is None and at is not None:
+        m = causal_mask(codes.batch, n_q, total)
     if m is not None:
         m = additive_mask(np.ascontiguousarray(m.to("cpu").numpy()), codes.batch, n_q, total)
+        if at is not None:  # a left-padded batch's sinks (additive_mask's array is its own)
+            move_sinks(m, at, sk.shape[-2], -np.inf)
     sinks = _sink_logits(module, kwargs, layer)
     sinks = None if sinks is None else sink_logits_array(_f32(sinks), q.shape[1])
     rope = None if rot is None else rot[0].kernel_args(rot[1].view(np.uint32), layer.synthesis)
@@ -397,12 +401,24 @@ def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwar
     scale, softcap = _scale_softcap(module, query, kwargs)
     out, _ = decode_attention_triton(batch, query.detach().float(), tk, tv, sink_k=sk, sink_v=sv,
                                      scale=scale, softcap=softcap, window=layer.window,
-                                     mask=sink_mask(_bool_mask(mask, n_q, total), layer.sink_rows(),
-                                                    sk.shape[-2], n_q, total, sk.device),
+                                     mask=_sinks_moved(layer, _bool_mask(mask, n_q, total), n_q, total,
+                                                       sk.shape[-2], sk.device),
                                      rope=None if table is None else staged_rope(table, batch.device),
                                      positions=pos, synthesis=layer.synthesis,
                                      sink_logits=_sink_logits(module, kwargs, layer))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _sinks_moved(layer: Any, m: Optional[torch.Tensor], n_q: int, total: int, n: int,
+                 device: torch.device) -> Optional[torch.Tensor]:
+    """The boolean mask ``m`` (None: causal) with a left-padded batch's sinks moved
+    (:func:`~kakeyaturbo.cache.padding.move_sinks`), a tensor of its own; ``m`` itself where
+    no row is padded."""
+    at = layer.sink_rows()
+    if at is None:
+        return m
+    m = causal_mask(len(at), n_q, total, device) if m is None else m.expand(len(at), *m.shape[1:]).clone()
+    return move_sinks(m, at, n, False)
 
 
 #: Rope tables staged on a device for the Triton kernel, by table (weakly) and device.

@@ -6,13 +6,14 @@ keeps it raw) lies further on, where the blocks would code it. So a layer's sink
 batch row, that row's first ``n_sink`` real tokens (``sink_at[b]``: the position of row ``b``'s
 first sink row) and attention reads them from there: decoded rows are overwritten with them
 (:func:`sink_in_place`), and attention over the codes moves each one's mask entry to its sink
-column and masks its coded copy (:func:`sink_mask`).
+column and masks its coded copy (:func:`move_sinks`).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
+import numpy as np
 import torch
 
 
@@ -47,26 +48,26 @@ def sink_in_place(sink: torch.Tensor, sink_at: Optional[List[int]], full: torch.
     return full
 
 
-def sink_mask(m: Optional[torch.Tensor], sink_at: Optional[List[int]], n: int, n_q: int,
-              total: int, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
-    """The boolean mask ``[B, 1, n_q, total]`` (True: attend; None: causal, the queries the last
-    ``n_q`` positions; built on ``device``) over a full-attention layer's positions ``0 ..`` whose
-    first ``n`` columns are its sink rows, for sinks at ``sink_at``: row ``b``'s sink column ``j``
-    takes the entry of position ``sink_at[b] + j``, whose copy past the sink is masked. ``m``
-    itself where no row's sink moved."""
-    if sink_at is None or not any(sink_at):
-        return m
-    batch = len(sink_at)
-    if m is None:
-        cols = torch.arange(total, device=device)
-        m = (cols[None, :] <= (total - n_q + torch.arange(n_q, device=device))[:, None]).expand(batch, 1, n_q, total)
-    src = m.expand(batch, *m.shape[1:]) if m.shape[0] == 1 else m
-    out = src.clone()
+def causal_mask(batch: int, n_q: int, total: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The boolean mask ``[batch, 1, n_q, total]`` (True: attend) of queries that are the last
+    ``n_q`` of ``total`` positions, each seeing those up to its own: what attention without a mask
+    computes, for :func:`move_sinks` to change."""
+    cols = torch.arange(total, device=device)
+    seen = cols[None, :] <= (total - n_q + torch.arange(n_q, device=device))[:, None]
+    return seen.expand(batch, 1, n_q, total).clone()
+
+
+def move_sinks(m: Any, sink_at: List[int], n: int, masked: Any) -> Any:
+    """``m``, a mask of its own (boolean or additive, numpy or torch, ``[B, ..., total]`` over a
+    full-attention layer's positions ``0 ..``, whose first ``n`` are its sink rows), changed in
+    place for sinks at ``sink_at``: row ``b``'s sink column ``j`` takes the entry of position
+    ``sink_at[b] + j``, whose copy past the sink becomes ``masked``."""
     for b, p in enumerate(sink_at):
         if p:
-            out[b, ..., :n] = src[b, ..., p:p + n]
-            out[b, ..., max(p, n):p + n] = False
-    return out
+            src = m[b, ..., p:p + n]
+            m[b, ..., :n] = src.copy() if isinstance(src, np.ndarray) else src.clone()
+            m[b, ..., max(p, n):p + n] = masked
+    return m
 
 
 def sink_unpadded(sink: torch.Tensor, sink_at: List[int]) -> torch.Tensor:

@@ -3,7 +3,7 @@ full-attention and sliding-window layers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
@@ -14,6 +14,7 @@ from ..families import describe
 from ..families.layout import COMPRESSOR
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
+from .padding import first_real
 from .rope import layer_rope, layer_ropes, rope_for
 
 
@@ -133,10 +134,12 @@ def cache_splits(cache: Any, model: Any, splits: Optional[Mapping[int, int]] = N
 
 
 def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, first: int, r: Any, pos: Any,
-          pending: list) -> int:
+          pending: list, pads: Optional[List[int]] = None) -> int:
     """Codes the rows of ``t`` (``[B, H, T, D]``, positions ``first ..``) after the first ``s``
     (RoPE ``r`` removed at ``pos`` first, where given), decodes them and queues the decoded rows
-    for writing into ``t`` (``pending``); returns the bytes of the blobs."""
+    for writing into ``t`` (``pending``); returns the bytes of the blobs. ``pads`` (a left-padded
+    batch, :mod:`.padding`): each row's first ``s`` real tokens keep their raw rows, as a
+    :class:`KakeyaCache` keeps them in its sink's places."""
     where = f"layer {i}, stream {stream!r}"
     x = t[:, :, s:]
     _check_finite(x, f"{where}: the rows to code hold", first + s)
@@ -151,6 +154,9 @@ def _code(codec: StreamCodec, i: int, stream: str, t: torch.Tensor, s: int, firs
         y = r.apply(y, pos)
     y = y.to(t.dtype)
     _check_finite(y, f"{where}: {codec!r}.decode returned", first + s)
+    for b, p in enumerate(pads or ()):
+        if p:  # positions max(p, s) .. p + s - 1, held from position s on
+            y[b, :, max(p, s) - s:p] = t[b, :, max(p, s):p + s].to(y.device)
     pending.append((t, s, y.to("cpu")))
     return sum(len(blob) for row in blobs for blob in row)
 
@@ -166,7 +172,9 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     as held, and its state (the count of tokens seen) is left alone. Per layer, stream, batch row
     and kv-head, the rows after the sink go through ``codec.encode`` / ``codec.decode`` as one blob
     and the decoded rows are written back into the same tensors (in the tensors' dtype).
-    Untouched, bit for bit: sink tokens (positions ``< n_sink`` still held), the ``boundary``
+    Untouched, bit for bit: sink tokens (positions ``< n_sink`` still held; in a left-padded
+    batch, ``positions`` ``[batch, T]`` given, also each row's first ``n_sink`` real tokens, which
+    a :class:`KakeyaCache` keeps in its sink's places: :mod:`.padding`), the ``boundary``
     layers (negative indices count from the last layer), layers a codec that names its layers
     (``codec.layers``) was not fitted for, and streams not in ``streams``.
 
@@ -216,8 +224,12 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
         if model is None:
             raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
         rope = rope_for(model)
-    if want_rope and positions is not None:
+    pads = None
+    if positions is not None:
         positions = _positions(positions, layers, rope)
+        if n_sink:
+            pads = first_real(positions[0] if positions.ndim == 3 else positions,
+                              positions.shape[-2] if positions.ndim > 1 else 0)
     elems = blob_bytes = raw = 0
     done, pending = [], []
     with torch.no_grad():
@@ -259,7 +271,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 if r is not None:
                     pos = torch.arange(first + n) if positions is None else positions
                     pos = pos[..., first + s:first + n]
-                blob_bytes += _code(codec, i, stream, t, s, first, r, pos, pending)
+                blob_bytes += _code(codec, i, stream, t, s, first, r, pos, pending,
+                                    pads if span is None and first == 0 and s == n_sink else None)
         # Every layer coded: only now is the cache changed.
         for t, s, y in pending:
             t[:, :, s:] = y

@@ -127,3 +127,21 @@ def test_triton_kernel_with_an_image_s_rotations() -> None:
     assert tri._positions.triples and tri.layers[0]._rope_table.n_positions > 256  # rows appended
     assert torch.equal(seq_t, seq_r)
     assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * max(1.0, log_r.abs().max().item())
+
+
+def test_triton_kernel_reads_a_left_padded_batch_s_sinks_as_the_rust_one() -> None:
+    """A left-padded row's sink holds its first real token (``cache.padding``): the Triton kernel
+    reads it there, through the mask the cache moves, as the Rust kernel does."""
+    model = families.build("llama")
+    codec = _codec(model, "before")
+    ids = torch.randint(3, families.VOCAB, (2, 26), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    runs = []
+    for kernel in ("rust", "triton"):
+        cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel=kernel)
+        runs.append(generate(model, ids, cache, n=6, attention_mask=mask))
+        assert cache.fast and cache.layers[0].sink_rows() == [0, 5]
+    (seq_r, log_r), (seq_t, log_t) = runs
+    assert torch.equal(seq_t, seq_r)
+    assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * max(1.0, log_r.abs().max().item())
