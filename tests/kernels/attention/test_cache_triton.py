@@ -27,6 +27,7 @@ from kakeyaturbo.kernels import attention as kattn  # noqa: E402
 
 from tests.cache import families  # noqa: E402
 from tests.cache.conftest import fast_codec, fast_recipe, generate  # noqa: E402
+from tests.cache.test_fast import _exact_steps  # noqa: E402
 from tests.cache.test_multimodal import _build as build_multimodal  # noqa: E402
 from tests.cache.test_multimodal import _generate as generate_with  # noqa: E402
 from tests.cache.test_multimodal import _inputs as multimodal_inputs  # noqa: E402
@@ -71,7 +72,13 @@ def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> Non
     monkeypatch.undo()
     assert torch.equal(seq_t, seq_r), name
     scale = max(1.0, log_r.abs().max().item())
-    assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * scale, name
+    # The kernels' rounding (1e-7) in rows computed after the first step can move a row across a
+    # quantiser's boundary when its block is sealed (Gemma 2 with torch on one thread): from the
+    # first query that reads a block the caches coded differently, logits compared loosely.
+    exact = _exact_steps(tri, rust, ids.shape[1], 4, log_r.shape[0])
+    err = (log_t - log_r).abs().amax(dim=(1, 2))
+    assert exact >= 1 and err[:exact].max().item() <= LOGIT_ATOL * scale, (name, exact, err)
+    assert err.max().item() <= 1e-2 * scale, (name, err)
     # Full-attention layers are staged once, then only their new blocks appended; a sliding
     # layer is staged anew when a block leaves its window.
     fast_layers = [layer for layer in tri.layers if isinstance(layer, KakeyaLayer) and layer.fast and layer.num_sealed()]
