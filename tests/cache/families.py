@@ -361,6 +361,12 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
     "aria_text": (lambda: _make(T.AriaTextConfig, T.AriaTextForCausalLM, num_key_value_heads=2, head_dim=16,
                                 moe_num_experts=4, moe_topk=2, moe_intermediate_size=32),
                   "Aria's decoder: Llama's attention, MoE MLP with shared experts"),
+    "beam": (lambda: _make(T.BeamConfig, T.BeamForCausalLM, num_key_value_heads=2, head_dim=16,
+                           sliding_window=WINDOW, layer_types=SLIDING_FULL_SLIDING,
+                           mlp_layer_types=["dense", "sparse", "sparse"], num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, n_group=1, topk_group=1),
+             "q/k RMSNorm per head, sliding and full layers, a dense first layer then grouped-routing "
+             "experts, final logit softcapping"),
     "bloom": (lambda: _make(T.BloomConfig, T.BloomForCausalLM),
               "ALiBi (a per-head linear bias on the scores), fused qkv"),
     "xglm": (lambda: _make(T.XGLMConfig, T.XGLMForCausalLM, d_model=64, ffn_dim=128, num_layers=3,
