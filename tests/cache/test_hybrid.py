@@ -254,7 +254,7 @@ def test_a_block_shared_across_layers_is_served_not_calibrated() -> None:
         calibration.collect(model, [[3, 4, 5, 6, 7, 8]], samples=2)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1", "nemotron_h", "gemma4_text"])
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "falcon_h1", "nemotron_h", "gemma4_text", "qwen4_exp_text"])
 def test_left_padded_batches(name) -> None:
     """A batch of two prompts, one left-padded: keys coded without RoPE come back at each row's
     own positions beside the recurrent states (or shared layers), the tokens those of DynamicCache."""
