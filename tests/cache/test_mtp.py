@@ -153,3 +153,60 @@ def test_mtp_decoding_on_a_cache_that_holds_tokens_is_refused(tmp_path) -> None:
         seq, logits = generate(model, more, c, n=6)
         assert torch.equal(seq, ref_seq)
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+
+
+def _assistant(model):
+    """A tiny random-weight Gemma 4 assistant (``Gemma4AssistantForCausalLM``) for ``model``:
+    two layers sharing the main model's last sliding and full K/V, three drafts a step."""
+    from .family_base import _COMMON, WINDOW
+
+    text = transformers.Gemma4TextConfig(**dict(
+        _COMMON, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_hidden_layers=2,
+        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"], per_layer_config={},
+        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0))
+    torch.manual_seed(0)
+    config = transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=model.config.hidden_size)
+    assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    return assistant
+
+
+def _drafting_from(assistant) -> list:
+    """The K/V row counts (per layer type) the assistant is handed at each draft."""
+    seen, forward = [], assistant.forward
+
+    def recorded(*a, **kw):
+        seen.append({k: tuple(t.shape[2] for t in v) for k, v in kw["shared_kv_states"].items()})
+        return forward(*a, **kw)
+
+    assistant.forward = recorded
+    return seen
+
+
+def test_gemma4_assistant_drafts_from_every_held_row() -> None:
+    """Assisted decoding with Gemma 4's assistant, which drafts from the main model's last sliding
+    and full K/V (``shared_kv_states``): an exact codec gives DynamicCache's tokens; through the
+    codes the assistant is handed each layer's held rows (every row of the full layer, as
+    decode-then-attend hands it; the sliding layer's last ``window - 1``), not only the call's own
+    (it was). The tokens of the two paths may differ: other drafts accepted, other rows raw when
+    read."""
+    model, ids = build("gemma4_text"), family_prompt(t=30)
+    assistant = _assistant(model)
+    kw = dict(assistant_model=assistant, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids, cache=transformers.DynamicCache(config=model.config), **kw)
+    cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
+    assert torch.equal(model.generate(ids, cache=cache, **kw), ref)
+    codec = fast_codec(model, fast_recipe("before"), "before")
+    handed = {}
+    for fast in (True, False):
+        handed[fast] = _drafting_from(assistant)
+        cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1, fast=fast)
+        out = model.generate(ids, cache=cache, **kw)
+        del assistant.forward
+        assert cache.fast == fast and any(getattr(layer, "num_sealed", lambda: 0)() for layer in cache.layers)
+        # Each draft starts from every token so far: the full layer's rows (keys, values).
+        assert [d["full_attention"] for d in handed[fast]][0] == (ids.shape[1], ids.shape[1])
+        assert all(d["full_attention"][0] >= ids.shape[1] for d in handed[fast])
+        assert all(d["sliding_attention"][0] >= model.config.sliding_window - 1 for d in handed[fast])
+        assert out.shape[1] > ids.shape[1]

@@ -1,6 +1,6 @@
 """Around every forward call of a model through a :class:`~kakeyaturbo.cache.KakeyaCache`
 (:func:`watch_calls`): the checks before the layers run, the snapshot a refused call is rolled
-back to, the positions handed to the cache's position store."""
+back to, the positions handed to the cache's position store, the rows an assistant drafts from."""
 
 from __future__ import annotations
 
@@ -10,8 +10,25 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..errors import InvalidInputError
+from .fast import TAG
 from .positions import Positions, watch_rotary
 from .rope import layer_ropes
+
+
+def held_shared_rows(result: Any) -> None:
+    """Gemma 4's assistant drafts from the K/V the main model's forward hands back
+    (``shared_kv_states``, asked for with ``return_shared_kv_states=True``): the tensors its
+    attention read, which through the codes are only the call's own rows, tagged with their
+    layer. Those become the rows the layer holds, its sealed blocks decoded (a sliding layer's
+    last ``window - 1``), in place in ``result``."""
+    shared = getattr(result, "shared_kv_states", None)
+    if shared is None:
+        return
+    for key in list(shared.keys()):
+        rows = shared[key]
+        layer = getattr(rows[0], TAG, None) if isinstance(rows, tuple) and rows else None
+        if layer is not None:
+            shared[key] = (layer.keys, layer.values)
 
 
 def watch_calls(model: Any, cache: Any) -> None:
@@ -29,7 +46,8 @@ def watch_calls(model: Any, cache: Any) -> None:
     rotary modules are called with (:func:`~kakeyaturbo.cache.positions.watch_rotary`); takes a
     snapshot of the layers. After: a call that raised (a later layer refused its rows, say) is
     rolled back, so that the cache is as it was; a loaded prefix is continued only once a call
-    went through. The hooks hold the cache weakly and go when the cache does."""
+    went through; the K/V rows the call hands back for an assistant are the layers' whole rows
+    (:func:`held_shared_rows`). The hooks hold the cache weakly and go when the cache does."""
     ref = weakref.ref(cache)
 
     def ours(kwargs: Dict[str, Any]) -> Any:
@@ -81,6 +99,7 @@ def watch_calls(model: Any, cache: Any) -> None:
             c._roll_back(undo)
         else:
             c._resume = None
+            held_shared_rows(result)
 
     handles = [model.register_forward_pre_hook(before, with_kwargs=True),
                model.register_forward_hook(after, with_kwargs=True, always_call=True)]
