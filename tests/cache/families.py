@@ -367,20 +367,6 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                            moe_intermediate_size=32, n_group=1, topk_group=1),
              "q/k RMSNorm per head, sliding and full layers, a dense first layer then grouped-routing "
              "experts, final logit softcapping"),
-    "qwen4_exp_text": (lambda: _make(T.Qwen4ExpTextConfig, T.Qwen4ExpForCausalLM, num_key_value_heads=2, head_dim=16,
-                                     layer_types=["linear_attention", "indexed_attention", "linear_attention"],
-                                     **_DELTANET, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-                                     indexer_budget=8, indexer_compress_ratio=4, num_experts=4,
-                                     num_experts_per_tok=2, moe_intermediate_size=32,
-                                     shared_expert_intermediate_size=32, hc_count=2, hc_lowrank=8,
-                                     ngram_size=2, heads_per_ngram=2, ngram_vocab_size_base=512,
-                                     make_ngram_vocab_size_divisible_by=8, split_ngram_parts=8,
-                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                      "partial_rotary_factor": 0.25}),
-                       "Qwen4-Exp's decoder, a hybrid: Gated DeltaNet layers around indexed-attention ones (an "
-                       "indexer over pooled blocks of its own keys picks the blocks each query sees, through the "
-                       "mask), q/k RMSNorm per head, partial rotary (a quarter), hyper-connections, n-gram "
-                       "embeddings, MoE with a shared expert"),
     "bloom": (lambda: _make(T.BloomConfig, T.BloomForCausalLM),
               "ALiBi (a per-head linear bias on the scores), fused qkv"),
     "xglm": (lambda: _make(T.XGLMConfig, T.XGLMForCausalLM, d_model=64, ffn_dim=128, num_layers=3,
