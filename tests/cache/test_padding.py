@@ -188,3 +188,28 @@ def test_compress_cache_keeps_a_padded_rows_first_tokens(model, codec) -> None:
             assert torch.equal(layer.keys[1, :, PAD], k[1, :, PAD]) == (given is not None)
             assert not torch.equal(layer.keys[1, :, PAD + 1], k[1, :, PAD + 1])
     assert held[True] == held[False]  # the bits as a KakeyaCache holds them: the sink's places
+
+
+def test_a_sliding_layer_keeps_the_sinks_until_a_query_is_a_window_past() -> None:
+    """A sliding layer (Mistral, a window of 36 over a prompt of 30) keeps a padded row's first
+    token in its sink while no query lies a window past position 0: read raw there, through the
+    codes as through decoded blocks; past it the sinks hold positions 0 .. again and the two
+    paths still agree."""
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=36, max_position_embeddings=256)).eval()
+    codec = fast_codec(model, fast_recipe("before"), "before")
+    ref = transformers.DynamicCache(config=model.config)
+    _run(model, ref, n=3)
+    logits = {}
+    for fast in (True, False):
+        cache = KakeyaCache(codec, model=model, block_size=8, n_sink=1, fast=None if fast else False)
+        seq, _ = _run(model, cache, n=3)  # 32 tokens held: every query within the window of position 0
+        layer = cache.layers[0]
+        assert layer.sink_rows() == [0, PAD] and layer.window == 36
+        assert torch.equal(layer.keys[1, :, PAD], ref.layers[0].keys[1, :, PAD])
+        more = torch.cat([seq, torch.full((2, 8), 7)], dim=1)
+        mask = torch.cat([_batch()[1], torch.ones(2, more.shape[1] - 30, dtype=torch.long)], dim=1)
+        logits[fast] = generate(model, more, cache, n=4, attention_mask=mask)[1]  # past the window
+        assert layer.sink_rows() is None and cache.get_seq_length() > 36
+    assert (logits[True] - logits[False]).abs().max().item() <= 1e-5

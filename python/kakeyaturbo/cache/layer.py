@@ -19,7 +19,7 @@ from .codecs import (STREAMS, StreamCodec, decode_blocks, decode_blocks_into, de
                      wants_rope)
 from . import fast as fast_mod
 from .fast import TAG, SealedCodes, rope_table
-from .padding import first_real, sink_in_place
+from .padding import first_real, sink_in_place, sink_unpadded
 from .positions import Positions, position_ids
 from .rollback import Rollback
 
@@ -145,12 +145,9 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
                **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """Appends ``[B, H, q, D]`` keys and values; returns the K and V attention reads: every
         token of a full-attention layer, the last ``window - 1`` tokens before this call plus its
-        own of a sliding one.
-
-        The tokens of this call come back exactly as given (they attend to each other at full
-        precision, as in a serving engine's current chunk); tokens of earlier calls come back
-        as stored: sink and staging raw, sealed blocks decoded.
-        """
+        own of a sliding one. The tokens of this call come back exactly as given (they attend to
+        each other at full precision, as in a serving engine's current chunk); tokens of earlier
+        calls come back as stored: sink and staging raw, sealed blocks decoded."""
         check_rows(self, key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -168,8 +165,12 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         ids = position_ids(kwargs, q)
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], ids)
-        # A full-attention layer's sink keeps each left-padded row's first real tokens.
-        pads = first_real(ids, key_states.shape[0]) if start == 0 and self.window is None else None
+        # The sink keeps each left-padded row's first real tokens: in a sliding layer only while no
+        # query is a window past position 0 (until then its rows lie at their positions).
+        pads = first_real(ids, key_states.shape[0]) if start == 0 else None
+        if self.window is not None and start + q > self.window:
+            pads = None
+            self._unpin()
         if (self.fast and self._kernel_of(key_states) is not None
                 and (self.fast_check is None or self.fast_check())):
             self.seen += q
@@ -186,9 +187,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             self._append(name, x.detach(), start, pads)
         return out_k, out_v
 
+    def _unpin(self) -> None:  # every stream's sink back to positions 0 .. (padding.sink_unpadded)
+        for st in self._s.values():
+            if st.sink_at is not None:
+                st.sink, st.sink_at = sink_unpadded(st.sink, st.sink_at), None
+
     def sink_rows(self) -> Optional[List[int]]:
-        """In a left-padded batch (:mod:`.padding`): per batch row the position of its first sink
-        row; else None (the sink holds positions ``sink_start ..`` for every row)."""
+        """In a left-padded batch (:mod:`.padding`): per row the position of its first sink row."""
         return self._s["k"].sink_at if self.is_initialized else None
 
     # --- attention over the codes (kakeyaturbo.cache.fast) -----------------------------------
@@ -413,15 +418,15 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             self._settle(name)
 
     def _stage(self, name: str, x: torch.Tensor, start: int, pads: Optional[List[int]] = None) -> None:
-        """Rows ``x`` of positions ``start ..``: to the sink while it fills, else to staging.
-        ``pads`` (:func:`~.padding.first_real`, the first call only): each row's sink takes its
-        first real tokens where the call holds them all."""
+        """Rows ``x`` of positions ``start ..``: to the sink while it fills (``pads``, of a first
+        call: each row's first real tokens where the call holds them all), else to staging."""
         st = self._s[name]
         if not st.staging.shape[-2] and not st.starts:
             st.staging_start = start
         if name in self.streams:
             room = self.n_sink - (st.sink_start + st.sink.shape[-2])
-            if pads is not None and room == self.n_sink and max(pads) + room <= x.shape[-2]:
+            if (pads is not None and room == self.n_sink and max(pads) + room <= x.shape[-2]
+                    and (self.window is None or start + x.shape[-2] <= self.window)):
                 # The rows after the sink (padding included) go on to staging as they are.
                 st.sink = torch.stack([x[b, :, p:p + room] for b, p in enumerate(pads)])
                 st.sink_at = list(pads)
@@ -445,6 +450,8 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         """Drops what a sliding layer holds before position ``lo`` (no later query sees it):
         sink rows, whole sealed blocks, staging rows; a block straddling ``lo`` stays whole."""
         st = self._s[name]
+        if st.sink_at is not None and lo > 0:
+            self._unpin()
         if st.sink.shape[-2] and st.sink_start < lo:
             cut = min(lo - st.sink_start, st.sink.shape[-2])
             st.sink = st.sink[..., cut:, :].clone()

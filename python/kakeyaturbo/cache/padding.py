@@ -6,7 +6,10 @@ keeps it raw) lies further on, where the blocks would code it. So a layer's sink
 batch row, that row's first ``n_sink`` real tokens (``sink_at[b]``: the position of row ``b``'s
 first sink row) and attention reads them from there: decoded rows are overwritten with them
 (:func:`sink_in_place`), and attention over the codes moves each one's mask entry to its sink
-column and masks its coded copy (:func:`move_sinks`).
+column and masks its coded copy (:func:`move_sinks`). A sliding-window layer does so while no
+query lies a window past position 0 (its rows then lie at their positions, as the kernel's window
+counts them); from then on, and after a crop back into a padded row's sink, every row's sink holds
+positions ``0 ..`` again (:func:`sink_unpadded`).
 """
 
 from __future__ import annotations

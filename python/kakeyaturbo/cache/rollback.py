@@ -12,7 +12,6 @@ import torch
 from ..codec import _checks
 from ..errors import InvalidParameterError
 from .codecs import STREAMS
-from .padding import sink_unpadded
 
 
 def crop_count(tokens_to_remove: Any) -> int:
@@ -115,8 +114,7 @@ class Rollback:
             keep = max(self.seen - st.staging_start, 0)
             st.staging = st.staging[..., :keep, :].clone()
             if st.sink_at is not None and self.seen < max(st.sink_at) + st.sink.shape[-2]:
-                # Back into a padded row's sink: every row's sink holds positions 0 .. again.
-                st.sink, st.sink_at = sink_unpadded(st.sink, st.sink_at), None
+                self._unpin()  # back into a padded row's sink: every row's sink holds positions 0 .. again
             if self.seen < st.sink_start + st.sink.shape[-2]:
                 st.sink = st.sink[..., :max(self.seen - st.sink_start, 0), :].clone()
                 st.staging_start = self.seen if not st.starts else st.staging_start
