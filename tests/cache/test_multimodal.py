@@ -1,8 +1,9 @@
 """The cache in multimodal checkpoints' decoders, as users load them (``...ForConditionalGeneration``
-of Gemma 3, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and Qwen 3.5: a vision tower before the text
-model), on tiny
+of Gemma 3, Gemma 4 Unified, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and Qwen 3.5: a vision tower,
+or Gemma 4 Unified's patch projection, before the text model), on tiny
 random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
-multimodal RoPE gives the image tokens positions of their own. The identity codec generates as
+multimodal RoPE gives the image tokens positions of their own, and the Gemma models, whose image
+tokens attend to each other both ways (also in a call after sealed blocks). The identity codec generates as
 ``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
 same cache decoding its blocks, with a calibrated codec of keys after and before RoPE; keys
 coded before RoPE are the model's keys before its multimodal RoPE, and a saved prefix keeps the
@@ -37,6 +38,8 @@ _QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, 
                     spatial_merge_size=2, temporal_patch_size=2)
 #: The Qwen models' special tokens, inside the tiny vocabulary.
 _IDS = dict(image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
+#: Gemma 3's image tokens (its 4 soft tokens between the start and end of the image).
+_GEMMA_IDS = dict(image_token_index=90, boi_token_index=92, eoi_token_index=93)
 
 
 @lru_cache(maxsize=None)
@@ -47,8 +50,17 @@ def _build(name: str):
         cfg = t.Gemma3Config(text_config=dict(_TEXT, sliding_window=8),
                              vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                 num_attention_heads=2, image_size=28, patch_size=14),
-                             mm_tokens_per_image=4)
+                             mm_tokens_per_image=4, **_GEMMA_IDS)
         return t.Gemma3ForConditionalGeneration(cfg).eval()
+    if name == "gemma4_unified":  # no vision tower: merged pixel patches projected into the decoder
+        cfg = t.Gemma4UnifiedConfig(
+            text_config=dict(_TEXT, sliding_window=8, per_layer_config={},
+                             layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+            vision_config=dict(patch_size=2, pooling_kernel_size=1, mm_embed_dim=32, mm_posemb_size=16,
+                               output_proj_dims=32),
+            audio_config=None, image_token_id=90, video_token_id=91, boi_token_id=92, eoi_token_id=93, boa_token_id=94,
+            eoa_token_index=95, audio_token_id=96)
+        return t.Gemma4UnifiedForConditionalGeneration(cfg).eval()
     if name == "mistral3":
         cfg = t.Mistral3Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8),
                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -83,6 +95,14 @@ def _inputs(name: str, image):
     g = torch.Generator().manual_seed(1)
     if not image:
         return {"input_ids": torch.randint(3, 80, (1, 20), generator=g)}
+    if name.startswith("gemma"):  # 4 image tokens, bidirectional among themselves by the model's mask
+        ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.tensor([[92, 90, 90, 90, 90, 93]]),
+                         torch.randint(3, 80, (1, 12), generator=g)], dim=1)
+        if name == "gemma3":  # a 28 x 28 image, its token types marking the image tokens
+            return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 28, 28, generator=g),
+                    "token_type_ids": (ids == 90).long()}
+        return {"input_ids": ids, "pixel_values": torch.randn(1, 4, 2 * 2 * 3, generator=g),  # 2 x 2 patches
+                "image_position_ids": torch.tensor([[[0, 0], [1, 0], [0, 1], [1, 1]]])}
     if image == "batch":
         img = torch.tensor([92, 90, 90, 90, 90, 93])
         def text(n):
@@ -107,7 +127,7 @@ def _generate(model, inputs, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-CASES = [("gemma3", False), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
+CASES = [("gemma3", False), ("gemma3", True), ("gemma4_unified", False), ("gemma4_unified", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
          ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
@@ -311,3 +331,29 @@ def test_any_damage_to_a_saved_image_prefix_is_a_kakeya_error(tmp_path_factory, 
         KakeyaCache.load(bad, _build("qwen2_vl"))
     except KakeyaError:
         pass
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4_unified"])
+def test_an_image_after_sealed_blocks(name) -> None:
+    """A prompt fed in two calls, the image (its tokens attending to each other both ways) in the
+    second, after blocks of the first were sealed: through the codes as through decoded blocks,
+    and an exact codec as ``DynamicCache``."""
+    m, inputs = _build(name), _inputs(name, True)
+    ids = inputs["input_ids"]
+    rest = {k: v for k, v in inputs.items() if k != "input_ids"}
+    if "token_type_ids" in rest:
+        rest["token_type_ids"] = rest["token_type_ids"][:, 5:]
+
+    def run(cache):
+        with torch.no_grad():
+            m(input_ids=ids[:, :5], cache=cache, use_cache=True)
+            return m(input_ids=ids[:, 5:], cache=cache, use_cache=True, **rest).logits
+
+    ref = run(transformers.DynamicCache(config=m.config))
+    assert torch.equal(run(KakeyaCache(IdentityCodec(), model=m, block_size=4, n_sink=1)), ref)
+    codec = fast_codec(m, fast_recipe("after"), "after")
+    fast = KakeyaCache(codec, model=m, block_size=4, n_sink=1, synthesis="f32")
+    got = run(fast)
+    assert fast.fast and fast.layers[0].num_sealed() >= 1
+    want = run(KakeyaCache(codec, model=m, block_size=4, n_sink=1, fast=False))
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
