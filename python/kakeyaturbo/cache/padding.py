@@ -62,7 +62,7 @@ def causal_mask(batch: int, n_q: int, total: int, device: Optional[torch.device]
 
 def move_sinks(m: Any, sink_at: List[int], n: int, masked: Any) -> Any:
     """``m``, a mask of its own (boolean or additive, numpy or torch, ``[B, ..., total]`` over a
-    full-attention layer's positions ``0 ..``, whose first ``n`` are its sink rows), changed in
+    layer's positions ``0 ..``, none dropped, whose first ``n`` are its sink rows), changed in
     place for sinks at ``sink_at``: row ``b``'s sink column ``j`` takes the entry of position
     ``sink_at[b] + j``, whose copy past the sink becomes ``masked``."""
     for b, p in enumerate(sink_at):
