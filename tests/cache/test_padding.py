@@ -213,3 +213,19 @@ def test_a_sliding_layer_keeps_the_sinks_until_a_query_is_a_window_past() -> Non
         logits[fast] = generate(model, more, cache, n=4, attention_mask=mask)[1]  # past the window
         assert layer.sink_rows() is None and cache.get_seq_length() > 36
     assert (logits[True] - logits[False]).abs().max().item() <= 1e-5
+
+
+def test_a_family_that_hands_the_cache_no_positions() -> None:
+    """GPT-NeoX passes the cache no ``position_ids``: keys coded before RoPE, the cache takes the
+    forward's positions (its position store), and a padded row's sink from them."""
+    from .families import build as build_family
+
+    model = build_family("gpt_neox")
+    codec = fast_codec(model, fast_recipe("before"), "before")
+    cache = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
+    ref = transformers.DynamicCache(config=model.config)
+    _run(model, cache)
+    _run(model, ref)
+    for layer, want in zip(cache.layers, ref.layers):
+        assert layer.sink_rows() == [0, PAD]
+        assert torch.equal(layer.keys[1, :, PAD], want.keys[1, :, PAD])
