@@ -229,3 +229,13 @@ def test_a_family_that_hands_the_cache_no_positions() -> None:
     for layer, want in zip(cache.layers, ref.layers):
         assert layer.sink_rows() == [0, PAD]
         assert torch.equal(layer.keys[1, :, PAD], want.keys[1, :, PAD])
+
+
+def test_no_sink_no_record(model, codec, tmp_path) -> None:
+    """Without a sink (``n_sink=0``) nothing is kept raw, so nothing moves, and a saved file
+    stays one an earlier build reads (version 1)."""
+    cache = KakeyaCache(codec, model=model, block_size=8, n_sink=0)
+    _run(model, cache)
+    assert cache.layers[0].sink_rows() is None
+    path = cache.save(tmp_path / "nosink.kkpfx", model=model)
+    assert path.read_bytes()[4:6] == (1).to_bytes(2, "little")

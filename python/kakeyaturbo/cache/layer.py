@@ -169,7 +169,7 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
                 ids = self.positions.pos[:, :q]  # the forward's (GPT-NeoX hands the cache none)
         # The sink keeps each left-padded row's first real tokens: in a sliding layer only while no
         # query is a window past position 0 (until then its rows lie at their positions).
-        pads = first_real(ids, key_states.shape[0]) if start == 0 else None
+        pads = first_real(ids, key_states.shape[0]) if start == 0 and self.n_sink else None
         if self.window is not None and start + q > self.window:
             pads = None
             self._unpin()
