@@ -1,9 +1,10 @@
 """The cache in multimodal checkpoints' decoders, as users load them (``...ForConditionalGeneration``
-of Gemma 3, Gemma 4 Unified, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and Qwen 3.5: a vision tower,
-or Gemma 4 Unified's patch projection, before the text model), on tiny
+of Gemma 3, Gemma 4 Unified, Emu3, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and Qwen 3.5: a vision
+tower, Gemma 4 Unified's patch projection or Emu3's VQ tokenizer before the text model), on tiny
 random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
-multimodal RoPE gives the image tokens positions of their own, and the Gemma models, whose image
-tokens attend to each other both ways (also in a call after sealed blocks). The identity codec generates as
+multimodal RoPE gives the image tokens positions of their own, the Gemma models, whose image
+tokens attend to each other both ways (also in a call after sealed blocks), and Emu3, whose image
+becomes tokens of the decoder's vocabulary. The identity codec generates as
 ``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
 same cache decoding its blocks, with a calibrated codec of keys after and before RoPE; keys
 coded before RoPE are the model's keys before its multimodal RoPE, and a saved prefix keeps the
@@ -61,6 +62,12 @@ def _build(name: str):
             audio_config=None, image_token_id=90, video_token_id=91, boi_token_id=92, eoi_token_id=93, boa_token_id=94,
             eoa_token_index=95, audio_token_id=96)
         return t.Gemma4UnifiedForConditionalGeneration(cfg).eval()
+    if name == "emu3":  # a VQ-VAE turns the image into tokens of the decoder's vocabulary
+        vocab = {"<image>": 90, "<|extra_200|>": 91, **{f"<|visual token {i:06d}|>": 80 + i for i in range(8)}}
+        cfg = t.Emu3Config(text_config=dict(_TEXT), vocabulary_map=vocab, vq_config=dict(
+            codebook_size=8, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
+            num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1))
+        return t.Emu3ForConditionalGeneration(cfg).eval()
     if name == "mistral3":
         cfg = t.Mistral3Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8),
                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -95,6 +102,11 @@ def _inputs(name: str, image):
     g = torch.Generator().manual_seed(1)
     if not image:
         return {"input_ids": torch.randint(3, 80, (1, 20), generator=g)}
+    if name == "emu3":  # an 8 x 8 image: 4 x 4 codes and an end of line per row, 20 placeholders
+        ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.full((1, 20), 90),
+                         torch.randint(3, 80, (1, 10), generator=g)], dim=1)
+        return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 8, 8, generator=g),
+                "image_sizes": torch.tensor([[8, 8]])}
     if name.startswith("gemma"):  # 4 image tokens, bidirectional among themselves by the model's mask
         ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.tensor([[92, 90, 90, 90, 90, 93]]),
                          torch.randint(3, 80, (1, 12), generator=g)], dim=1)
@@ -127,7 +139,8 @@ def _generate(model, inputs, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-CASES = [("gemma3", False), ("gemma3", True), ("gemma4_unified", False), ("gemma4_unified", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
+CASES = [("gemma3", False), ("gemma3", True), ("gemma4_unified", False), ("gemma4_unified", True), ("emu3", False),
+         ("emu3", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
          ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 

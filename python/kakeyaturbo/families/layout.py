@@ -315,7 +315,8 @@ def output_projection(module: Any, q_heads: int, head_dim: int) -> Any:
 
 def _rotary_module(model: Any) -> Any:
     base = getattr(model, "base_model", model)
-    for owner in (base, getattr(base, "language_model", None), getattr(model, "model", None), model):
+    for owner in (base, getattr(base, "language_model", None), getattr(base, "text_model", None),  # Emu3's
+                  getattr(model, "model", None), model):
         mod = getattr(owner, "rotary_emb", None) if owner is not None else None
         if mod is not None:
             return mod
