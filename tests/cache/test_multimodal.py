@@ -1,12 +1,12 @@
 """The cache in multimodal checkpoints' decoders, as users load them (``...ForConditionalGeneration``
-of Gemma 3, Gemma 4 Unified, Emu3, Idefics3 (SmolVLM), Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and
+of Gemma 3, Gemma 4 Unified, Emu3, Idefics3, SmolVLM, Mistral 3, Qwen2-VL, Qwen 2.5-VL, Qwen3-VL and
 Qwen 3.5: a vision tower, Gemma 4 Unified's patch projection or Emu3's VQ tokenizer before the text
 model), on tiny
 random-weight models: text-only prompts, and prompts with an image for the Qwen models, whose
 multimodal RoPE gives the image tokens positions of their own, the Gemma models, whose image
 tokens attend to each other both ways (also in a call after sealed blocks), Emu3, whose image
-becomes tokens of the decoder's vocabulary, and Idefics3, whose text model (as Emu3's) lies under
-``model.text_model``. The identity codec generates as
+becomes tokens of the decoder's vocabulary, and Idefics3 and SmolVLM, whose text model (as Emu3's)
+lies under ``model.text_model``. The identity codec generates as
 ``DynamicCache`` (keys coded as cached and without RoPE), and attention over the codes as the
 same cache decoding its blocks, with a calibrated codec of keys after and before RoPE; keys
 coded before RoPE are the model's keys before its multimodal RoPE, and a saved prefix keeps the
@@ -70,11 +70,13 @@ def _build(name: str):
             codebook_size=8, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
             num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1, temporal_downsample_factor=1))
         return t.Emu3ForConditionalGeneration(cfg).eval()
-    if name == "idefics3":  # SmolVLM's: a Llama under model.text_model
-        cfg = t.Idefics3Config(text_config=dict(_TEXT, model_type="llama"), image_token_id=90, scale_factor=1,
-                               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                  num_attention_heads=2, image_size=28, patch_size=14))
-        return t.Idefics3ForConditionalGeneration(cfg).eval()
+    if name in ("idefics3", "smolvlm"):  # a Llama under model.text_model
+        config, model = ((t.Idefics3Config, t.Idefics3ForConditionalGeneration) if name == "idefics3"
+                         else (t.SmolVLMConfig, t.SmolVLMForConditionalGeneration))
+        cfg = config(text_config=dict(_TEXT, model_type="llama"), image_token_id=90, scale_factor=1,
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=28, patch_size=14))
+        return model(cfg).eval()
     if name == "mistral3":
         cfg = t.Mistral3Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8),
                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -114,7 +116,7 @@ def _inputs(name: str, image):
                          torch.randint(3, 80, (1, 10), generator=g)], dim=1)
         return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 8, 8, generator=g),
                 "image_sizes": torch.tensor([[8, 8]])}
-    if name == "idefics3":  # a 28 x 28 image: 2 x 2 patches, 4 placeholders
+    if name in ("idefics3", "smolvlm"):  # a 28 x 28 image: 2 x 2 patches, 4 placeholders
         ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.full((1, 4), 90),
                          torch.randint(3, 80, (1, 10), generator=g)], dim=1)
         return {"input_ids": ids, "pixel_values": torch.randn(1, 1, 3, 28, 28, generator=g)}
@@ -151,7 +153,8 @@ def _generate(model, inputs, cache):
 
 
 CASES = [("gemma3", False), ("gemma3", True), ("gemma4_unified", False), ("gemma4_unified", True), ("emu3", False),
-         ("emu3", True), ("idefics3", False), ("idefics3", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
+         ("emu3", True), ("idefics3", False), ("idefics3", True), ("smolvlm", False),
+         ("smolvlm", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
          ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 
 
