@@ -18,6 +18,7 @@ from kakeyaturbo.errors import InvalidInputError  # noqa: E402
 
 from .conftest import fast_codec, fast_recipe, generate, saved_and_loaded_go_on_alike  # noqa: E402
 from .families import build, family_prompt  # noqa: E402
+from .family_base import _COMMON, WINDOW  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -158,8 +159,6 @@ def test_mtp_decoding_on_a_cache_that_holds_tokens_is_refused(tmp_path) -> None:
 def _assistant(model):
     """A tiny random-weight Gemma 4 assistant (``Gemma4AssistantForCausalLM``) for ``model``:
     two layers sharing the main model's last sliding and full K/V, three drafts a step."""
-    from .family_base import _COMMON, WINDOW
-
     text = transformers.Gemma4TextConfig(**dict(
         _COMMON, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_hidden_layers=2,
         num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"], per_layer_config={},

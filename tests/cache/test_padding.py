@@ -5,12 +5,18 @@ codec (its coded rows differ from the raw ones, so a sink read from the blocks s
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
+
 import numpy as np
 import pytest
 
 from .conftest import build, fast_codec, fast_recipe, generate, prompt, torch, transformers
+from .families import build as build_family
 
-from kakeyaturbo.cache import KakeyaCache, persist  # noqa: E402
+from kakeyaturbo.cache import KakeyaCache, compress_cache, persist  # noqa: E402
+from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.cache.padding import causal_mask, first_real, move_sinks, sink_unpadded  # noqa: E402
 from kakeyaturbo.errors import CorruptDataError  # noqa: E402
 
@@ -92,8 +98,6 @@ def test_codes_attend_over_the_sinks_as_decoded_rows_do(model, codec) -> None:
     assert (log_f - log_s).abs().max().item() <= 1e-5
     # Without the moved mask entry the codes' attention reads the coded first token: it differs.
     plain = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
-    import kakeyaturbo.cache.fast as fast_mod
-
     orig = fast_mod.move_sinks
     fast_mod.move_sinks = lambda m, *a: m
     try:
@@ -151,10 +155,6 @@ def test_a_saved_padded_batch_loads_with_its_sinks(model, codec, tmp_path) -> No
     (lambda h: h.__setitem__("_version", 3), "holds no padded sinks"),
 ])
 def test_a_damaged_record_of_the_sinks_is_refused(model, codec, tmp_path, edit, match) -> None:
-    import json
-    import struct
-    import zlib
-
     cache = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
     _run(model, cache)
     data = cache.save(tmp_path / "padded.kkpfx", model=model).read_bytes()
@@ -171,8 +171,6 @@ def test_a_damaged_record_of_the_sinks_is_refused(model, codec, tmp_path, edit, 
 
 
 def test_compress_cache_keeps_a_padded_rows_first_tokens(model, codec) -> None:
-    from kakeyaturbo.cache import compress_cache
-
     ids, mask = _batch()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     held = {}
@@ -218,8 +216,6 @@ def test_a_sliding_layer_keeps_the_sinks_until_a_query_is_a_window_past() -> Non
 def test_a_family_that_hands_the_cache_no_positions() -> None:
     """GPT-NeoX passes the cache no ``position_ids``: keys coded before RoPE, the cache takes the
     forward's positions (its position store), and a padded row's sink from them."""
-    from .families import build as build_family
-
     model = build_family("gpt_neox")
     codec = fast_codec(model, fast_recipe("before"), "before")
     cache = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
