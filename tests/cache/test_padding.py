@@ -15,7 +15,8 @@ import pytest
 from .conftest import build, fast_codec, fast_recipe, generate, prompt, torch, transformers
 from .families import build as build_family
 
-from kakeyaturbo.cache import KakeyaCache, compress_cache, persist  # noqa: E402
+from kakeyaturbo import recipes  # noqa: E402
+from kakeyaturbo.cache import KakeyaCache, codec_for, compress_cache, persist  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.cache.padding import causal_mask, first_real, move_sinks, sink_unpadded  # noqa: E402
 from kakeyaturbo.errors import CorruptDataError  # noqa: E402
@@ -213,11 +214,15 @@ def test_a_sliding_layer_keeps_the_sinks_until_a_query_is_a_window_past() -> Non
     assert (logits[True] - logits[False]).abs().max().item() <= 1e-5
 
 
-def test_a_family_that_hands_the_cache_no_positions() -> None:
-    """GPT-NeoX passes the cache no ``position_ids``: keys coded before RoPE, the cache takes the
-    forward's positions (its position store), and a padded row's sink from them."""
-    model = build_family("gpt_neox")
-    codec = fast_codec(model, fast_recipe("before"), "before")
+@pytest.mark.parametrize("name, recipe", [("gpt_neox", "before"), ("gpt_neox", "block"), ("deepseek_v32", "after")])
+def test_a_family_that_hands_the_cache_no_positions(name, recipe) -> None:
+    """GPT-NeoX and DeepSeek V3.2's attention pass the cache no ``position_ids``: the cache hands a
+    layer's first call the forward's, whether or not it keeps a position store (keys coded before
+    RoPE: GPT-NeoX with a calibrated codec; not: a per-block recipe, MLA's latent rows), and a
+    padded row's sink comes from them."""
+    model = build_family(name)
+    codec = (codec_for(recipes.load("balanced")) if recipe == "block"
+             else fast_codec(model, fast_recipe(recipe), recipe))
     cache = KakeyaCache(codec, model=model, block_size=8, n_sink=1)
     ref = transformers.DynamicCache(config=model.config)
     _run(model, cache)

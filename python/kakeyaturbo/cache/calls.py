@@ -86,6 +86,7 @@ def watch_calls(model: Any, cache: Any) -> None:
                     f"file): give ids that begin with those {held} tokens and go on past them")
         if c._positions is not None:
             c._positions.expect(p)
+        c._forward_ids = p
         c._undo = c._snapshot()
 
     def after(_module: Any, _args: Any, kwargs: Dict[str, Any], result: Any) -> None:
@@ -95,6 +96,7 @@ def watch_calls(model: Any, cache: Any) -> None:
         if c._positions is not None:
             c._positions.end_pass()
         undo, c._undo = c._undo, None
+        c._forward_ids = None
         if result is None:  # the call raised (torch runs this hook then with no result)
             c._roll_back(undo)
         else:

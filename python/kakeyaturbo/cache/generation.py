@@ -32,7 +32,7 @@ from .layer import KakeyaLayer
 from .copying import NotPickled, copy_sharing
 from .rollback import crop_count
 from .calls import watch_calls
-from .positions import Positions
+from .positions import Positions, position_ids
 from .pretrained import CalibrationLike, check_codec_model, codec_for_model
 from .rope import check_rope, layer_ropes, rope_of_layer
 
@@ -177,6 +177,9 @@ class KakeyaCache(Cache, NotPickled):
         #: a refused call left the cache unusable (a hybrid's recurrent states advanced).
         self._undo: Any = None
         self._broken: Optional[str] = None
+        #: The position_ids of the forward call under way (calls.watch_calls), for a layer's first
+        #: call where the attention hands it none (a padded row's sink: cache.padding).
+        self._forward_ids: Optional[torch.Tensor] = None
         #: The tokens held when transformers last turned past recording on, until the next call
         #: (:meth:`activate_past_recording`); None when none were.
         self._assist_from: Optional[int] = None
@@ -297,7 +300,11 @@ class KakeyaCache(Cache, NotPickled):
                *args: Any, **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:
             self.layers.append(self._new_layer(len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        layer, ids = self.layers[layer_idx], self._forward_ids
+        if (ids is not None and isinstance(layer, KakeyaLayer) and not layer.seen
+                and ids.shape[-1] == key_states.shape[-2] and position_ids(kwargs, ids.shape[-1]) is None):
+            kwargs = dict(kwargs, position_ids=ids)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     # The position store is shared by the layers, so the batch and length operations that
     # transformers applies layer by layer apply to it once here.

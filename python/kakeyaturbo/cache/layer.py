@@ -165,8 +165,6 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         ids = position_ids(kwargs, q)
         if self.positions is not None:
             self.positions.record(start, q, key_states.shape[0], ids)
-            if ids is None and start == 0 and self.positions.pos is not None:
-                ids = self.positions.pos[:, :q]  # the forward's (GPT-NeoX hands the cache none)
         # The sink keeps each left-padded row's first real tokens: in a sliding layer only while no
         # query is a window past position 0 (until then its rows lie at their positions).
         pads = first_real(ids, key_states.shape[0]) if start == 0 and self.n_sink else None
