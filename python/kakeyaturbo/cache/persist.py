@@ -179,7 +179,7 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     def write(t: Path) -> None:
         crc = 0
         with open(t, "wb") as f:
-            version = VERSION if padded else 3 if states else 2 if grid is not None else 1
+            version = VERSION if padded else persist_state.VERSION if states else 2 if grid is not None else 1
             for c in [_HEAD.pack(MAGIC, version, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
