@@ -378,6 +378,10 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                 "unscaled scores"),
     "emu3_text_model": (lambda: _make(T.Emu3TextConfig, T.Emu3ForCausalLM, num_key_value_heads=2),
                         "Emu3's decoder (its text and image tokens in one vocabulary): Llama's attention"),
+    "mllama_text_model": (lambda: _make(T.MllamaTextConfig, T.MllamaForCausalLM, num_key_value_heads=2,
+                                        cross_attention_layers=[1]),
+                          "Llama 3.2 Vision's decoder (`MllamaForCausalLM`): Llama's self-attention and "
+                          "cross-attention layers over an image's rows, which a text-only forward skips"),
     "modernbert-decoder": (lambda: _make(T.ModernBertDecoderConfig, T.ModernBertDecoderForCausalLM,
                                          local_attention=2 * WINDOW, global_attn_every_n_layers=2, cls_token_id=1,
                                          sep_token_id=2),

@@ -272,6 +272,13 @@ class KakeyaCache(Cache, NotPickled):
             return compressed_layer(DYNAMIC_LAYER_TYPE_MAPPING[spec.cache_type], self._config, i, self.codec,
                                     split=spec.head_dim, block_size=self.block_size, n_sink=self.n_sink,
                                     streams=() if raw else self.streams, keep_decoded=self.keep_decoded)
+        if spec is not None and spec.is_cross:
+            # An image's rows for cross-attention (mllama): no RoPE, no positions, no sink (they
+            # are no tokens); coded where the codec codes the layer (per-block recipes; calibration
+            # text gives a calibrated codec none of their statistics: raw), never attended over
+            # the codes. The model reads them back through `keys` / `values` at every step.
+            return KakeyaLayer(i, self.codec, block_size=self.block_size, n_sink=0,
+                               streams=() if raw else self.streams, keep_decoded=self.keep_decoded)
         if spec is not None and not spec.has_kv:
             # A hybrid's recurrent / convolution state, or no cache (MLP-only, KV sharing):
             # transformers' own layer.

@@ -515,6 +515,8 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         decoded straight into the tensor returned, not into one of their own then concatenated."""
         st = self._s[name]
         n, ref, more = len(st.blocks), st.staging, [] if new is None else [new]
+        if not n and not more and not st.sink.shape[-2]:  # staging alone (a raw layer without sink)
+            return ref[..., ref.shape[-2] - visible:, :]
         if st.decoded or not n:  # kept decoded (or nothing sealed)
             full = torch.cat([st.sink] + [self._block(name, j) for j in range(n)] + [ref] + more, dim=-2)
             return sink_in_place(st.sink, st.sink_at, full)[..., full.shape[-2] - visible:, :]

@@ -509,7 +509,7 @@ def _check_layout(header: Dict[str, Any], layout: Any, where: str) -> None:
     ``head_dim``, value width ``v_dim``): the file was saved from this model (same fingerprint),
     so its header is damaged."""
     for spec, layer in zip(layout.layers, header["layers"]):
-        if layer["streams"] and not spec.has_kv:
+        if layer["streams"] and not (spec.has_kv or spec.is_cross):
             raise CorruptDataError(f"{where} is inconsistent: layer {spec.index} caches nothing in this "
                                    "model, the file holds rows for it")
         for name, s in layer["streams"].items():

@@ -176,7 +176,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     batch, ``positions`` ``[batch, T]`` given, also each row's first ``n_sink`` real tokens, which
     a :class:`KakeyaCache` keeps in its sink's places: :mod:`.padding`), the ``boundary``
     layers (negative indices count from the last layer), layers a codec that names its layers
-    (``codec.layers``) was not fitted for, and streams not in ``streams``.
+    (``codec.layers``) was not fitted for, and streams not in ``streams``. A cross-attention
+    layer's rows (an image's, mllama's; known from ``model``) have no sink.
 
     A compressed-attention layer (DeepSeek V4's CSA and HCA: the model's own layer, with
     ``compressed_kv``) holds its window as one tensor read as keys and values: it stays raw, as
@@ -224,6 +225,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
         if model is None:
             raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
         rope = rope_for(model)
+    # An image's rows for cross-attention (mllama) are no tokens: no sink, as KakeyaCache holds them.
+    cross = {s.index for s in describe(model).layers if s.is_cross} if model is not None else set()
     pads = None
     if positions is not None:
         positions = _positions(positions, layers, rope)
@@ -259,7 +262,7 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 continue
             done.append(i)
             first, n = span or held_span(layer)
-            s = sink_rows(n_sink, first, n)
+            s = 0 if i in cross else sink_rows(n_sink, first, n)
             for stream, t in (("k", k), ("v", v)):
                 b, h, _, d = t.shape
                 if stream not in streams or s == n:

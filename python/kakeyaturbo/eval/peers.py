@@ -101,7 +101,7 @@ def unsupported(name: str, model: Any) -> Optional[str]:
                                     ("chunked-attention", any(s.kind == "chunked" for s in layout.layers)),
                                     ("compressed-attention", any(s.kind == "compressed" for s in layout.layers)),
                                     ("recurrent or convolution state",
-                                     any(not s.has_kv and s.kind != "compressed" for s in layout.layers)))
+                                     any(s.kind == "state" for s in layout.layers)))
              if has]
     if other:
         return (f"peer {name} skipped: transformers' QuantizedCache takes full-attention layers "

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..errors import UnsupportedModelError
 from .counts import check_heads, check_layers, layer_count, modules_by_layer
 from .heads import layer_heads, per_layer
+from .readers import cross_layers, kv_sources
 from .rope import LayerRope, ModelRope, detect_rope
 
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
@@ -59,6 +60,11 @@ class LayerSpec:
       block); head counts 0;
     - ``"shared"``: an attention layer that caches nothing and attends over the K/V rows of layer
       ``reads`` (Gemma 3n's and Gemma 4's KV sharing; its heads and ``window`` are its own);
+    - ``"cross"``: cross-attention (Llama 3.2 Vision's, ``mllama``: ``config.cross_attention_layers``):
+      its text queries attend over K/V rows computed from an image's vision features, not from
+      the tokens, without RoPE; a text-only forward skips the layer, so calibration text gives it
+      no statistics. The cache holds its rows beside the tokens' (:meth:`ModelLayout.kv_layers`
+      leaves it out);
     - ``"compressed"``: compressed attention (DeepSeek V4's CSA and HCA layers, ``cache_type``
       one of :data:`COMPRESSED_LAYER_TYPES`): the last ``window - 1`` tokens' K=V rows (one
       kv-head) and one compressed entry per ``rate`` tokens, which grow with the context. What
@@ -90,6 +96,11 @@ class LayerSpec:
         """Whether the layer caches K/V rows (full, sliding or chunked attention; compressed
         attention's entries)."""
         return self.kind in ("full", "sliding", "chunked", "compressed")
+
+    @property
+    def is_cross(self) -> bool:
+        """Whether the layer attends over an image's K/V rows (cross-attention), not the tokens'."""
+        return self.kind == "cross"
 
     @property
     def attends(self) -> bool:
@@ -217,36 +228,6 @@ def _layer_types(cfg: Any, mt: str) -> Tuple[List[str], List[Dict[str, Any]]]:
     return types, kwargs
 
 
-def _sharing(cfg: Any) -> Optional[Dict[int, int]]:
-    """KV sharing (Gemma 3n, Gemma 4, Kolibri 1.1): each ``reuse`` layer's producer, the last
-    ``store`` layer of its layer type before it (``config.kv_sharing_modes``), or the one
-    ``config.kv_source_layers`` names (Kolibri 1.1: not always the last); ``{}`` without sharing,
-    None where the config says layers share but not how."""
-    try:
-        modes = getattr(cfg, "kv_sharing_modes", None)
-    except Exception:  # a config whose sharing does not add up
-        return None
-    if not modes or "reuse" not in modes:
-        return None if getattr(cfg, "num_kv_shared_layers", 0) else {}
-    types = list(getattr(cfg, "layer_types", None) or [])
-    if len(types) != len(modes):
-        return None
-    out: Dict[int, int] = {}
-    sources = getattr(cfg, "kv_source_layers", None)  # Kolibri 1.1: each layer's producer, by index
-    for i, mode in enumerate(modes):
-        if mode == "reuse" and isinstance(sources, (list, tuple)) and len(sources) == len(modes):
-            j = sources[i]
-            if not (isinstance(j, int) and 0 <= j < i and modes[j] == "store" and types[j] == types[i]):
-                return None
-            out[i] = j
-        elif mode == "reuse":
-            store = [j for j in range(i) if modes[j] == "store" and types[j] == types[i]]
-            if not store:
-                return None
-            out[i] = store[-1]
-    return out
-
-
 def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
     """Refuses what does not keep one standard K/V row per token and head."""
     if getattr(cfg, "is_encoder_decoder", False):
@@ -256,7 +237,7 @@ def _check_kv(model: Any, cfg: Any, mt: str, types: List[str]) -> None:
         reasons = "; ".join(f"layer type {t!r}" for t in bad)
         raise _refuse(mt, f"not a standard K/V cache: {reasons}")
     shares = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_source_layers", None) is not None
-    if shares and _sharing(cfg) is None:  # (Gemma's num_kv_shared_layers, Kolibri 1.1's kv_source_layers)
+    if shares and kv_sources(cfg) is None:  # (Gemma's num_kv_shared_layers, Kolibri 1.1's kv_source_layers)
         raise _refuse(mt, "layers share another layer's K/V cache, by no rule kakeyaturbo reads")
     loops = getattr(cfg, "n_recurrent_loops", None)
     if isinstance(loops, int) and loops > 1:
@@ -492,13 +473,18 @@ def describe(model: Any) -> ModelLayout:
     _check_kv(model, cfg, mt, types)
     by = modules_by_layer(model)  # the layers and heads the model has, against what its config says
     check_layers(model, by, mt, len(types), [i for i, t in enumerate(types) if t not in STATE_LAYER_TYPES])
-    shared = _sharing(cfg) or {}
+    shared = kv_sources(cfg) or {}
     # Multi-head latent attention: the latent and rotated widths of each layer (its per-layer
     # config's where the config has one: dots.llm3's sliding layers have widths of their own)
     widths = [(per_layer(cfg, i, "kv_lora_rank"), per_layer(cfg, i, "qk_rope_head_dim")) for i in range(len(types))]
     latent = any(r and dr for r, dr in widths)
+    cross = cross_layers(cfg, mt, len(types))
     specs: List[LayerSpec] = []
     for i, (lt, kw) in enumerate(zip(types, kwargs)):
+        if i in cross:  # attends over an image's rows (mllama), no RoPE, skipped by text-only forwards
+            hq, hkv, d = layer_heads(cfg, i, mt, lt)
+            specs.append(LayerSpec(i, "cross", None, hq, hkv, d, lt))
+            continue
         if i in shared:  # attends over the K/V rows of an earlier layer of its type
             src = specs[shared[i]]
             hq, hkv, d = layer_heads(cfg, i, mt, lt)
@@ -529,6 +515,8 @@ def describe(model: Any) -> ModelLayout:
     if latent:  # the latent keys carry no rotation: nothing to take off or put back
         return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)
+    if rope is not None and cross:  # the image's keys carry no rotation
+        rope = ModelRope([None if i in cross else rope.layer(i) for i in range(len(types))])
     if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE
         rope = ModelRope([rope.layer(shared.get(i, i)) for i in range(len(types))])
     return ModelLayout(mt, tuple(specs), rope, err)
