@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import recipes  # noqa: E402
-from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
+from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
 from kakeyaturbo.errors import UnsupportedModelError  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
@@ -142,7 +142,11 @@ def test_text_alone_leaves_the_cross_layer_empty(model, codec) -> None:
     assert not cache.layers[CROSS].is_initialized
 
 
-def test_a_saved_prefix_with_an_image_goes_on_alike(model, codec, tmp_path) -> None:
+@pytest.mark.parametrize("per_block", [False, True])
+def test_a_saved_prefix_with_an_image_goes_on_alike(model, codec, tmp_path, per_block) -> None:
+    """The image rows saved raw (a calibrated codec) or as sealed blocks (a per-block recipe)."""
+    if per_block:
+        codec = BlockCodec(recipes.load("balanced"), pre_rope_keys=True)
     cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
     inputs = _inputs()
     with torch.no_grad():
@@ -150,6 +154,7 @@ def test_a_saved_prefix_with_an_image_goes_on_alike(model, codec, tmp_path) -> N
     more = torch.cat([inputs["input_ids"], torch.tensor([[5, 6, 7]])], dim=1)
     loaded = saved_and_loaded_go_on_alike(model, codec, cache, more, tmp_path / "p.kkc", n=4)
     assert np.array_equal(loaded.layers[CROSS].keys.numpy(), cache.layers[CROSS].keys.numpy())
+    assert loaded.layers[CROSS].num_sealed() == (IMAGE_ROWS // 4 if per_block else 0)
 
 
 def test_compress_cache_codes_the_image_rows_without_a_sink(model, codec) -> None:
