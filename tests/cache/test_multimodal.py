@@ -77,6 +77,13 @@ def _build(name: str):
                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, image_size=28, patch_size=14))
         return model(cfg).eval()
+    if name == "idefics2":  # a Mistral under model.text_model; a perceiver resamples the image to 4 tokens
+        cfg = t.Idefics2Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8), image_token_id=90,
+                               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=28, patch_size=14),
+                               perceiver_config=dict(resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                                                     resampler_head_dim=16, num_key_value_heads=1))
+        return t.Idefics2ForConditionalGeneration(cfg).eval()
     if name == "mistral3":
         cfg = t.Mistral3Config(text_config=dict(_TEXT, model_type="mistral", sliding_window=8),
                                vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -116,7 +123,7 @@ def _inputs(name: str, image):
                          torch.randint(3, 80, (1, 10), generator=g)], dim=1)
         return {"input_ids": ids, "pixel_values": torch.randn(1, 3, 8, 8, generator=g),
                 "image_sizes": torch.tensor([[8, 8]])}
-    if name in ("idefics3", "smolvlm"):  # a 28 x 28 image: 2 x 2 patches, 4 placeholders
+    if name in ("idefics2", "idefics3", "smolvlm"):  # a 28 x 28 image: 2 x 2 patches (or 4 latents), 4 placeholders
         ids = torch.cat([torch.randint(3, 80, (1, 6), generator=g), torch.full((1, 4), 90),
                          torch.randint(3, 80, (1, 10), generator=g)], dim=1)
         return {"input_ids": ids, "pixel_values": torch.randn(1, 1, 3, 28, 28, generator=g)}
@@ -153,7 +160,7 @@ def _generate(model, inputs, cache):
 
 
 CASES = [("gemma3", False), ("gemma3", True), ("gemma4_unified", False), ("gemma4_unified", True), ("emu3", False),
-         ("emu3", True), ("idefics3", False), ("idefics3", True), ("smolvlm", False),
+         ("emu3", True), ("idefics2", False), ("idefics2", True), ("idefics3", False), ("idefics3", True), ("smolvlm", False),
          ("smolvlm", True), ("mistral3", False), ("qwen2_vl", True), ("qwen2_vl", "batch"), ("qwen2_5_vl", False),
          ("qwen2_5_vl", True), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
 

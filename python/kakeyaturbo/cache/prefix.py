@@ -11,7 +11,7 @@ from transformers.cache_utils import BaseQuantizedLayer, DynamicLayer
 from ..codec import _checks
 from ..errors import InvalidInputError, InvalidParameterError, KakeyaError
 from ..families import describe
-from ..families.layout import COMPRESSOR
+from ..families.layout import COMPRESSOR, text_config
 from .codecs import (RAW_BITS, STREAMS, StreamCodec, boundary_layers, check_codec, check_streams, codes_layer,
                      decode_rows, encode_rows, to_numpy, wants_rope)
 from .padding import first_real
@@ -226,7 +226,8 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
             raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=rope_for(model)")
         rope = rope_for(model)
     # An image's rows for cross-attention (mllama) are no tokens: no sink, as KakeyaCache holds them.
-    cross = {s.index for s in describe(model).layers if s.is_cross} if model is not None else set()
+    cross = ({s.index for s in describe(model).layers if s.is_cross}
+             if model is not None and getattr(text_config(model), "cross_attention_layers", None) else set())
     pads = None
     if positions is not None:
         positions = _positions(positions, layers, rope)
