@@ -93,15 +93,16 @@ def unavailable(name: str) -> Optional[str]:
 
 def unsupported(name: str, model: Any) -> Optional[str]:
     """Why transformers' ``QuantizedCache`` cannot serve ``model`` (it takes full-attention
-    layers only: no sliding-window layers, no hybrid's state layers), or None."""
+    layers only: no sliding-window layers, no hybrid's state layers, none reading another's
+    K/V), or None."""
     from ..families import describe
 
     layout = describe(model)
     other = [what for what, has in (("sliding-window", any(layout.sliding)),
                                     ("chunked-attention", any(s.kind == "chunked" for s in layout.layers)),
                                     ("compressed-attention", any(s.kind == "compressed" for s in layout.layers)),
-                                    ("recurrent or convolution state",
-                                     any(s.kind == "state" for s in layout.layers)))
+                                    ("recurrent or convolution state", any(s.kind == "state" for s in layout.layers)),
+                                    ("KV-sharing", any(s.kind == "shared" for s in layout.layers)))
              if has]
     if other:
         return (f"peer {name} skipped: transformers' QuantizedCache takes full-attention layers "
