@@ -2,7 +2,8 @@
 #   make eval    install into .venv and run `kakeyaturbo eval` on the embedded model and text
 #   make bench   install into .venv and run the codec benchmark
 #   make test    install into .venv and run the Python tests and the stub check
-#   make ci      formatting, clippy, Rust tests, then `make test`
+#   make lint    pyflakes' checks over the Python sources, tests and benches (ruff)
+#   make ci      formatting, clippy, Rust tests, `make lint`, then `make test`
 #   make kernels-fuzz     the full GPU-kernel parity fuzz (Triton's interpreter without a GPU)
 #   make gpu-bench        on a GPU machine: parity fuzz + timings of the prebuilt wheel in dist/
 #   make gpu-profile      on a GPU machine: ncu over a few decode-attention steps of the prebuilt wheel
@@ -11,7 +12,7 @@
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1 \
+PIP_PINS := maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 hypothesis==6.170.17 mypy==2.4.1 ruff==0.17.6 \
 	torch==2.15.0 transformers==5.25.0 gguf==0.19.0 accelerate==1.16.0 tokenizers==0.23.3 \
 	matplotlib==3.11.2 tqdm==4.70.1 safetensors==0.8.0 triton==3.9.0 \
 	optimum-quanto==0.2.7 hqq==0.2.8.post1 ninja==1.13.2
@@ -22,7 +23,7 @@ FUZZ_INPUTS ?= 100000000
 FUZZ_SEED ?= 1
 CARGO_FUZZ_SECONDS ?= 600
 
-.PHONY: install test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench gpu-profile fuzz cargo-fuzz
+.PHONY: install lint test eval bench rust-check ci clean kernels-fuzz kernels-compile gpu-bench gpu-profile fuzz cargo-fuzz
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -70,7 +71,10 @@ rust-check:
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	cargo test -p kakeyaturbo --release
 
-ci: rust-check test
+lint: $(VPY)
+	$(VENV)/bin/ruff check python tests benches tools
+
+ci: rust-check lint test
 
 clean:
 	rm -rf $(VENV) dist target bench-out gpu-bench-out gpu-profile-out

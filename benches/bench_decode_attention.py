@@ -311,7 +311,7 @@ def run(tokens: List[int], bits: List[float], reps: int, layers: Optional[int] =
             rows.append(row)
             print(f"{hq}/{hkv}x{d} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
                   + f" | {n_layers} layer(s) | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
-            del cache
+            cache = []  # the layers' copies go before the next size (the closures above are done)
     return rows
 
 

@@ -141,7 +141,7 @@ def run(tokens: List[int], bits: List[float], heads: List[int], reps: int, layer
                 rows.append(row)
                 print(f"H={h} T={t} bits={b}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items())
                       + f" | load {load0[0]:.2f}->{load1[0]:.2f}", flush=True)
-                del cache
+                cache = []  # the layers' copies go before the next size (the closures above are done)
     return rows
 
 

@@ -22,7 +22,6 @@ of 128 tokens sealed; the staging rows raw in float32).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
