@@ -426,6 +426,11 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
                             mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
               "hybrid: Mamba layers, attention without positional encoding, MoE MLP"),
+    "zamba": (lambda: _make(T.ZambaConfig, T.ZambaForCausalLM, num_key_value_heads=4, attention_head_dim=16,
+                            num_hidden_layers=6, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, n_mamba_heads=2),
+              "hybrid: Mamba layers, two of them also running one attention block (its weights tied across "
+              "them), no positional encoding; each keeps K/V rows and its Mamba state in one cache layer"),
     "bamba": (lambda: _make(T.BambaConfig, T.BambaForCausalLM, num_key_value_heads=2, attn_layer_indices=[1],
                             **_MAMBA2),
               "hybrid: Mamba-2 layers, partial rotary (half)"),
@@ -479,12 +484,13 @@ QUERY_SCALE: Dict[str, Callable[[Any], torch.Tensor]] = {
 #: weighted by) are refused by name, and what the refusal says: attention computed by their own
 #: code, not through transformers' AttentionInterface (no queries and keys to take statistics of);
 #: K/V heads tiled over the query heads (JetMoE: not the grouping the statistics assume); attention
-#: calls that cannot be told apart by layer (HRM's loops).
+#: calls that cannot be told apart by layer (HRM's loops, Zamba's shared block).
 NO_STATISTICS: Dict[str, str] = {
     **dict.fromkeys(("bloom", "xglm", "gpt_neo", "mpt", "gpt_neox_japanese"),
                     "did not run their attention through transformers' AttentionInterface"),
     "jetmoe": "attention receives queries",
     "hrm_text": "attention modules share layer_idx",
+    "zamba": "no attention module carries the index of layers",
 }
 
 

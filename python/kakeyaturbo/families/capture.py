@@ -83,12 +83,21 @@ class AttentionCapture:
             from .layout import describe
 
             layout = describe(self.model)
-            twice = sorted(i for i, mods in attention_modules_by_index(self.model).items() if len(mods) > 1)
+            by = attention_modules_by_index(self.model)
+            twice = sorted(i for i, mods in by.items() if len(mods) > 1)
             if twice:
                 raise UnsupportedModelError(
                     f"model type {layout.model_type!r}: attention modules share layer_idx {twice} (one "
                     "module run for several cache layers: HRM's looped stacks, Zamba 2's shared block): which "
                     "layer a call serves cannot be told, so statistics cannot be taken")
+            unknown = [s.index for s in layout.layers if s.has_kv and s.index not in by]
+            unnumbered = any(type(m).__name__.endswith("Attention") and getattr(m, "layer_idx", 0) is None
+                             for m in self.model.modules())
+            if unknown and unnumbered:
+                raise UnsupportedModelError(
+                    f"model type {layout.model_type!r}: no attention module carries the index of layers {unknown} "
+                    "(Zamba's shared block is told its layer at each call): which layer a call serves cannot be "
+                    "told, so statistics cannot be taken")
             # Multi-head latent attention hands attention keys expanded from the latent: a key
             # head per query head, of the query's size. Compressed attention (DeepSeek V4) hands
             # over whole rows (its spec splits the entries' width into keys and values).
