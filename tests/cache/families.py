@@ -376,6 +376,11 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                               attention_types=[[["local", "global"], 1], [["local"], 1]]),
                 "learned absolute positions, local layers (a window of 8 by the mask, every row cached), "
                 "unscaled scores"),
+    "ctrl": (lambda: _make(T.CTRLConfig, T.CTRLLMHeadModel, drop=("hidden_size", "intermediate_size",
+                                                                  "num_hidden_layers", "num_attention_heads",
+                                                                  "max_position_embeddings"),
+                           n_embd=64, n_layer=3, n_head=4, dff=128, n_positions=256),
+             "sinusoidal absolute positions added to the embeddings (no RoPE), projections Wq, Wk, Wv, dense"),
     "emu3_text_model": (lambda: _make(T.Emu3TextConfig, T.Emu3ForCausalLM, num_key_value_heads=2),
                         "Emu3's decoder (its text and image tokens in one vocabulary): Llama's attention"),
     "mllama_text_model": (lambda: _make(T.MllamaTextConfig, T.MllamaForCausalLM, num_key_value_heads=2,
