@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import recipes  # noqa: E402
+from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 from kakeyaturbo.cache import BlockCodec, IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
 from kakeyaturbo.errors import UnsupportedModelError  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
@@ -177,3 +178,17 @@ def test_cross_layers_past_the_last_layer_are_refused() -> None:
     m = transformers.MllamaForCausalLM(transformers.MllamaTextConfig(**text)).eval()
     with pytest.raises(UnsupportedModelError, match=r"cross_attention_layers \[1, 7\] are not layer indices below 3"):
         describe(m)
+
+
+def test_a_codec_fitted_on_the_text_model_serves_the_composite(model, tmp_path) -> None:
+    """`kakeyaturbo calibrate` loads a checkpoint as a causal LM: Llama 3.2 Vision's then loads
+    as MllamaForCausalLM, without the vision tower. A codec saved from it (its attention
+    weights' fingerprint recorded) serves the composite, image and all."""
+    model.save_pretrained(tmp_path / "ckpt")
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    assert type(text).__name__ == "MllamaForCausalLM"
+    path = fast_codec(text, fast_recipe("before"), "before").save(tmp_path / "c.kkcodec", model=text)
+    codec = ModelCodec.load(path).check_model(model)
+    cache = KakeyaCache(codec, model=model, block_size=4, n_sink=1)
+    seq, _ = _generate(model, _inputs(), cache)
+    assert cache.fast and seq.shape[1] == T_TEXT + 8 and cache.layers[CROSS].get_seq_length() == IMAGE_ROWS
