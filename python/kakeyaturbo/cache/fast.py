@@ -105,14 +105,15 @@ TABLE_MAX = 1 << 21
 
 
 def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
-    """Why ``rope``'s cos/sin cannot be tabulated once per position (a rope type whose values
-    depend on the sequence length: ``dynamic``, ``longrope``), else None."""
+    """Why ``rope``'s cos/sin cannot be tabulated once per position (``dynamic`` rope types,
+    whose frequencies follow the sequence length), else None. ``longrope`` has two tables, one
+    per set of factors (:func:`rope_table`, :meth:`~kakeyaturbo.cache.positions.Positions.rotation`)."""
     if rope is None:
         return None
     kind = getattr(rope.module, "rope_type", "default")
     if isinstance(kind, dict):
         kind = kind.get(rope.layer_type, "default")
-    if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+    if isinstance(kind, str) and "dynamic" in kind:
         return f"rope type {kind!r} changes its frequencies with the length: sealed keys are decoded, then attended"
     return None
 
@@ -121,7 +122,8 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
     """The cos/sin of ``rope`` for positions ``0 .. n-1`` at least, as the model's rotary module
     gives them (one table per module, layer type and pairing, shared by every layer and cache;
     at least :data:`TABLE_ROWS` rows, then the multiple of :data:`TABLE_STEP` that covers ``n``:
-    computing a table is cheap next to holding a large one)."""
+    computing a table is cheap next to holding a large one). A ``longrope`` module's long
+    factors (the short ones' rows are appended by the cache's positions)."""
     try:
         tables = _TABLES.setdefault(rope.module, {})
     except TypeError:  # a rotary callable that cannot be referenced weakly: kept on the layer's rope
@@ -133,7 +135,7 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
         limit = tabulated_rows(rope.module)  # a tabulated rotary (GPT-J): its rows only
         if limit is not None and n <= limit < rows:
             rows = limit
-        cos, sin = rope(torch.arange(rows)[None])
+        cos, sin = rope(torch.arange(rows)[None], long=True if rope.long_after is not None else None)
         t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)
         tables[key] = t
     return t

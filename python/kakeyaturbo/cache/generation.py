@@ -146,6 +146,8 @@ class KakeyaCache(Cache, NotPickled):
                     raise InvalidParameterError(f"{codec!r} codes keys without RoPE: pass model= or rope=")
                 rope = layout.require_rope()
             self._positions = Positions()
+            # longrope: which factors rotated each token is recorded (Positions.long)
+            self._positions.long_after = min((r.long_after for r in layer_ropes(rope) if r.long_after), default=None)
         self.rope = rope
         self.threads = _checks.threads(threads)
         self.kernel = _checks.choice(kernel, "kernel", KERNELS)

@@ -294,9 +294,9 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         n = int(rows.max()) + 1 if rows.size else 1
         if n > fast_mod.TABLE_MAX:
             return None
-        extra = self.positions.extra
-        table, rows = self.positions.rotation(self.rope, rope_table(self.rope, n), rows,
-                                              None if extra is None else sealed(extra))
+        extra, long = self.positions.extra, self.positions.long  # (long: [T], one call serves every row)
+        extra, long = (None if x is None else sealed(x.expand(len(rows), -1)) for x in (extra, long))
+        table, rows = self.positions.rotation(self.rope, rope_table(self.rope, n), rows, extra, long)
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         self._rope_table = table
         self._rotation = (key, table, rows)

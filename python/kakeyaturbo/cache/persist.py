@@ -19,7 +19,7 @@ Layout (FORMAT.md, "Saved prefix files"; all integers little-endian):
 | field | type | notes |
 |---|---|---|
 | magic | 4 bytes | ``KKYP`` |
-| version | u16 | 4 with a left-padded batch's sinks (``sink_at``), else 3 with layer states, else 2 with multimodal positions, else 1 |
+| version | u16 | 5 with longrope's long-factor tokens (``long_rope``), else 4 with a left-padded batch's sinks (``sink_at``), else 3 with layer states, else 2 with multimodal positions, else 1 |
 | flags | u16 | 0 (reserved for a lossless stage; none is applied, see docs/prefix.md) |
 | header length ``h`` | u32 | |
 | header | ``h`` bytes | UTF-8 JSON: settings, owners, and per layer and stream the counts of the sections below |
@@ -61,13 +61,15 @@ from .persist_codec import codec_from_file, codec_identity, recipe_json
 __all__ = ["MAGIC", "VERSION", "save", "load", "codec_identity", "overhead", "read_header"]
 
 MAGIC = b"KKYP"
-#: The newest version this build writes and reads: 4 for files whose sinks hold a left-padded
-#: batch's first real tokens (``sink_at``, :mod:`.padding`), 3 for files holding layer states (a
+#: The newest version this build writes and reads: 5 for files recording which tokens a
+#: ``longrope`` model rotated by its long factors (``long_rope``), 4 for files whose sinks hold a
+#: left-padded batch's first real tokens (``sink_at``, :mod:`.padding`), 3 for files holding layer states (a
 #: hybrid's recurrent and convolution states, an indexer's keys, DeepSeek V4's compressor state:
 #: :mod:`.persist_state`), 2 for files
 #: holding multimodal RoPE positions (``grid``) and no states, which a build reading an older
 #: version must not load; 1 otherwise.
-VERSION = 4
+VERSION = 5
+_SINKS_VERSION = 4
 _HEAD = struct.Struct("<4sHHI")  # magic, version, flags, header length
 _CRC = 4
 #: Raw row dtypes a file may hold.
@@ -173,13 +175,16 @@ def save(cache: Any, path: PathLike, model: Any = None) -> Path:
     if grid is not None:  # multimodal RoPE: every token's three positions (a version-2 file)
         header["grid"] = int(grid.shape[2])
         chunks.append(grid.to(torch.int32).contiguous().numpy().astype("<i4").tobytes())
+    if positions is not None and positions.long_runs():  # longrope's long factors (a version-5 file)
+        header["long_rope"] = positions.long_runs()
     header.update(dtype=dtype or "float32", batch=batch or 0, layers=layers)
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
 
     def write(t: Path) -> None:
         crc = 0
         with open(t, "wb") as f:
-            version = VERSION if padded else persist_state.VERSION if states else 2 if grid is not None else 1
+            version = (VERSION if "long_rope" in header else _SINKS_VERSION if padded else
+                       persist_state.VERSION if states else 2 if grid is not None else 1)
             for c in [_HEAD.pack(MAGIC, version, 0, len(head)), head] + chunks:
                 crc = zlib.crc32(c, crc)
                 f.write(c)
@@ -254,6 +259,8 @@ def _read_file(path: PathLike) -> Tuple[Dict[str, Any], memoryview, int, str]:
         raise CorruptDataError(f"{where}: version {version} holds no layer states, its header says it does")
     if version < 4 and any("sink_at" in s for layer in header["layers"] for s in layer["streams"].values()):
         raise CorruptDataError(f"{where}: version {version} holds no padded sinks, its header says it does")
+    if version < 5 and "long_rope" in header:
+        raise CorruptDataError(f"{where}: version {version} records no longrope factors, its header says it does")
     header["_header_bytes"] = hlen
     return header, data, _HEAD.size + hlen, where
 
@@ -278,6 +285,17 @@ def _check_header(h: Dict[str, Any]) -> None:
     _int(h["positions"], "positions")
     if h.get("grid", 0) and _int(h["grid"], "grid") != h["positions"]:
         raise ValueError(f"multimodal positions of {h['grid']} tokens, positions of {h['positions']}")
+    if "long_rope" in h:
+        runs, end = h["long_rope"], -1
+        if not isinstance(runs, list) or not runs or len(runs) > _MAX_DIM:
+            raise ValueError(f"long_rope {runs!r:.80}: not a list of runs")
+        for run in runs:
+            if not isinstance(run, list) or len(run) != 2:
+                raise ValueError(f"long_rope run {run!r:.80}: not [start, end]")
+            a, b = _int(run[0], "long_rope start"), _int(run[1], "long_rope end")
+            if not end < a < b:
+                raise ValueError(f"long_rope runs {runs!r:.80} do not follow one another")
+            end = b
     c = h["cache"]
     bs = _int(c["block_size"], "block_size", 1)
     n_sink = _int(c["n_sink"], "n_sink")
@@ -475,6 +493,12 @@ def load(path: PathLike, model: Any, codec: Optional[StreamCodec] = None, *,
             cache._positions.pos = torch.arange(seen, dtype=torch.int32)[None].expand(b, seen).clone()
         if cache._positions.pos.shape[1] != seen:
             raise CorruptDataError(f"{where}: positions of {t} tokens for a cache of {seen}")
+    runs = header.get("long_rope")
+    if runs is not None:
+        if cache._positions is None or cache._positions.long_after is None or runs[-1][1] > seen:
+            raise CorruptDataError(f"{where}: it records tokens rotated by longrope's long factors "
+                                   f"({runs[-1][1]} tokens), for a cache of {seen} of a model without them")
+        cache._positions.set_long_runs(runs)
     try:
         for i, (layer, state) in enumerate(zip(cache.layers, states)):
             rows = rows_of(layer)

@@ -29,12 +29,20 @@ class Positions:
 
     Once a token's three multimodal positions differ, :attr:`grid` holds every token's
     (``int32 [3, batch, T]``; :attr:`pos` then holds the temporal one) and :attr:`extra` the
-    index of each such token's triple in :attr:`triples` (``-1`` for the others)."""
+    index of each such token's triple in :attr:`triples` (``-1`` for the others).
+
+    ``longrope`` (:attr:`long_after` set by the cache from the model's rotary module): a forward
+    call whose largest position is at least ``long_after`` rotates the tokens it computes by the
+    long factors. Once one has, :attr:`long` marks those tokens (``bool [T]``, one call serves
+    every batch row); the others were rotated by the short ones."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
+        #: ``original_max_position_embeddings`` of a ``longrope`` model (kept by a reset).
+        self.long_after: Optional[int] = getattr(self, "long_after", None)
+        self.long: Optional[torch.Tensor] = None
         self._pos: Optional[torch.Tensor] = None
         #: Counts the changes to positions already held (not the appends): what was read from
         #: them (:meth:`KakeyaLayer.key_rotation`) holds while it is unchanged.
@@ -87,8 +95,16 @@ class Positions:
             new = torch.arange(start, start + q, dtype=torch.int32)[None].expand(batch, q)
         else:
             new = position_ids.detach().to("cpu", torch.int32).expand(batch, q)
+        self._record_long(q, int(new.max()) + 1 > self.long_after if self.long_after is not None and q else False)
         self._append(new, None if self.grid is None else new[None].expand(3, -1, -1),
                      None if self.extra is None else torch.full((batch, q), -1, dtype=torch.int32))
+
+    def _record_long(self, q: int, long: bool) -> None:
+        """The next ``q`` tokens' factors (``longrope``), before they are appended."""
+        if long and self.long is None:
+            self.long = torch.zeros(len(self), dtype=torch.bool)
+        if self.long is not None:
+            self.long = torch.cat([self.long, torch.full((q,), long, dtype=torch.bool)])
 
     def load(self, grid: torch.Tensor) -> None:
         """Every token's multimodal positions ``int32 [3, batch, T]`` (a saved cache's)."""
@@ -133,23 +149,36 @@ class Positions:
 
     def cos_sin(self, rope: Any, start: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``rope(self.get(start, n))``, the cos/sin of a :class:`~kakeyaturbo.families.rope.LayerRope`
-        at the positions of tokens ``start .. start+n``, computed once for every layer that
+        at the positions of tokens ``start .. start+n`` (a ``longrope`` model's: each token's by
+        the factors its call used), computed once for every layer that
         rotates as ``rope`` does: kept until the forward pass ends (:meth:`end_pass`), tokens are
         appended or the positions change, so that a pass's layers, which seal and decode the
         same rows, share them (:meth:`nbytes` counts them while held)."""
         for r, s0, m, cs in self._cos_sin:
             if s0 == start and m == n and r.same_as(rope):
                 return cs
-        cs = rope(self.get(start, n))
+        pos = self.get(start, n)
+        if self.long_after is None or rope.long_after is None:
+            cs = rope(pos)
+        else:
+            long = self.long[start:start + n] if self.long is not None else torch.zeros(n, dtype=torch.bool)
+            short = rope(pos.masked_fill(long, 0), long=False)  # (a long token's row is not read)
+            cs = short if not bool(long.any()) else tuple(
+                torch.where(long[:, None], a, b) for a, b in zip(rope(pos, long=True), short))
         self._cos_sin.append((rope, start, n, cs))
         return cs
 
     def rotation(self, rope: Any, table: RopeTable, rows: np.ndarray,
-                 extra: Optional[np.ndarray]) -> Tuple[RopeTable, np.ndarray]:
+                 extra: Optional[np.ndarray], long: Optional[np.ndarray] = None) -> Tuple[RopeTable, np.ndarray]:
         """The rope table and rows the kernel reads for sealed rows at ``rows`` (positions into
         ``table``), ``extra`` their entries of :attr:`extra`: rows with a triple of their own
         read it from rows appended to the table (computed by ``rope``, once per table and count
-        of triples)."""
+        of triples). A ``longrope`` model's ``table`` holds the long factors'
+        (:func:`~kakeyaturbo.cache.fast.rope_table`): the short ones' rows for positions below
+        :attr:`long_after` are appended (once per table), and every row not ``long`` (its entry
+        of :attr:`long`, ``bool``; None: none is) reads them."""
+        if self.long_after is not None and rope.long_after is not None:
+            return self._short_rows(rope, table, rows, long)
         if extra is None or not (extra >= 0).any():
             return table, rows
         k = len(self.triples)
@@ -164,16 +193,44 @@ class Positions:
         n = table.n_positions
         return found, np.where(extra >= 0, extra + n, rows).astype(np.int32)
 
+    def long_runs(self) -> List[List[int]]:
+        """The tokens :attr:`long` marks as runs ``[[start, end], ...]`` (none: empty)."""
+        if self.long is None:
+            return []
+        zero = torch.zeros(1, dtype=torch.int8)
+        edges = torch.diff(self.long.to(torch.int8), prepend=zero, append=zero).nonzero().flatten().tolist()
+        return [[a, b] for a, b in zip(edges[0::2], edges[1::2])]
+
+    def set_long_runs(self, runs: List[List[int]]) -> None:
+        """:attr:`long` from :meth:`long_runs` (of a saved cache: positions already held)."""
+        long = torch.zeros(len(self), dtype=torch.bool)
+        for a, b in runs:
+            long[a:b] = True
+        self.long = long if bool(long.any()) else None
+
+    def _short_rows(self, rope: Any, table: RopeTable, rows: np.ndarray,
+                    long: Optional[np.ndarray]) -> Tuple[RopeTable, np.ndarray]:
+        n, limit = table.n_positions, int(self.long_after or 0)
+        found = next((t for base, k, t in self._tables if base is table and k == -1), None)
+        if found is None:
+            cos, sin = rope(torch.arange(limit)[None], long=False)
+            more = RopeTable.from_full(cos[0].float().cpu().numpy(), sin[0].float().cpu().numpy(), table.style)
+            found = RopeTable(np.concatenate([table.cos, more.cos]), np.concatenate([table.sin, more.sin]),
+                              table.style)
+            self._tables = [e for e in self._tables if e[0] is not table] + [(table, -1, found)]
+        short = np.ones(rows.shape, dtype=bool) if long is None else ~np.broadcast_to(long, rows.shape)
+        return found, np.where(short, rows + n, rows).astype(np.int32)
+
     def nbytes(self) -> int:
-        held = [self.pos, self.grid, self.extra] + [t for *_, cs in self._cos_sin for t in cs]
+        held = [self.pos, self.grid, self.extra, self.long] + [t for *_, cs in self._cos_sin for t in cs]
         return sum(0 if t is None else t.numel() * t.element_size() for t in held)
 
     def snapshot(self) -> Tuple[Any, ...]:
         """What :meth:`restore` puts back (the tensors are replaced, never changed in place)."""
-        return self.pos, self.grid, self.extra
+        return self.pos, self.grid, self.extra, self.long
 
     def restore(self, snap: Tuple[Any, ...]) -> None:
-        self.pos, self.grid, self.extra = snap
+        self.pos, self.grid, self.extra, self.long = snap
 
     # select and crop replace pos (its setter counts the change) with grid and extra.
     def select(self, idx: torch.Tensor) -> None:
@@ -185,6 +242,8 @@ class Positions:
             self.extra = self.extra.index_select(0, idx)
 
     def crop(self, length: int) -> None:
+        if self.long is not None:
+            self.long = self.long[:length].clone() if bool(self.long[:length].any()) else None
         if self.pos is not None:
             self.pos = self.pos[:, :length].clone()
         if self.grid is not None and self.extra is not None:

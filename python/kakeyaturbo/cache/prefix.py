@@ -274,6 +274,11 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 pos = None
                 if r is not None:
                     pos = torch.arange(first + n) if positions is None else positions
+                    if r.long_after is not None and int(pos.max()) >= r.long_after:
+                        raise InvalidParameterError(
+                            f"layer {i}: longrope rotated each key by the factors of its forward call (long ones "
+                            f"once a call reached position {r.long_after}), which a filled cache does not record: "
+                            "compress keys without RoPE through a KakeyaCache, which does")
                     pos = pos[..., first + s:first + n]
                 blob_bytes += _code(codec, i, stream, t, s, first, r, pos, pending,
                                     pads if span is None and first == 0 and s == n_sink else None)

@@ -410,7 +410,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
     fisher = [{s: np.zeros((len(g.layers), g.hkv, w, w)) for s, w in (("k", g.d), ("v", g.dv))} for g in specs]
     leaves: Dict[Tuple[str, int], Any] = {}
     shared_parts: Dict[int, Tuple[Any, Any]] = {}  # each layer's K/V with its leaves in, for those sharing it
-    where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows
+    where: Dict[int, Any] = {}  # RoPE positions of each layer's cached rows, and longrope's factors
     ctx = 0
 
     def prefix_fixed(out: Tuple[Any, Any], q: Any, k: Any, v: Any, attend: Any) -> Tuple[Any, Any]:
@@ -437,7 +437,9 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
             # cache (else the gradients at the collected rows would run through them).
             parts.append(torch.cat([cached, x[:, :, ctx:]], dim=2))
         if i in kv_layers:
-            where[i] = call_positions(kwargs, k.shape[0], k.shape[2])[:, :ctx]
+            at = call_positions(kwargs, k.shape[0], k.shape[2])
+            r = None if rope is None else rope.layer(i)
+            where[i] = (at[:, :ctx], None if r is None else r.long_call(at))  # (longrope: the call's factors)
         shared_parts[i] = (parts[0], parts[1])
         out = attend(q, parts[0], parts[1])
         return prefix_fixed(out, q, k, v, attend) if stateful else out
@@ -470,7 +472,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
                 for (s, i), g in zip(keys, grads):
                     r = None if rope is None else rope.layer(i)
                     if s == "k" and r is not None:
-                        g = r.transpose(g.double(), where[i])
+                        g = r.transpose(g.double(), *where[i])
                     g = g[0, :, n_sink:].double()  # [hkv, ctx - n_sink, d]
                     m, j = row[i]
                     fisher[m][s][j] += torch.bmm(g.transpose(1, 2), g).numpy()

@@ -427,7 +427,7 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
         rt = rope_type.get(lt) if isinstance(rope_type, dict) else rope_type
         if not isinstance(rt, str):
             return None, f"no rope type for layer type {lt!r}"
-        if "dynamic" in rt or rt == "longrope":
+        if "dynamic" in rt:  # (longrope has two sets of factors: the cache records which a token got)
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")

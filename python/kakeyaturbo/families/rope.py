@@ -210,8 +210,24 @@ class LayerRope:
                 and other.layer_type == self.layer_type and other.style == self.style
                 and other.table == self.table and other.order == self.order)
 
-    def __call__(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.module_tables(positions)
+    @property
+    def long_after(self) -> Optional[int]:
+        """``original_max_position_embeddings`` where the module is ``longrope`` (Phi-3.5,
+        Phi-4-mini): a forward call whose largest position is at least this many rotates every
+        token it computes by the long factors, any other call by the short ones. None for other
+        rope types."""
+        kind = getattr(self.module, "rope_type", None)
+        params = getattr(getattr(self.module, "config", None), "rope_parameters", None) or {}
+        if isinstance(kind, dict):
+            kind = kind.get(self.layer_type)
+            params = params.get(self.layer_type) or {}
+        n = params.get("original_max_position_embeddings") if kind == "longrope" else None
+        return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    def __call__(self, positions: Any, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin at ``positions``; ``long`` (``longrope`` only: :attr:`long_after`) picks the
+        factors, which the module otherwise picks by the largest position given."""
+        cos, sin = self.module_tables(positions, long)
         if self.table == "channel":
             return cos, sin
         if self.table == "halved":
@@ -221,35 +237,54 @@ class LayerRope:
             return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
-    def module_tables(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The cos/sin as the rotary module gives them (not widened; as ``(cos, sin)``)."""
+    def module_tables(self, positions: Any, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin as the rotary module gives them (not widened; as ``(cos, sin)``); ``long``
+        as in :meth:`__call__`."""
         pos = torch.as_tensor(positions, device=self.device).long()
         if pos.ndim == 1:
             pos = pos[None]
         if pos.ndim != 2 and not (pos.ndim == 3 and pos.shape[0] == 3 and self._three_sections()):
             raise ValueError(f"positions must be [T], [batch, T] or (multimodal RoPE) [3, batch, T], "
                              f"got shape {tuple(pos.shape)} for {self!r}")
+        limit, n = self.long_after if long is not None else None, pos.shape[-1]
+        if limit is not None and pos.ndim == 2:
+            # The module takes the factors by the largest position it is given: one more column
+            # past the limit asks for the long ones; the short ones need every position below it.
+            if long:
+                pos = torch.cat([pos, torch.full_like(pos[:, :1], limit)], dim=-1)
+            elif n and int(pos.max()) >= limit:
+                raise ValueError(f"positions up to {int(pos.max())}: the short factors of {self!r} "
+                                 f"rotate positions below {limit} only")
         # The module reads only the dtype and device of its first argument.
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
         with torch.no_grad():
             cos, sin = self.module(probe, pos, **kw)
+        if pos.shape[-1] != n:
+            cos, sin = cos[..., :n, :], sin[..., :n, :]
         return (sin, cos) if self.order == "sin_cos" else (cos, sin)
 
-    def _cs(self, positions: Any, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        return over_heads(*self(positions), like)
+    def _cs(self, positions: Any, like: torch.Tensor, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        return over_heads(*self(positions, long), like)
 
-    def apply(self, x: torch.Tensor, positions: Any) -> torch.Tensor:
-        """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``)."""
-        return apply_rope(x, *self._cs(positions, x), style=self.style)
+    def apply(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
+        """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``);
+        ``long`` as in :meth:`__call__`."""
+        return apply_rope(x, *self._cs(positions, x, long), style=self.style)
 
-    def remove(self, x: torch.Tensor, positions: Any) -> torch.Tensor:
+    def remove(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """The inverse of :meth:`apply` (float64 inside, ``x``'s dtype promoted with float32 out)."""
-        return unapply_rope(x, *self._cs(positions, x), style=self.style)
+        return unapply_rope(x, *self._cs(positions, x, long), style=self.style)
 
-    def transpose(self, g: torch.Tensor, positions: Any) -> torch.Tensor:
+    def transpose(self, g: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """A gradient at the rows after RoPE carried back to the rows before it."""
-        return rope_transpose(g, *self._cs(positions, g), style=self.style)
+        return rope_transpose(g, *self._cs(positions, g, long), style=self.style)
+
+    def long_call(self, positions: Any) -> Optional[bool]:
+        """Whether a forward call at ``positions`` (all of them) rotates by the long factors
+        (``longrope``); None for other rope types."""
+        limit = self.long_after
+        return None if limit is None else int(torch.as_tensor(positions).max()) + 1 > limit
 
 
 class FnRope(LayerRope):
@@ -269,8 +304,8 @@ class FnRope(LayerRope):
     def __repr__(self) -> str:
         return f"FnRope({self.module!r}, style={self.style!r})"
 
-    def module_tables(self, positions: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.module(positions)
+    def module_tables(self, positions: Any, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.module(positions)  # (a callable has no longrope factors to pick)
         return cos.float(), sin.float()
 
 

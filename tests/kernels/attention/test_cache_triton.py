@@ -6,7 +6,8 @@ sealed block decoded, the device copy of the codes staged again only when the se
 change. Families: Llama (keys before and after RoPE), GPT-OSS (learnt sinks, sliding layers),
 Gemma 2 (softcap, MQA, head_dim 256, sliding layers), Qwen3-Next (a hybrid: Gated DeltaNet layers
 around its attention layer), Gemma 4 (KV sharing: layers attending over another's codes), Qwen2-VL
-with an image (its tokens' rotations appended to the rope table)."""
+with an image (its tokens' rotations appended to the rope table), Phi-3 with longrope across its
+switch (the short factors' rows appended to the long table)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kakeyaturbo.calibration import ModelCodec  # noqa: E402
 from kakeyaturbo.kernels import attention as kattn  # noqa: E402
 
 from tests.cache import families  # noqa: E402
+from tests.cache import test_longrope as longrope  # noqa: E402
 from tests.cache.conftest import fast_codec, fast_recipe, generate  # noqa: E402
 from tests.cache.test_fast import _exact_steps  # noqa: E402
 from tests.cache.test_multimodal import _build as build_multimodal  # noqa: E402
@@ -151,4 +153,18 @@ def test_triton_kernel_reads_a_left_padded_batch_s_sinks_as_the_rust_one() -> No
         assert cache.fast and cache.layers[0].sink_rows() == [0, 5]
     (seq_r, log_r), (seq_t, log_t) = runs
     assert torch.equal(seq_t, seq_r)
+    assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * max(1.0, log_r.abs().max().item())
+
+
+def test_triton_kernel_reads_longrope_s_two_sets_of_factors() -> None:
+    """A longrope model fed calls across the switch (tests/cache/test_longrope.py): the short
+    factors' rows appended to the long table reach the Triton kernel as they reach the Rust one."""
+    model = longrope.build()
+    g = np.random.default_rng(0)
+    codec = ModelCodec(calibration.collect(model, [list(g.integers(3, families.VOCAB, 14)) for _ in range(3)],
+                                           samples=4), fast_recipe("before"))
+    rust = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="rust")
+    tri = KakeyaCache(codec, model=model, block_size=4, n_sink=1, synthesis="f32", kernel="triton")
+    log_r, log_t = longrope._feed(model, rust, longrope.CROSSING), longrope._feed(model, tri, longrope.CROSSING)
+    assert tri._positions.long is not None and tri.layers[0]._rope_table.n_positions > 256  # rows appended
     assert (log_t - log_r).abs().max().item() <= LOGIT_ATOL * max(1.0, log_r.abs().max().item())
