@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import calibration  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
-from kakeyaturbo.errors import CorruptDataError, InvalidParameterError  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
 from .conftest import Spy, fast_recipe  # noqa: E402
@@ -136,20 +136,22 @@ def test_a_saved_cache_keeps_each_token_s_factors(model, codec, tmp_path) -> Non
         KakeyaCache.load(old, model, codec)
 
 
-def test_compress_cache_refuses_keys_rotated_past_the_limit(model) -> None:
-    """A filled cache does not record which factors rotated each key: below the limit every key
-    got the short ones (coded before RoPE); past it, refused, the cache unchanged."""
-    for calls, ok in (([12, 1], True), (CROSSING, False)):
+def test_compress_cache_takes_one_set_of_factors_per_layer(model) -> None:
+    """A filled cache does not record which factors rotated each key: a layer holding a position
+    past the limit is taken as one long call left it (one prefill; transformers' generate
+    recomputes the sequence so), else as short calls did. The codec is handed the model's keys
+    before RoPE either way; RoPE goes back on as it was."""
+    for calls in ([12, 1], [20]):
         dyn = transformers.DynamicCache(config=model.config)
         _feed(model, dyn, calls)
         before = dyn.layers[0].keys.clone()
-        if ok:
-            compress_cache(dyn, IdentityCodec(pre_rope_keys=True), model=model)
-            torch.testing.assert_close(dyn.layers[0].keys, before, rtol=0, atol=1e-5)
-        else:
-            with pytest.raises(InvalidParameterError, match="longrope"):
-                compress_cache(dyn, IdentityCodec(pre_rope_keys=True), model=model)
-            assert torch.equal(dyn.layers[0].keys, before)
+        spy = Spy(pre_rope_keys=True)
+        compress_cache(dyn, spy, model=model, n_sink=1)
+        torch.testing.assert_close(dyn.layers[0].keys, before, rtol=0, atol=1e-5)
+        pre = _pre_rope_keys(model, calls)
+        for h in range(2):
+            (coded,) = [torch.from_numpy(x) for s, i, hh, x in spy.seen if (s, i, hh) == ("k", 0, h)]
+            torch.testing.assert_close(coded, pre[h, 1:].float(), rtol=0, atol=1e-5)
 
 
 def test_generate_drops_any_cache_at_the_limit(model) -> None:

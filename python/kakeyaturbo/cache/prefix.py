@@ -177,7 +177,13 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
     a :class:`KakeyaCache` keeps in its sink's places: :mod:`.padding`), the ``boundary``
     layers (negative indices count from the last layer), layers a codec that names its layers
     (``codec.layers``) was not fitted for, and streams not in ``streams``. A cross-attention
-    layer's rows (an image's, mllama's; known from ``model``) have no sink.
+    layer's rows (an image's, mllama's; known from ``model``) have no sink. ``longrope`` (Phi-3.5,
+    Phi-4-mini): a filled cache does not record which forward call computed each key, so every
+    key of a layer is taken as rotated by the long factors when the layer holds a position at
+    or past ``original_max_position_embeddings``, by the short ones otherwise: as one prefill
+    call, or transformers' ``generate`` (which recomputes the sequence in one call when it
+    crosses that limit), leaves them; a cache filled by calls on both sides of it is not (a
+    :class:`KakeyaCache` records each token's factors).
 
     A compressed-attention layer (DeepSeek V4's CSA and HCA: the model's own layer, with
     ``compressed_kv``) holds its window as one tensor read as keys and values: it stays raw, as
@@ -274,11 +280,6 @@ def compress_cache(cache: Any, codec: StreamCodec, *, n_sink: int = 0, boundary:
                 pos = None
                 if r is not None:
                     pos = torch.arange(first + n) if positions is None else positions
-                    if r.long_after is not None and int(pos.max()) >= r.long_after:
-                        raise InvalidParameterError(
-                            f"layer {i}: longrope rotated each key by the factors of its forward call (long ones "
-                            f"once a call reached position {r.long_after}), which a filled cache does not record: "
-                            "compress keys without RoPE through a KakeyaCache, which does")
                     pos = pos[..., first + s:first + n]
                 blob_bytes += _code(codec, i, stream, t, s, first, r, pos, pending,
                                     pads if span is None and first == 0 and s == n_sink else None)
