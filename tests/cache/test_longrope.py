@@ -1,5 +1,5 @@
 """``longrope`` (Phi-3.5, Phi-4-mini, Phi-3.5-MoE): a forward call whose largest position reaches
-``original_max_position_embeddings`` (16 in the tiny Phi-3 here) rotates every token it computes
+``original_max_position_embeddings`` (16 in the tiny Phi-3 and Phi-3.5-MoE here) rotates every token it computes
 by the long factors, any other call by the short ones, so a cached key's rotation depends on the
 call that computed it. The cache records which tokens a long call computed
 (``Positions.long``), takes RoPE off and puts it back by each token's own factors, and the kernel
@@ -33,20 +33,24 @@ CROSSING = [12] + [1] * 12
 LONG_PROMPT = [20, 1, 1]
 
 
-def build():
-    """A tiny Phi-3 whose longrope switches at position 16."""
+def build(name: str = "phi3"):
+    """A tiny Phi-3 (or Phi-3.5-MoE: ``phimoe``, its own mscale per set of factors) whose longrope
+    switches at position 16."""
     rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
             "original_max_position_embeddings": LIMIT}
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=LIMIT, pad_token_id=0)
     torch.manual_seed(0)
-    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  original_max_position_embeddings=LIMIT, rope_parameters=rope, pad_token_id=0)
-    return transformers.Phi3ForCausalLM(cfg).eval()
+    if name == "phimoe":
+        cfg = transformers.PhimoeConfig(rope_parameters=dict(rope, short_mscale=1.0, long_mscale=1.2),
+                                        num_local_experts=2, num_experts_per_tok=1, **kw)
+        return transformers.PhimoeForCausalLM(cfg).eval()
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(rope_parameters=rope, **kw)).eval()
 
 
-@pytest.fixture(scope="module")
-def model():
-    return build()
+@pytest.fixture(scope="module", params=["phi3", "phimoe"])
+def model(request):
+    return build(request.param)
 
 
 def _feed(model, cache, calls, seed: int = 1):
@@ -61,11 +65,14 @@ def _feed(model, cache, calls, seed: int = 1):
 
 
 def _pre_rope_keys(model, calls):
-    """Layer 0's keys before RoPE as its fused projection computes them: ``[hkv, T, d]``."""
+    """Layer 0's keys before RoPE as its key projection (Phi-3's fused one) computes them:
+    ``[hkv, T, d]``."""
     got = []
     attn = model.model.layers[0].self_attn
     d, hq, hkv = attn.head_dim, model.config.num_attention_heads, model.config.num_key_value_heads
-    handle = attn.qkv_proj.register_forward_hook(lambda m, a, y: got.append(y[0, :, hq * d:(hq + hkv) * d]))
+    fused = getattr(attn, "qkv_proj", None)
+    handle = (fused.register_forward_hook(lambda m, a, y: got.append(y[0, :, hq * d:(hq + hkv) * d])) if fused
+              else attn.k_proj.register_forward_hook(lambda m, a, y: got.append(y[0])))
     try:
         _feed(model, transformers.DynamicCache(config=model.config), calls)
     finally:
