@@ -53,9 +53,10 @@ def _inputs(batch: int = 1, image: bool = True):
     ids[:, 3] = 96
     cross = torch.zeros(batch, T_TEXT, 1, 2, dtype=torch.long)
     cross[:, 3:] = 1
-    return {"input_ids": ids, "attention_mask": mask, "pixel_values": torch.randn(batch, 1, 2, 3, 56, 56, generator=g),
-            "aspect_ratio_ids": torch.full((batch, 1), 2), "aspect_ratio_mask": torch.ones(batch, 1, 2, dtype=torch.long),
-            "cross_attention_mask": cross}
+    return {"input_ids": ids, "attention_mask": mask,
+            "pixel_values": torch.randn(batch, 1, 2, 3, 56, 56, generator=g),
+            "aspect_ratio_ids": torch.full((batch, 1), 2),
+            "aspect_ratio_mask": torch.ones(batch, 1, 2, dtype=torch.long), "cross_attention_mask": cross}
 
 
 def _generate(model, inputs, cache, n: int = 8):

@@ -156,16 +156,21 @@ def test_mtp_decoding_on_a_cache_that_holds_tokens_is_refused(tmp_path) -> None:
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
 
 
-def _assistant(model):
-    """A tiny random-weight Gemma 4 assistant (``Gemma4AssistantForCausalLM``) for ``model``:
-    two layers sharing the main model's last sliding and full K/V, three drafts a step."""
-    text = transformers.Gemma4TextConfig(**dict(
-        _COMMON, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_hidden_layers=2,
-        num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"], per_layer_config={},
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0))
+def _assistant(model, unified: bool = False):
+    """A tiny random-weight Gemma 4 assistant (``Gemma4AssistantForCausalLM``, or Gemma 4
+    Unified's) for ``model``: two layers sharing the main model's last sliding and full K/V,
+    three drafts a step."""
+    kw = dict(_COMMON, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_hidden_layers=2,
+              num_kv_shared_layers=2, layer_types=["sliding_attention", "full_attention"], per_layer_config={})
     torch.manual_seed(0)
-    config = transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=model.config.hidden_size)
-    assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
+    if unified:
+        config = transformers.Gemma4UnifiedAssistantConfig(text_config=kw,
+                                                           backbone_hidden_size=model.config.hidden_size)
+        assistant = transformers.Gemma4UnifiedAssistantForCausalLM(config).eval()
+    else:
+        text = transformers.Gemma4TextConfig(**kw, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+        config = transformers.Gemma4AssistantConfig(text_config=text, backbone_hidden_size=model.config.hidden_size)
+        assistant = transformers.Gemma4AssistantForCausalLM(config).eval()
     assistant.generation_config.num_assistant_tokens = 3
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
     return assistant
@@ -183,15 +188,16 @@ def _drafting_from(assistant) -> list:
     return seen
 
 
-def test_gemma4_assistant_drafts_from_every_held_row() -> None:
-    """Assisted decoding with Gemma 4's assistant, which drafts from the main model's last sliding
-    and full K/V (``shared_kv_states``): an exact codec gives DynamicCache's tokens; through the
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_unified_text"])
+def test_gemma4_assistant_drafts_from_every_held_row(name) -> None:
+    """Assisted decoding with Gemma 4's (and Gemma 4 Unified's) assistant, which drafts from the main
+    model's last sliding and full K/V (``shared_kv_states``): an exact codec gives DynamicCache's tokens; through the
     codes the assistant is handed each layer's held rows (every row of the full layer, as
     decode-then-attend hands it; the sliding layer's last ``window - 1``), not only the call's own
     (it was). The tokens of the two paths may differ: other drafts accepted, other rows raw when
     read."""
-    model, ids = build("gemma4_text"), family_prompt(t=30)
-    assistant = _assistant(model)
+    model, ids = build(name), family_prompt(t=30)
+    assistant = _assistant(model, unified=name == "gemma4_unified_text")
     kw = dict(assistant_model=assistant, max_new_tokens=10, do_sample=False, pad_token_id=0)
     ref = model.generate(ids, cache=transformers.DynamicCache(config=model.config), **kw)
     cache = KakeyaCache(IdentityCodec(), model=model, block_size=4, n_sink=1)
