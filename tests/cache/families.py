@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import transformers as T
 
-from .families_latent import AFTER_ROPE, MLA
+from .families_latent import AFTER_ROPE, MLA, OWN_ROTATION
 from .family_base import (_DELTANET, _MAMBA2, LINEAR_FULL_LINEAR, SHARED_FIVE, SLIDING_FULL_SLIDING, T_PROMPT,
                           VOCAB, WINDOW, _make, _with_dynamic_mask, _with_key_scale, _with_sinks)
 
@@ -508,7 +508,7 @@ ELSEWHERE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwe
 
 
 def build(name: str) -> Any:
-    return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE[name])[0]()
+    return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE.get(name) or OWN_ROTATION[name])[0]()
 
 
 def family_prompt(batch: int = 1, t: int = T_PROMPT, seed: int = 1) -> torch.Tensor:

@@ -70,14 +70,22 @@ MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
 #: Families whose keys' RoPE cannot be taken off (so only recipes that code keys after RoPE are
 #: calibrated for them).
 AFTER_ROPE: Dict[str, Tuple[Callable[[], Any], str]] = {
-    "llama4_text": (lambda: _make(T.Llama4TextConfig, T.Llama4ForCausalLM, num_key_value_heads=2, head_dim=16,
-                                  intermediate_size_mlp=128, num_hidden_layers=4, attention_chunk_size=WINDOW,
-                                  num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1, 1, 0],
-                                  interleave_moe_layer_step=2),
-                    "chunked attention (chunks of 8), a NoPE global layer, complex-valued RoPE, MoE MLP"),
     "hunyuan_v1_moe": (lambda: _make(T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM, num_key_value_heads=2,
                                      head_dim=16, num_experts=4, moe_topk=2,
                                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
                                                       "factor": 1.0}),
                        "q/k RMSNorm after RoPE, NTK-alpha RoPE (a fixed alpha: static frequencies), MoE MLP"),
+}
+
+
+#: Families whose modeling code rotates keys with a function of its own, not
+#: ``apply_rotary_pos_emb`` (Llama 4: complex products by ``freqs_cis``), which the battery of
+#: ``test_families.py`` records: tested by ``test_family_layouts.py`` and the fast path's test.
+OWN_ROTATION: Dict[str, Tuple[Callable[[], Any], str]] = {
+    "llama4_text": (lambda: _make(T.Llama4TextConfig, T.Llama4ForCausalLM, num_key_value_heads=2, head_dim=16,
+                                  intermediate_size_mlp=128, num_hidden_layers=4, attention_chunk_size=WINDOW,
+                                  num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 1, 1, 0],
+                                  interleave_moe_layer_step=2),
+                    "chunked attention (chunks of 8), a NoPE global layer, complex-valued RoPE, an L2 q/k norm "
+                    "after it, MoE MLP"),
 }

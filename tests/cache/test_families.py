@@ -28,7 +28,7 @@ from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 
 from .conftest import forward, generate  # noqa: E402
-from .families_latent import AFTER_ROPE, MLA  # noqa: E402
+from .families_latent import AFTER_ROPE, MLA, OWN_ROTATION  # noqa: E402
 from .families import (FAMILIES, NO_STATISTICS, QUERY_SCALE, SLIDING_FULL_SLIDING, T_PROMPT, VOCAB,  # noqa: E402
                        WINDOW, build, family_prompt, rope_calls)
 
@@ -483,5 +483,5 @@ def test_every_family_built_here_has_a_readme_row() -> None:
     for line in readme.splitlines():
         if line.startswith("| `"):
             named |= set(re.findall(r"`([a-z0-9_\-]+)`", line.split("|")[1]))
-    built = {VARIANTS.get(n, n) for n in [*FAMILIES, *MLA, *AFTER_ROPE]}
+    built = {VARIANTS.get(n, n) for n in [*FAMILIES, *MLA, *AFTER_ROPE, *OWN_ROTATION]}
     assert not built - named, sorted(built - named)

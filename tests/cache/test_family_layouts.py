@@ -18,7 +18,7 @@ from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
 from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
 
-from .conftest import generate  # noqa: E402
+from .conftest import Spy, generate  # noqa: E402
 from .families import VOCAB, WINDOW, build, family_prompt  # noqa: E402
 
 
@@ -243,9 +243,9 @@ def test_a_rotation_not_recomputable_is_calibrated_after_rope() -> None:
 def test_llama4_chunked_attention() -> None:
     """Llama 4's chunked layers (a query sees the earlier tokens of its chunk of 8 here) keep what
     a sliding layer of that window keeps, and attention over the codes follows the model's mask,
-    which marks the chunks: the identity codec bit-exact against DynamicCache across chunks, a
-    recipe coding keys after RoPE (its complex-valued RoPE has no apply_rotary_pos_emb to check a
-    removal against) calibrated and attending over the codes as the slow path."""
+    which marks the chunks: the identity codec bit-exact against DynamicCache across chunks, keys
+    coded before its complex-valued RoPE (the fast path's test runs them over the codes), a
+    recipe coding keys after RoPE calibrated and attending over the codes as the slow path."""
     from .conftest import fast_recipe
 
     model = build("llama4_text")
@@ -258,8 +258,21 @@ def test_llama4_chunked_attention() -> None:
     seq, logits = generate(model, ids, cache, n=12)
     assert torch.equal(seq, ref_seq) and torch.equal(logits, ref_logits)
     assert [a.get_mask_sizes(1) for a in cache.layers] == [b.get_mask_sizes(1) for b in ref.layers]
-    with pytest.raises(kt.UnsupportedModelError, match="'llama4_text'.*no apply_rotary_pos_emb"):
-        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model)
+    # Keys before RoPE (since 2026-12-07): the module's complex rotations, checked bit for bit
+    # against its apply_rotary_emb; its L2 norm after RoPE commutes with the rotation, so the keys
+    # the codec is handed are the projection's rows normalised.
+    spy = Spy(pre_rope_keys=True)
+    rows = []
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, y: rows.append(y[0]))
+    seq, logits = generate(model, ids, KakeyaCache(spy, model=model, block_size=4, n_sink=1), n=12)
+    handle.remove()
+    assert torch.equal(seq, ref_seq) and (logits - ref_logits).abs().max().item() <= 1e-5
+    k = torch.cat(rows).view(-1, 2, 16).transpose(0, 1)  # [kv-heads, T, head_dim]
+    want = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+    blocks = [torch.from_numpy(x) for s, i, h, x in spy.seen if (s, i, h) == ("k", 0, 0)]
+    assert blocks  # (a chunked layer codes the blocks its window still holds: find each one's rows)
+    for x in blocks:
+        assert min((x - want[0, t:t + 4]).abs().max().item() for t in range(want.shape[1] - 3)) <= 1e-5
     g = np.random.default_rng(0)
     stats = calibration.collect(model, [list(g.integers(3, VOCAB, 20)) for _ in range(3)], samples=4, rope="after")
     codec = calibration.ModelCodec(stats, fast_recipe("after"))

@@ -13,7 +13,7 @@ from ..errors import UnsupportedModelError
 from .counts import check_heads, check_layers, layer_count, modules_by_layer
 from .heads import layer_heads, per_layer
 from .readers import cross_layers, kv_sources
-from .rope import LayerRope, ModelRope, detect_rope
+from .rope import LayerRope, ModelRope, detect_complex_rope, detect_rope
 
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
@@ -433,12 +433,16 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
                           "position alone")
         d = layer_heads(cfg, i, model_type(model), lt)[2]
         if (id(mod), key, d) not in found:
-            if apply_fn is None:
+            complex_fn = getattr(sys.modules.get(type(mod).__module__), "apply_rotary_emb", None)
+            if apply_fn is not None:
+                rope = detect_rope(apply_fn, mod, key, d)
+            elif callable(complex_fn):  # Llama 4: its module gives complex rotations (freqs_cis)
+                rope = detect_complex_rope(complex_fn, mod, key, d)
+            else:
                 return None, "no apply_rotary_pos_emb in its modeling module to check the pairing against"
-            rope = detect_rope(apply_fn, mod, key, d)
             if rope is None:
-                return None, ("its apply_rotary_pos_emb pairs channels in a way kakeyaturbo does not "
-                              "reproduce bit for bit (neither rotate_half nor interleaved)")
+                return None, ("its apply_rotary_pos_emb (apply_rotary_emb) pairs channels in a way kakeyaturbo "
+                              "does not reproduce bit for bit (neither rotate_half nor interleaved)")
             found[(id(mod), key, d)] = rope
         layers.append(found[(id(mod), key, d)])
     return ModelRope(layers), None

@@ -259,7 +259,9 @@ class LayerRope:
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
         with torch.no_grad():
-            cos, sin = self.module(probe, pos, **kw)
+            out = self.module(probe, pos, **kw)
+        # Llama 4's module gives the rotations as complex numbers (``freqs_cis``): cos + i sin.
+        cos, sin = (out.real, out.imag) if isinstance(out, torch.Tensor) and out.is_complex() else out
         if pos.shape[-1] != n:
             cos, sin = cos[..., :n, :], sin[..., :n, :]
         return (sin, cos) if self.order == "sin_cos" else (cos, sin)
@@ -415,6 +417,29 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
                     if mine.shape == out.shape and torch.equal(mine, out):
                         return rope
     return None
+
+
+def detect_complex_rope(apply_fn: Any, module: Any, layer_type: Optional[str],
+                        head_dim: int) -> Optional[LayerRope]:
+    """The :class:`LayerRope` of a rotary module that gives complex rotations (Llama 4's
+    ``freqs_cis``, ``cos + i sin`` per frequency) applied by ``apply_fn(xq, xk, freqs_cis)`` to
+    rows ``[batch, T, heads, D]`` as complex products of the channel pairs ``(2i, 2i + 1)``: the
+    interleaved pairing of a table per frequency, when it reproduces ``apply_fn``'s keys bit for bit
+    on random rows; else None."""
+    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
+    rope = LayerRope(module, layer_type, "interleaved", "frequency")
+    kw = {} if layer_type is None else {"layer_type": layer_type}
+    x = torch.randn(1, pos.shape[1], 2, head_dim, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            freqs = module(torch.empty(0), pos, **kw)
+            if not (isinstance(freqs, torch.Tensor) and freqs.is_complex()):
+                return None
+            _, want = apply_fn(x, x, freqs)
+            got = rope.apply(x.transpose(1, 2), pos).transpose(1, 2)
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    return rope if got.shape == want.shape and torch.equal(got, want) else None
 
 
 def layer_ropes(rope: Any) -> List[LayerRope]:
