@@ -426,13 +426,13 @@ def detect_complex_rope(apply_fn: Any, module: Any, layer_type: Optional[str],
     rows ``[batch, T, heads, D]`` as complex products of the channel pairs ``(2i, 2i + 1)``: the
     interleaved pairing of a table per frequency, when it reproduces ``apply_fn``'s keys bit for bit
     on random rows; else None."""
-    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
     rope = LayerRope(module, layer_type, "interleaved", "frequency")
+    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]], device=rope.device)
     kw = {} if layer_type is None else {"layer_type": layer_type}
-    x = torch.randn(1, pos.shape[1], 2, head_dim, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, pos.shape[1], 2, head_dim, generator=torch.Generator().manual_seed(0)).to(rope.device)
     try:
         with torch.no_grad():
-            freqs = module(torch.empty(0), pos, **kw)
+            freqs = module(torch.empty(0, device=rope.device), pos, **kw)
             if not (isinstance(freqs, torch.Tensor) and freqs.is_complex()):
                 return None
             _, want = apply_fn(x, x, freqs)
