@@ -383,6 +383,13 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
              "sinusoidal absolute positions added to the embeddings (no RoPE), projections Wq, Wk, Wv, dense"),
     "emu3_text_model": (lambda: _make(T.Emu3TextConfig, T.Emu3ForCausalLM, num_key_value_heads=2),
                         "Emu3's decoder (its text and image tokens in one vocabulary): Llama's attention"),
+    "phi4_multimodal": (lambda: _make(T.Phi4MultimodalConfig, T.Phi4MultimodalForCausalLM, num_key_value_heads=2,
+                                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=28, patch_size=14),
+                                      audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1,
+                                                        num_attention_heads=2)),
+                        "Phi-4-multimodal (`Phi4MultimodalForCausalLM`: its decoder with tiny vision and audio "
+                        "towers; a text prompt): fused qkv, Phi-3's attention"),
     "mllama_text_model": (lambda: _make(T.MllamaTextConfig, T.MllamaForCausalLM, num_key_value_heads=2,
                                         cross_attention_layers=[1]),
                           "Llama 3.2 Vision's decoder (`MllamaForCausalLM`): Llama's self-attention and "

@@ -1,5 +1,5 @@
-"""``longrope`` (Phi-3.5, Phi-4-mini, Phi-3.5-MoE): a forward call whose largest position reaches
-``original_max_position_embeddings`` (16 in the tiny Phi-3 and Phi-3.5-MoE here) rotates every token it computes
+"""``longrope`` (Phi-3.5, Phi-4-mini, Phi-3.5-MoE, Phi-4-multimodal): a forward call whose largest position reaches
+``original_max_position_embeddings`` (16 in the tiny models here) rotates every token it computes
 by the long factors, any other call by the short ones, so a cached key's rotation depends on the
 call that computed it. The cache records which tokens a long call computed
 (``Positions.long``), takes RoPE off and puts it back by each token's own factors, and the kernel
@@ -34,13 +34,19 @@ LONG_PROMPT = [20, 1, 1]
 
 
 def build(name: str = "phi3"):
-    """A tiny Phi-3 (or Phi-3.5-MoE: ``phimoe``, its own mscale per set of factors) whose longrope
-    switches at position 16."""
+    """A tiny Phi-3 (or Phi-3.5-MoE, ``phimoe``: its own mscale per set of factors; or
+    Phi-4-multimodal) whose longrope switches at position 16."""
     rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [3.0] * 8,
             "original_max_position_embeddings": LIMIT}
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=LIMIT, pad_token_id=0)
     torch.manual_seed(0)
+    if name == "phi4_multimodal":  # Phi-4-multimodal's decoder (a text prompt; tiny vision and audio towers)
+        cfg = transformers.Phi4MultimodalConfig(
+            rope_parameters=rope, **kw, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=2, image_size=28, patch_size=14),
+            audio_config=dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2))
+        return transformers.Phi4MultimodalForCausalLM(cfg).eval()
     if name == "phimoe":
         cfg = transformers.PhimoeConfig(rope_parameters=dict(rope, short_mscale=1.0, long_mscale=1.2),
                                         num_local_experts=2, num_experts_per_tok=1, **kw)
@@ -48,7 +54,7 @@ def build(name: str = "phi3"):
     return transformers.Phi3ForCausalLM(transformers.Phi3Config(rope_parameters=rope, **kw)).eval()
 
 
-@pytest.fixture(scope="module", params=["phi3", "phimoe"])
+@pytest.fixture(scope="module", params=["phi3", "phimoe", "phi4_multimodal"])
 def model(request):
     return build(request.param)
 
