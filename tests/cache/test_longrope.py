@@ -10,16 +10,21 @@ call that crosses the limit and recomputes the sequence (a ``DynamicCache`` as w
 from __future__ import annotations
 
 import json
+import struct
+import zlib
+from functools import lru_cache
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import calibration  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, compress_cache  # noqa: E402
-from kakeyaturbo.errors import CorruptDataError  # noqa: E402
+from kakeyaturbo.errors import CorruptDataError, KakeyaError  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 
 from .conftest import Spy, fast_recipe  # noqa: E402
@@ -177,3 +182,31 @@ def test_generate_drops_any_cache_at_the_limit(model) -> None:
     outs = [model.generate(ids, cache=c, **kw) for c in caches]
     assert torch.equal(outs[0], outs[1])
     assert [c.get_seq_length() for c in caches] == [LIMIT, LIMIT]
+
+
+@lru_cache(maxsize=None)
+def _saved(tmp: str) -> bytes:
+    model = build()
+    cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=model, block_size=4, n_sink=1)
+    _feed(model, cache, CROSSING)
+    return cache.save(f"{tmp}/long.kkc").read_bytes()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_any_damage_to_a_saved_longrope_cache_is_a_kakeya_error(tmp_path_factory, data) -> None:
+    """A version-5 file damaged in its header (where the runs are) or anywhere, the checksum
+    recomputed: it loads, or it is refused with a KakeyaError; nothing else escapes."""
+    raw = bytearray(_saved(str(tmp_path_factory.getbasetemp())))
+    hlen = struct.unpack_from("<I", raw, 8)[0]
+    head = data.draw(st.booleans())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(12, 12 + hlen - 1) if head else st.integers(0, len(raw) - 5))
+        raw[at] = data.draw(st.sampled_from(b"0123456789[],-\" ") if head else st.integers(0, 255))
+    struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(bytes(raw[:-4])))
+    bad = tmp_path_factory.mktemp("fuzz") / "f.kkc"
+    bad.write_bytes(bytes(raw))
+    try:
+        KakeyaCache.load(bad, build(), IdentityCodec(pre_rope_keys=True))
+    except KakeyaError:
+        pass
