@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import struct
+import zlib
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kakeyaturbo import calibration, recipes  # noqa: E402
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache  # noqa: E402
+from kakeyaturbo.errors import KakeyaError  # noqa: E402
 
 VOCAB, LAYERS, KV_HEADS = 97, 3, 2
 
@@ -129,3 +133,19 @@ def fast_codec(model, rec, rope: str = "after") -> "calibration.ModelCodec":
     wins = [list(g.integers(3, VOCAB, 40)) for _ in range(3)]
     stats = calibration.collect(model, wins, n_sink=1, samples=32, weighting="uniform", rope=rope)
     return calibration.ModelCodec(stats, rec)
+
+
+def damaged_loads_or_refuses(raw: bytes, data, where, values, path, load) -> None:
+    """Up to four bytes of a saved file ``raw`` at offsets drawn from ``where`` set to values drawn
+    from ``values`` (hypothesis strategies, ``data`` the test's ``st.data()``), the checksum
+    recomputed, written to ``path``: ``load(path)`` loads it or raises a KakeyaError; nothing else
+    escapes."""
+    raw = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        raw[data.draw(where)] = data.draw(values)
+    struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(bytes(raw[:-4])))
+    path.write_bytes(bytes(raw))
+    try:
+        load(path)
+    except KakeyaError:
+        pass
