@@ -3,7 +3,7 @@
 q/k norms, MQA, head_dim 256, per-layer-type RoPE, partial rotary, interleaved RoPE, NoPE layers,
 attention softcapping, learnt attention sinks, ALiBi and absolute positions; hybrids whose
 recurrent, state-space or convolution layers hold no K/V rows. The families with multi-head latent
-attention, and those whose keys' RoPE cannot be taken off, are in ``families_latent.py``; what they
+attention, and those that rotate keys with a function of their own, are in ``families_latent.py``; what they
 are all built from in ``family_base.py``."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import transformers as T
 
-from .families_latent import AFTER_ROPE, MLA, OWN_ROTATION
+from .families_latent import MLA, OWN_ROTATION
 from .family_base import (_DELTANET, _MAMBA2, LINEAR_FULL_LINEAR, SHARED_FIVE, SLIDING_FULL_SLIDING, T_PROMPT,
-                          VOCAB, WINDOW, _make, _with_dynamic_mask, _with_key_scale, _with_sinks)
+                          VOCAB, WINDOW, _make, _with_dynamic_mask, _with_key_scale, _with_norm_weights,
+                          _with_sinks)
 
 
 #: Kolibri 1.1's six layers: indexed-attention layers (an indexer picks each query's keys) around sliding ones.
@@ -282,6 +283,14 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
                "query heads per layer (8 on the full layer, 4 on the sliding ones), q/k RMSNorm per head, "
                "a softplus gate per head after attention, per-layer-type RoPE (partial on full layers), MoE MLP"),
+    "hunyuan_v1_dense": (lambda: _with_norm_weights(_make(T.HunYuanDenseV1Config, T.HunYuanDenseV1ForCausalLM,
+                                                          num_key_value_heads=2, head_dim=16)),
+                         "q/k RMSNorm after RoPE (learnt weights: drawn in 0.5 .. 1.5)"),
+    "hunyuan_v1_moe": (lambda: _with_norm_weights(_make(
+        T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM, num_key_value_heads=2, head_dim=16, num_experts=4, moe_topk=2,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})),
+                       "q/k RMSNorm after RoPE (learnt weights: drawn in 0.5 .. 1.5), NTK-alpha RoPE (a fixed "
+                       "alpha: static frequencies), MoE MLP"),
     "hy_v3": (lambda: _make(T.HYV3Config, T.HYV3ForCausalLM, num_key_value_heads=2, head_dim=16, num_experts=4,
                             num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32),
               "q/k RMSNorm per head, a dense first layer, then routed and shared experts"),
@@ -515,7 +524,7 @@ ELSEWHERE = frozenset({"qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwe
 
 
 def build(name: str) -> Any:
-    return (FAMILIES.get(name) or MLA.get(name) or AFTER_ROPE.get(name) or OWN_ROTATION[name])[0]()
+    return (FAMILIES.get(name) or MLA.get(name) or OWN_ROTATION[name])[0]()
 
 
 def family_prompt(batch: int = 1, t: int = T_PROMPT, seed: int = 1) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Tiny random-weight decoders of the families with multi-head latent attention (each layer
-caches a latent row and the rotated key part) and of those whose keys' RoPE cannot be taken off,
-built as ``families.py``'s."""
+caches a latent row and the rotated key part) and of those whose modeling code rotates keys
+with a function of its own, built as ``families.py``'s."""
 
 from __future__ import annotations
 
@@ -64,17 +64,6 @@ MLA: Dict[str, Tuple[Callable[[], Any], str]] = {
     "kimi_linear": (lambda: _make(T.KimiLinearConfig, T.KimiLinearForCausalLM, layer_types=LINEAR_FULL_LINEAR,
                                   linear_head_dim=16, linear_num_heads=4, **_MLA),
                     "hybrid: Kimi Delta Attention layers around an MLA layer"),
-}
-
-
-#: Families whose keys' RoPE cannot be taken off (so only recipes that code keys after RoPE are
-#: calibrated for them).
-AFTER_ROPE: Dict[str, Tuple[Callable[[], Any], str]] = {
-    "hunyuan_v1_moe": (lambda: _make(T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM, num_key_value_heads=2,
-                                     head_dim=16, num_experts=4, moe_topk=2,
-                                     rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
-                                                      "factor": 1.0}),
-                       "q/k RMSNorm after RoPE, NTK-alpha RoPE (a fixed alpha: static frequencies), MoE MLP"),
 }
 
 

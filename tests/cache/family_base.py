@@ -61,6 +61,17 @@ def _with_dynamic_mask(model: Any) -> Any:
     return model
 
 
+def _with_norm_weights(model: Any) -> Any:
+    """HunYuan's q/k norm weights after RoPE (initialised to 1, where a cache that forgot them
+    would pass) drawn in 0.5 .. 1.5."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.query_layernorm, layer.self_attn.key_layernorm):
+                norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+    return model
+
+
 def _with_key_scale(model: Any) -> Any:
     """ZAYA's learnt key scales (initialised to 0: every key 0, every score equal) drawn in 1 .. 3."""
     g = torch.Generator().manual_seed(1)

@@ -25,10 +25,11 @@ from kakeyaturbo.cache.generation import _state_bytes  # noqa: E402
 from kakeyaturbo.cache.prefix import held_span  # noqa: E402
 from kakeyaturbo.calibration.moments import attention_p2  # noqa: E402
 from kakeyaturbo.eval import harness  # noqa: E402
-from kakeyaturbo.families import AttentionCapture, describe  # noqa: E402
+from kakeyaturbo.families import AttentionCapture, describe, keynorm  # noqa: E402
+from kakeyaturbo.families.rope import apply_rope, unapply_rope, unscale_keys  # noqa: E402
 
 from .conftest import forward, generate  # noqa: E402
-from .families_latent import AFTER_ROPE, MLA, OWN_ROTATION  # noqa: E402
+from .families_latent import MLA, OWN_ROTATION  # noqa: E402
 from .families import (FAMILIES, NO_STATISTICS, QUERY_SCALE, SLIDING_FULL_SLIDING, T_PROMPT, VOCAB,  # noqa: E402
                        WINDOW, build, family_prompt, rope_calls)
 
@@ -65,12 +66,18 @@ def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
         pos = torch.arange(first, first + held)
         # Phi splits off the rotated channels before RoPE: only they are recorded.
         want = cache.layers[i].keys[..., :k_pre.shape[-1]]
-        assert torch.equal(r.apply(k_pre[:, :, first:], pos), want), f"{name} layer {i}"
+        k_pre = k_pre[:, :, first:]
+        if r.key_norm is None:
+            assert torch.equal(r.apply(k_pre, pos), want), f"{name} layer {i}"
+        else:  # HunYuan's RMS norm after RoPE (families.keynorm): its rows normalised before RoPE,
+            # equal to float32 rounding (the model normalises the rotated rows)
+            k_pre = unscale_keys(r.key_norm(k_pre).detach(), r.key_scale(k_pre))
+            assert float((r.apply(k_pre, pos) - want).abs().max() / want.abs().max()) < 1e-6, f"{name} layer {i}"
         c, s = r.module_tables(torch.arange(T_PROMPT))  # as the module hands them to the model
         # (a batch's cos/sin where the family takes positions per row: Qwen3.5's multimodal RoPE)
         assert torch.equal(c.expand_as(cos), cos.float()) and torch.equal(s.expand_as(sin), sin.float())
         back = r.remove(want, pos)
-        err = float((back - k_pre[:, :, first:]).abs().max() / k_pre.abs().max())
+        err = float((back - k_pre).abs().max() / k_pre.abs().max())
         worst = max(worst, err)
     assert worst < 1e-6, f"{name}: removal error {worst:.2e} of the largest key entry"
     for s in layout.layers:
@@ -188,10 +195,20 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
         i = [r for r in _rope_layers(layout) if r not in read and r in group][-1]
         at = _rope_layers(layout).index(i)
         calls = calls[-3 * nl:]  # the three windows' forward passes (describe probes the function too)
-        q = torch.cat([c[0] for c in calls[at::nl]], dim=2)[0].double()  # [hq, 3 * 24, d]
+        qs, ks = [c[0] for c in calls[at::nl]], [c[1] for c in calls[at::nl]]
+        attn = kt.families.attention_modules(model)[i]
         if name in QUERY_SCALE:  # queries scaled after RoPE, as attention receives them
-            q = q * QUERY_SCALE[name](kt.families.attention_modules(model)[i]).double()
-        k = torch.cat([c[1][:, :, 1:] for c in calls[at::nl]], dim=2)[0].double()
+            qs = [x * QUERY_SCALE[name](attn) for x in qs]
+        if layout.rope.layer(i).key_norm is not None:
+            # HunYuan's q/k RMS norms after RoPE (families.keynorm): the keys are the rows
+            # normalised before RoPE; the queries as attention receives them, times the key norm's
+            # weight, with RoPE taken off
+            wk = attn.key_layernorm.weight.detach()
+            ks = [unscale_keys(attn.key_layernorm(x).detach(), wk) for x in ks]
+            cs = [(c[2][:, None], c[3][:, None]) for c in calls[at::nl]]
+            qs = [unapply_rope(wk * attn.query_layernorm(apply_rope(x, *c)).detach(), *c) for x, c in zip(qs, cs)]
+        q = torch.cat(qs, dim=2)[0].double()  # [hq, 3 * 24, d]
+        k = torch.cat([x[:, :, 1:] for x in ks], dim=2)[0].double()
         w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
         j = group.index(i)
         np.testing.assert_allclose(stats.k_mean[j, :, :w], k.mean(dim=1).numpy(), rtol=1e-5, atol=1e-6)
@@ -271,7 +288,7 @@ def test_attention_weights_as_the_model_computes_them(family) -> None:
         torch.testing.assert_close(b, d, rtol=1e-5, atol=1e-7)
 
 
-def test_refused_up_front_with_the_model_type_and_reason() -> None:
+def test_refused_up_front_with_the_model_type_and_reason(monkeypatch) -> None:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
@@ -293,13 +310,23 @@ def test_refused_up_front_with_the_model_type_and_reason() -> None:
     with pytest.raises(kt.UnsupportedModelError, match="'nanochat'.*neither rotate_half nor interleaved"):
         KakeyaCache(IdentityCodec(pre_rope_keys=True), model=nano)
     KakeyaCache(IdentityCodec(), model=nano)
-    # HunYuan normalises its keys after RoPE: removing RoPE from what it caches gives no
-    # position-free keys, so they are not calibrated that way (after RoPE they are).
+    # HunYuan normalises its keys after RoPE with a learnt weight, which comes off before RoPE
+    # does (families.keynorm). Without that rule the keys attention receives are not those its
+    # apply_rotary_pos_emb returned: refused by calibration's check (after RoPE they are served);
+    # a norm after RoPE that does not commute with the rotation (a LayerNorm) is refused up front.
     hy = transformers.HunYuanDenseV1ForCausalLM(transformers.HunYuanDenseV1Config(head_dim=16, **common)).eval()
     wins = [[3, 4, 5, 6, 7, 8, 9, 10]] * 2
-    with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
-        calibration.collect(hy, wins, samples=2)
-    assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
+    assert calibration.collect(hy, wins, samples=2).meta["rope"] == "before"
+    with monkeypatch.context() as mp:
+        mp.delitem(keynorm.KEY_NORM_AFTER_ROPE, "hunyuan_v1_dense")
+        with pytest.raises(kt.UnsupportedModelError, match="'hunyuan_v1_dense'.*keys change after RoPE"):
+            calibration.collect(hy, wins, samples=2)
+        assert calibration.collect(hy, wins, samples=2, rope="after").meta["rope"] == "after"
+    hy.model.layers[1].self_attn.key_layernorm = torch.nn.LayerNorm(16)
+    with pytest.raises(kt.UnsupportedModelError,
+                       match="'hunyuan_v1_dense'.*layer 1's key_layernorm after RoPE does not commute"):
+        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=hy)
+    KakeyaCache(IdentityCodec(), model=hy)
     # Gemma 4 Unified with every token attending both ways (not its default "vision"): refused.
     both = transformers.Gemma4UnifiedForCausalLM(transformers.Gemma4UnifiedTextConfig(
         head_dim=16, per_layer_config={}, use_bidirectional_attention="all", **common)).eval()
@@ -483,5 +510,5 @@ def test_every_family_built_here_has_a_readme_row() -> None:
     for line in readme.splitlines():
         if line.startswith("| `"):
             named |= set(re.findall(r"`([a-z0-9_\-]+)`", line.split("|")[1]))
-    built = {VARIANTS.get(n, n) for n in [*FAMILIES, *MLA, *AFTER_ROPE, *OWN_ROTATION]}
+    built = {VARIANTS.get(n, n) for n in [*FAMILIES, *MLA, *OWN_ROTATION]}
     assert not built - named, sorted(built - named)

@@ -10,10 +10,12 @@ before RoPE are the model's keys before RoPE; a saved prefix keeps the positions
 
 Two families take part differently. HunYuan-VL's multimodal sections (three or four: position,
 width, height, image index) split each pair of channels between two positions, so an image
-token's map is no rotation and its keys, normalised after RoPE, have no RoPE-free form: the
-cache rotates each token by its index (``LayerRope.multimodal`` is False), which the identity
-codec undoes exactly. HY-V4-VL caches a latent row without RoPE and the rotated key part as
-values, coded as cached: no positions to take off."""
+token's map is no rotation and its keys, normalised after it, have no RoPE-free form: the cache
+takes the key norm's weight off (as HunYuan's: ``families.keynorm``; the tests draw the norms'
+weights, 1 at initialisation) and rotates each token back by its index (``LayerRope.multimodal``
+is False), which the identity codec undoes exactly; a text token's keys come out normalised
+before RoPE. HY-V4-VL caches a latent row without RoPE and the rotated key part as values, coded
+as cached: no positions to take off."""
 
 from __future__ import annotations
 
@@ -28,11 +30,9 @@ import numpy as np  # noqa: E402
 
 from kakeyaturbo.cache import IdentityCodec, KakeyaCache, persist  # noqa: E402
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
-from kakeyaturbo.errors import UnsupportedModelError  # noqa: E402
 from kakeyaturbo.families import describe  # noqa: E402
 from kakeyaturbo.families.layout import model_type  # noqa: E402
 
-from .conftest import fast_codec, fast_recipe  # noqa: E402
 from .test_multimodal import (_IDS, _MROPE, _QWEN_VISION, _TEXT, _generate, check_fast, check_identity,  # noqa: E402
                               check_keys, coded_keys)
 
@@ -93,7 +93,12 @@ def _build(name: str):
         cfg = t.HunYuanVLConfig(text_config=dict(_TEXT, rope_parameters=_rope(sections)),
                                 vision_config=dict(_VISION, max_image_size=56, out_hidden_size=64),
                                 image_token_id=90, im_start_id=92, im_end_id=93, im_newline_id=94)
-        return t.HunYuanVLForConditionalGeneration(cfg).eval()
+        m = t.HunYuanVLForConditionalGeneration(cfg).eval()
+        with torch.no_grad():  # its q/k norms' weights after RoPE (1 at initialisation) drawn in 0.5 .. 1.5
+            for layer in m.model.language_model.layers:
+                for norm in (layer.self_attn.query_layernorm, layer.self_attn.key_layernorm):
+                    norm.weight.copy_(torch.rand(norm.weight.shape) + 0.5)
+        return m
     assert name == "hy_v4_vl"
     text = dict({k: v for k, v in _TEXT.items() if k != "head_dim"}, **_LATENT, rope_parameters=_rope([2, 1, 1]))
     cfg = t.HYV4VLConfig(text_config=text, vision_config=dict(_VISION, max_image_size=56, out_hidden_size=64),
@@ -168,14 +173,11 @@ def test_identity_codec_generates_as_dynamic_cache(name) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_attention_over_the_codes_as_decode_then_attend(name, rope) -> None:
     """Fast = slow (every family here is in ``fast.FAMILIES``, HY-V4-VL's latent attention in
-    ``fast.LATENT``); HunYuan-VL's keys, normalised after RoPE, are calibrated after RoPE only."""
+    ``fast.LATENT``); HunYuan-VL's keys, normalised after RoPE, calibrated before RoPE since
+    2026-12-08 (the key norm's weight taken off first: ``families.keynorm``)."""
     m = _build(name)
     mt = model_type(m)
     assert mt in fast_mod.FAMILIES and (name != "hy_v4_vl" or mt in fast_mod.LATENT)
-    if name.startswith("hunyuan_vl") and rope == "before":
-        with pytest.raises(UnsupportedModelError, match=f"'{mt}': its keys change after RoPE"):
-            fast_codec(m, fast_recipe(rope), rope)
-        return
     check_fast(m, _inputs(name), rope, name)
 
 
@@ -196,14 +198,15 @@ def test_keys_are_coded_without_multimodal_rope(name) -> None:
 
 @pytest.mark.parametrize("name", ["hunyuan_vl", "hunyuan_vl3"])
 def test_hunyuan_vl_keys_are_rotated_back_by_the_token_index(name) -> None:
-    """HunYuan-VL's keys as it caches them (normalised after its RoPE) turned back by the plain
-    rotation of each token's index: no multimodal positions held."""
+    """HunYuan-VL's keys as it caches them (normalised after its RoPE), divided by the key norm's
+    weight and turned back by the plain rotation of each token's index: no multimodal positions
+    held."""
     m = _build(name)
     i = _first_attention(m)
     got, _, cache = coded_keys(m, _inputs(name), i)
     ref = transformers.DynamicCache(config=m.config)
     _generate(m, _inputs(name), ref)
-    k = ref.layers[i].keys[0, 0]
+    k = ref.layers[i].keys[0, 0] / _text_model(m).layers[i].self_attn.key_layernorm.weight.detach()
     cos, sin = _text_model(m).rotary_emb(k, torch.arange(k.shape[0])[None])
     half = k.shape[-1] // 2
     back = k * cos[0] - torch.cat((-k[:, half:], k[:, :half]), dim=-1) * sin[0]

@@ -46,7 +46,7 @@ import torch
 from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_sink_logits
 from ..families.capture import sparse_mask
 from ..families.layout import model_type, text_config
-from ..families.rope import LayerRope, tabulated_rows
+from ..families.rope import LayerRope, tabulated_rows, unscale_keys
 from .padding import causal_mask, move_sinks
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
@@ -71,7 +71,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "llama4_text", "gemma", "olmo", "opt", "biogpt", "gpt_bigcode", "dbrx", "gptj", "codegen",
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
-                      "hunyuan_v1_moe", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
+                      "hunyuan_v1_moe", "hunyuan_v1_dense", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
                       "falcon",  # not with ALiBi (:func:`install` refuses it: the bias rides in the mask)
                       "ergo", "minicpm5_moe", "param2moe", "exaone", "internlm3", "iquestcoder", "sarvam_moe",
                       "mellum", "aria_text", "gemma4_unified_text", "modernbert-decoder",
@@ -330,6 +330,13 @@ def _scale_softcap(module: Any, query: torch.Tensor, kwargs: Dict[str, Any]) -> 
     return float(scale), None if softcap is None else float(softcap)
 
 
+def _key_weight(layer: Any, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The weight ``w`` of a norm after RoPE on keys coded before it (HunYuan's, float32 where
+    ``like`` is), else None: the codes hold ``k'``, the model's keys are ``w * R k'``, so scores
+    are ``(w * q) . R k'`` and the raw rows, divided by ``w``, give ``q . k`` as before."""
+    return layer.rope.key_scale(like) if layer.pre_rope and not layer.latent else None
+
+
 def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndarray, mask: Any,
             kwargs: Dict[str, Any], rot: Any = None, latent: bool = False) -> np.ndarray:
     """The attention of ``q`` (the kernel's queries for the model's ``query``) over the layer's
@@ -339,6 +346,9 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
     arrays go to the kernel as they are (:meth:`LayerCodes.kernel_attend`: it checks them): at
     every decode step and layer, the public function's own checks would repeat the cache's."""
     sk, sv, tk, tv = layer.raw_rows()
+    w = _key_weight(layer, sk)
+    if w is not None:
+        q, sk, tk = q * _f32(w), unscale_keys(sk, w), unscale_keys(tk, w)
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
@@ -398,10 +408,13 @@ def _attend_triton(layer: Any, module: Any, query: torch.Tensor, mask: Any, kwar
     table, positions = rot if rot is not None else (None, None)
     batch, pos = layer.device_codes(positions)
     sk, sv, tk, tv = layer.raw_rows()
+    q, w = query.detach().float(), _key_weight(layer, sk)
+    if w is not None:
+        q, sk, tk = q * w, unscale_keys(sk, w), unscale_keys(tk, w)
     n_q = query.shape[-2]
     total = sk.shape[-2] + batch.k.rows + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
-    out, _ = decode_attention_triton(batch, query.detach().float(), tk, tv, sink_k=sk, sink_v=sv,
+    out, _ = decode_attention_triton(batch, q, tk, tv, sink_k=sk, sink_v=sv,
                                      scale=scale, softcap=softcap, window=layer.window,
                                      mask=_sinks_moved(layer, _bool_mask(mask, n_q, total), n_q, total,
                                                        sk.shape[-2], sk.device),

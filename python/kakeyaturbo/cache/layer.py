@@ -13,7 +13,7 @@ from .._extras import missing
 from ..codec.attention import LayerCodes
 from ..codec import _checks
 from ..errors import InvalidParameterError
-from ..families.rope import LayerRope, apply_rope_, over_heads, unapply_rope
+from ..families.rope import LayerRope, over_heads
 from .checks import batch_rows, check_rows, selected_rows
 from .codecs import (STREAMS, StreamCodec, decode_blocks, decode_blocks_into, decode_rows, encode_blocks, to_numpy,
                      wants_rope)
@@ -469,10 +469,10 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
     def _turn(self, y: torch.Tensor, start: int, back: bool = False) -> torch.Tensor:
         """Keys ``y`` ``[B, H, n, D]`` of tokens ``start ..`` with the layer's RoPE put on, in place
         (or, ``back``, taken off: a new tensor), from the cos/sin the other layers of the forward
-        pass share (:meth:`Positions.cos_sin`)."""
+        pass share (:meth:`Positions.cos_sin`); a key norm's weight with it (:meth:`LayerRope.turn`)."""
         assert self.positions is not None and self.rope is not None
         cs = over_heads(*self.positions.cos_sin(self.rope, start, y.shape[-2]), y)
-        return (unapply_rope if back else apply_rope_)(y, *cs, style=self.rope.style)
+        return self.rope.turn(y, *cs, back=back)
 
     def _seal(self, name: str) -> None:
         """Seals every full block of staging (one copy of the rows left, however many blocks a

@@ -63,8 +63,9 @@ def _close(a: Any, b: Any, ulps: int, dtype: Any) -> bool:
 def check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Tuple[Any, List[Any]]]) -> None:
     """UnsupportedModelError when a layer's keys as attention receives them are not those its
     ``apply_rotary_pos_emb`` returned: the family changes its keys after RoPE (a k norm on the
-    rotated keys, HunYuan), so removing RoPE from what the cache holds does not give
-    position-free keys to calibrate on. ``got``: per layer holding its own K/V rows, its keys as
+    rotated keys other than a norm the layer's rotation carries, see
+    :mod:`~kakeyaturbo.families.keynorm`), so removing RoPE from what the cache holds does not
+    give position-free keys to calibrate on. ``got``: per layer holding its own K/V rows, its keys as
     attention received them and what the function returned as the layer ran
     (:meth:`RotatedKeys.take`). Nothing is checked where no call was seen at all (a family whose
     attention does not look the function up in its module); UnsupportedModelError where a layer
@@ -87,12 +88,14 @@ def check_keys_rotate_last(model: Any, rope: Any, got: Dict[int, Tuple[Any, List
         # The outputs of the layer's calls that have the keys' shape (a function rotating one
         # tensor per call may hand them over as [batch, rows, heads, D], transposed after, and
         # rotate the keys before the queries: GPT-J), one of which must be the keys.
-        keys = []
+        # A norm after RoPE that the layer's rotation carries (HunYuan's key_layernorm: its weight
+        # comes off before RoPE is taken off) is applied to them as the model applies it.
+        keys, norm = [], getattr(rope.layer(i), "key_norm", None)
         for r in outs:
             if r.ndim == 4 and r.shape[:-1] != k.shape[:-1] and r.transpose(1, 2).shape[:-1] == k.shape[:-1]:
                 r = r.transpose(1, 2)
             if r.shape[:-1] == k.shape[:-1] and r.shape[-1] <= k.shape[-1]:
-                keys.append(r)
+                keys.append(r if norm is None or r.shape[-1] != k.shape[-1] else norm(r))
         if not keys:  # no output of the keys' shape: nothing to compare
             continue
         # Bit-equal where nothing comes between; a cast to a narrower dtype after RoPE rounds.

@@ -113,13 +113,15 @@ def _groups(model: Any, side: str, groups: Groups
     return rope, out, layout.kv_layers, reads
 
 
-def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any]) -> Any:
-    """``x [1, H, T, D]`` after RoPE -> float64 before it."""
+def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any], query: bool = False) -> Any:
+    """Keys (or, ``query``, queries) ``x [1, H, T, D]`` after RoPE -> float64 before it."""
     from ..families.capture import positions as call_positions
 
     r = rope.layer(layer)
     x = x.detach().double()
-    return x if r is None else r.remove(x, call_positions(kwargs, x.shape[0], x.shape[2]))
+    if r is None:
+        return x
+    return (r.remove_from_query if query else r.remove)(x, call_positions(kwargs, x.shape[0], x.shape[2]))
 
 
 ROPE_SIDES = ("before", "after")
@@ -259,8 +261,8 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
     rope, specs, own, reads = _groups(model, side, groups)
     at = {i: (n, g, j) for n, g in enumerate(specs) for i, j in g.row.items()}  # layer -> (group, row)
 
-    def domain(i: int, x: Any, kwargs: Dict[str, Any]) -> Any:
-        return _pre_rope(rope, i, x, kwargs) if side == "before" else x.detach().double()
+    def domain(i: int, x: Any, kwargs: Dict[str, Any], query: bool = False) -> Any:
+        return _pre_rope(rope, i, x, kwargs, query) if side == "before" else x.detach().double()
 
     q2 = [torch.zeros((len(g.layers), g.hkv, g.d, g.d), dtype=torch.float64) for g in specs]
     q_count = [torch.zeros((len(g.layers), g.hkv), dtype=torch.float64) for g in specs]
@@ -279,7 +281,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
             return attend(q, k, v)
         t = q.shape[2]
         n, g, j = at[i]
-        qp = domain(i, q, kwargs)[0].reshape(g.hkv, g.group * t, g.d)
+        qp = domain(i, q, kwargs, query=True)[0].reshape(g.hkv, g.group * t, g.d)
         if weighting == "attention":  # the output from the probabilities the weights need
             wq, wk_t, o = attention_p2(module, q, k, mask, kwargs, n_sink, v=v)
             out = (o, None)

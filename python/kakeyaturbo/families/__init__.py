@@ -8,6 +8,8 @@
   :func:`describe` checks the config against before reading it;
 - `rope`: RoPE as the families apply it (pairings, partial rotary, per-layer-type rotary
   modules), its exact inverse and transpose;
+- `keynorm`: keys normalised after RoPE with a learnt weight (HunYuan), whose weight comes off
+  before RoPE does;
 - `capture`: :class:`AttentionCapture`, every layer's queries, keys and values as the model
   hands them to attention (after q/k norms and RoPE), through transformers' AttentionInterface.
 

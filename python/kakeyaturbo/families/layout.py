@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ..errors import UnsupportedModelError
 from .counts import check_heads, check_layers, layer_count, modules_by_layer
 from .heads import layer_heads, per_layer
+from .keynorm import key_norms
 from .readers import cross_layers, kv_sources
 from .rope import LayerRope, ModelRope, detect_complex_rope, detect_rope
 
@@ -519,6 +520,8 @@ def describe(model: Any) -> ModelLayout:
     if latent:  # the latent keys carry no rotation: nothing to take off or put back
         return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)
+    if rope is not None:  # a norm after RoPE whose weight comes off before it (HunYuan)
+        rope, err = key_norms(mt, rope, attention_modules(model))
     if rope is not None and cross:  # the image's keys carry no rotation
         rope = ModelRope([None if i in cross else rope.layer(i) for i in range(len(types))])
     if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE

@@ -32,6 +32,7 @@ to the rows before it.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -126,6 +127,14 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
     return y.to(out_dtype)
 
 
+def unscale_keys(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` divided channel by channel by ``w [D]`` (0 where ``w`` is 0: a norm with a
+    zero weight leaves that channel 0, and putting ``w`` back gives it again), in the promoted
+    dtype of ``x`` and float32: a new tensor."""
+    w = w.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+    return torch.where(w != 0, x / torch.where(w != 0, w, torch.ones_like(w)), torch.zeros_like(w))
+
+
 def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
     """The transpose of :func:`apply_rope` as a linear map, ``g * cos - rot(g) * sin`` (the
     channels past ``rot_dim`` pass through): a gradient with respect to the rows after RoPE,
@@ -152,7 +161,16 @@ class LayerRope:
     multimodal rotary module: temporal, height, width) gives float32 ``cos``/``sin``
     ``[batch or 1, T, rot_dim]``: exactly what the module gives a float32 model (in the
     per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
+
+    ``key_norm`` (:meth:`with_key_norm`; None otherwise): the layer's RMS norm of the keys after
+    RoPE (HunYuan's ``key_layernorm``), ``w * normalise(R k)``. Normalising commutes with the
+    rotation, so the cached keys are ``w * R k'``, ``k'`` the normalised keys before RoPE:
+    :meth:`apply` multiplies by ``w`` after rotating, :meth:`remove` divides by it first
+    (:func:`unscale_keys`), :meth:`transpose` multiplies a gradient by it first. The rotation's
+    tables and :meth:`same_as` do not depend on it.
     """
+
+    key_norm: Any = None
 
     def __init__(self, module: Any, layer_type: Optional[str], style: str, table: str = "channel",
                  order: str = "cos_sin") -> None:
@@ -176,6 +194,7 @@ class LayerRope:
         lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
         tf = f", table={self.table!r}" if self.table != "channel" else ""
         tf += f", order={self.order!r}" if self.order != "cos_sin" else ""
+        tf += ", key_norm" if self.key_norm is not None else ""
         return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{tf})"
 
     @property
@@ -269,18 +288,54 @@ class LayerRope:
     def _cs(self, positions: Any, like: torch.Tensor, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         return over_heads(*self(positions, long), like)
 
+    def with_key_norm(self, norm: Any) -> "LayerRope":
+        """A copy of this rotation followed by ``norm`` (a module with a per-channel ``weight``
+        whose output is ``weight * normalise(x)``, normalising commuting with the rotation:
+        checked by :func:`kakeyaturbo.families.keynorm.key_norms`)."""
+        out = copy.copy(self)
+        out.key_norm = norm
+        return out
+
+    def key_scale(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The weight of :attr:`key_norm` ``[D]`` in ``like``'s device and its dtype promoted with
+        float32 (read at each call: it follows the model to another device), or None."""
+        if self.key_norm is None:
+            return None
+        return self.key_norm.weight.detach().to(like.device, torch.promote_types(like.dtype, torch.float32))
+
+    def turn(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """RoPE (and the key norm's weight) put on ``y`` with these cos/sin (broadcasting over
+        it), in place where :func:`apply_rope_` can; or, ``back``, taken off (a new tensor)."""
+        w = self.key_scale(y)
+        if back:
+            return unapply_rope(y if w is None else unscale_keys(y, w), cos, sin, style=self.style)
+        y = apply_rope_(y, cos, sin, style=self.style)
+        return y if w is None else y.mul_(w.to(y.dtype))
+
     def apply(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``);
-        ``long`` as in :meth:`__call__`."""
-        return apply_rope(x, *self._cs(positions, x, long), style=self.style)
+        ``long`` as in :meth:`__call__`; then the key norm's weight, where there is one."""
+        y = apply_rope(x, *self._cs(positions, x, long), style=self.style)
+        w = self.key_scale(y)
+        return y if w is None else y * w
 
     def remove(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """The inverse of :meth:`apply` (float64 inside, ``x``'s dtype promoted with float32 out)."""
-        return unapply_rope(x, *self._cs(positions, x, long), style=self.style)
+        w = self.key_scale(x)
+        return unapply_rope(x if w is None else unscale_keys(x, w), *self._cs(positions, x, long), style=self.style)
+
+    def remove_from_query(self, q: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
+        """A query after RoPE in the domain of the keys before it: RoPE taken off ``w * q`` (the
+        key norm's weight, where there is one, moved onto the query, whose products with the keys
+        before RoPE at its own position are then its scores)."""
+        w = self.key_scale(q)
+        return unapply_rope(q if w is None else q * w, *self._cs(positions, q, long), style=self.style)
 
     def transpose(self, g: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
-        """A gradient at the rows after RoPE carried back to the rows before it."""
-        return rope_transpose(g, *self._cs(positions, g, long), style=self.style)
+        """A gradient at the rows after RoPE (and the key norm's weight) carried back to the rows
+        before it."""
+        w = self.key_scale(g)
+        return rope_transpose(g if w is None else (g * w).to(g.dtype), *self._cs(positions, g, long), style=self.style)
 
     def long_call(self, positions: Any) -> Optional[bool]:
         """Whether a forward call at ``positions`` (all of them) rotates by the long factors

@@ -1,0 +1,69 @@
+"""Keys normalised after RoPE by a norm with a learnt per-channel weight (HunYuan's
+``key_layernorm``: ``w * normalise(R k)``, an RMS norm of the rotated keys).
+
+An RMS norm divides a row by its root mean square, which a rotation keeps, so the cached keys
+are ``w * R k'`` with ``k' = k / rms(k)``, the normalised keys before RoPE: taking ``w`` off and
+then RoPE leaves keys without a position to code, and putting RoPE then ``w`` back gives the
+cached keys again (:meth:`~kakeyaturbo.families.rope.LayerRope.with_key_norm`). Scores over
+such keys are ``(w * q) . R k'``: attention over the codes scales the queries by ``w``.
+
+:func:`key_norms` attaches each layer's norm to its :class:`~kakeyaturbo.families.rope.LayerRope`
+for the families of :data:`KEY_NORM_AFTER_ROPE`, after checking on random rows that the norm
+commutes with the layer's rotation as that algebra needs (a norm that subtracts the mean or adds
+a bias does not)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .rope import ModelRope, unscale_keys
+
+#: Families whose attention normalises its keys after RoPE, by the attention module's attribute
+#: holding the norm (queries are normalised too, which attention over the codes takes as given).
+#: HunYuan-VL's image tokens are turned by a map that is no rotation, which the cache turns back
+#: by each token's index (``LayerRope.multimodal``): exact, but their keys are not position-free.
+KEY_NORM_AFTER_ROPE: Dict[str, str] = {
+    "hunyuan_v1_dense": "key_layernorm",
+    "hunyuan_v1_moe": "key_layernorm",
+    "hunyuan_vl_text": "key_layernorm",
+}
+
+
+def _commutes(rope: Any, norm: Any, d: int) -> bool:
+    """Whether ``norm`` after ``rope`` (a :class:`LayerRope`) equals ``w * R (norm(x) / w)`` on
+    random rows at scattered positions, to float32 rounding."""
+    w = norm.weight.detach()
+    x = torch.randn(1, 2, 6, d, generator=torch.Generator().manual_seed(0)).to(w.device)
+    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
+    with torch.no_grad():
+        want = norm(rope.apply(x, pos)).double()
+        got = rope.with_key_norm(norm).apply(unscale_keys(norm(x).float(), w), pos).double()
+    if want.shape != got.shape or not bool(torch.isfinite(want).all()):
+        return False
+    return (want - got).abs().max().item() <= 1e-4 * max(want.abs().max().item(), 1e-30)
+
+
+def key_norms(mt: str, rope: ModelRope, modules: Dict[int, Any]) -> Tuple[Optional[ModelRope], Optional[str]]:
+    """``rope`` with each rotating layer's key norm attached for a family of
+    :data:`KEY_NORM_AFTER_ROPE` (``modules``: the attention module of each layer index), else
+    ``rope`` itself; ``(None, why)`` when a layer's norm is missing, has no weight of its head
+    size, or does not commute with its rotation."""
+    attr = KEY_NORM_AFTER_ROPE.get(mt)
+    if attr is None:
+        return rope, None
+    layers = []
+    for i, r in enumerate(rope.layers):
+        if r is None:
+            layers.append(None)
+            continue
+        norm = getattr(modules.get(i), attr, None)
+        w = getattr(norm, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.ndim != 1:
+            return None, f"layer {i} has no {attr} with a per-channel weight to take off its keys after RoPE"
+        if not _commutes(r, norm, w.shape[0]):
+            return None, (f"layer {i}'s {attr} after RoPE does not commute with the rotation (not an RMS "
+                          "norm with a per-channel weight), so its keys have no RoPE-free form")
+        layers.append(r.with_key_norm(norm))
+    return ModelRope(layers), None
