@@ -283,6 +283,9 @@ FAMILIES: Dict[str, Tuple[Callable[[], Any], str]] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
                "query heads per layer (8 on the full layer, 4 on the sliding ones), q/k RMSNorm per head, "
                "a softplus gate per head after attention, per-layer-type RoPE (partial on full layers), MoE MLP"),
+    "nanochat": (lambda: _make(T.NanoChatConfig, T.NanoChatForCausalLM, num_key_value_heads=2, head_dim=16),
+                 "RoPE turning the other way (its rotate_half is cat(x2, -x1)), q/k RMSNorm without weights "
+                 "after RoPE, final logit softcapping"),
     "hunyuan_v1_dense": (lambda: _with_norm_weights(_make(T.HunYuanDenseV1Config, T.HunYuanDenseV1ForCausalLM,
                                                           num_key_value_heads=2, head_dim=16)),
                          "q/k RMSNorm after RoPE (learnt weights: drawn in 0.5 .. 1.5)"),

@@ -10,6 +10,7 @@ weights refused by name."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,14 @@ def _rope_layers(layout):
     return [i for i in layout.kv_layers if layout.rope.layer(i) is not None]
 
 
+def _normalised(r, x):
+    """Rows ``x`` before RoPE as the key norm after RoPE of ``r`` leaves them, its weight taken
+    off (HunYuan's, NanoChat's: ``families.keynorm``)."""
+    w = r.key_scale(x)
+    y = r.key_norm(x).detach()
+    return y if w is None else unscale_keys(y, w)
+
+
 def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
     """The family's own pre-RoPE keys (recorded inside its apply_rotary_pos_emb: after any k
     norm) with RoPE applied by the cache's LayerRope equal the keys in the model's cache bit
@@ -69,9 +78,9 @@ def test_rope_reapplied_bit_exact_and_removed(family, monkeypatch) -> None:
         k_pre = k_pre[:, :, first:]
         if r.key_norm is None:
             assert torch.equal(r.apply(k_pre, pos), want), f"{name} layer {i}"
-        else:  # HunYuan's RMS norm after RoPE (families.keynorm): its rows normalised before RoPE,
+        else:  # an RMS norm after RoPE (families.keynorm): its rows normalised before RoPE,
             # equal to float32 rounding (the model normalises the rotated rows)
-            k_pre = unscale_keys(r.key_norm(k_pre).detach(), r.key_scale(k_pre))
+            k_pre = _normalised(r, k_pre)
             assert float((r.apply(k_pre, pos) - want).abs().max() / want.abs().max()) < 1e-6, f"{name} layer {i}"
         c, s = r.module_tables(torch.arange(T_PROMPT))  # as the module hands them to the model
         # (a batch's cos/sin where the family takes positions per row: Qwen3.5's multimodal RoPE)
@@ -200,13 +209,18 @@ def test_calibrated_recipe_calibrates_codes_and_generates(family, monkeypatch) -
         if name in QUERY_SCALE:  # queries scaled after RoPE, as attention receives them
             qs = [x * QUERY_SCALE[name](attn) for x in qs]
         if layout.rope.layer(i).key_norm is not None:
-            # HunYuan's q/k RMS norms after RoPE (families.keynorm): the keys are the rows
+            # q/k RMS norms after RoPE (HunYuan's, NanoChat's: families.keynorm): the keys are the rows
             # normalised before RoPE; the queries as attention receives them, times the key norm's
             # weight, with RoPE taken off
-            wk = attn.key_layernorm.weight.detach()
-            ks = [unscale_keys(attn.key_layernorm(x).detach(), wk) for x in ks]
+            r = layout.rope.layer(i)
+            wk = r.key_scale(ks[0])
+            wk = 1.0 if wk is None else wk  # (NanoChat's norms have no weights)
+            qn = getattr(attn, "query_layernorm", None) or attn.q_norm
+            ks = [_normalised(r, x) for x in ks]
             cs = [(c[2][:, None], c[3][:, None]) for c in calls[at::nl]]
-            qs = [unapply_rope(wk * attn.query_layernorm(apply_rope(x, *c)).detach(), *c) for x, c in zip(qs, cs)]
+            if r.reverse:  # NanoChat turns by -theta
+                cs = [(c, -s) for c, s in cs]
+            qs = [unapply_rope(wk * qn(apply_rope(x, *c)).detach(), *c) for x, c in zip(qs, cs)]
         q = torch.cat(qs, dim=2)[0].double()  # [hq, 3 * 24, d]
         k = torch.cat([x[:, :, 1:] for x in ks], dim=2)[0].double()
         w = k.shape[-1]  # the rotated channels only where the attention splits them off (Phi)
@@ -304,12 +318,16 @@ def test_refused_up_front_with_the_model_type_and_reason(monkeypatch) -> None:
         KakeyaCache(IdentityCodec(), model=m)  # keys kept with their RoPE: nothing to refuse
     with pytest.raises(kt.UnsupportedModelError, match="not a transformers model"):
         describe(torch.nn.Linear(2, 2))
-    # NanoChat's rotate_half turns the other way (cat(x2, -x1)), a pairing none of the table forms
-    # reproduces: keys without RoPE are refused, keys as the model caches them are served.
+    # A pairing none of the table forms reproduces (NanoChat's function made to swap the halves
+    # without a sign: no rotation; its own turns the other way, which LayerRope reads as
+    # reverse=True): keys without RoPE are refused, keys as the model caches them are served.
     nano = transformers.NanoChatForCausalLM(transformers.NanoChatConfig(head_dim=16, **common)).eval()
-    with pytest.raises(kt.UnsupportedModelError, match="'nanochat'.*neither rotate_half nor interleaved"):
-        KakeyaCache(IdentityCodec(pre_rope_keys=True), model=nano)
-    KakeyaCache(IdentityCodec(), model=nano)
+    with monkeypatch.context() as mp:
+        mp.setattr(sys.modules[type(nano).__module__], "rotate_half", lambda x: torch.cat((x[..., 8:], x[..., :8]), -1))
+        with pytest.raises(kt.UnsupportedModelError, match="'nanochat'.*neither rotate_half nor interleaved"):
+            KakeyaCache(IdentityCodec(pre_rope_keys=True), model=nano)
+        KakeyaCache(IdentityCodec(), model=nano)
+    assert describe(nano).rope.layer(0).reverse
     # HunYuan normalises its keys after RoPE with a learnt weight, which comes off before RoPE
     # does (families.keynorm). Without that rule the keys attention receives are not those its
     # apply_rotary_pos_emb returned: refused by calibration's check (after RoPE they are served);

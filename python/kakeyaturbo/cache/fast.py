@@ -71,7 +71,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "llama4_text", "gemma", "olmo", "opt", "biogpt", "gpt_bigcode", "dbrx", "gptj", "codegen",
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
-                      "hunyuan_v1_moe", "hunyuan_v1_dense", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
+                      "hunyuan_v1_moe", "hunyuan_v1_dense", "nanochat", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
                       "falcon",  # not with ALiBi (:func:`install` refuses it: the bias rides in the mask)
                       "ergo", "minicpm5_moe", "param2moe", "exaone", "internlm3", "iquestcoder", "sarvam_moe",
                       "mellum", "aria_text", "gemma4_unified_text", "modernbert-decoder",
@@ -91,8 +91,9 @@ TAG = "_kakeyaturbo_layer"
 
 _registered = False
 
-#: Rope tables by rotary module (weakly: a table goes with its model), then (layer type, style).
-_TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, str], RopeTable]]" = weakref.WeakKeyDictionary()
+#: Rope tables by rotary module (weakly: a table goes with its model), then (layer type, style,
+#: reverse).
+_TABLES: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, str, bool], RopeTable]]" = weakref.WeakKeyDictionary()
 
 #: The fewest rows a rope table has; past it, a table holds a multiple of :data:`TABLE_STEP`
 #: positions, grown when a position passes its end.
@@ -128,7 +129,7 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
         tables = _TABLES.setdefault(rope.module, {})
     except TypeError:  # a rotary callable that cannot be referenced weakly: kept on the layer's rope
         tables = rope.__dict__.setdefault("_kakeyaturbo_tables", {})
-    key = (rope.layer_type, rope.style)
+    key = (rope.layer_type, rope.style, rope.reverse)
     t = tables.get(key)
     if t is None or t.n_positions < n:
         rows = max(TABLE_ROWS, -(-n // TABLE_STEP) * TABLE_STEP if n > TABLE_ROWS else TABLE_ROWS)

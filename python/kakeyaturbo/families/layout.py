@@ -521,7 +521,7 @@ def describe(model: Any) -> ModelLayout:
         return ModelLayout(mt, tuple(specs), ModelRope([None] * len(specs)), None, latent=True)
     rope, err = _rope(model, cfg, types)
     if rope is not None:  # a norm after RoPE whose weight comes off before it (HunYuan)
-        rope, err = key_norms(mt, rope, attention_modules(model))
+        rope, err = key_norms(mt, rope, attention_modules(model), {s.index: s.head_dim for s in specs})
     if rope is not None and cross:  # the image's keys carry no rotation
         rope = ModelRope([None if i in cross else rope.layer(i) for i in range(len(types))])
     if rope is not None and shared:  # a shared layer's keys carry its producer's RoPE

@@ -33,6 +33,7 @@ to the rows before it.
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -155,7 +156,9 @@ class LayerRope:
     layer types (Gemma 3: a local and a global base frequency), else None; ``style``: the
     pairing (:data:`STYLES`), found by :func:`kakeyaturbo.families.describe`;
     ``table``: the form of the module's tables (:data:`TABLES`), turned here into one entry per
-    channel; ``order``: the order the module returns them in (:data:`ORDERS`).
+    channel; ``order``: the order the module returns them in (:data:`ORDERS`); ``reverse``: the
+    family turns each pair the other way, by ``-theta`` (NanoChat's ``rotate_half`` is
+    ``cat(x2, -x1)``): the sin is negated.
 
     Calling it with integer positions ``[T]`` or ``[batch, T]`` (or the ``[3, batch, T]`` of a
     multimodal rotary module: temporal, height, width) gives float32 ``cos``/``sin``
@@ -163,7 +166,7 @@ class LayerRope:
     per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
 
     ``key_norm`` (:meth:`with_key_norm`; None otherwise): the layer's RMS norm of the keys after
-    RoPE (HunYuan's ``key_layernorm``), ``w * normalise(R k)``. Normalising commutes with the
+    RoPE (HunYuan's ``key_layernorm``), ``w * normalise(R k)`` (``w = 1`` for NanoChat's). Normalising commutes with the
     rotation, so the cached keys are ``w * R k'``, ``k'`` the normalised keys before RoPE:
     :meth:`apply` multiplies by ``w`` after rotating, :meth:`remove` divides by it first
     (:func:`unscale_keys`), :meth:`transpose` multiplies a gradient by it first. The rotation's
@@ -173,7 +176,7 @@ class LayerRope:
     key_norm: Any = None
 
     def __init__(self, module: Any, layer_type: Optional[str], style: str, table: str = "channel",
-                 order: str = "cos_sin") -> None:
+                 order: str = "cos_sin", reverse: bool = False) -> None:
         if style not in STYLES:
             raise ValueError(f"RoPE style must be one of {STYLES}, got {style!r}")
         if table not in TABLES:
@@ -185,6 +188,7 @@ class LayerRope:
         self.style = style
         self.table = table
         self.order = order
+        self.reverse = reverse
         inv = getattr(module, "inv_freq", None)
         if layer_type is not None:
             inv = getattr(module, f"{layer_type}_inv_freq", inv)
@@ -194,6 +198,7 @@ class LayerRope:
         lt = f", layer_type={self.layer_type!r}" if self.layer_type is not None else ""
         tf = f", table={self.table!r}" if self.table != "channel" else ""
         tf += f", order={self.order!r}" if self.order != "cos_sin" else ""
+        tf += ", reverse=True" if self.reverse else ""
         tf += ", key_norm" if self.key_norm is not None else ""
         return f"LayerRope({type(self.module).__name__}{lt}, style={self.style!r}{tf})"
 
@@ -227,7 +232,7 @@ class LayerRope:
         """Whether ``other`` rotates exactly as this one does."""
         return (isinstance(other, LayerRope) and other.module is self.module
                 and other.layer_type == self.layer_type and other.style == self.style
-                and other.table == self.table and other.order == self.order)
+                and other.table == self.table and other.order == self.order and other.reverse == self.reverse)
 
     @property
     def long_after(self) -> Optional[int]:
@@ -247,6 +252,8 @@ class LayerRope:
         """The cos/sin at ``positions``; ``long`` (``longrope`` only: :attr:`long_after`) picks the
         factors, which the module otherwise picks by the largest position given."""
         cos, sin = self.module_tables(positions, long)
+        if self.reverse:
+            sin = -sin
         if self.table == "channel":
             return cos, sin
         if self.table == "halved":
@@ -298,10 +305,10 @@ class LayerRope:
 
     def key_scale(self, like: torch.Tensor) -> Optional[torch.Tensor]:
         """The weight of :attr:`key_norm` ``[D]`` in ``like``'s device and its dtype promoted with
-        float32 (read at each call: it follows the model to another device), or None."""
-        if self.key_norm is None:
-            return None
-        return self.key_norm.weight.detach().to(like.device, torch.promote_types(like.dtype, torch.float32))
+        float32 (read at each call: it follows the model to another device), or None (no norm, or
+        one without a weight)."""
+        w = getattr(self.key_norm, "weight", None)  # (NanoChat's norm has none)
+        return None if w is None else w.detach().to(like.device, torch.promote_types(like.dtype, torch.float32))
 
     def turn(self, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, back: bool = False) -> torch.Tensor:
         """RoPE (and the key norm's weight) put on ``y`` with these cos/sin (broadcasting over
@@ -356,6 +363,7 @@ class FnRope(LayerRope):
         self.style = style
         self.table = "channel"
         self.order = "cos_sin"
+        self.reverse = False
         self.device = torch.device("cpu")
 
     def __repr__(self) -> str:
@@ -448,29 +456,27 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
     itself: Phi-3, GPT-NeoX); then, for a partial rotary, rows of the rotated width only (the
     attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
     channels). The table forms are tried in the order of :data:`TABLES`, then the orders of
-    :data:`ORDERS`."""
+    :data:`ORDERS`, each turning either way (``reverse``)."""
     pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
     limit = tabulated_rows(module)  # a tabulated rotary (GPT-J, CodeGen): within its rows
     if limit is not None:
         pos = pos % limit
     raw = LayerRope(module, layer_type, "half").module_tables(pos)  # as the module returns them
-    for order in ORDERS:
-        for table in TABLES:
-            for style in STYLES:
-                rope = LayerRope(module, layer_type, style, table, order)
-                cos, sin = rope(pos)
-                widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
-                for width in widths:
-                    if cos.shape[-1] > width:
-                        continue
-                    x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
-                    x = x.to(cos.device)
-                    out = _rotated_key(apply_fn, x, *raw)
-                    if out is None:  # a different signature or convention: not one we can reproduce
-                        continue
-                    mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
-                    if mine.shape == out.shape and torch.equal(mine, out):
-                        return rope
+    for order, table, style, reverse in itertools.product(ORDERS, TABLES, STYLES, (False, True)):
+        rope = LayerRope(module, layer_type, style, table, order, reverse)
+        cos, sin = rope(pos)
+        widths = [head_dim] + ([cos.shape[-1]] if cos.shape[-1] < head_dim else [])
+        for width in widths:
+            if cos.shape[-1] > width:
+                continue
+            x = torch.randn(1, 2, pos.shape[1], width, generator=torch.Generator().manual_seed(0))
+            x = x.to(cos.device)
+            out = _rotated_key(apply_fn, x, *raw)
+            if out is None:  # a different signature or convention: not one we can reproduce
+                continue
+            mine = apply_rope(x, cos[:, None], sin[:, None], style=style)
+            if mine.shape == out.shape and torch.equal(mine, out):
+                return rope
     return None
 
 

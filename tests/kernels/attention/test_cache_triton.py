@@ -8,7 +8,8 @@ Gemma 2 (softcap, MQA, head_dim 256, sliding layers), Qwen3-Next (a hybrid: Gate
 around its attention layer), Gemma 4 (KV sharing: layers attending over another's codes), Qwen2-VL
 with an image (its tokens' rotations appended to the rope table), Phi-3 with longrope across its
 switch (the short factors' rows appended to the long table), HunYuan (keys normalised after RoPE
-with a learnt weight: the queries scaled by it, the raw keys divided)."""
+with a learnt weight: the queries scaled by it, the raw keys divided), NanoChat (RoPE turning the
+other way: the rope table's sin negated)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _codec(model, rope: str) -> ModelCodec:
 
 @pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("gpt_oss", "before"),
                                         ("gemma2", "before"), ("qwen3_next", "before"), ("gemma4_text", "before"),
-                                        ("hunyuan_v1_dense", "before")])
+                                        ("hunyuan_v1_dense", "before"), ("nanochat", "before")])
 def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> None:
     model = families.build(name)
     codec = _codec(model, rope)
