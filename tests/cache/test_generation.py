@@ -370,6 +370,7 @@ def test_bad_settings_raise(llama) -> None:
         num_attention_heads=4, num_key_value_heads=2,
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
     KakeyaCache(IdentityCodec(), model=dynamic)  # keys stay as cached: no RoPE to remove
+    del dynamic.model.rotary_emb.original_max_seq_len  # no known limit below which it is static
     with pytest.raises(kt.UnsupportedModelError, match="'llama'.*'dynamic'"):
         KakeyaCache(pre, model=dynamic)
 

@@ -115,8 +115,11 @@ def test_rotate_half_convention() -> None:
 
 
 def test_bad_inputs_and_stateful_rope_types_raise() -> None:
+    dynamic = tiny(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    rope_for(dynamic)  # static below max_position_embeddings (test_dynamic_rope.py)
+    del dynamic.model.rotary_emb.original_max_seq_len  # a dynamic module that does not say its limit
     with pytest.raises(ValueError, match="dynamic"):
-        rope_for(tiny(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+        rope_for(dynamic)
     with pytest.raises(ValueError, match="not a transformers model"):
         rope_for(torch.nn.Linear(2, 2))
     rope = rope_for(tiny())

@@ -84,8 +84,9 @@ def watch_calls(model: Any, cache: Any) -> None:
                 raise InvalidInputError(
                     f"the ids do not continue the {held} tokens the cache holds (a prefix, e.g. loaded from a "
                     f"file): give ids that begin with those {held} tokens and go on past them")
-        if c._positions is not None:
-            c._positions.expect(p)
+        if c._positions is not None:  # (positions counted on from those held where not given)
+            q = x.shape[1] if isinstance(x, torch.Tensor) and x.ndim >= 2 else 0
+            c._positions.expect(p, c.get_seq_length() + q - 1)
         c._forward_ids = p
         c._undo = c._snapshot()
 

@@ -107,9 +107,11 @@ TABLE_MAX = 1 << 21
 
 def dynamic_rope(rope: Optional[LayerRope]) -> Optional[str]:
     """Why ``rope``'s cos/sin cannot be tabulated once per position (``dynamic`` rope types,
-    whose frequencies follow the sequence length), else None. ``longrope`` has two tables, one
-    per set of factors (:func:`rope_table`, :meth:`~kakeyaturbo.cache.positions.Positions.rotation`)."""
-    if rope is None:
+    whose frequencies follow the sequence length, where no limit below which they do not is
+    known), else None. ``longrope`` has two tables, one per set of factors (:func:`rope_table`,
+    :meth:`~kakeyaturbo.cache.positions.Positions.rotation`); a dynamic rope type's is the
+    original frequencies' below :attr:`~kakeyaturbo.families.rope.LayerRope.static_until`."""
+    if rope is None or rope.static_until is not None:
         return None
     kind = getattr(rope.module, "rope_type", "default")
     if isinstance(kind, dict):
@@ -133,9 +135,10 @@ def rope_table(rope: LayerRope, n: int) -> RopeTable:
     t = tables.get(key)
     if t is None or t.n_positions < n:
         rows = max(TABLE_ROWS, -(-n // TABLE_STEP) * TABLE_STEP if n > TABLE_ROWS else TABLE_ROWS)
-        limit = tabulated_rows(rope.module)  # a tabulated rotary (GPT-J): its rows only
-        if limit is not None and n <= limit < rows:
-            rows = limit
+        # a tabulated rotary (GPT-J): its rows only; a dynamic rope type: below its limit
+        for limit in (tabulated_rows(rope.module), rope.static_until):
+            if limit is not None and n <= limit < rows:
+                rows = limit
         cos, sin = rope(torch.arange(rows)[None], long=True if rope.long_after is not None else None)
         t = RopeTable.from_full(_f32(cos[0]), _f32(sin[0]), rope.style)
         tables[key] = t

@@ -148,6 +148,9 @@ class KakeyaCache(Cache, NotPickled):
             self._positions = Positions()
             # longrope: which factors rotated each token is recorded (Positions.long)
             self._positions.long_after = min((r.long_after for r in layer_ropes(rope) if r.long_after), default=None)
+            # dynamic rope types: refused past their limit (Positions.static_until)
+            self._positions.static_until = min((r.static_until for r in layer_ropes(rope) if r.static_until),
+                                               default=None)
         self.rope = rope
         self.threads = _checks.threads(threads)
         self.kernel = _checks.choice(kernel, "kernel", KERNELS)

@@ -161,10 +161,10 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             self.end_past_recording()
         start = self.seen
         q = key_states.shape[-2]
-        self._recorded += q if self.record_past else 0
         ids = position_ids(kwargs, q)
-        if self.positions is not None:
+        if self.positions is not None:  # (may refuse the call: before anything changes)
             self.positions.record(start, q, key_states.shape[0], ids)
+        self._recorded += q if self.record_past else 0
         # The sink keeps each left-padded row's first real tokens: in a sliding layer only while no
         # query is a window past position 0 (until then its rows lie at their positions).
         pads = first_real(ids, key_states.shape[0]) if start == 0 and self.n_sink else None

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..codec.attention import RopeTable
+from ..errors import UnsupportedModelError
 
 
 class Positions:
@@ -34,7 +35,11 @@ class Positions:
     ``longrope`` (:attr:`long_after` set by the cache from the model's rotary module): a forward
     call whose largest position is at least ``long_after`` rotates the tokens it computes by the
     long factors. Once one has, :attr:`long` marks those tokens (``bool [T]``, one call serves
-    every batch row); the others were rotated by the short ones."""
+    every batch row); the others were rotated by the short ones.
+
+    A ``dynamic`` rope type (:attr:`static_until`, set by the cache likewise): a call reaching
+    that position is refused before anything of it is recorded (past it the model's
+    frequencies follow each call's longest position)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -42,6 +47,8 @@ class Positions:
     def reset(self) -> None:
         #: ``original_max_position_embeddings`` of a ``longrope`` model (kept by a reset).
         self.long_after: Optional[int] = getattr(self, "long_after", None)
+        #: ``max_position_embeddings`` of a dynamic rope type (kept by a reset).
+        self.static_until: Optional[int] = getattr(self, "static_until", None)
         self.long: Optional[torch.Tensor] = None
         self._pos: Optional[torch.Tensor] = None
         #: Counts the changes to positions already held (not the appends): what was read from
@@ -69,8 +76,11 @@ class Positions:
     def __len__(self) -> int:
         return 0 if self.pos is None else self.pos.shape[1]
 
-    def expect(self, position_ids: Optional[torch.Tensor]) -> None:
-        """A forward call begins: its ``position_ids`` (or None); no multimodal ones yet."""
+    def expect(self, position_ids: Optional[torch.Tensor], last: int = -1) -> None:
+        """A forward call begins: its ``position_ids`` (or None; ``last``: its last position where
+        they are not given); no multimodal ones yet. Refuses a call reaching :attr:`static_until`
+        before the model's rotary module runs (it would keep frequencies grown by it)."""
+        self._check_static(position_ids if position_ids is not None else torch.tensor([last]))
         self.pending = position_ids
         self.pending_grid = None
 
@@ -87,6 +97,7 @@ class Positions:
             raise RuntimeError(f"positions recorded up to {have}, a layer appends at {start}")
         g = self.pending_grid
         if isinstance(g, torch.Tensor) and g.shape[-1] == q:
+            self._check_static(g)
             self._record_grid(g.detach().to("cpu", torch.int32).expand(3, batch, q), have)
             return
         if position_ids is None and isinstance(self.pending, torch.Tensor) and self.pending.shape[-1] == q:
@@ -95,9 +106,19 @@ class Positions:
             new = torch.arange(start, start + q, dtype=torch.int32)[None].expand(batch, q)
         else:
             new = position_ids.detach().to("cpu", torch.int32).expand(batch, q)
+        self._check_static(new)
         self._record_long(q, int(new.max()) + 1 > self.long_after if self.long_after is not None and q else False)
         self._append(new, None if self.grid is None else new[None].expand(3, -1, -1),
                      None if self.extra is None else torch.full((batch, q), -1, dtype=torch.int32))
+
+    def _check_static(self, new: torch.Tensor) -> None:
+        limit = self.static_until
+        if limit is not None and new.numel() and int(new.max()) >= limit:
+            raise UnsupportedModelError(
+                f"a forward call reaches position {int(new.max())}: the model's dynamic rope type recomputes its "
+                f"frequencies past max_position_embeddings ({limit}) from each call's longest position, so keys "
+                "coded before RoPE are served below it only (nothing of this call was stored); code keys as the "
+                "cache holds them past it ([k] rope = 'after', statistics collected with rope='after')")
 
     def _record_long(self, q: int, long: bool) -> None:
         """The next ``q`` tokens' factors (``longrope``), before they are appended."""

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .rope import ModelRope, unscale_keys
+from .rope import ModelRope, probe_positions, unscale_keys
 
 #: Families whose attention normalises its keys after RoPE, by the attention module's attribute
 #: holding the norm (queries are normalised too, which attention over the codes takes as given).
@@ -37,7 +37,7 @@ def _commutes(rope: Any, norm: Any, d: int) -> bool:
     random rows at scattered positions, to float32 rounding."""
     w = getattr(norm, "weight", None)
     x = torch.randn(1, 2, 6, d, generator=torch.Generator().manual_seed(0)).to(rope.device)
-    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
+    pos = probe_positions(rope)
     with torch.no_grad():
         want = norm(rope.apply(x, pos)).double()
         y = norm(x).float()

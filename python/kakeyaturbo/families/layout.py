@@ -428,7 +428,9 @@ def _rope(model: Any, cfg: Any, types: List[str]) -> Tuple[Optional[ModelRope], 
         rt = rope_type.get(lt) if isinstance(rope_type, dict) else rope_type
         if not isinstance(rt, str):
             return None, f"no rope type for layer type {lt!r}"
-        if "dynamic" in rt:  # (longrope has two sets of factors: the cache records which a token got)
+        # (longrope has two sets of factors: the cache records which a token got; dynamic ones are
+        # the original frequencies below max_position_embeddings: LayerRope.static_until)
+        if "dynamic" in rt and LayerRope(mod, key, "half").static_until is None:
             return None, (f"rope type {rt!r} recomputes its frequencies from the longest position of each "
                           "forward call, so the rotation a cached key received is not a function of its "
                           "position alone")
@@ -465,7 +467,8 @@ def describe(model: Any) -> ModelLayout:
     (encoder-decoders, KV sharing by a rule it does not read, a modeling module
     that takes only its own cache class) or no layer holds K/V rows, and where its config says other
     layers or heads than its modules hold (:mod:`~kakeyaturbo.families.counts`). A RoPE that cannot be
-    recomputed from positions alone (``dynamic``, ``longrope``, an unknown pairing) is not refused
+    recomputed from positions alone (``dynamic`` without a known limit below which it is static,
+    an unknown pairing) is not refused
     here but recorded in ``rope_error``: only codecs that code keys without RoPE need it
     (:meth:`ModelLayout.require_rope`).
     """

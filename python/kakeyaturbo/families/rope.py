@@ -32,11 +32,14 @@ to the rows before it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from ..errors import UnsupportedModelError
 
 #: The pairings of channels that :func:`apply_rope` knows (see the module docstring).
 STYLES = ("half", "interleaved")
@@ -149,6 +152,31 @@ def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style:
     return y.to(g.dtype)
 
 
+@contextlib.contextmanager
+def _original_state(module: Any, layer_type: Optional[str]) -> Iterator[None]:
+    """A dynamic rope type's ``module`` with its original frequencies for the block (a call of
+    the model's past its limit leaves them grown, and a later one as long as the limit keeps
+    them), then its own buffers and ``*max_seq_len_cached`` attributes put back: the cache's
+    calls give the rotation below the limit and leave the model's module as they found it.
+    Nothing for None."""
+    if module is None:
+        yield
+        return
+    buffers = dict(module._buffers)
+    lengths = {k: v for k, v in vars(module).items() if k.endswith("max_seq_len_cached")}
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    original = getattr(module, f"{prefix}original_inv_freq", None)
+    try:
+        if isinstance(original, torch.Tensor) and f"{prefix}inv_freq" in buffers:
+            module._buffers[f"{prefix}inv_freq"] = original.clone()
+            setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+        yield
+    finally:
+        module._buffers.update(buffers)
+        for k, v in lengths.items():
+            setattr(module, k, v)
+
+
 class LayerRope:
     """The RoPE of one attention layer of a loaded model.
 
@@ -248,6 +276,20 @@ class LayerRope:
         n = params.get("original_max_position_embeddings") if kind == "longrope" else None
         return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
+    @property
+    def static_until(self) -> Optional[int]:
+        """``max_position_embeddings`` (the module's ``original_max_seq_len``) where the module is
+        a ``dynamic`` rope type (InternLM3's): below it every call rotates by the original
+        frequencies; a call reaching past it recomputes them from its longest position, so a
+        cached key's rotation is then no function of its position alone. None for other rope
+        types."""
+        kind = getattr(self.module, "rope_type", None)
+        if isinstance(kind, dict):
+            kind = kind.get(self.layer_type)
+        n = getattr(self.module, "original_max_seq_len", None)
+        dynamic = isinstance(kind, str) and "dynamic" in kind
+        return int(n) if dynamic and isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
     def __call__(self, positions: Any, long: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin at ``positions``; ``long`` (``longrope`` only: :attr:`long_after`) picks the
         factors, which the module otherwise picks by the largest position given."""
@@ -281,10 +323,17 @@ class LayerRope:
             elif n and int(pos.max()) >= limit:
                 raise ValueError(f"positions up to {int(pos.max())}: the short factors of {self!r} "
                                  f"rotate positions below {limit} only")
+        static = self.static_until
+        if static is not None and pos.numel() and int(pos.max()) >= static:
+            raise UnsupportedModelError(
+                f"positions up to {int(pos.max())}: {self!r} is a dynamic rope type, whose frequencies past "
+                f"max_position_embeddings ({static}) follow the longest position of each forward call, so "
+                "keys there are not turned back to a RoPE-free form; code them as the cache holds them "
+                "([k] rope = 'after', statistics collected with rope='after')")
         # The module reads only the dtype and device of its first argument.
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}
-        with torch.no_grad():
+        with torch.no_grad(), _original_state(self.module if static is not None else None, self.layer_type):
             out = self.module(probe, pos, **kw)
         # Llama 4's module gives the rotations as complex numbers (``freqs_cis``): cos + i sin.
         cos, sin = (out.real, out.imag) if isinstance(out, torch.Tensor) and out.is_complex() else out
@@ -446,6 +495,16 @@ def _rotated_key(apply_fn: Any, x: torch.Tensor, cos: Any, sin: Any) -> Optional
     return None
 
 
+def probe_positions(rope: LayerRope) -> torch.Tensor:
+    """Scattered positions ``[1, 6]`` to probe ``rope`` at, within the rows of a tabulated
+    rotary (GPT-J, CodeGen) and below a dynamic rope type's limit."""
+    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
+    for limit in (tabulated_rows(rope.module), rope.static_until):
+        if limit is not None:
+            pos = pos % limit
+    return pos
+
+
 def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim: int) -> Optional[LayerRope]:
     """The :class:`LayerRope` of ``module`` (and ``layer_type``) under which :func:`apply_rope`
     reproduces ``apply_fn(q, k, cos, sin)`` or ``apply_fn(k, cos, sin)`` (a modeling module's
@@ -457,10 +516,7 @@ def detect_rope(apply_fn: Any, module: Any, layer_type: Optional[str], head_dim:
     attention splits them off before calling it: Phi, StableLM, always the first ``rot_dim``
     channels). The table forms are tried in the order of :data:`TABLES`, then the orders of
     :data:`ORDERS`, each turning either way (``reverse``)."""
-    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]])
-    limit = tabulated_rows(module)  # a tabulated rotary (GPT-J, CodeGen): within its rows
-    if limit is not None:
-        pos = pos % limit
+    pos = probe_positions(LayerRope(module, layer_type, "half"))
     raw = LayerRope(module, layer_type, "half").module_tables(pos)  # as the module returns them
     for order, table, style, reverse in itertools.product(ORDERS, TABLES, STYLES, (False, True)):
         rope = LayerRope(module, layer_type, style, table, order, reverse)
@@ -488,7 +544,7 @@ def detect_complex_rope(apply_fn: Any, module: Any, layer_type: Optional[str],
     interleaved pairing of a table per frequency, when it reproduces ``apply_fn``'s keys bit for bit
     on random rows; else None."""
     rope = LayerRope(module, layer_type, "interleaved", "frequency")
-    pos = torch.tensor([[0, 1, 5, 77, 1000, 3]], device=rope.device)
+    pos = probe_positions(rope).to(rope.device)
     kw = {} if layer_type is None else {"layer_type": layer_type}
     x = torch.randn(1, pos.shape[1], 2, head_dim, generator=torch.Generator().manual_seed(0)).to(rope.device)
     try:
