@@ -113,8 +113,11 @@ def test_calibration_below_the_limit_and_refused_past_it() -> None:
     m = build()
     g = np.random.default_rng(0)
     assert calibration.collect(m, [list(g.integers(3, VOCAB, 40))] * 2, samples=2).meta["rope"] == "before"
-    with pytest.raises(UnsupportedModelError, match="dynamic rope type"):
-        calibration.collect(m, [list(g.integers(3, VOCAB, LIMIT + 4))] * 2, samples=2)
+    rot = m.model.rotary_emb
+    for collect in (calibration.collect, calibration.collect_sensitivity):  # refused before the model runs
+        with pytest.raises(UnsupportedModelError, match=r"windows of up to 52 tokens: .*\(48\)"):
+            collect(m, [list(g.integers(3, VOCAB, LIMIT + 4))] * 2)
+        assert rot.max_seq_len_cached == LIMIT
     stats = calibration.collect(m, [list(g.integers(3, VOCAB, LIMIT + 4))] * 2, samples=2, rope="after")
     assert stats.meta["rope"] == "after"
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, UnsupportedModelError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output, fingerprint
 from .compressed import collect_compressed, collect_compressed_sensitivity
@@ -111,6 +111,18 @@ def _groups(model: Any, side: str, groups: Groups
     rope = layout.require_rope() if side == "before" else None
     reads = {s.index: s.reads for s in layout.layers if s.kind == "shared"}
     return rope, out, layout.kv_layers, reads
+
+
+def _check_static(rope: Any, windows: Sequence[Sequence[int]]) -> None:
+    """UnsupportedModelError, before the model runs, for windows reaching a dynamic rope type's
+    limit (keys past it have no RoPE-free form: ``LayerRope.static_until``)."""
+    limit = min((r.static_until for r in (rope.layers if rope is not None else []) if r is not None and r.static_until),
+                default=None)
+    if limit is not None and max((len(w) for w in windows), default=0) > limit:
+        raise UnsupportedModelError(
+            f"windows of up to {max(len(w) for w in windows)} tokens: the model's dynamic rope type recomputes its "
+            f"frequencies past max_position_embeddings ({limit}), so keys there have no RoPE-free form; take "
+            f"windows of at most {limit} tokens, or collect statistics with rope='after'")
 
 
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any], query: bool = False) -> Any:
@@ -259,6 +271,7 @@ def collect_groups(model: Any, windows: Sequence[Sequence[int]], *, groups: Grou
         return [fn(model, windows, n_sink=n_sink, samples=samples, seed=seed, weighting=weighting,
                    progress=progress, meta=meta, rope=side)]
     rope, specs, own, reads = _groups(model, side, groups)
+    _check_static(rope, windows)
     at = {i: (n, g, j) for n, g in enumerate(specs) for i, j in g.row.items()}  # layer -> (group, row)
 
     def domain(i: int, x: Any, kwargs: Dict[str, Any], query: bool = False) -> Any:
@@ -404,6 +417,7 @@ def collect_sensitivity_groups(model: Any, windows: Sequence[Sequence[int]], *, 
         return [fn(model, windows, n_sink=n_sink, score=score, progress=progress, meta=meta, rope=side,
                    labels=labels, seed=seed)]
     rope, specs, own, reads = _groups(model, side, groups)
+    _check_static(rope, windows)
     kv_layers = [i for g in specs for i in g.layers]
     row = {i: (m, j) for m, g in enumerate(specs) for j, i in enumerate(g.layers)}  # layer -> (group, row)
     if score < 1 or any(len(w) < n_sink + score + 2 for w in windows):
