@@ -191,12 +191,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of the whole sequence (DynamicCache, then every KakeyaCache) per prompt "
                          "length, alternating; the table shows medians, each ratio taken within its run")
+    ap.add_argument("--dtype", default="float32", choices=model_mod.DTYPES,
+                    help="the model's dtype (both caches hold its rows in it)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     model_path = (assets.hard_case_model() if args.model == "hard-case"
                   else Path(args.model) if args.model else assets.default_model())
     text_path = assets.default_text()
-    model, tok = model_mod.load(model_path)
+    model, tok = model_mod.load(model_path, args.dtype)
+    held = model.dtype.itemsize  # bytes per element a DynamicCache holds (the model's dtype)
     base = fast_mod.base_of(model) or model.config._attn_implementation
     _, ev = corpus.split(corpus.load_articles(text_path))
     pad = tok.eos_token_id if tok.eos_token_id is not None else 0
@@ -272,8 +275,8 @@ def main() -> int:
                                     threads=threads, synthesis=syn)
                 r = gen(ids, cache)
                 mem = cache.memory()
-                elems = cache.nbytes_uncompressed() // 4  # float32 storage on the CPU
-                raw_elems = (mem["sink"] + mem["staging"]) // 4
+                elems = cache.nbytes_uncompressed() // held  # rows stored in the model's dtype
+                raw_elems = (mem["sink"] + mem["staging"]) // held
                 bits = 8 * mem["blobs"] + 16 * raw_elems
                 # Keys coded before RoPE also hold each token's position (int32) and, on the fast
                 # path, the model's cos/sin table (shared by every layer and sequence).
@@ -332,7 +335,7 @@ def main() -> int:
         prof = " / ".join(f"{sm.get(k, 0):.1f}" for k in ("attention", "update", "seal", "model_rest"))
         if sm.get("kernel"):  # attention over the codes: the kernel's share, the rest Python around it
             prof = prof.replace(" / ", f" ({sm['kernel']:.1f}) / ", 1)
-        bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "16 (bf16) / 32 held"
+        bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else f"16 (bf16) / {8 * held} held"
         vs = f"{r['speed_vs_dynamic']:.2f}x" if "speed_vs_dynamic" in r else "1.00x"
         same = f"{r['identical_to_dynamic']}/{r['new_tokens']}" if "new_tokens" in r else "-"
         same_s = (f"{r['identical_to_slow']}/{r['new_tokens']}" if r.get("identical_to_slow") is not None
@@ -347,7 +350,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"generate-{model_path.stem}.json"
     path.write_text(json.dumps({
-        "model": model_path.name, "batch": args.batch, "new_tokens": args.new_tokens, "block_size": args.block_size,
+        "model": model_path.name, "dtype": str(model.dtype).replace("torch.", ""), "batch": args.batch, "new_tokens": args.new_tokens, "block_size": args.block_size,
         "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "loadavg": load,
         "machine": platform.processor() or platform.machine(),
         "attention_kernel": attention_kernel(), "openmp_team": attention_team(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -194,11 +194,11 @@ class LayerRope:
     per-channel form), so that :meth:`apply` reproduces the model's cached keys bit for bit.
 
     ``key_norm`` (:meth:`with_key_norm`; None otherwise): the layer's RMS norm of the keys after
-    RoPE (HunYuan's ``key_layernorm``), ``w * normalise(R k)`` (``w = 1`` for NanoChat's). Normalising commutes with the
-    rotation, so the cached keys are ``w * R k'``, ``k'`` the normalised keys before RoPE:
-    :meth:`apply` multiplies by ``w`` after rotating, :meth:`remove` divides by it first
-    (:func:`unscale_keys`), :meth:`transpose` multiplies a gradient by it first. The rotation's
-    tables and :meth:`same_as` do not depend on it.
+    RoPE (HunYuan's ``key_layernorm``), ``w * normalise(R k)`` (``w = 1`` for NanoChat's).
+    Normalising commutes with the rotation, so the cached keys are ``w * R k'``, ``k'`` the
+    normalised keys before RoPE: :meth:`apply` multiplies by ``w`` after rotating,
+    :meth:`remove` divides by it first (:func:`unscale_keys`), :meth:`transpose` multiplies a
+    gradient by it first. The rotation's tables and :meth:`same_as` do not depend on it.
     """
 
     key_norm: Any = None
@@ -279,7 +279,7 @@ class LayerRope:
     @property
     def static_until(self) -> Optional[int]:
         """``max_position_embeddings`` (the module's ``original_max_seq_len``) where the module is
-        a ``dynamic`` rope type (InternLM3's): below it every call rotates by the original
+        a ``dynamic`` rope type (dynamic NTK scaling): below it every call rotates by the original
         frequencies; a call reaching past it recomputes them from its longest position, so a
         cached key's rotation is then no function of its position alone. None for other rope
         types."""
@@ -377,8 +377,7 @@ class LayerRope:
 
     def remove(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """The inverse of :meth:`apply` (float64 inside, ``x``'s dtype promoted with float32 out)."""
-        w = self.key_scale(x)
-        return unapply_rope(x if w is None else unscale_keys(x, w), *self._cs(positions, x, long), style=self.style)
+        return self.turn(x, *self._cs(positions, x, long), back=True)
 
     def remove_from_query(self, q: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """A query after RoPE in the domain of the keys before it: RoPE taken off ``w * q`` (the
