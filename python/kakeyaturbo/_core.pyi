@@ -119,11 +119,11 @@ class LayerCodes:
     def clear(self) -> None: ...
     def attend(
         self,
-        q: npt.NDArray[np.float32],
-        sink_k: npt.NDArray[np.float32],
-        sink_v: npt.NDArray[np.float32],
-        tail_k: npt.NDArray[np.float32],
-        tail_v: npt.NDArray[np.float32],
+        q: npt.NDArray[Union[np.float32, np.uint16]],
+        sink_k: npt.NDArray[Union[np.float32, np.uint16]],
+        sink_v: npt.NDArray[Union[np.float32, np.uint16]],
+        tail_k: npt.NDArray[Union[np.float32, np.uint16]],
+        tail_v: npt.NDArray[Union[np.float32, np.uint16]],
         mask: Optional[npt.NDArray[np.float32]],
         scale: float,
         softcap: Optional[float] = None,
@@ -133,7 +133,8 @@ class LayerCodes:
             Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], str, str]
         ] = None,
         latent: bool = False,
-    ) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]: ...
+        out_bf16: bool = False,
+    ) -> Tuple[npt.NDArray[Union[np.float32, np.uint16]], npt.NDArray[np.float32]]: ...
 
 def attention_kernel() -> str: ...
 def attention_team() -> int: ...

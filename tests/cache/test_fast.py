@@ -26,6 +26,7 @@ from kakeyaturbo.cache import IdentityCodec, KakeyaCache, codec_for  # noqa: E40
 from kakeyaturbo.cache import fast as fast_mod  # noqa: E402
 from kakeyaturbo.cache.generation import _auto_synthesis  # noqa: E402
 from kakeyaturbo.cache.layer import KakeyaLayer  # noqa: E402
+from kakeyaturbo.codec.attention import LayerCodes  # noqa: E402
 
 from . import families  # noqa: E402
 from .conftest import build, fast_codec, fast_recipe, forward, generate  # noqa: E402
@@ -105,6 +106,35 @@ def test_rounded_synthesis_generates_within_its_rounding(name, synthesis, ropebe
     f32, _ = _pair(model, codec, synthesis="f32")
     _, log_32 = generate(model, ids, f32, n=12)
     assert not torch.equal(log_32, log_f)
+
+
+@pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("hunyuan_v1_dense", "before")])
+def test_a_bfloat16_model_s_rows_go_to_the_kernel_as_their_bits(name, rope, monkeypatch) -> None:
+    """A bfloat16 model on the CPU: the queries and raw rows go to the Rust kernel as bfloat16
+    bits (widened there) and the output comes back in bfloat16 (rounded there), not converted by
+    torch at every step: logits bit for bit those of converting in torch (float32 to the kernel,
+    its float32 output rounded by torch); HunYuan's key weight scales the widened queries and
+    divides its raw keys (float32 then)."""
+    model = families.build(name).to(torch.bfloat16)
+    codec = fast_codec(model, fast_recipe(rope), rope)
+    seen = []
+    orig = LayerCodes.kernel_attend
+
+    def spy(self, q, sk, sv, tk, tv, *rest):
+        seen.append((q.dtype, tk.dtype, rest[-1]))
+        return orig(self, q, sk, sv, tk, tv, *rest)
+
+    monkeypatch.setattr(LayerCodes, "kernel_attend", spy)
+    ids = _ids()
+    seq, log = generate(model, ids, KakeyaCache(codec, model=model, block_size=8, n_sink=1), n=8)
+    # (HunYuan's queries times its key weight and keys divided by it are float32)
+    want = np.float32 if name == "hunyuan_v1_dense" else np.uint16
+    assert seen and all(q == want and t == want and out for q, t, out in seen)
+    # The same through torch's conversions: float32 arrays in, float32 out, rounded by torch.
+    monkeypatch.setattr(fast_mod, "_rows", fast_mod._f32)
+    monkeypatch.setattr(LayerCodes, "kernel_attend", lambda self, *a: orig(self, *a[:-1], False))
+    seq_t, log_t = generate(model, ids, KakeyaCache(codec, model=model, block_size=8, n_sink=1), n=8)
+    assert torch.equal(seq, seq_t) and torch.equal(log, log_t), name
 
 
 def test_auto_synthesis_is_fixed_point_only_for_the_simd_builds_on_the_cpu() -> None:

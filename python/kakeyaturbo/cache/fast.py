@@ -71,7 +71,8 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "llama4_text", "gemma", "olmo", "opt", "biogpt", "gpt_bigcode", "dbrx", "gptj", "codegen",
                       "granitemoeshared", "granite_swa", "granitemoe_swa", "solar_open", "jais2",
                       "apertus1p5_text", "hyperclovax", "minimax_m3_vl_text", "cwm", "dots1", "helium",
-                      "hunyuan_v1_moe", "hunyuan_v1_dense", "nanochat", "cohere_compass_text", "mimo_v2_flash", "laguna", "hy_v3", "dory",
+                      "hunyuan_v1_moe", "hunyuan_v1_dense", "nanochat", "cohere_compass_text", "mimo_v2_flash",
+                      "laguna", "hy_v3", "dory",
                       "falcon",  # not with ALiBi (:func:`install` refuses it: the bias rides in the mask)
                       "ergo", "minicpm5_moe", "param2moe", "exaone", "internlm3", "iquestcoder", "sarvam_moe",
                       "mellum", "aria_text", "gemma4_unified_text", "modernbert-decoder",
@@ -265,6 +266,16 @@ def _f32(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
+def _rows(x: torch.Tensor) -> np.ndarray:
+    """``x`` as the kernel reads raw rows and queries: :func:`_f32`, except that a bfloat16
+    tensor on the CPU goes as its bits (``uint16``, its own memory where contiguous), which the
+    kernel widens exactly: a bfloat16 model's rows are not converted by torch at every step
+    (measured: 3 to 6 ms of a 100 ms step at 8k tokens, ``docs/generation.md``)."""
+    if x.dtype is torch.bfloat16 and x.is_cpu:
+        return x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return _f32(x)
+
+
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,
               base: str, **kwargs: Any) -> Tuple[Any, Any]:
     """The attention function of :data:`NAMES` (see the module docstring). ``query``
@@ -352,7 +363,8 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
     sk, sv, tk, tv = layer.raw_rows()
     w = _key_weight(layer, sk)
     if w is not None:
-        q, sk, tk = q * _f32(w), unscale_keys(sk, w), unscale_keys(tk, w)
+        q = (_f32(query) if q.dtype == np.uint16 else q) * _f32(w)  # (bfloat16 bits: widened first)
+        sk, tk = unscale_keys(sk, w), unscale_keys(tk, w)
     n_q = query.shape[-2]
     total = sk.shape[-2] + codes.rows() + tk.shape[-2]
     scale, softcap = _scale_softcap(module, query, kwargs)
@@ -366,17 +378,21 @@ def _kernel(layer: Any, codes: Any, module: Any, query: torch.Tensor, q: np.ndar
     sinks = _sink_logits(module, kwargs, layer)
     sinks = None if sinks is None else sink_logits_array(_f32(sinks), q.shape[1])
     rope = None if rot is None else rot[0].kernel_args(rot[1].view(np.uint32), layer.synthesis)
-    out, lse = codes.kernel_attend(q, _f32(sk), _f32(sv), _f32(tk), _f32(tv), m, scale, softcap, layer.window,
-                                   layer.threads, rope, latent)
+    # A bfloat16 model's output comes back in bfloat16 (bits) where nothing is applied after the kernel.
+    out_bf16 = query.dtype is torch.bfloat16 and query.is_cpu and sinks is None and not latent
+    out, lse = codes.kernel_attend(q, _rows(sk), _rows(sv), _rows(tk), _rows(tv), m, scale, softcap, layer.window,
+                                   layer.threads, rope, latent, out_bf16)
     return out if sinks is None else with_sink_logits(out, lse, sinks)[0]
 
 
 def _attend(layer: Any, codes: Any, module: Any, query: torch.Tensor, mask: Any,
             kwargs: Dict[str, Any], rot: Any = None) -> Tuple[torch.Tensor, None]:
-    out = _kernel(layer, codes, module, query, _f32(query), mask, kwargs, rot)
+    out = _kernel(layer, codes, module, query, _rows(query), mask, kwargs, rot)
     # [B, n_q, H_q, D] as transformers' functions return it (numpy's transpose and copy cost less
     # than torch's for a decode step's few rows; no copy at all for one query row)
     o = torch.from_numpy(np.ascontiguousarray(out.transpose(0, 2, 1, 3)))
+    if out.dtype == np.uint16:  # bfloat16 bits (_kernel's out_bf16)
+        o = o.view(torch.bfloat16)
     if o.dtype != query.dtype or not query.is_cpu:
         o = o.to(device=query.device, dtype=query.dtype)
     return o, None

@@ -224,15 +224,18 @@ class LayerCodes:
 
     def kernel_attend(self, q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, tail_k: np.ndarray,
                       tail_v: np.ndarray, mask: Optional[np.ndarray], scale: float, softcap: Optional[float],
-                      window: Optional[int], threads: Optional[int], rot: Any, latent: bool
-                      ) -> Tuple[np.ndarray, np.ndarray]:
+                      window: Optional[int], threads: Optional[int], rot: Any, latent: bool,
+                      out_bf16: bool = False) -> Tuple[np.ndarray, np.ndarray]:
         """The kernel call of :func:`decode_attention` (output and log-sum-exp), without the
-        checks it makes first: float32 C-contiguous arrays, ``mask`` additive ``[B, n_q, T]``
-        or None, ``rot`` from :meth:`RopeTable.kernel_args` or None. The kernel checks every
-        size, value and setting again (the same typed errors, with plainer messages): for a
-        caller that builds these arrays at every decode step (the generation cache)."""
+        checks it makes first: C-contiguous arrays, float32 or (``q`` and the raw rows)
+        bfloat16 as its bits (``uint16``: a bfloat16 model's rows without a conversion; widened
+        exactly), ``mask`` additive ``[B, n_q, T]`` or None, ``rot`` from
+        :meth:`RopeTable.kernel_args` or None; ``out_bf16``: the output rounded to bfloat16
+        (nearest even, as torch rounds) as its bits. The kernel checks every size, value and
+        setting again (the same typed errors, with plainer messages): for a caller that builds
+        these arrays at every decode step (the generation cache)."""
         return self._c.attend(q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap, window, threads, rot,
-                              latent)
+                              latent, out_bf16)
 
     def __repr__(self) -> str:
         return repr(self._c)

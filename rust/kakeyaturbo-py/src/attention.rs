@@ -3,6 +3,7 @@
 use crate::calibrated::PyCalibratedCodec;
 use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
+use half::bf16;
 use kakeyaturbo::attention::{
     attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle,
     StreamTables,
@@ -12,6 +13,7 @@ use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedA
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyTuple};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Borrows a C-contiguous float32 array of `ndim` dimensions: its values and shape.
@@ -32,6 +34,40 @@ fn array<'a>(
         .as_slice()
         .map_err(|_| invalid_input(py, format!("{name} must be C-contiguous")))?;
     Ok((s, shape))
+}
+
+/// A float array as the kernel reads it: float32, or bfloat16 held as its bits (`uint16`: a
+/// bfloat16 model's rows viewed without a copy), widened here (exactly).
+#[derive(FromPyObject)]
+enum Floats<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    Bf16(PyReadonlyArrayDyn<'py, u16>),
+}
+
+/// Borrows a float32 [`Floats`], or widens a bfloat16 one: its values and shape.
+fn floats<'a>(
+    py: Python<'_>,
+    a: &'a Floats<'_>,
+    name: &str,
+    ndim: usize,
+) -> PyResult<(Cow<'a, [f32]>, Vec<usize>)> {
+    match a {
+        Floats::F32(x) => array(py, x, name, ndim).map(|(s, shape)| (Cow::Borrowed(s), shape)),
+        Floats::Bf16(x) => {
+            let shape = x.shape().to_vec();
+            if shape.len() != ndim {
+                return Err(invalid_input(
+                    py,
+                    format!("{name} must be {ndim}-D, got shape {shape:?}"),
+                ));
+            }
+            let s = x
+                .as_slice()
+                .map_err(|_| invalid_input(py, format!("{name} must be C-contiguous")))?;
+            let wide = s.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            Ok((Cow::Owned(wide), shape))
+        }
+    }
 }
 
 /// A non-negative index (ints out of range are InvalidParameterError, never OverflowError).
@@ -234,16 +270,16 @@ impl PyLayerCodes {
     }
 
     /// One attention step; see `kakeyaturbo.codec.attention.LayerCodes.attend`.
-    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None, rope=None, latent=false))]
+    #[pyo3(signature = (q, sink_k, sink_v, tail_k, tail_v, mask, scale, softcap=None, window=None, threads=None, rope=None, latent=false, out_bf16=false))]
     #[allow(clippy::too_many_arguments)]
     fn attend<'py>(
         &self,
         py: Python<'py>,
-        q: PyReadonlyArrayDyn<'py, f32>,
-        sink_k: PyReadonlyArrayDyn<'py, f32>,
-        sink_v: PyReadonlyArrayDyn<'py, f32>,
-        tail_k: PyReadonlyArrayDyn<'py, f32>,
-        tail_v: PyReadonlyArrayDyn<'py, f32>,
+        q: Floats<'py>,
+        sink_k: Floats<'py>,
+        sink_v: Floats<'py>,
+        tail_k: Floats<'py>,
+        tail_v: Floats<'py>,
         mask: Option<PyReadonlyArrayDyn<'py, f32>>,
         scale: &Bound<'py, PyAny>,
         softcap: Option<&Bound<'py, PyAny>>,
@@ -251,6 +287,7 @@ impl PyLayerCodes {
         threads: Option<&Bound<'py, PyAny>>,
         rope: Option<&Bound<'py, PyAny>>,
         latent: bool,
+        out_bf16: bool,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let rope = rope_args(rope)?;
         let threads = convert::threads(py, threads)?;
@@ -263,7 +300,7 @@ impl PyLayerCodes {
             Some(w) if !w.is_none() => Some(convert::int_in(py, w, "window", 1, u32::MAX as i128)?),
             _ => None,
         };
-        let (qs, qshape) = array(py, &q, "q", 4)?;
+        let (qs, qshape) = floats(py, &q, "q", 4)?;
         let (b, hkv, dk, dv) = (
             self.inner.batch(),
             self.inner.kv_heads(),
@@ -287,7 +324,7 @@ impl PyLayerCodes {
             ("tail_k", &tail_k, dk),
             ("tail_v", &tail_v, dv),
         ] {
-            let (s, shape) = array(py, a, name, 4)?;
+            let (s, shape) = floats(py, a, name, 4)?;
             if shape[0] != b || shape[1] != hkv || shape[3] != d {
                 return Err(invalid_input(
                     py,
@@ -357,25 +394,34 @@ impl PyLayerCodes {
             }
         };
         let sink = RawRows {
-            k: raw[0].0,
-            v: raw[1].0,
+            k: &raw[0].0,
+            v: &raw[1].0,
             rows: raw[0].1,
         };
         let tail = RawRows {
-            k: raw[2].0,
-            v: raw[3].0,
+            k: &raw[2].0,
+            v: &raw[3].0,
             rows: raw[2].1,
         };
         let o = run(py, || {
             with_threads_inline(auto_threads(inner, hq, nq, threads), || {
-                attend(inner, qs, hq, nq, sink, tail, m, &p, rope.as_ref())
+                attend(inner, &qs, hq, nq, sink, tail, m, &p, rope.as_ref())
             })?
         })?;
-        let out: Bound<'py, PyArrayDyn<f32>> =
-            PyArray1::from_vec(py, o.out).reshape(vec![b, hq, nq, dout])?;
+        // The output rounded to bfloat16 (nearest even, as torch rounds), as its bits, if asked.
+        let out = if out_bf16 {
+            let bits: Vec<u16> = o.out.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+            PyArray1::from_vec(py, bits)
+                .reshape(vec![b, hq, nq, dout])?
+                .into_any()
+        } else {
+            PyArray1::from_vec(py, o.out)
+                .reshape(vec![b, hq, nq, dout])?
+                .into_any()
+        };
         let lse: Bound<'py, PyArrayDyn<f32>> =
             PyArray1::from_vec(py, o.lse).reshape(vec![b, hq, nq])?;
-        PyTuple::new(py, [out.into_any(), lse.into_any()])
+        PyTuple::new(py, [out, lse.into_any()])
     }
 
     fn __repr__(&self) -> String {
