@@ -204,6 +204,36 @@ def test_hybrid_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
     assert not cache_dir.exists()
 
 
+def test_keys_normalised_after_rope_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """A HunYuan checkpoint (q/k RMSNorm with learnt weights after RoPE; NTK-alpha RoPE labelled
+    ``dynamic`` as its checkpoints label it) through the commands with the shipped recipe, which
+    codes keys before RoPE (refused before 2026-12-08): calibrate, eval, then a cache from the
+    file generating over the codes."""
+    import torch
+    import transformers
+
+    from kakeyaturbo.cache import KakeyaCache
+
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-hunyuan", transformers.HunYuanDenseV1Config,
+                            transformers.HunYuanDenseV1ForCausalLM, num_key_value_heads=2, head_dim=16,
+                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                             "rope_theta": 10000.0})
+    cal = tmp_path / "hy.kkcal"
+    res = _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, window=64, samples=20, ctx=48,
+                               baselines="identity")
+    assert (res["identity"]["dppl"], res["identity"]["kl"]) == (0.0, 0.0)
+    row = res["kakeyaturbo:calibrated-4bit"]
+    assert 3.0 < row["bits_per_element"] < 6.0 and 0 < row["kl"] < 1.0
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=16)
+    assert all(r.key_norm is not None for r in cache.rope.layers)
+    n = len(transformers.AutoTokenizer.from_pretrained(model_dir))
+    ids = torch.randint(3, n, (1, 40), generator=torch.Generator().manual_seed(0))
+    seq = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert cache.fast and seq.shape[1] == 44 and cache.layers[0].num_sealed() == 2
+    assert not cache_dir.exists()
+
+
 def _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, *, window, samples, ctx, baselines):
     """``kakeyaturbo calibrate`` of a checkpoint on the tiny text (2 windows of ``window`` tokens,
     the sensitivity of 2 scoring 16) into ``cal``, then ``eval`` of calibrated-4bit from it (2
