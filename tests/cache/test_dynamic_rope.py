@@ -76,7 +76,7 @@ def test_a_call_reaching_the_limit_is_refused_and_nothing_is_lost() -> None:
     cache = KakeyaCache(IdentityCodec(pre_rope_keys=True), model=m, block_size=4, n_sink=1)
     forward(m, _ids(40), cache)
     held = [layer.keys.clone() for layer in cache.layers]
-    with pytest.raises(UnsupportedModelError, match=r"position 48: .*max_position_embeddings \(48\)"):
+    with pytest.raises(UnsupportedModelError, match=r"position 48 .*max_position_embeddings \(48\)"):
         forward(m, _ids(9, seed=2), cache)
     assert cache.get_seq_length() == 40
     assert m.model.rotary_emb.max_seq_len_cached == LIMIT  # refused before the model's rotary module ran
@@ -115,7 +115,7 @@ def test_calibration_below_the_limit_and_refused_past_it() -> None:
     assert calibration.collect(m, [list(g.integers(3, VOCAB, 40))] * 2, samples=2).meta["rope"] == "before"
     rot = m.model.rotary_emb
     for collect in (calibration.collect, calibration.collect_sensitivity):  # refused before the model runs
-        with pytest.raises(UnsupportedModelError, match=r"windows of up to 52 tokens: .*\(48\)"):
+        with pytest.raises(UnsupportedModelError, match=r"windows of up to 52 tokens .*\(48\)"):
             collect(m, [list(g.integers(3, VOCAB, LIMIT + 4))] * 2)
         assert rot.max_seq_len_cached == LIMIT
     stats = calibration.collect(m, [list(g.integers(3, VOCAB, LIMIT + 4))] * 2, samples=2, rope="after")

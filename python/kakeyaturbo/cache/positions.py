@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..codec.attention import RopeTable
-from ..errors import UnsupportedModelError
+from ..families.rope import past_static_limit
 
 
 class Positions:
@@ -114,11 +114,8 @@ class Positions:
     def _check_static(self, new: torch.Tensor) -> None:
         limit = self.static_until
         if limit is not None and new.numel() and int(new.max()) >= limit:
-            raise UnsupportedModelError(
-                f"a forward call reaches position {int(new.max())}: the model's dynamic rope type recomputes its "
-                f"frequencies past max_position_embeddings ({limit}) from each call's longest position, so keys "
-                "coded before RoPE are served below it only (nothing of this call was stored); code keys as the "
-                "cache holds them past it ([k] rope = 'after', statistics collected with rope='after')")
+            raise past_static_limit(f"a forward call reaches position {int(new.max())} (nothing of it was stored)",
+                                    limit)
 
     def _record_long(self, q: int, long: bool) -> None:
         """The next ``q`` tokens' factors (``longrope``), before they are appended."""

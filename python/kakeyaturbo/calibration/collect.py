@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from ..recipes import CalibrationSettings
 from .checks import RotatedKeys, check_keys_rotate_last, check_same_output, fingerprint
 from .compressed import collect_compressed, collect_compressed_sensitivity
@@ -116,13 +116,13 @@ def _groups(model: Any, side: str, groups: Groups
 def _check_static(rope: Any, windows: Sequence[Sequence[int]]) -> None:
     """UnsupportedModelError, before the model runs, for windows reaching a dynamic rope type's
     limit (keys past it have no RoPE-free form: ``LayerRope.static_until``)."""
+    from ..families.rope import past_static_limit
+
     limit = min((r.static_until for r in (rope.layers if rope is not None else []) if r is not None and r.static_until),
                 default=None)
     if limit is not None and max((len(w) for w in windows), default=0) > limit:
-        raise UnsupportedModelError(
-            f"windows of up to {max(len(w) for w in windows)} tokens: the model's dynamic rope type recomputes its "
-            f"frequencies past max_position_embeddings ({limit}), so keys there have no RoPE-free form; take "
-            f"windows of at most {limit} tokens, or collect statistics with rope='after'")
+        raise past_static_limit(f"windows of up to {max(len(w) for w in windows)} tokens (at most {limit} serve)",
+                                limit)
 
 
 def _pre_rope(rope: Any, layer: int, x: Any, kwargs: Dict[str, Any], query: bool = False) -> Any:

@@ -152,6 +152,15 @@ def rope_transpose(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style:
     return y.to(g.dtype)
 
 
+def past_static_limit(what: str, limit: int) -> UnsupportedModelError:
+    """The error for ``what`` (positions, a forward call, windows) reaching a dynamic rope type's
+    limit (:attr:`LayerRope.static_until`)."""
+    return UnsupportedModelError(
+        f"{what}: the model's dynamic rope type recomputes its frequencies past max_position_embeddings ({limit}) "
+        "from each forward call's longest position, so keys there have no RoPE-free form; code them as the cache "
+        "holds them ([k] rope = 'after', statistics collected with rope='after')")
+
+
 @contextlib.contextmanager
 def _original_state(module: Any, layer_type: Optional[str]) -> Iterator[None]:
     """A dynamic rope type's ``module`` with its original frequencies for the block (a call of
@@ -325,11 +334,7 @@ class LayerRope:
                                  f"rotate positions below {limit} only")
         static = self.static_until
         if static is not None and pos.numel() and int(pos.max()) >= static:
-            raise UnsupportedModelError(
-                f"positions up to {int(pos.max())}: {self!r} is a dynamic rope type, whose frequencies past "
-                f"max_position_embeddings ({static}) follow the longest position of each forward call, so "
-                "keys there are not turned back to a RoPE-free form; code them as the cache holds them "
-                "([k] rope = 'after', statistics collected with rope='after')")
+            raise past_static_limit(f"positions up to {int(pos.max())} for {self!r}", static)
         # The module reads only the dtype and device of its first argument.
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         kw = {} if self.layer_type is None else {"layer_type": self.layer_type}

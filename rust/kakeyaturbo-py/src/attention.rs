@@ -16,13 +16,13 @@ use pyo3::types::{PyBytes, PyTuple};
 use std::borrow::Cow;
 use std::sync::Arc;
 
-/// Borrows a C-contiguous float32 array of `ndim` dimensions: its values and shape.
-fn array<'a>(
+/// Borrows a C-contiguous array of `ndim` dimensions: its values and shape.
+fn array<'a, T: numpy::Element>(
     py: Python<'_>,
-    a: &'a PyReadonlyArrayDyn<'_, f32>,
+    a: &'a PyReadonlyArrayDyn<'_, T>,
     name: &str,
     ndim: usize,
-) -> PyResult<(&'a [f32], Vec<usize>)> {
+) -> PyResult<(&'a [T], Vec<usize>)> {
     let shape = a.shape().to_vec();
     if shape.len() != ndim {
         return Err(invalid_input(
@@ -53,20 +53,10 @@ fn floats<'a>(
 ) -> PyResult<(Cow<'a, [f32]>, Vec<usize>)> {
     match a {
         Floats::F32(x) => array(py, x, name, ndim).map(|(s, shape)| (Cow::Borrowed(s), shape)),
-        Floats::Bf16(x) => {
-            let shape = x.shape().to_vec();
-            if shape.len() != ndim {
-                return Err(invalid_input(
-                    py,
-                    format!("{name} must be {ndim}-D, got shape {shape:?}"),
-                ));
-            }
-            let s = x
-                .as_slice()
-                .map_err(|_| invalid_input(py, format!("{name} must be C-contiguous")))?;
+        Floats::Bf16(x) => array(py, x, name, ndim).map(|(s, shape)| {
             let wide = s.iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
-            Ok((Cow::Owned(wide), shape))
-        }
+            (Cow::Owned(wide), shape)
+        }),
     }
 }
 
