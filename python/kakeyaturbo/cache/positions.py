@@ -80,7 +80,8 @@ class Positions:
         """A forward call begins: its ``position_ids`` (or None; ``last``: its last position where
         they are not given); no multimodal ones yet. Refuses a call reaching :attr:`static_until`
         before the model's rotary module runs (it would keep frequencies grown by it)."""
-        self._check_static(position_ids if position_ids is not None else torch.tensor([last]))
+        if self.static_until is not None:
+            self._check_static(position_ids if position_ids is not None else torch.tensor([last]))
         self.pending = position_ids
         self.pending_grid = None
 
