@@ -234,6 +234,36 @@ def test_keys_normalised_after_rope_model_directory(tiny_model_dir, tmp_path, ca
     assert not cache_dir.exists()
 
 
+def test_dynamic_rope_model_directory(tiny_model_dir, tmp_path, cache_dir) -> None:
+    """A Llama checkpoint with a ``dynamic`` rope type (max_position_embeddings 512) through the
+    commands with the shipped recipe (keys coded before RoPE, refused before 2026-12-08): calibrate
+    and eval below the limit, then a cache from the file generating over the codes; a call reaching
+    the limit refused by name."""
+    import torch
+    import transformers
+
+    from kakeyaturbo.cache import KakeyaCache
+    from kakeyaturbo.errors import UnsupportedModelError
+
+    model_dir = _checkpoint(tiny_model_dir, tmp_path / "tiny-dynamic", transformers.LlamaConfig,
+                            transformers.LlamaForCausalLM, num_key_value_heads=2, head_dim=16,
+                            rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    cal = tmp_path / "dyn.kkcal"
+    res = _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, window=64, samples=20, ctx=48,
+                               baselines="identity")
+    row = res["kakeyaturbo:calibrated-4bit"]
+    assert 3.0 < row["bits_per_element"] < 6.0 and 0 < row["kl"] < 1.0
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    cache = KakeyaCache.from_pretrained(model, "calibrated-4bit", calibration=cal, block_size=16)
+    n = len(transformers.AutoTokenizer.from_pretrained(model_dir))
+    ids = torch.randint(3, n, (1, 40), generator=torch.Generator().manual_seed(0))
+    seq = model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+    assert cache.fast and seq.shape[1] == 44 and cache.layers[0].num_sealed() == 2
+    with pytest.raises(UnsupportedModelError, match=r"max_position_embeddings \(512\)"):
+        model(input_ids=torch.randint(3, n, (1, 470), generator=torch.Generator().manual_seed(1)), cache=cache)
+    assert cache.get_seq_length() == 43 and not cache_dir.exists()
+
+
 def _calibrate_then_eval(model_dir, tiny_model_dir, tmp_path, cal, *, window, samples, ctx, baselines):
     """``kakeyaturbo calibrate`` of a checkpoint on the tiny text (2 windows of ``window`` tokens,
     the sensitivity of 2 scoring 16) into ``cal``, then ``eval`` of calibrated-4bit from it (2
