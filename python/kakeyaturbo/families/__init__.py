@@ -8,6 +8,7 @@
   :func:`describe` checks the config against before reading it;
 - `rope`: RoPE as the families apply it (pairings, partial rotary, per-layer-type rotary
   modules), its exact inverse and transpose;
+- `detect`: which pairing, table form and direction reproduce a family's rotation bit for bit;
 - `keynorm`: keys normalised after RoPE with a learnt weight (HunYuan), whose weight comes off
   before RoPE does;
 - `capture`: :class:`AttentionCapture`, every layer's queries, keys and values as the model

@@ -18,7 +18,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .rope import ModelRope, probe_positions, unscale_keys
+from .detect import probe_positions
+from .rope import ModelRope, unscale_keys
 
 #: Families whose attention normalises its keys after RoPE, by the attention module's attribute
 #: holding the norm (queries are normalised too, which attention over the codes takes as given).

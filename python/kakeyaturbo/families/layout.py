@@ -14,7 +14,8 @@ from .counts import check_heads, check_layers, layer_count, modules_by_layer
 from .heads import layer_heads, per_layer
 from .keynorm import key_norms
 from .readers import cross_layers, kv_sources
-from .rope import LayerRope, ModelRope, detect_complex_rope, detect_rope
+from .detect import detect_complex_rope, detect_rope
+from .rope import LayerRope, ModelRope
 
 #: Cache layer types whose K/V rows are the keys and values of one token each, as
 #: transformers' ``DynamicCache`` holds them: every full-attention token, or the last
