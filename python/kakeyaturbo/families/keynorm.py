@@ -14,12 +14,12 @@ a bias does not)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .detect import probe_positions
-from .rope import ModelRope, unscale_keys
+from .rope import LayerRope, ModelRope, unscale_keys
 
 #: Families whose attention normalises its keys after RoPE, by the attention module's attribute
 #: holding the norm (queries are normalised too, which attention over the codes takes as given).
@@ -57,7 +57,7 @@ def key_norms(mt: str, rope: ModelRope, modules: Dict[int, Any],
     attr = KEY_NORM_AFTER_ROPE.get(mt)
     if attr is None:
         return rope, None
-    layers = []
+    layers: List[Optional[LayerRope]] = []
     for i, r in enumerate(rope.layers):
         if r is None:
             layers.append(None)
