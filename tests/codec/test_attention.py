@@ -439,6 +439,17 @@ def test_rope_tables_and_positions_are_checked() -> None:
         with pytest.raises(TypeError, match="rope must be"):
             codes.kernel_attend(q[:, :, -1:], empty, empty, tk[:, :, -1:], tv[:, :, -1:], None,
                                 d ** -0.5, None, None, 1, rot, False)
+    # Queries and raw rows as float32 or as bfloat16 bits (uint16, widened exactly); another
+    # dtype is a TypeError whichever the kernel tries first.
+    q1, tk1, tv1 = (np.ascontiguousarray(x[:, :, -1:]) for x in (q, tk, tv))
+    bits = [(x.view(np.uint32) >> 16).astype(np.uint16) for x in (q1, tk1, tv1)]
+    wide = [(b.astype(np.uint32) << 16).view(np.float32) for b in bits]
+    got = codes.kernel_attend(bits[0], empty, empty, bits[1], bits[2], None, d ** -0.5, None, None, 1, args, False)
+    want = codes.kernel_attend(wide[0], empty, empty, wide[1], wide[2], None, d ** -0.5, None, None, 1, args, False)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    for bad in (q1.astype(np.float64), q1.astype(np.float16), q1.view(np.int32), q1.tolist()):
+        with pytest.raises(TypeError):
+            codes.kernel_attend(bad, empty, empty, tk1, tv1, None, d ** -0.5, None, None, 1, args, False)
     cos, sin = table.cos, table.sin
     for args, err in [
         ((cos, sin[:, :3]), kt.InvalidInputError),

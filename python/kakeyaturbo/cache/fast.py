@@ -269,8 +269,7 @@ def _f32(x: torch.Tensor) -> np.ndarray:
 def _rows(x: torch.Tensor) -> np.ndarray:
     """``x`` as the kernel reads raw rows and queries: :func:`_f32`, except that a bfloat16
     tensor on the CPU goes as its bits (``uint16``, its own memory where contiguous), which the
-    kernel widens exactly: a bfloat16 model's rows are not converted by torch at every step
-    (measured: 3 to 6 ms of a 100 ms step at 8k tokens, ``docs/generation.md``)."""
+    kernel widens exactly: a bfloat16 model's rows are not converted by torch at every step."""
     if x.dtype is torch.bfloat16 and x.is_cpu:
         return x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
     return _f32(x)

@@ -9,7 +9,10 @@ use kakeyaturbo::attention::{
     StreamTables,
 };
 use kakeyaturbo::threads::with_threads_inline;
-use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyTuple};
@@ -38,10 +41,26 @@ fn array<'a, T: numpy::Element>(
 
 /// A float array as the kernel reads it: float32, or bfloat16 held as its bits (`uint16`: a
 /// bfloat16 model's rows viewed without a copy), widened here (exactly).
-#[derive(FromPyObject)]
 enum Floats<'py> {
     F32(PyReadonlyArrayDyn<'py, f32>),
     Bf16(PyReadonlyArrayDyn<'py, u16>),
+}
+
+impl<'py> FromPyObject<'_, 'py> for Floats<'py> {
+    type Error = PyErr;
+
+    /// By the array's dtype: trying float32 first would format a failed extraction's message
+    /// (numpy's dtype names) at every call with bfloat16 rows. Anything else is float32's error.
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        let bf16 = obj
+            .cast::<PyUntypedArray>()
+            .is_ok_and(|a| a.dtype().is_equiv_to(&numpy::dtype::<u16>(obj.py())));
+        Ok(if bf16 {
+            Floats::Bf16(obj.extract()?)
+        } else {
+            Floats::F32(obj.extract()?)
+        })
+    }
 }
 
 /// Borrows a float32 [`Floats`], or widens a bfloat16 one: its values and shape.
