@@ -24,7 +24,9 @@ DynamicCache's and the slow path's over the steps whose prefixes are still the s
 including the first differing token), and a profile of a decode step (attention, cache update,
 sealing, and the rest of the model: time inside the attention functions and the cache's `update`, summed over
 the layers, per generated token; over the codes, the Rust kernel's share of attention in brackets,
-the rest of it the Python around the kernel). Prints a table and writes JSON.
+the rest of it the Python around the kernel), and the same of the prefill (the first forward
+call), its sealing split out with the keys' RoPE taken off in brackets. Prints a table and
+writes JSON.
 
     .venv/bin/python benches/bench_generate.py \\
         --recipes benches/recipes/calibrated-3bit-ropeafter.toml --prompt-tokens 2000,8000 --slow
@@ -51,6 +53,7 @@ from kakeyaturbo.cache.layer import KakeyaLayer
 from kakeyaturbo.codec.attention import LayerCodes, attention_kernel, attention_team
 from kakeyaturbo.calibration import corpus
 from kakeyaturbo.eval import model as model_mod
+from kakeyaturbo.families.rope import LayerRope
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,11 +72,15 @@ class Clock(transformers.LogitsProcessor):
 
 class Profile:
     """Time spent inside the attention functions (and of it inside the Rust kernel's call), the
-    caches' ``update`` and the fast layers' sealing, summed, while open; counted from the second
-    generated token (decode steps only)."""
+    caches' ``update``, the fast layers' sealing and (of it) their keys' RoPE taken off, summed,
+    while open: in ``acc`` from the second generated token (decode steps only), in ``pre`` before
+    (the prefill)."""
+
+    KEYS = ("attention", "kernel", "update", "seal", "turn")
 
     def __init__(self) -> None:
-        self.acc: Dict[str, float] = {"attention": 0.0, "kernel": 0.0, "update": 0.0, "seal": 0.0}
+        self.acc: Dict[str, float] = dict.fromkeys(self.KEYS, 0.0)
+        self.pre: Dict[str, float] = dict.fromkeys(self.KEYS, 0.0)
         self.on = False
         self._undo: List[Callable[[], None]] = []
 
@@ -81,13 +88,12 @@ class Profile:
         """``orig``, adding its wall time to ``acc[key]`` while the profile is on."""
 
         def timed(*a: Any, **kw: Any) -> Any:
-            if not self.on:
-                return orig(*a, **kw)
+            acc = self.acc if self.on else self.pre
             t = time.perf_counter()
             try:
                 return orig(*a, **kw)
             finally:
-                self.acc[key] += time.perf_counter() - t
+                acc[key] += time.perf_counter() - t
 
         return timed
 
@@ -111,6 +117,7 @@ class Profile:
         self._wrap(transformers.DynamicCache, "update", "update")
         self._wrap(KakeyaCache, "update", "update")
         self._wrap(KakeyaLayer, "settle", "seal")
+        self._wrap(LayerRope, "remove_rows", "turn")  # RoPE taken off keys coded before it, to seal them
         self._wrap(LayerCodes, "kernel_attend", "kernel")  # the Rust kernel's share of attention
         return self
 
@@ -245,11 +252,16 @@ def main() -> int:
         if steps:
             per["attention"] -= per["seal"]  # the fast path seals inside its attention function
         if steps:
-            per["model_rest"] = 1e3 * decode_s / steps - sum(v for k, v in per.items() if k != "kernel")
+            per["model_rest"] = 1e3 * decode_s / steps - sum(v for k, v in per.items() if k not in ("kernel", "turn"))
+        # The prefill (the first forward call, to the first token's logits), in ms: the fast path
+        # seals (``seal``; of it ``turn``, RoPE taken off the keys) inside its attention function.
+        pre = {k: 1e3 * v for k, v in prof.pre.items()}
+        pre["attention"] -= pre["seal"]  # (0 on the slow path: it seals inside update, not timed apart)
+        pre["model_rest"] = 1e3 * (clock.t[0] - t0) - pre["attention"] - pre["update"] - pre["seal"]
         return {"tokens": out[:, n0:], "logp": logp.steps, "prefill_s": clock.t[0] - t0,
                 "decode_s": decode_s,
                 "decode_tokens_per_s": out.shape[0] * steps / decode_s if decode_s > 0 else float("nan"),
-                "wall_s": t1 - t0, "step_ms": per}
+                "wall_s": t1 - t0, "step_ms": per, "prefill_ms": pre}
 
     rows: List[Dict[str, Any]] = []
     texts: Dict[str, str] = {}
@@ -322,8 +334,9 @@ def main() -> int:
           f"attention kernel {attention_kernel()} | OpenMP team {attention_team() or 'none'}")
     print("| prompt | cache | recipe | bits/elem held | prefill s (time / DynamicCache's) | decode tok/s | vs DynamicCache "
           "| identical (vs DynamicCache) | identical (vs decode-then-attend) | KL vs DynamicCache "
-          "| KL vs decode-then-attend | decode step ms: attention (kernel) / update / seal / rest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| KL vs decode-then-attend | decode step ms: attention (kernel) / update / seal / rest "
+          "| prefill ms: attention / update / seal (RoPE off) / rest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     shown = summarize(rows) if args.repeats > 1 else rows
     if args.repeats > 1:
         print(f"(medians over {args.repeats} alternating runs; each ratio taken within its run)")
@@ -341,9 +354,13 @@ def main() -> int:
         same_s = (f"{r['identical_to_slow']}/{r['new_tokens']}" if r.get("identical_to_slow") is not None
                   else "-")
         pre = f"{r['prefill_s']:.1f}" + (f" ({r['prefill_vs_dynamic']:.2f}x)" if "prefill_vs_dynamic" in r else "")
+        pm = r["prefill_ms"]
+        pprof = " / ".join(f"{pm.get(k, 0):.0f}" for k in ("attention", "update", "seal", "model_rest"))
+        if pm.get("turn"):
+            pprof = pprof.replace(f"{pm.get('seal', 0):.0f} /", f"{pm['seal']:.0f} ({pm['turn']:.0f}) /")
         print(f"| {r['prompt_tokens']} | {r['cache']} | {r['recipe']} | {bits} | {pre} | "
               f"{r['decode_tokens_per_s']:.2f} | {vs} | {same} | {same_s} | {kl('kl_vs_dynamic')} | "
-              f"{kl('kl_vs_slow')} | {prof} |")
+              f"{kl('kl_vs_slow')} | {prof} | {pprof} |")
     for k, v in texts.items():
         print(f"\n{k}: {v}")
     out_dir = Path(args.out)
@@ -378,7 +395,8 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 m[k] = statistics.median(r[k] for r in rs)
         m["speed_vs_dynamic_range"] = [min(r.get("speed_vs_dynamic", 1.0) for r in rs),
                                        max(r.get("speed_vs_dynamic", 1.0) for r in rs)]
-        m["step_ms"] = {k: statistics.median(r["step_ms"].get(k, 0.0) for r in rs) for k in rs[0]["step_ms"]}
+        for part in ("step_ms", "prefill_ms"):
+            m[part] = {k: statistics.median(r[part].get(k, 0.0) for r in rs) for k in rs[0][part]}
         out.append(m)
     return out
 

@@ -35,6 +35,7 @@ __all__ = [
     "rotate_rows",
     "roundtrip_layer",
     "unpack_bits",
+    "unrope_keys",
     "wht_rows",
     "wht_sign_pattern",
 ]
@@ -137,6 +138,13 @@ class LayerCodes:
     ) -> Tuple[npt.NDArray[Union[np.float32, np.uint16]], npt.NDArray[np.float32]]: ...
 
 def attention_kernel() -> str: ...
+def unrope_keys(
+    x: Union[npt.NDArray[np.float32], npt.NDArray[np.uint16]],
+    cos: npt.NDArray[np.float32],
+    sin: npt.NDArray[np.float32],
+    style: str,
+    rows: Optional[int] = None,
+) -> npt.NDArray[np.float32]: ...
 def attention_team() -> int: ...
 def roundtrip_layer(
     array: npt.NDArray[np.float32],

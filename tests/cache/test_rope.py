@@ -109,6 +109,103 @@ def test_apply_in_place_is_apply_bit_for_bit(style: str) -> None:
     assert torch.equal(xb, kept)
 
 
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_inverse_is_within_units_of_the_exact_one(style: str) -> None:
+    """The inverse against the same arithmetic in float64 (scaled tables, whose squares do not sum
+    to 1; partial rotary; bfloat16 rows with float32 tables, float64 rows), its dtype and shape
+    the promoted ones, and differentiable where the rows need a gradient."""
+    from kakeyaturbo.families.rope import _rotate
+
+    g = torch.Generator().manual_seed(3)
+    ang = torch.rand(2, 1, 40, 8, generator=g, dtype=torch.float64) * 300
+    scale = 0.5 + torch.rand(2, 1, 40, 1, generator=g, dtype=torch.float64)
+    cos, sin = ((f(ang) * scale).repeat(1, 1, 1, 2).float() for f in (torch.cos, torch.sin))
+    for dtype, width, ulps in ((torch.float32, 16, 4), (torch.float32, 24, 4), (torch.bfloat16, 16, 4),
+                               (torch.float64, 16, 4)):
+        x = torch.randn(2, 3, 40, width, generator=g).to(dtype)
+        c, s, xr = cos.double(), sin.double(), x[..., :16].double()
+        exact = (xr * c - _rotate(xr, style) * s) / (c * c + s * s)
+        y = unapply_rope(x, cos, sin, style)
+        want = torch.promote_types(dtype, torch.float32)
+        assert y.dtype == want and y.shape == x.shape
+        assert torch.equal(y[..., 16:], x[..., 16:].to(want))
+        err = (y[..., :16].double() - exact).abs()
+        assert bool((err <= ulps * torch.finfo(want).eps * exact.abs().amax(-1, keepdim=True)).all())
+    x = torch.randn(2, 3, 40, 16, generator=g, requires_grad=True)
+    unapply_rope(x, cos, sin, style).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_the_cores_removal_is_the_torch_one_within_units(style: str) -> None:
+    """``_core.unrope_keys`` (what sealing runs on the CPU) against :func:`unapply_rope`: float32
+    and bfloat16 rows (as their bits), a table per row or one for the batch, partial rotary,
+    the first ``rows`` rows only; and ``LayerRope.remove_rows`` on either path."""
+    import numpy as np
+
+    from kakeyaturbo import _core
+    from kakeyaturbo.families.rope import LayerRope
+
+    g = torch.Generator().manual_seed(4)
+    for tb, width, rows in ((2, 16, 30), (1, 24, 40), (2, 24, 0)):
+        ang = torch.rand(tb, rows, 8, generator=g, dtype=torch.float64) * 500
+        scale = 0.5 + torch.rand(tb, rows, 1, generator=g, dtype=torch.float64)
+        cos, sin = ((f(ang) * scale).repeat(1, 1, 2).float() for f in (torch.cos, torch.sin))
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(2, 3, 40, width, generator=g).to(dtype)
+            want = unapply_rope(x[..., :rows, :], cos[:, None], sin[:, None], style).float()
+            bits = x.numpy() if dtype is torch.float32 else x.view(torch.int16).numpy().view(np.uint16)
+            got = _core.unrope_keys(bits, cos.numpy(), sin.numpy(), style, rows)
+            assert got.dtype == np.float32 and got.shape == (2, 3, rows, width)
+            err = np.abs(got - want.numpy())
+            assert (err <= 4 * 2.0 ** -23 * np.abs(want.numpy()).max(initial=1.0)).all()
+            assert np.array_equal(got[..., 16:], x[..., :rows, 16:].float().numpy())
+    # LayerRope.remove_rows: the core's path (float32 rows) and torch's (float64 rows), and a
+    # key norm's weight divided out first.
+    rope = LayerRope.__new__(LayerRope)
+    rope.style, rope.key_norm = style, None
+    x = torch.randn(1, 2, 12, 16, generator=g)
+    ang = torch.rand(1, 10, 8, generator=g) * 100
+    c, s = (f(ang).repeat(1, 1, 2) for f in (torch.cos, torch.sin))
+    a, b = rope.remove_rows(x, 10, c, s), rope.remove_rows(x.double(), 10, c, s)
+    assert a.shape == b.shape == (1, 2, 10, 16) and np.allclose(a, b, rtol=0, atol=1e-5)
+    rope.key_norm = torch.nn.Module()
+    rope.key_norm.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 16))
+    a, b = rope.remove_rows(x, 10, c, s), rope.remove_rows(x.double(), 10, c, s)
+    want = unapply_rope(x[..., :10, :] / torch.linspace(0.5, 1.5, 16), c[:, None], s[:, None], style)
+    assert np.allclose(a, b, rtol=0, atol=1e-5) and np.allclose(a, want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_the_cores_removal_refuses_bad_input_by_type() -> None:
+    import numpy as np
+
+    import kakeyaturbo as kt
+    from kakeyaturbo import _core
+
+    x, t = np.ones((1, 2, 4, 8), np.float32), np.full((1, 4, 8), 0.5, np.float32)
+    assert _core.unrope_keys(x, t, t, "half").shape == (1, 2, 4, 8)
+    for args, err in [
+        ((x.astype(np.float64), t, t, "half"), TypeError),
+        ((x, t.astype(np.float64), t, "half"), TypeError),
+        ((x, t, t, "diagonal"), kt.InvalidParameterError),
+        ((x[0], t, t, "half"), kt.InvalidInputError),
+        ((x, t, t[:, :2], "half"), kt.InvalidInputError),
+        ((x, t[:, :2], t[:, :2], "half"), kt.InvalidInputError),  # not one table row per row
+        ((x, np.full((1, 4, 7), 0.5, np.float32), np.full((1, 4, 7), 0.5, np.float32), "half"),
+         kt.InvalidParameterError),  # an odd rotation
+        ((x, np.full((3, 4, 8), 0.5, np.float32), np.full((3, 4, 8), 0.5, np.float32), "half"),
+         kt.InvalidInputError),  # a table batch of neither 1 nor B
+        ((x, np.zeros_like(t), np.zeros_like(t), "half"), kt.InvalidInputError),
+        ((x, np.full_like(t, np.nan), t, "half"), kt.InvalidInputError),
+        ((x[:, :, ::2], t[:, :2], t[:, :2], "half"), kt.InvalidInputError),  # not C-contiguous
+    ]:
+        with pytest.raises(err):
+            _core.unrope_keys(*args)
+    for rows, err in ((5, kt.InvalidInputError), (-1, kt.InvalidParameterError), (2**40, kt.InvalidParameterError)):
+        with pytest.raises(err):
+            _core.unrope_keys(x, t, t, "half", rows)
+
+
 def test_rotate_half_convention() -> None:
     x = torch.arange(6.0)
     assert rotate_half(x).tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]

@@ -466,13 +466,13 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
             st.staging = st.staging[..., cut:, :].clone()
             st.staging_start += cut
 
-    def _turn(self, y: torch.Tensor, start: int, back: bool = False) -> torch.Tensor:
-        """Keys ``y`` ``[B, H, n, D]`` of tokens ``start ..`` with the layer's RoPE put on, in place
-        (or, ``back``, taken off: a new tensor), from the cos/sin the other layers of the forward
-        pass share (:meth:`Positions.cos_sin`); a key norm's weight with it (:meth:`LayerRope.turn`)."""
+    def _turn(self, y: torch.Tensor, start: int) -> torch.Tensor:
+        """Keys ``y`` ``[B, H, n, D]`` of tokens ``start ..`` with the layer's RoPE put on, in place,
+        from the cos/sin the other layers of the forward pass share (:meth:`Positions.cos_sin`);
+        a key norm's weight with it (:meth:`LayerRope.turn`)."""
         assert self.positions is not None and self.rope is not None
         cs = over_heads(*self.positions.cos_sin(self.rope, start, y.shape[-2]), y)
-        return self.rope.turn(y, *cs, back=back)
+        return self.rope.turn(y, *cs)
 
     def _seal(self, name: str) -> None:
         """Seals every full block of staging (one copy of the rows left, however many blocks a
@@ -481,10 +481,11 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
         bs = self.block_size
         n = st.staging.shape[-2] // bs
         start = st.staging_start
-        rows = st.staging[..., :n * bs, :]
-        if name == "k" and self.pre_rope:
-            rows = self._turn(rows, start, back=True)
-        x = to_numpy(rows)
+        if name == "k" and self.pre_rope:  # RoPE taken off (LayerRope.remove_rows)
+            assert self.positions is not None and self.rope is not None
+            x = self.rope.remove_rows(st.staging, n * bs, *self.positions.cos_sin(self.rope, start, n * bs))
+        else:
+            x = to_numpy(st.staging[..., :n * bs, :])
         # Every block coded before the stream changes: a block the codec refuses leaves it whole.
         blobs = encode_blocks(self.codec, name, self.index, x, bs)
         st.staging = st.staging[..., n * bs:, :].clone()

@@ -36,8 +36,10 @@ import contextlib
 import copy
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
+from .. import _core
 from ..errors import UnsupportedModelError
 
 #: The pairings of channels that :func:`apply_rope` knows (see the module docstring).
@@ -114,20 +116,38 @@ def over_heads(cos: torch.Tensor, sin: torch.Tensor, like: torch.Tensor) -> Tupl
 
 
 def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "half") -> torch.Tensor:
-    """The exact inverse of :func:`apply_rope`: ``(x * cos - rot(x) * sin) / (cos**2 + sin**2)``.
+    """The inverse of :func:`apply_rope`: ``x * c' - rot(x) * s'`` with ``c' = cos / (cos**2 +
+    sin**2)`` and ``s'`` alike (the division makes it exact for rope types that scale cos and sin,
+    and absorbs the rounding of float32 cos/sin whose squares do not sum to exactly 1).
 
-    Same shapes as :func:`apply_rope`. Computed in float64 (the division makes it exact for rope
-    types that scale cos and sin, and it absorbs the rounding of float32 cos/sin whose squares do
-    not sum to exactly 1); returned in the promoted dtype of ``x`` and ``cos``.
+    Same shapes as :func:`apply_rope`; returned in the promoted dtype of ``x`` and ``cos``. ``c'``
+    and ``s'`` are computed in float64 (over ``cos``'s shape, which broadcasts over heads), then
+    the rows in that dtype: a float32 result lies within a few units in the last place of the
+    exact inverse. (The cache seals keys on the CPU through :meth:`LayerRope.remove_rows`, the
+    same arithmetic in one pass of the Rust core.)
     """
     rot = _check(x, cos, sin)
     out_dtype = torch.promote_types(x.dtype, cos.dtype)
     c, s = cos.double(), sin.double()
-    xr = x[..., :rot].double()
-    y = ((xr * c) - (_rotate(xr, style) * s)) / (c * c + s * s)
+    norm = c * c + s * s
+    c, s = (c / norm).to(out_dtype), (s / norm).to(out_dtype)
+    xr = x[..., :rot].to(out_dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        y = (xr * c) - (_rotate(xr, style) * s)  # (differentiable: no out= arguments)
+        return y if rot == x.shape[-1] else torch.cat((y, x[..., rot:].to(out_dtype)), dim=-1)
+    out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],)), dtype=out_dtype,
+                      device=x.device)
+    y = out[..., :rot]
+    if style == "half":  # rot(x) = (-x2, x1): y1 = x1 c1 + x2 s1, y2 = x2 c2 - x1 s2
+        h = rot // 2
+        x1, x2 = xr[..., :h], xr[..., h:]
+        torch.mul(x1, c[..., :h], out=y[..., :h]).addcmul_(x2, s[..., :h])
+        torch.mul(x2, c[..., h:], out=y[..., h:]).addcmul_(x1, s[..., h:], value=-1)
+    else:
+        torch.sub(xr * c, _rotate(xr, style) * s, out=y)
     if rot < x.shape[-1]:
-        y = torch.cat((y, x[..., rot:].double()), dim=-1)
-    return y.to(out_dtype)
+        out[..., rot:] = x[..., rot:]
+    return out
 
 
 def unscale_keys(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -371,6 +391,24 @@ class LayerRope:
             return unapply_rope(y if w is None else unscale_keys(y, w), cos, sin, style=self.style)
         y = apply_rope_(y, cos, sin, style=self.style)
         return y if w is None else y.mul_(w.to(y.dtype))
+
+    def remove_rows(self, y: torch.Tensor, rows: int, cos: torch.Tensor, sin: torch.Tensor) -> np.ndarray:
+        """The first ``rows`` rows of keys ``y [B, H, T, D]`` with RoPE (and the key norm's
+        weight) taken off, as a float32 array ``[B, H, rows, D]`` for the encoder: ``cos``/``sin``
+        ``[1 or B, rows, rot]`` as the rotary module gives them. Float32 or bfloat16 rows on the
+        CPU go to the Rust core in one pass (``_core.unrope_keys``, within a few units in the last
+        place of :func:`unapply_rope`); anything else through :meth:`turn`."""
+        if (y.is_cpu and y.dtype in (torch.float32, torch.bfloat16) and cos.dtype is torch.float32
+                and sin.dtype is torch.float32 and cos.is_cpu and sin.is_cpu and cos.ndim == 3
+                and cos.shape[1] == rows):
+            w = self.key_scale(y)
+            y = y.detach() if w is None else unscale_keys(y[..., :rows, :].detach(), w)  # (float32)
+            x = y.contiguous().numpy() if y.dtype is torch.float32 else \
+                y.contiguous().view(torch.int16).numpy().view(np.uint16)
+            c, s = (np.ascontiguousarray(t.detach().numpy()) for t in (cos, sin))
+            return _core.unrope_keys(x, c, s, self.style, rows)
+        out = self.turn(y[..., :rows, :], cos[:, None].to(y.device), sin[:, None].to(y.device), back=True)
+        return out.detach().to("cpu", torch.float32).contiguous().numpy()
 
     def apply(self, x: torch.Tensor, positions: Any, long: Optional[bool] = None) -> torch.Tensor:
         """RoPE on ``x [batch, heads, T, D]`` at ``positions`` (``[T]`` or ``[batch, T]``);

@@ -5,8 +5,7 @@ use crate::convert;
 use crate::errors::{invalid_input, run, to_py};
 use half::bf16;
 use kakeyaturbo::attention::{
-    attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, RopeStyle,
-    StreamTables,
+    attend, auto_threads, AttentionParams, Blob, KeyRope, LayerCodes, RawRows, StreamTables,
 };
 use kakeyaturbo::threads::with_threads_inline;
 use numpy::{
@@ -20,7 +19,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Borrows a C-contiguous array of `ndim` dimensions: its values and shape.
-fn array<'a, T: numpy::Element>(
+pub(crate) fn array<'a, T: numpy::Element>(
     py: Python<'_>,
     a: &'a PyReadonlyArrayDyn<'_, T>,
     name: &str,
@@ -41,7 +40,7 @@ fn array<'a, T: numpy::Element>(
 
 /// A float array as the kernel reads it: float32, or bfloat16 held as its bits (`uint16`: a
 /// bfloat16 model's rows viewed without a copy), widened here (exactly).
-enum Floats<'py> {
+pub(crate) enum Floats<'py> {
     F32(PyReadonlyArrayDyn<'py, f32>),
     Bf16(PyReadonlyArrayDyn<'py, u16>),
 }
@@ -64,7 +63,7 @@ impl<'py> FromPyObject<'_, 'py> for Floats<'py> {
 }
 
 /// Borrows a float32 [`Floats`], or widens a bfloat16 one: its values and shape.
-fn floats<'a>(
+pub(crate) fn floats<'a>(
     py: Python<'_>,
     a: &'a Floats<'_>,
     name: &str,
@@ -381,16 +380,7 @@ impl PyLayerCodes {
                 let positions = pos
                     .as_slice()
                     .map_err(|_| invalid_input(py, "positions must be C-contiguous"))?;
-                let style = match style.as_str() {
-                    "half" => RopeStyle::Half,
-                    "interleaved" => RopeStyle::Interleaved,
-                    other => {
-                        return Err(crate::errors::invalid_parameter(
-                            py,
-                            format!("rope style must be 'half' or 'interleaved', got {other:?}"),
-                        ))
-                    }
-                };
+                let style = crate::params::rope_style(py, style)?;
                 let synthesis = crate::params::synthesis(py, synthesis)?;
                 Some(KeyRope {
                     cos: c,

@@ -11,6 +11,7 @@ mod params;
 mod primitives;
 #[cfg(unix)]
 mod team;
+mod unrope;
 
 use pyo3::prelude::*;
 
@@ -40,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?)?;
     m.add_class::<attention::PyLayerCodes>()?;
     m.add_function(wrap_pyfunction!(attention::attention_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(unrope::unrope_keys, m)?)?;
     m.add_function(wrap_pyfunction!(attention::attention_team, m)?)?;
     m.add(
         "CALIBRATED_FORMAT_VERSION",

@@ -56,6 +56,21 @@ pub fn metric(py: Python<'_>, m: &str) -> PyResult<Metric> {
 }
 
 /// How keys coded before RoPE are synthesised, by name (`bf16`, `f32`, `i16`).
+/// A RoPE pairing by its name: `"half"` or `"interleaved"`.
+pub fn rope_style(py: Python<'_>, s: &str) -> PyResult<kakeyaturbo::attention::RopeStyle> {
+    use kakeyaturbo::attention::RopeStyle;
+    Ok(match s {
+        "half" => RopeStyle::Half,
+        "interleaved" => RopeStyle::Interleaved,
+        other => {
+            return Err(invalid_parameter(
+                py,
+                format!("rope style must be 'half' or 'interleaved', got {other:?}"),
+            ))
+        }
+    })
+}
+
 pub fn synthesis(py: Python<'_>, s: &str) -> PyResult<kakeyaturbo::attention::Synthesis> {
     use kakeyaturbo::attention::Synthesis;
     Ok(match s {

@@ -77,6 +77,7 @@ pub mod rope;
 mod split;
 pub mod store;
 pub mod tables;
+pub mod unrope;
 
 pub use attend::{attend, attend_with, AttentionOutput, AttentionParams, Isa};
 pub use part::RawRows;
@@ -84,6 +85,7 @@ pub use rope::{KeyRope, RopeStyle, Synthesis};
 pub use split::{auto_threads, inline_work, INLINE_WORK, QUERY_ROWS_PER_UNIT};
 pub use store::{Blob, CodeStore, LayerCodes, SealedBlock};
 pub use tables::StreamTables;
+pub use unrope::{unrope_bf16, unrope_f32, UnropeShape};
 
 #[cfg(test)]
 mod tests;
