@@ -98,7 +98,9 @@ class Profile:
         return timed
 
     def _wrap(self, owner: Any, attr: str, key: str) -> None:
-        orig = getattr(owner, attr)
+        orig = getattr(owner, attr, None)
+        if orig is None:  # (an older package on PYTHONPATH, run for comparison: not timed apart)
+            return
         setattr(owner, attr, self._timed(orig, key))
         self._undo.append(lambda: setattr(owner, attr, orig))
 

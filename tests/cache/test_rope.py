@@ -134,6 +134,11 @@ def test_inverse_is_within_units_of_the_exact_one(style: str) -> None:
     x = torch.randn(2, 3, 40, 16, generator=g, requires_grad=True)
     unapply_rope(x, cos, sin, style).sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+    # bfloat16 tables too: computed in float32, rounded to bfloat16 once.
+    xb, cb, sb = (t.detach().to(torch.bfloat16) for t in (x, cos, sin))
+    yb = unapply_rope(xb, cb, sb, style)
+    want = unapply_rope(xb.float(), cb.float(), sb.float(), style).to(torch.bfloat16)
+    assert yb.dtype == torch.bfloat16 and torch.equal(yb, want)
 
 
 @pytest.mark.parametrize("style", ["half", "interleaved"])

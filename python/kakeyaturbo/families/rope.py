@@ -122,20 +122,22 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
 
     Same shapes as :func:`apply_rope`; returned in the promoted dtype of ``x`` and ``cos``. ``c'``
     and ``s'`` are computed in float64 (over ``cos``'s shape, which broadcasts over heads), then
-    the rows in that dtype: a float32 result lies within a few units in the last place of the
-    exact inverse. (The cache seals keys on the CPU through :meth:`LayerRope.remove_rows`, the
+    the rows in that dtype (at least float32): a float32 result lies within a few units in the
+    last place of the exact inverse. (The cache seals keys on the CPU through :meth:`LayerRope.remove_rows`, the
     same arithmetic in one pass of the Rust core.)
     """
     rot = _check(x, cos, sin)
     out_dtype = torch.promote_types(x.dtype, cos.dtype)
+    work = torch.promote_types(out_dtype, torch.float32)  # (16-bit tables: rounded once, at the end)
     c, s = cos.double(), sin.double()
     norm = c * c + s * s
-    c, s = (c / norm).to(out_dtype), (s / norm).to(out_dtype)
-    xr = x[..., :rot].to(out_dtype)
+    c, s = (c / norm).to(work), (s / norm).to(work)
+    xr = x[..., :rot].to(work)
     if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
         y = (xr * c) - (_rotate(xr, style) * s)  # (differentiable: no out= arguments)
-        return y if rot == x.shape[-1] else torch.cat((y, x[..., rot:].to(out_dtype)), dim=-1)
-    out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],)), dtype=out_dtype,
+        y = y if rot == x.shape[-1] else torch.cat((y, x[..., rot:].to(work)), dim=-1)
+        return y.to(out_dtype)
+    out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],)), dtype=work,
                       device=x.device)
     y = out[..., :rot]
     if style == "half":  # rot(x) = (-x2, x1): y1 = x1 c1 + x2 s1, y2 = x2 c2 - x1 s2
@@ -147,7 +149,7 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
         torch.sub(xr * c, _rotate(xr, style) * s, out=y)
     if rot < x.shape[-1]:
         out[..., rot:] = x[..., rot:]
-    return out
+    return out.to(out_dtype)
 
 
 def unscale_keys(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
