@@ -3,7 +3,7 @@
 use crate::attention::{array, Floats};
 use crate::errors::{invalid_input, run};
 use kakeyaturbo::attention::{unrope_bf16, unrope_f32, UnropeShape};
-use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn};
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 /// Keys `x` `[B, H, T, D]` (float32, or bfloat16 as its bits: `uint16`) with RoPE taken off
@@ -36,49 +36,42 @@ pub fn unrope_keys<'py>(
             format!("cos and sin differ in shape: {cshape:?} and {sshape:?}"),
         ));
     }
-    let shape_of = |xs: &[usize]| {
-        let rows = rows.unwrap_or(xs[2]);
-        (
-            UnropeShape {
-                batch: xs[0],
-                heads: xs[1],
-                t: xs[2],
-                d: xs[3],
-                rows,
-                table_batch: cshape[0],
-                rot: cshape[2],
-            },
-            rows,
-        )
+    let xshape = match &x {
+        Floats::F32(a) => a.shape().to_vec(),
+        Floats::Bf16(a) => a.shape().to_vec(),
     };
-    let check_rows = |rows: usize| -> PyResult<()> {
-        if cshape[1] != rows {
-            return Err(invalid_input(
-                py,
-                format!("cos and sin must have one row per turned row ({rows}), got {cshape:?}"),
-            ));
-        }
-        Ok(())
+    if xshape.len() != 4 {
+        return Err(invalid_input(
+            py,
+            format!("x must be [B, H, T, D], got shape {xshape:?}"),
+        ));
+    }
+    let n = rows.unwrap_or(xshape[2]);
+    if cshape[1] != n {
+        return Err(invalid_input(
+            py,
+            format!("cos and sin must have one row per turned row ({n}), got {cshape:?}"),
+        ));
+    }
+    let sh = UnropeShape {
+        batch: xshape[0],
+        heads: xshape[1],
+        t: xshape[2],
+        d: xshape[3],
+        rows: n,
+        table_batch: cshape[0],
+        rot: cshape[2],
     };
-    let (out, shape) = match &x {
+    let out = match &x {
         Floats::F32(a) => {
-            let (xs, xshape) = array(py, a, "x", 4)?;
-            let (sh, n) = shape_of(&xshape);
-            check_rows(n)?;
-            (
-                run(py, || unrope_f32(xs, sh, c, s, style))?,
-                [xshape[0], xshape[1], n, xshape[3]],
-            )
+            let xs = array(py, a, "x", 4)?.0;
+            run(py, || unrope_f32(xs, sh, c, s, style))?
         }
         Floats::Bf16(a) => {
-            let (xs, xshape) = array(py, a, "x", 4)?;
-            let (sh, n) = shape_of(&xshape);
-            check_rows(n)?;
-            (
-                run(py, || unrope_bf16(xs, sh, c, s, style))?,
-                [xshape[0], xshape[1], n, xshape[3]],
-            )
+            let xs = array(py, a, "x", 4)?.0;
+            run(py, || unrope_bf16(xs, sh, c, s, style))?
         }
     };
+    let shape = [xshape[0], xshape[1], n, xshape[3]];
     PyArray1::from_vec(py, out).reshape(shape.to_vec())
 }

@@ -66,8 +66,8 @@ impl UnropeShape {
 /// `shape.rows` rows per `(batch, head)`: `[batch, heads, rows, d]` float32. `cos`/`sin`:
 /// `[table_batch, rows, rot]`, channel form (as a rotary module gives them: one entry per
 /// channel), `style` the pairing. Errors: shapes that disagree; a table entry that is not
-/// finite or whose `cos^2 + sin^2` is 0 (with rows to turn). Allocates the rows returned (no
-/// more than `x` holds) and one row of the table.
+/// finite or whose `cos^2 + sin^2` is 0 (with rows to turn). Allocates the rows returned (at
+/// most as many values as `x` holds) and one row of the table.
 #[inline(always)]
 pub fn unrope<T: Copy>(
     x: &[T],
