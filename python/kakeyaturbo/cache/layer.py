@@ -477,10 +477,8 @@ class KakeyaLayer(Rollback, CacheLayerMixin):
     def _seal(self, name: str) -> None:
         """Seals every full block of staging (one copy of the rows left, however many blocks a
         long prompt fills)."""
-        st = self._s[name]
-        bs = self.block_size
+        st, bs, start = self._s[name], self.block_size, self._s[name].staging_start
         n = st.staging.shape[-2] // bs
-        start = st.staging_start
         if name == "k" and self.pre_rope:  # RoPE taken off (LayerRope.remove_rows)
             assert self.positions is not None and self.rope is not None
             x = self.rope.remove_rows(st.staging, n * bs, *self.positions.cos_sin(self.rope, start, n * bs))
