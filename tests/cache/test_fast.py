@@ -108,7 +108,8 @@ def test_rounded_synthesis_generates_within_its_rounding(name, synthesis, ropebe
     assert not torch.equal(log_32, log_f)
 
 
-@pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("hunyuan_v1_dense", "before")])
+@pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("hunyuan_v1_dense", "before"),
+                                        ("gpt_neox", "before"), ("phi", "before"), ("gpt2", "before")])
 def test_a_bfloat16_model_s_rows_go_to_the_kernel_as_their_bits(name, rope, monkeypatch) -> None:
     """A bfloat16 model on the CPU: the queries and raw rows go to the Rust kernel as bfloat16
     bits (widened there) and the output comes back in bfloat16 (rounded there), not converted by
@@ -363,7 +364,7 @@ def test_slow_path_for_other_codecs(llama) -> None:
     assert seq.shape[1] == 44 and cache.layers[0].num_sealed() == 2
 
 
-@pytest.mark.parametrize("name, why", [("gpt2", "'gpt2' is not among"), ("kolibri1_1", "'kolibri1_1' is not among"),
+@pytest.mark.parametrize("name, why", [("kolibri1_1", "'kolibri1_1' is not among"),
                                        ("falcon_alibi", "'falcon' with ALiBi")])
 def test_unsupported_family_falls_back(name, why, ropeafter) -> None:
     """A family not checked for the fast path (Kolibri 1.1's indexed layers pick keys from every

@@ -244,9 +244,12 @@ def test_no_sink_no_record(model, codec, tmp_path) -> None:
 
 #: Families whose attention differs where the sinks' mask entries move: softcap (Gemma 2), learnt
 #: sinks (GPT-OSS), per-layer-type RoPE (Gemma 3), interleaved pairs (Cohere), partial rotary
-#: (Phi-3), KV sharing (Gemma 4), a hybrid's state layers (Qwen3-Next), a scale of its own (Granite).
+#: (Phi-3), KV sharing (Gemma 4), a hybrid's state layers (Qwen3-Next), a scale of its own (Granite);
+#: the three added to the fast path on 2026-12-08: no position ids passed to the cache (GPT-NeoX), a
+#: rotary part split off before RoPE (Phi), learned absolute positions (GPT-2).
 #: (Every family of ``fast.FAMILIES`` passed this in a scratch run, 2026-12-07.)
-PADDED_FAMILIES = ["gemma2", "gpt_oss", "gemma3_text", "cohere", "phi3", "gemma4_text", "qwen3_next", "granite"]
+PADDED_FAMILIES = ["gemma2", "gpt_oss", "gemma3_text", "cohere", "phi3", "gemma4_text", "qwen3_next", "granite",
+                   "gpt_neox", "phi", "gpt2"]
 
 
 @pytest.mark.parametrize("name", PADDED_FAMILIES)

@@ -77,6 +77,7 @@ FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_te
                       "ergo", "minicpm5_moe", "param2moe", "exaone", "internlm3", "iquestcoder", "sarvam_moe",
                       "mellum", "aria_text", "gemma4_unified_text", "modernbert-decoder",
                       "emu3_text_model", "beam", "mllama_text_model", "ctrl", "phi4_multimodal",
+                      "gpt2", "gpt_neox", "phi",
                       # multimodal checkpoints' decoders (tests/cache/test_multimodal*.py)
                       "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text",
                       "qwen2_5_omni_text", "qwen3_omni_moe_text", "cosmos3_edge_text", "hunyuan_vl_text",

@@ -47,7 +47,8 @@ def _codec(model, rope: str) -> ModelCodec:
 
 @pytest.mark.parametrize("name, rope", [("llama", "before"), ("llama", "after"), ("gpt_oss", "before"),
                                         ("gemma2", "before"), ("qwen3_next", "before"), ("gemma4_text", "before"),
-                                        ("hunyuan_v1_dense", "before"), ("nanochat", "before")])
+                                        ("hunyuan_v1_dense", "before"), ("nanochat", "before"),
+                                        ("gpt_neox", "before")])
 def test_triton_kernel_generates_as_the_rust_one(name, rope, monkeypatch) -> None:
     model = families.build(name)
     codec = _codec(model, rope)
