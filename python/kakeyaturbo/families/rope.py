@@ -133,23 +133,10 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
     norm = c * c + s * s
     c, s = (c / norm).to(work), (s / norm).to(work)
     xr = x[..., :rot].to(work)
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
-        y = (xr * c) - (_rotate(xr, style) * s)  # (differentiable: no out= arguments)
-        y = y if rot == x.shape[-1] else torch.cat((y, x[..., rot:].to(work)), dim=-1)
-        return y.to(out_dtype)
-    out = torch.empty(torch.broadcast_shapes(x.shape, cos.shape[:-1] + (x.shape[-1],)), dtype=work,
-                      device=x.device)
-    y = out[..., :rot]
-    if style == "half":  # rot(x) = (-x2, x1): y1 = x1 c1 + x2 s1, y2 = x2 c2 - x1 s2
-        h = rot // 2
-        x1, x2 = xr[..., :h], xr[..., h:]
-        torch.mul(x1, c[..., :h], out=y[..., :h]).addcmul_(x2, s[..., :h])
-        torch.mul(x2, c[..., h:], out=y[..., h:]).addcmul_(x1, s[..., h:], value=-1)
-    else:
-        torch.sub(xr * c, _rotate(xr, style) * s, out=y)
+    y = (xr * c) - (_rotate(xr, style) * s)
     if rot < x.shape[-1]:
-        out[..., rot:] = x[..., rot:]
-    return out.to(out_dtype)
+        y = torch.cat((y, x[..., rot:].to(work)), dim=-1)
+    return y.to(out_dtype)
 
 
 def unscale_keys(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
