@@ -46,7 +46,7 @@ import torch
 from ..codec.attention import RopeTable, additive_mask, sink_logits_array, with_sink_logits
 from ..families.capture import sparse_mask
 from ..families.layout import model_type, text_config
-from ..families.rope import LayerRope, tabulated_rows, unscale_keys
+from ..families.rope import LayerRope, kernel_rows, tabulated_rows, unscale_keys
 from .padding import causal_mask, move_sinks
 
 #: Implementation name the cache registers in transformers' attention interfaces, by the
@@ -267,13 +267,9 @@ def _f32(x: torch.Tensor) -> np.ndarray:
     return x.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
-def _rows(x: torch.Tensor) -> np.ndarray:
-    """``x`` as the kernel reads raw rows and queries: :func:`_f32`, except that a bfloat16
-    tensor on the CPU goes as its bits (``uint16``, its own memory where contiguous), which the
-    kernel widens exactly: a bfloat16 model's rows are not converted by torch at every step."""
-    if x.dtype is torch.bfloat16 and x.is_cpu:
-        return x.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
-    return _f32(x)
+#: Raw rows and queries as the kernel reads them (a bfloat16 model's as their bits: not converted
+#: by torch at every step).
+_rows = kernel_rows
 
 
 def attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *,

@@ -139,6 +139,18 @@ def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
     return y.to(out_dtype)
 
 
+def kernel_rows(x: torch.Tensor) -> np.ndarray:
+    """``x`` as the Rust core reads rows: a bfloat16 tensor on the CPU as its bits (``uint16``, its
+    own memory where contiguous, widened exactly there), anything else as a float32 C-contiguous
+    host array (its own memory where it is one already)."""
+    x = x.detach()
+    if x.dtype is torch.bfloat16 and x.is_cpu:
+        return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+    if x.dtype is torch.float32 and x.is_cpu and x.is_contiguous():
+        return x.numpy()
+    return x.to("cpu", torch.float32).contiguous().numpy()
+
+
 def unscale_keys(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., D]`` divided channel by channel by ``w [D]`` (0 where ``w`` is 0: a norm with a
     zero weight leaves that channel 0, and putting ``w`` back gives it again), in the promoted
@@ -391,10 +403,8 @@ class LayerRope:
                 and sin.dtype is torch.float32 and cos.is_cpu and sin.is_cpu and cos.ndim == 3
                 and cos.shape[1] == rows):
             w = self.key_scale(y)
-            y = y.detach() if w is None else unscale_keys(y[..., :rows, :].detach(), w)  # (float32)
-            x = y.contiguous().numpy() if y.dtype is torch.float32 else \
-                y.contiguous().view(torch.int16).numpy().view(np.uint16)
-            c, s = (np.ascontiguousarray(t.detach().numpy()) for t in (cos, sin))
+            x = kernel_rows(y if w is None else unscale_keys(y[..., :rows, :].detach(), w))  # (float32)
+            c, s = (kernel_rows(t) for t in (cos, sin))
             return _core.unrope_keys(x, c, s, self.style, rows)
         out = self.turn(y[..., :rows, :], cos[:, None].to(y.device), sin[:, None].to(y.device), back=True)
         return out.detach().to("cpu", torch.float32).contiguous().numpy()
